@@ -1,0 +1,36 @@
+# Two entry points (see README): `make demo` and `make test`. Both install missing Debian
+# packages, configure and build with CMake.
+BUILD_DIR ?= build
+ASAN_BUILD_DIR ?= build-asan
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+WERROR := $(if $(CI),-DKVFERRY_WERROR=ON,)
+
+.PHONY: deps build build-asan demo test test-asan clean
+
+deps:
+	@scripts/install_deps.sh
+
+build: deps
+	@cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(WERROR) $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD_DIR) -j $(JOBS)
+
+build-asan: deps
+	@cmake -S . -B $(ASAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZER=address,undefined $(WERROR) $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(ASAN_BUILD_DIR) -j $(JOBS)
+
+# The main job on its embedded default: the conversation trace when ../shared has it,
+# otherwise a synthetic workload of similar lengths.
+demo: build
+	@$(BUILD_DIR)/kvferry replay --demo
+
+test: build
+	@cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
+
+# Same suite under AddressSanitizer + UndefinedBehaviorSanitizer (CI runs both).
+test-asan: build-asan
+	@cd $(ASAN_BUILD_DIR) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  KVFERRY_TEST_SCALE=small ctest --output-on-failure -j $(JOBS) --timeout 900
+
+clean:
+	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR)

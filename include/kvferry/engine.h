@@ -1,0 +1,181 @@
+// TransferEngine: registers memory, connects to peer engines, and moves bytes between them.
+//
+// One engine per process (or per GPU) owns a segment: a listening endpoint plus the memory
+// regions it registered. A peer opens that segment by "host:port" (the handshake exchanges
+// segment descriptors), then submits batches of WRITE or READ requests, each naming a local
+// address, the remote segment, a remote address and a length. Batches are asynchronous: poll
+// per request or per batch, or wait with a timeout. Every batch has a deadline; a peer that
+// dies or stalls turns the affected requests Failed with a reason, never a hang.
+//
+// A WRITE is reported complete only after the bytes are in the destination memory (the peer
+// acknowledged them). A batch may carry a notification: a small message delivered to the
+// peer after every WRITE of the batch has landed; the batch completes when the peer has
+// acknowledged it. Notifications also travel on their own (SendNotification), which the
+// disaggregation connector uses as its control channel.
+//
+// Thread-safety: every method may be called from any thread concurrently. Notification
+// handlers run on engine threads and must not block for long.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/memory.h"
+#include "kvferry/segment.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+struct EngineOptions {
+  // Engine (segment) name, published to peers. Default: "<hostname>-<pid>".
+  std::string name;
+  // Address to listen on and publish. Default loopback, safe for a single machine; set the
+  // host's routable address for multi-node use.
+  std::string listen_host = "127.0.0.1";
+  // Port to listen on; 0 picks a free one (read it back with LocalDescriptor()).
+  uint16_t listen_port = 0;
+  // Transport used for peers: "auto" (best available) or a name such as "tcp".
+  std::string transport = "auto";
+  // TCP connections (lanes) per peer. More lanes spread large requests over several
+  // streams and cores; bounded to keep file descriptors in check. Default 4, range 1..64.
+  int tcp_lanes_per_peer = 4;
+  // Requests longer than this are split into slices of this size, spread over lanes, so one
+  // huge request uses every lane. Default 4 MiB: large enough to amortize framing.
+  uint64_t tcp_slice_bytes = 4ull << 20;
+  // Deadline applied to a batch that does not set its own. Default 30 s.
+  std::chrono::milliseconds default_deadline{30000};
+  // Timeout of a TCP connect plus handshake. Default 5 s.
+  std::chrono::milliseconds connect_timeout{5000};
+  // Notifications and handshake bodies longer than this are refused. Default 1 MiB.
+  uint32_t max_message_bytes = 1u << 20;
+};
+
+enum class TransferOp : uint8_t { kWrite = 0, kRead = 1 };
+
+// One request: copy `length_bytes` between local memory and a peer segment.
+// WRITE: local_addr -> remote_addr. READ: remote_addr -> local_addr.
+// REQUIRES: local memory stays valid until the request is final.
+struct TransferRequest {
+  TransferOp op = TransferOp::kWrite;
+  const void* local_addr = nullptr;  // for READ this memory is written
+  SegmentHandle segment;
+  uint64_t remote_addr = 0;  // an address inside a region the peer registered
+  uint64_t length_bytes = 0;
+};
+
+enum class TransferState : uint8_t {
+  kPending = 0,    // submitted, not final
+  kCompleted = 1,  // all bytes delivered (WRITE: acknowledged by the peer)
+  kFailed = 2,     // see `error`
+  kCancelled = 3,  // cancelled before it was put on the wire
+};
+
+std::string_view TransferStateName(TransferState state);
+
+struct TransferStatus {
+  TransferState state = TransferState::kPending;
+  uint64_t transferred_bytes = 0;
+  Status error;  // set when kFailed or kCancelled
+};
+
+struct BatchStatus {
+  TransferState state = TransferState::kPending;  // Completed only when every request is
+  size_t num_requests = 0;
+  size_t num_completed = 0;
+  size_t num_failed = 0;  // failed or cancelled
+  uint64_t transferred_bytes = 0;
+  Status error;  // first failure, when any
+};
+
+struct BatchId {
+  uint64_t value = 0;
+  friend bool operator==(BatchId, BatchId) = default;
+};
+
+struct BatchOptions {
+  // Deadline from submission; zero uses EngineOptions::default_deadline.
+  std::chrono::milliseconds deadline{0};
+  // When non-empty, delivered to the peer after every request of the batch completed.
+  // REQUIRES: every request of such a batch targets the same segment.
+  std::string notification;
+};
+
+struct Notification {
+  std::string peer_name;     // segment name of the sender
+  std::string peer_address;  // "host:port" the sender listens on
+  std::string message;
+};
+
+class TransferEngine {
+ public:
+  using NotificationHandler = std::function<void(const Notification&)>;
+
+  // Creates an engine listening per `options`. Errors: kInvalidArgument for bad options,
+  // kUnavailable when the port cannot be bound.
+  static StatusOr<std::unique_ptr<TransferEngine>> Create(const EngineOptions& options);
+
+  // Stops accepting, fails every pending request with kCancelled, joins engine threads.
+  virtual ~TransferEngine() = default;
+
+  // Registers [addr, addr + length_bytes) for remote access. Regions may not overlap.
+  // Errors: kInvalidArgument (null or zero-length, overlap, bad device id), kUnimplemented
+  // (device memory in a build without CUDA). Does not block on the network.
+  virtual Status RegisterMemory(void* addr, uint64_t length_bytes, MemoryLocation location,
+                                uint32_t access = kAccessRemoteReadWrite) = 0;
+  // Unregisters the region starting at `addr`; blocks until remote accesses in progress on
+  // it finished. Errors: kNotFound.
+  virtual Status UnregisterMemory(void* addr) = 0;
+
+  // This engine's descriptor (address, transports, current regions).
+  virtual SegmentDescriptor LocalDescriptor() const = 0;
+
+  // Opens a peer segment by "host:port": connects and exchanges descriptors (blocks up to
+  // connect_timeout). Opening the same address twice returns the same handle.
+  // Errors: kInvalidArgument (malformed address), kUnavailable (unreachable, handshake
+  // refused: version or magic mismatch).
+  virtual StatusOr<SegmentHandle> OpenSegment(const std::string& address) = 0;
+  // Re-reads the peer's descriptor (e.g. after it registered more memory).
+  virtual StatusOr<SegmentDescriptor> RefreshSegment(SegmentHandle segment) = 0;
+  virtual StatusOr<SegmentDescriptor> GetSegmentDescriptor(SegmentHandle segment) const = 0;
+  // Closes connections to the peer; later use of the handle fails with kNotFound.
+  virtual Status CloseSegment(SegmentHandle segment) = 0;
+
+  // Submits requests asynchronously; returns at once. Errors (nothing submitted):
+  // kInvalidArgument (empty batch, null address, zero length, notification batch spanning
+  // segments), kNotFound (unknown segment).
+  virtual StatusOr<BatchId> SubmitBatch(std::span<const TransferRequest> requests,
+                                        const BatchOptions& options = {}) = 0;
+  // Non-blocking. Errors: kNotFound (unknown or released batch), kOutOfRange (index).
+  virtual StatusOr<TransferStatus> GetTransferStatus(BatchId batch, size_t index) const = 0;
+  virtual StatusOr<BatchStatus> GetBatchStatus(BatchId batch) const = 0;
+  // Blocks until the batch is final or `timeout` passes, then returns its status (possibly
+  // still kPending). Errors: kNotFound.
+  virtual StatusOr<BatchStatus> WaitBatch(BatchId batch, std::chrono::milliseconds timeout) = 0;
+  // Cancels requests not yet on the wire (they become kCancelled); requests already sent
+  // finish with their real outcome. Blocks until the batch is final. Errors: kNotFound.
+  virtual Status CancelBatch(BatchId batch) = 0;
+  // Forgets a final batch. Errors: kNotFound, kFailedPrecondition (still pending).
+  virtual Status ReleaseBatch(BatchId batch) = 0;
+
+  // Sends a message to the peer and blocks until it acknowledged or `timeout` passed.
+  // Errors: kNotFound, kInvalidArgument (too long), kUnavailable, kDeadlineExceeded.
+  virtual Status SendNotification(SegmentHandle segment, const std::string& message,
+                                  std::chrono::milliseconds timeout) = 0;
+  // Installs the handler called for each notification received (replaces the queue used by
+  // PollNotifications). Called on engine threads, one notification at a time per peer.
+  virtual void SetNotificationHandler(NotificationHandler handler) = 0;
+  // Returns and clears notifications queued since the last call (when no handler is set).
+  virtual std::vector<Notification> PollNotifications() = 0;
+};
+
+// Convenience: submit one batch, wait, release. Returns the batch's first error.
+Status TransferSync(TransferEngine& engine, std::span<const TransferRequest> requests,
+                    const BatchOptions& options = {});
+
+}  // namespace kvferry

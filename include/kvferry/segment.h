@@ -1,0 +1,42 @@
+// Segment descriptors: what one transfer engine tells its peers about itself.
+//
+// Each engine owns one segment: its listening address, the transports it speaks, the node it
+// runs on, and its registered regions. Peers exchange descriptors in the handshake when one
+// opens the other's segment by "host:port"; no external metadata service is involved.
+//
+// Thread-safety: plain value types; SegmentHandle is an opaque id valid for the engine that
+// returned it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvferry/memory.h"
+
+namespace kvferry {
+
+// Version of the handshake and frame protocol. Peers with a different version are refused.
+inline constexpr uint16_t kProtocolVersion = 1;
+
+struct SegmentDescriptor {
+  std::string name;     // engine name, unique per process group (e.g. "prefill-0")
+  std::string host;     // address peers connect to
+  uint16_t port = 0;
+  std::string node_id;  // identifies the host machine (engines on one node share it)
+  uint32_t pid = 0;
+  std::vector<std::string> transports;  // e.g. {"tcp"}
+  std::vector<RegionDescriptor> regions;
+
+  std::string Address() const { return host + ":" + std::to_string(port); }
+  friend bool operator==(const SegmentDescriptor&, const SegmentDescriptor&) = default;
+};
+
+// Opaque handle of a peer segment opened by an engine.
+struct SegmentHandle {
+  uint64_t value = 0;
+  friend bool operator==(SegmentHandle, SegmentHandle) = default;
+  friend auto operator<=>(SegmentHandle, SegmentHandle) = default;
+};
+
+}  // namespace kvferry

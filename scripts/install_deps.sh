@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian packages kvferry builds and tests with, skipping those already present.
+# Needs root (or passwordless sudo) only when something is missing.
+set -euo pipefail
+pkgs=(cmake g++ make libasio-dev libcpp-httplib-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
+      libfmt-dev libxxhash-dev libgtest-dev iperf3)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "kvferry: installing missing packages: ${missing[*]}" >&2
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,23 @@
+// Error-propagation macros shared by every part of kvferry. Transports and tools use these;
+// none invents its own.
+#pragma once
+
+#include "kvferry/status.h"
+
+#define KVF_CONCAT_INNER_(a, b) a##b
+#define KVF_CONCAT_(a, b) KVF_CONCAT_INNER_(a, b)
+
+// Returns the Status of `expr` from the enclosing function when it is not OK.
+#define RETURN_IF_ERROR(expr)                           \
+  do {                                                  \
+    ::kvferry::Status kvf_status_ = (expr);             \
+    if (!kvf_status_.ok()) return kvf_status_;          \
+  } while (0)
+
+// `ASSIGN_OR_RETURN(auto x, MakeX());` declares/assigns x from a StatusOr, or returns its error.
+#define ASSIGN_OR_RETURN(lhs, expr) \
+  KVF_ASSIGN_OR_RETURN_IMPL_(KVF_CONCAT_(kvf_statusor_, __LINE__), lhs, expr)
+#define KVF_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                               \
+  if (!tmp.ok()) return tmp.status();              \
+  lhs = std::move(tmp).value()

@@ -1,0 +1,107 @@
+#include "common/env.h"
+
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+
+namespace kvferry {
+
+StatusOr<uint64_t> ParseByteSize(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  size_t digits_begin = i;
+  uint64_t value = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+    uint64_t digit = static_cast<uint64_t>(text[i] - '0');
+    if (value > (std::numeric_limits<uint64_t>::max() - digit) / 10) {
+      return InvalidArgumentError("byte size '" + text + "' is too large");
+    }
+    value = value * 10 + digit;
+    ++i;
+  }
+  if (i == digits_begin) {
+    return InvalidArgumentError("byte size '" + text +
+                                "' must be a number with an optional KiB/MiB/GiB/TiB suffix");
+  }
+  std::string suffix;
+  for (; i < text.size(); ++i) {
+    if (!std::isspace(static_cast<unsigned char>(text[i]))) {
+      suffix += static_cast<char>(std::tolower(static_cast<unsigned char>(text[i])));
+    }
+  }
+  int shift = 0;
+  if (suffix.empty() || suffix == "b") {
+    shift = 0;
+  } else if (suffix == "k" || suffix == "kb" || suffix == "kib") {
+    shift = 10;
+  } else if (suffix == "m" || suffix == "mb" || suffix == "mib") {
+    shift = 20;
+  } else if (suffix == "g" || suffix == "gb" || suffix == "gib") {
+    shift = 30;
+  } else if (suffix == "t" || suffix == "tb" || suffix == "tib") {
+    shift = 40;
+  } else {
+    return InvalidArgumentError("byte size '" + text + "' has unknown suffix '" + suffix +
+                                "' (use KiB, MiB, GiB or TiB)");
+  }
+  if (shift > 0 && value > (std::numeric_limits<uint64_t>::max() >> shift)) {
+    return InvalidArgumentError("byte size '" + text + "' is too large");
+  }
+  return value << shift;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int unit = 0;
+  while (v >= 1024.0 && unit < 4) {
+    v /= 1024.0;
+    ++unit;
+  }
+  char buf[32];
+  if (unit == 0) {
+    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[unit]);
+  }
+  return buf;
+}
+
+StatusOr<EnvConfig> ReadEnvConfig() {
+  EnvConfig config;
+  if (const char* v = std::getenv("KVFERRY_LOG_LEVEL"); v != nullptr && *v != '\0') {
+    std::string level(v);
+    static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
+    bool known = false;
+    for (const char* l : kLevels) known = known || level == l;
+    if (!known) {
+      return InvalidArgumentError("KVFERRY_LOG_LEVEL='" + level +
+                                  "' is not one of trace, debug, info, warn, error, off");
+    }
+    config.log_level = level;
+  }
+  if (const char* v = std::getenv("KVFERRY_TCP_LANES"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    long lanes = std::strtol(v, &end, 10);
+    if (*end != '\0' || lanes < 1 || lanes > 64) {
+      return InvalidArgumentError(std::string("KVFERRY_TCP_LANES='") + v +
+                                  "' must be an integer in 1..64");
+    }
+    config.tcp_lanes = static_cast<int>(lanes);
+  }
+  if (const char* v = std::getenv("KVFERRY_TCP_SLICE"); v != nullptr && *v != '\0') {
+    auto size = ParseByteSize(v);
+    if (!size.ok() || *size < 4096) {
+      return InvalidArgumentError(std::string("KVFERRY_TCP_SLICE='") + v +
+                                  "' must be a byte size of at least 4KiB");
+    }
+    config.tcp_slice_bytes = *size;
+  }
+  if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
+    config.listen_host = std::string(v);
+  }
+  return config;
+}
+
+}  // namespace kvferry

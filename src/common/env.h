@@ -1,0 +1,35 @@
+// The one place kvferry reads environment variables. Each variable is listed here and in the
+// README's table. Missing -> default; present but invalid -> an error naming the variable.
+//
+//   KVFERRY_LOG_LEVEL      trace|debug|info|warn|error|off      default warn
+//   KVFERRY_TCP_LANES      TCP connections per peer, 1..64        default EngineOptions value
+//   KVFERRY_TCP_SLICE      slice size in bytes (KiB/MiB suffix)   default EngineOptions value
+//   KVFERRY_LISTEN_HOST    address engines listen on              default 127.0.0.1
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+struct EnvConfig {
+  std::string log_level = "warn";
+  std::optional<int> tcp_lanes;
+  std::optional<uint64_t> tcp_slice_bytes;
+  std::optional<std::string> listen_host;
+};
+
+// Reads and validates all variables above. Errors: kInvalidArgument naming the variable.
+StatusOr<EnvConfig> ReadEnvConfig();
+
+// Parses "123", "64KiB", "4MiB", "1GiB", "2TiB" (also "KB"/"K"-style suffixes as binary units).
+// Errors: kInvalidArgument naming the text.
+StatusOr<uint64_t> ParseByteSize(const std::string& text);
+
+// Formats bytes for people: "4.0 KiB", "1.5 GiB".
+std::string FormatBytes(uint64_t bytes);
+
+}  // namespace kvferry

@@ -1,0 +1,1 @@
+// Placeholder until the connector sources land; removed then.

@@ -1,0 +1,1 @@
+// Keeps kvferry_testutil non-empty before any helper exists.
