@@ -1,1 +1,0 @@
-// Placeholder until the connector sources land; removed then.

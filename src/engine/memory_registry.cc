@@ -1,0 +1,112 @@
+#include "engine/memory_registry.h"
+
+#include <cstdio>
+#include <string>
+
+namespace kvferry {
+namespace {
+std::string RangeText(uint64_t addr, uint64_t length) {
+  char buf[80];
+  std::snprintf(buf, sizeof(buf), "[0x%llx, +%llu)", static_cast<unsigned long long>(addr),
+                static_cast<unsigned long long>(length));
+  return buf;
+}
+}  // namespace
+
+MemoryRegistry::Pin& MemoryRegistry::Pin::operator=(Pin&& other) noexcept {
+  if (this != &other) {
+    Release();
+    registry_ = other.registry_;
+    entry_ = std::move(other.entry_);
+    other.registry_ = nullptr;
+  }
+  return *this;
+}
+
+void MemoryRegistry::Pin::Release() {
+  if (registry_ == nullptr || entry_ == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(registry_->mu_);
+    --entry_->pins;
+  }
+  registry_->unpinned_.notify_all();
+  entry_.reset();
+  registry_ = nullptr;
+}
+
+Status MemoryRegistry::Register(const RegionDescriptor& region) {
+  if (region.base == 0) return InvalidArgumentError("cannot register a null address");
+  if (region.length_bytes == 0) return InvalidArgumentError("cannot register zero bytes");
+  if (region.base + region.length_bytes < region.base) {
+    return InvalidArgumentError("region " + RangeText(region.base, region.length_bytes) +
+                                " wraps the address space");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto next = regions_.lower_bound(region.base);
+  if (next != regions_.end() && next->first < region.base + region.length_bytes) {
+    return InvalidArgumentError("region " + RangeText(region.base, region.length_bytes) +
+                                " overlaps registered region " +
+                                RangeText(next->first, next->second->region.length_bytes));
+  }
+  if (next != regions_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second->region.length_bytes > region.base) {
+      return InvalidArgumentError("region " + RangeText(region.base, region.length_bytes) +
+                                  " overlaps registered region " +
+                                  RangeText(prev->first, prev->second->region.length_bytes));
+    }
+  }
+  auto entry = std::make_shared<Entry>();
+  entry->region = region;
+  regions_.emplace(region.base, std::move(entry));
+  return OkStatus();
+}
+
+Status MemoryRegistry::Unregister(uint64_t base) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = regions_.find(base);
+  if (it == regions_.end()) {
+    return NotFoundError("no region registered at " + RangeText(base, 0));
+  }
+  std::shared_ptr<Entry> entry = it->second;
+  regions_.erase(it);  // no new pins from here on
+  unpinned_.wait(lock, [&] { return entry->pins == 0; });
+  return OkStatus();
+}
+
+StatusOr<MemoryRegistry::Pin> MemoryRegistry::PinRange(uint64_t addr, uint64_t length,
+                                                       uint32_t access) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.upper_bound(addr);
+  if (it == regions_.begin() || !std::prev(it)->second->region.Contains(addr, length)) {
+    return FailedPreconditionError("range " + RangeText(addr, length) +
+                                   " is not inside a registered region");
+  }
+  std::shared_ptr<Entry> entry = std::prev(it)->second;
+  if ((entry->region.access & access) != access) {
+    return FailedPreconditionError(
+        "range " + RangeText(addr, length) + " lies in a region registered without remote " +
+        std::string((access & kAccessRemoteWrite) ? "write" : "read") + " access");
+  }
+  ++entry->pins;
+  return Pin(this, std::move(entry));
+}
+
+StatusOr<RegionDescriptor> MemoryRegistry::Find(uint64_t addr, uint64_t length) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.upper_bound(addr);
+  if (it == regions_.begin() || !std::prev(it)->second->region.Contains(addr, length)) {
+    return NotFoundError("range " + RangeText(addr, length) + " is not registered");
+  }
+  return std::prev(it)->second->region;
+}
+
+std::vector<RegionDescriptor> MemoryRegistry::Regions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<RegionDescriptor> out;
+  out.reserve(regions_.size());
+  for (const auto& [base, entry] : regions_) out.push_back(entry->region);
+  return out;
+}
+
+}  // namespace kvferry

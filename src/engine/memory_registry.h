@@ -1,0 +1,65 @@
+// MemoryRegistry: the regions an engine registered, and the range check every remote access
+// passes through.
+//
+// Thread-safety: all methods are thread-safe. A Pin keeps its region registered while it
+// lives; Unregister waits for outstanding pins, so a region is never freed under a transfer.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kvferry/memory.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+class MemoryRegistry {
+ private:
+  struct Entry {
+    RegionDescriptor region;
+    int pins = 0;  // guarded by MemoryRegistry::mu_
+  };
+
+ public:
+  // Keeps one region in use; releases it on destruction.
+  class Pin {
+   public:
+    Pin() = default;
+    Pin(Pin&& other) noexcept { *this = std::move(other); }
+    Pin& operator=(Pin&& other) noexcept;
+    ~Pin() { Release(); }
+    const RegionDescriptor& region() const { return entry_->region; }
+
+   private:
+    friend class MemoryRegistry;
+    Pin(MemoryRegistry* registry, std::shared_ptr<Entry> entry)
+        : registry_(registry), entry_(std::move(entry)) {}
+    void Release();
+    MemoryRegistry* registry_ = nullptr;
+    std::shared_ptr<Entry> entry_;
+  };
+
+  // Errors: kInvalidArgument (null, zero length, wrapping, overlap with a registered region).
+  Status Register(const RegionDescriptor& region);
+  // Blocks until pins on the region are released. Errors: kNotFound.
+  Status Unregister(uint64_t base);
+
+  // Checks that [addr, addr + length) lies inside one region with all of `access` and pins
+  // it. Errors: kFailedPrecondition naming the range and what is wrong.
+  StatusOr<Pin> PinRange(uint64_t addr, uint64_t length, uint32_t access);
+  // Finds the region holding [addr, addr + length) (local lookups; no access check).
+  StatusOr<RegionDescriptor> Find(uint64_t addr, uint64_t length) const;
+
+  std::vector<RegionDescriptor> Regions() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable unpinned_;
+  std::map<uint64_t, std::shared_ptr<Entry>> regions_;  // by base
+};
+
+}  // namespace kvferry

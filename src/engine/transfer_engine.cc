@@ -1,0 +1,707 @@
+// TransferEngine implementation: memory registry, peers, batch bookkeeping, deadlines.
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include "common/checks.h"
+#include "common/env.h"
+#include "common/logging.h"
+#include "engine/memory_registry.h"
+#include "kvferry/engine.h"
+#include "transport/tcp/tcp_common.h"
+#include "transport/tcp/tcp_peer.h"
+#include "transport/tcp/tcp_server.h"
+
+namespace kvferry {
+
+std::string_view TransferStateName(TransferState state) {
+  switch (state) {
+    case TransferState::kPending: return "pending";
+    case TransferState::kCompleted: return "completed";
+    case TransferState::kFailed: return "failed";
+    case TransferState::kCancelled: return "cancelled";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Peer {
+  uint64_t id = 0;
+  std::string address;
+  std::unique_ptr<tcp::TcpPeer> tcp;  // control channel and TCP data path
+  PeerChannel* data = nullptr;        // data path chosen for this peer
+};
+
+// One submitted batch. Owns its work items; items hold a reference back (owner_keepalive)
+// until they complete, so the batch outlives every transport callback.
+class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
+ public:
+  struct Request {
+    TransferRequest request;
+    uint32_t slices_left = 0;
+    uint64_t transferred_bytes = 0;
+    TransferState state = TransferState::kPending;
+    Status error;
+  };
+
+  uint64_t id = 0;
+  Clock::time_point deadline;
+  std::chrono::milliseconds deadline_ms{0};
+  std::string notification;
+  std::shared_ptr<Peer> notify_peer;
+  std::vector<std::shared_ptr<Peer>> peers;  // per request
+  std::vector<std::shared_ptr<WorkItem>> items;
+
+  explicit Batch(std::span<const TransferRequest> requests) {
+    requests_.resize(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) requests_[i].request = requests[i];
+    requests_left_ = requests.size();
+  }
+
+  // Splits requests into slices of at most `slice_bytes`.
+  void BuildItems(uint64_t slice_bytes) {
+    for (size_t i = 0; i < requests_.size(); ++i) {
+      const TransferRequest& r = requests_[i].request;
+      uint64_t offset = 0;
+      while (offset < r.length_bytes) {
+        uint64_t len = std::min(slice_bytes, r.length_bytes - offset);
+        auto item = std::make_shared<WorkItem>();
+        item->kind = r.op == TransferOp::kWrite ? WorkItem::Kind::kWrite : WorkItem::Kind::kRead;
+        item->local = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.local_addr)) + offset;
+        item->remote_addr = r.remote_addr + offset;
+        item->length = len;
+        item->request_index = static_cast<uint32_t>(i);
+        item->owner = this;
+        items.push_back(std::move(item));
+        ++requests_[i].slices_left;
+        offset += len;
+      }
+    }
+  }
+
+  void Start() {
+    auto self = shared_from_this();
+    std::vector<std::shared_ptr<WorkItem>> to_send;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      to_send = items;  // completions may append the notification item meanwhile
+    }
+    for (auto& item : to_send) item->owner_keepalive = self;
+    for (auto& item : to_send) peers[item->request_index]->data->Submit(item);
+  }
+
+  void OnWorkDone(WorkItem* item, const Status& status) override {
+    if (item->kind == WorkItem::Kind::kNotify) {
+      Finish(status.ok() ? status : status.WithContext("notification not delivered"));
+      item->owner_keepalive.reset();
+      return;
+    }
+    bool all_requests_done = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Request& r = requests_[item->request_index];
+      if (status.ok()) {
+        r.transferred_bytes += item->length;
+        transferred_bytes_ += item->length;
+      } else if (r.error.ok()) {
+        r.error = status;
+      }
+      if (--r.slices_left == 0) {
+        r.state = r.error.ok() ? TransferState::kCompleted
+                  : r.error.code() == StatusCode::kCancelled ? TransferState::kCancelled
+                                                              : TransferState::kFailed;
+        if (r.state == TransferState::kCompleted) {
+          ++num_completed_;
+        } else {
+          ++num_failed_;
+          if (first_error_.ok()) first_error_ = r.error;
+        }
+        all_requests_done = --requests_left_ == 0;
+      }
+    }
+    if (all_requests_done) AfterRequestsDone();
+    item->owner_keepalive.reset();  // may destroy `this`; nothing below
+  }
+
+  // Marks unfinished requests with `why` and asks transports to stop their items.
+  void Abandon(const Status& why, bool queued_only) {
+    std::vector<std::shared_ptr<WorkItem>> snapshot;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (final_) return;
+      for (auto& r : requests_) {
+        if (r.state == TransferState::kPending && r.error.ok()) r.error = why;
+      }
+      snapshot = items;
+    }
+    for (auto& item : snapshot) {
+      if (item->state.load() == WorkItem::kDone) continue;
+      if (queued_only) {
+        uint8_t expected = WorkItem::kQueued;
+        if (item->state.compare_exchange_strong(expected, WorkItem::kDone)) {
+          OnWorkDone(item.get(), why);
+        }
+      } else {
+        PeerChannel* channel = item->kind == WorkItem::Kind::kNotify
+                                   ? notify_peer->tcp.get()
+                                   : peers[item->request_index]->data;
+        channel->Abandon(item.get(), why);
+      }
+    }
+  }
+
+  BatchStatus Snapshot() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    BatchStatus s;
+    s.num_requests = requests_.size();
+    s.num_completed = num_completed_;
+    s.num_failed = num_failed_;
+    s.transferred_bytes = transferred_bytes_;
+    s.state = state_;
+    s.error = final_ ? final_error_ : first_error_;
+    return s;
+  }
+
+  StatusOr<TransferStatus> RequestStatus(size_t index) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (index >= requests_.size()) {
+      return OutOfRangeError("request index " + std::to_string(index) + " of a batch of " +
+                             std::to_string(requests_.size()));
+    }
+    const Request& r = requests_[index];
+    TransferStatus s;
+    s.state = r.state;
+    s.transferred_bytes = r.transferred_bytes;
+    if (r.state != TransferState::kPending && r.state != TransferState::kCompleted) {
+      s.error = r.error;
+    }
+    return s;
+  }
+
+  bool final() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return final_;
+  }
+
+  bool WaitFinal(Clock::time_point until) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_until(lock, until, [&] { return final_; });
+  }
+
+  void ReleaseItems() {
+    std::lock_guard<std::mutex> lock(mu_);
+    items.clear();
+  }
+
+ private:
+  void AfterRequestsDone() {
+    bool send_notify = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      send_notify = !notification.empty() && num_failed_ == 0;
+    }
+    if (!send_notify) {
+      Finish(OkStatus());
+      return;
+    }
+    auto item = std::make_shared<WorkItem>();
+    item->kind = WorkItem::Kind::kNotify;
+    item->message = notification;
+    item->owner = this;
+    item->owner_keepalive = shared_from_this();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      items.push_back(item);
+    }
+    notify_peer->tcp->Submit(std::move(item));
+  }
+
+  void Finish(const Status& notify_status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (final_) return;
+      final_error_ = first_error_;
+      if (final_error_.ok() && !notify_status.ok()) final_error_ = notify_status;
+      if (final_error_.ok()) {
+        state_ = TransferState::kCompleted;
+      } else if (num_completed_ == 0 && final_error_.code() == StatusCode::kCancelled) {
+        state_ = TransferState::kCancelled;
+      } else {
+        state_ = TransferState::kFailed;
+      }
+      final_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Request> requests_;
+  size_t requests_left_ = 0;
+  size_t num_completed_ = 0;
+  size_t num_failed_ = 0;
+  uint64_t transferred_bytes_ = 0;
+  Status first_error_;
+  Status final_error_;
+  TransferState state_ = TransferState::kPending;
+  bool final_ = false;
+};
+
+// Waits for one SendNotification acknowledgement.
+class NotifyWaiter : public WorkOwner {
+ public:
+  void OnWorkDone(WorkItem*, const Status& status) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    status_ = status;
+    cv_.notify_all();
+  }
+  bool Wait(Clock::time_point until, Status* status) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_until(lock, until, [&] { return done_; })) return false;
+    *status = status_;
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  Status status_;
+};
+
+class EngineImpl : public TransferEngine {
+ public:
+  explicit EngineImpl(const EngineOptions& options) : options_(options) {}
+
+  Status Init() {
+    if (options_.name.empty()) {
+      char host[128] = {0};
+      ::gethostname(host, sizeof(host) - 1);
+      options_.name = std::string(host) + "-" + std::to_string(::getpid());
+    }
+    if (options_.transport != "auto" && options_.transport != "tcp") {
+      return InvalidArgumentError("transport '" + options_.transport +
+                                  "' is not available in this build (available: auto, tcp)");
+    }
+    if (options_.tcp_lanes_per_peer < 1 || options_.tcp_lanes_per_peer > 64) {
+      return InvalidArgumentError("tcp_lanes_per_peer must be in 1..64, got " +
+                                  std::to_string(options_.tcp_lanes_per_peer));
+    }
+    if (options_.tcp_slice_bytes < 4096 || options_.tcp_slice_bytes > wire::kMaxPayloadBytes) {
+      return InvalidArgumentError("tcp_slice_bytes must be in 4 KiB..1 GiB, got " +
+                                  std::to_string(options_.tcp_slice_bytes));
+    }
+    if (options_.default_deadline.count() <= 0) {
+      return InvalidArgumentError("default_deadline must be positive");
+    }
+    node_id_ = tcp::LocalNodeId();
+    std::random_device rd;
+    key_rng_.seed((static_cast<uint64_t>(rd()) << 32) ^ rd());
+    tcp::TcpServerOptions server_options;
+    server_options.host = options_.listen_host;
+    server_options.port = options_.listen_port;
+    server_options.max_body_bytes = MaxBodyBytes();
+    server_options.describe = [this] { return LocalDescriptor(); };
+    server_options.on_notification = [this](Notification n) { Deliver(std::move(n)); };
+    ASSIGN_OR_RETURN(server_, tcp::TcpServer::Create(server_options, &registry_));
+    watchdog_ = std::thread([this] { WatchdogLoop(); });
+    return OkStatus();
+  }
+
+  ~EngineImpl() override {
+    {
+      std::lock_guard<std::mutex> lock(watch_mu_);
+      stopping_ = true;
+    }
+    watch_cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    std::vector<std::shared_ptr<Batch>> batches;
+    {
+      std::lock_guard<std::mutex> lock(batches_mu_);
+      for (auto& [id, b] : batches_) batches.push_back(b);
+    }
+    for (auto& b : batches) b->Abandon(CancelledError("engine shut down"), false);
+    std::map<uint64_t, std::shared_ptr<Peer>> peers;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      peers.swap(peers_);
+    }
+    for (auto& [id, p] : peers) p->tcp->Close();
+    for (auto& b : batches) b->ReleaseItems();
+    server_.reset();
+  }
+
+  Status RegisterMemory(void* addr, uint64_t length_bytes, MemoryLocation location,
+                        uint32_t access) override {
+    if (location.kind == MemoryKind::kCuda) {
+      return UnimplementedError("device memory registration needs a CUDA build");
+    }
+    RegionDescriptor region;
+    region.base = reinterpret_cast<uint64_t>(addr);
+    region.length_bytes = length_bytes;
+    region.kind = location.kind;
+    region.device_id = location.kind == MemoryKind::kHost ? -1 : location.device_id;
+    region.access = access;
+    {
+      std::lock_guard<std::mutex> lock(key_mu_);
+      region.key = key_rng_();
+    }
+    return registry_.Register(region);
+  }
+
+  Status UnregisterMemory(void* addr) override {
+    return registry_.Unregister(reinterpret_cast<uint64_t>(addr));
+  }
+
+  SegmentDescriptor LocalDescriptor() const override {
+    SegmentDescriptor d;
+    d.name = options_.name;
+    d.host = options_.listen_host;
+    d.port = server_->port();
+    d.node_id = node_id_;
+    d.pid = static_cast<uint32_t>(::getpid());
+    d.transports = {"tcp"};
+    d.regions = registry_.Regions();
+    return d;
+  }
+
+  StatusOr<SegmentHandle> OpenSegment(const std::string& address) override {
+    std::string host;
+    uint16_t port = 0;
+    RETURN_IF_ERROR(tcp::ParseAddress(address, &host, &port));
+    std::lock_guard<std::mutex> open_lock(open_mu_);  // one handshake per address at a time
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      auto it = peer_by_address_.find(address);
+      if (it != peer_by_address_.end() && peers_.count(it->second)) {
+        return SegmentHandle{it->second};
+      }
+    }
+    tcp::TcpPeerOptions peer_options;
+    peer_options.address = address;
+    peer_options.self = LocalDescriptor();
+    peer_options.self.regions.clear();  // peers ask with DESCRIBE when they need ours
+    peer_options.num_lanes = options_.tcp_lanes_per_peer;
+    peer_options.connect_timeout = options_.connect_timeout;
+    peer_options.max_body_bytes = MaxBodyBytes();
+    ASSIGN_OR_RETURN(auto tcp_peer, tcp::TcpPeer::Create(peer_options));
+    auto peer = std::make_shared<Peer>();
+    peer->address = address;
+    peer->tcp = std::move(tcp_peer);
+    peer->data = peer->tcp.get();
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    peer->id = next_peer_id_++;
+    peers_[peer->id] = peer;
+    peer_by_address_[address] = peer->id;
+    return SegmentHandle{peer->id};
+  }
+
+  StatusOr<SegmentDescriptor> RefreshSegment(SegmentHandle segment) override {
+    ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
+    auto waiter = std::make_shared<NotifyWaiter>();
+    auto item = std::make_shared<WorkItem>();
+    item->kind = WorkItem::Kind::kDescribe;
+    item->owner = waiter.get();
+    item->owner_keepalive = waiter;
+    peer->tcp->Submit(item);
+    Status status;
+    if (!waiter->Wait(Clock::now() + options_.connect_timeout, &status)) {
+      peer->tcp->Abandon(item.get(), DeadlineExceededError("describe timed out"));
+      return DeadlineExceededError("peer " + peer->address + " did not answer DESCRIBE within " +
+                                   std::to_string(options_.connect_timeout.count()) + " ms");
+    }
+    RETURN_IF_ERROR(status);
+    ASSIGN_OR_RETURN(SegmentDescriptor desc, wire::DecodeDescriptor(item->reply_body));
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    descriptors_[segment.value] = desc;
+    return desc;
+  }
+
+  StatusOr<SegmentDescriptor> GetSegmentDescriptor(SegmentHandle segment) const override {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = peers_.find(segment.value);
+    if (it == peers_.end()) return NotFoundError("unknown segment " + std::to_string(segment.value));
+    auto d = descriptors_.find(segment.value);
+    if (d != descriptors_.end()) return d->second;
+    return it->second->tcp->descriptor();
+  }
+
+  Status CloseSegment(SegmentHandle segment) override {
+    std::shared_ptr<Peer> peer;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      auto it = peers_.find(segment.value);
+      if (it == peers_.end()) {
+        return NotFoundError("unknown segment " + std::to_string(segment.value));
+      }
+      peer = it->second;
+      peers_.erase(it);
+      peer_by_address_.erase(peer->address);
+      descriptors_.erase(segment.value);
+    }
+    peer->tcp->Close();
+    return OkStatus();
+  }
+
+  StatusOr<BatchId> SubmitBatch(std::span<const TransferRequest> requests,
+                                const BatchOptions& options) override {
+    if (requests.empty()) return InvalidArgumentError("empty batch");
+    if (options.notification.size() > options_.max_message_bytes) {
+      return InvalidArgumentError("notification of " + std::to_string(options.notification.size()) +
+                                  " bytes exceeds max_message_bytes " +
+                                  std::to_string(options_.max_message_bytes));
+    }
+    auto batch = std::make_shared<Batch>(requests);
+    batch->peers.resize(requests.size());
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      for (size_t i = 0; i < requests.size(); ++i) {
+        const TransferRequest& r = requests[i];
+        std::string where = "request " + std::to_string(i) + ": ";
+        if (r.local_addr == nullptr) return InvalidArgumentError(where + "null local address");
+        if (r.length_bytes == 0) return InvalidArgumentError(where + "zero length");
+        if (r.remote_addr + r.length_bytes < r.remote_addr) {
+          return InvalidArgumentError(where + "remote range wraps the address space");
+        }
+        auto it = peers_.find(r.segment.value);
+        if (it == peers_.end()) {
+          return NotFoundError(where + "unknown segment " + std::to_string(r.segment.value));
+        }
+        batch->peers[i] = it->second;
+        if (!options.notification.empty() && r.segment != requests[0].segment) {
+          return InvalidArgumentError(
+              "a batch with a notification must target one segment (request " +
+              std::to_string(i) + " targets another)");
+        }
+      }
+    }
+    batch->notification = options.notification;
+    batch->notify_peer = batch->peers[0];
+    batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
+    batch->deadline = Clock::now() + batch->deadline_ms;
+    batch->BuildItems(options_.tcp_slice_bytes);
+    {
+      std::lock_guard<std::mutex> lock(batches_mu_);
+      batch->id = next_batch_id_++;
+      batches_[batch->id] = batch;
+    }
+    {
+      std::lock_guard<std::mutex> lock(watch_mu_);
+      watch_.emplace(batch->deadline, batch);
+    }
+    watch_cv_.notify_all();
+    batch->Start();
+    return BatchId{batch->id};
+  }
+
+  StatusOr<TransferStatus> GetTransferStatus(BatchId id, size_t index) const override {
+    ASSIGN_OR_RETURN(auto batch, FindBatch(id));
+    return batch->RequestStatus(index);
+  }
+
+  StatusOr<BatchStatus> GetBatchStatus(BatchId id) const override {
+    ASSIGN_OR_RETURN(auto batch, FindBatch(id));
+    return batch->Snapshot();
+  }
+
+  StatusOr<BatchStatus> WaitBatch(BatchId id, std::chrono::milliseconds timeout) override {
+    ASSIGN_OR_RETURN(auto batch, FindBatch(id));
+    batch->WaitFinal(Clock::now() + timeout);
+    return batch->Snapshot();
+  }
+
+  Status CancelBatch(BatchId id) override {
+    ASSIGN_OR_RETURN(auto batch, FindBatch(id));
+    batch->Abandon(CancelledError("batch " + std::to_string(id.value) + " cancelled"), true);
+    // Items already on the wire finish on their own, bounded by the batch deadline.
+    batch->WaitFinal(Clock::time_point::max());
+    return OkStatus();
+  }
+
+  Status ReleaseBatch(BatchId id) override {
+    std::shared_ptr<Batch> batch;
+    {
+      std::lock_guard<std::mutex> lock(batches_mu_);
+      auto it = batches_.find(id.value);
+      if (it == batches_.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
+      if (!it->second->final()) {
+        return FailedPreconditionError("batch " + std::to_string(id.value) + " is still pending");
+      }
+      batch = it->second;
+      batches_.erase(it);
+    }
+    batch->ReleaseItems();
+    return OkStatus();
+  }
+
+  Status SendNotification(SegmentHandle segment, const std::string& message,
+                          std::chrono::milliseconds timeout) override {
+    if (message.size() > options_.max_message_bytes) {
+      return InvalidArgumentError("notification of " + std::to_string(message.size()) +
+                                  " bytes exceeds max_message_bytes " +
+                                  std::to_string(options_.max_message_bytes));
+    }
+    ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
+    auto waiter = std::make_shared<NotifyWaiter>();
+    auto item = std::make_shared<WorkItem>();
+    item->kind = WorkItem::Kind::kNotify;
+    item->message = message;
+    item->owner = waiter.get();
+    item->owner_keepalive = waiter;
+    peer->tcp->Submit(item);
+    Status status;
+    if (!waiter->Wait(Clock::now() + timeout, &status)) {
+      Status late = DeadlineExceededError("peer " + peer->address +
+                                          " did not acknowledge a notification within " +
+                                          std::to_string(timeout.count()) + " ms");
+      peer->tcp->Abandon(item.get(), late);
+      return late;
+    }
+    return status;
+  }
+
+  void SetNotificationHandler(NotificationHandler handler) override {
+    std::lock_guard<std::mutex> lock(notify_mu_);
+    handler_ = std::move(handler);
+  }
+
+  std::vector<Notification> PollNotifications() override {
+    std::lock_guard<std::mutex> lock(notify_mu_);
+    std::vector<Notification> out(std::make_move_iterator(inbox_.begin()),
+                                  std::make_move_iterator(inbox_.end()));
+    inbox_.clear();
+    return out;
+  }
+
+ private:
+  uint32_t MaxBodyBytes() const {
+    // Descriptors of engines with many regions can exceed a notification's size.
+    return std::max<uint32_t>(options_.max_message_bytes, 4u << 20);
+  }
+
+  void Deliver(Notification n) {
+    NotificationHandler handler;
+    {
+      std::lock_guard<std::mutex> lock(notify_mu_);
+      if (!handler_) {
+        inbox_.push_back(std::move(n));
+        return;
+      }
+      handler = handler_;
+    }
+    handler(n);
+  }
+
+  StatusOr<std::shared_ptr<Peer>> FindPeer(SegmentHandle segment) const {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = peers_.find(segment.value);
+    if (it == peers_.end()) return NotFoundError("unknown segment " + std::to_string(segment.value));
+    return it->second;
+  }
+
+  StatusOr<std::shared_ptr<Batch>> FindBatch(BatchId id) const {
+    std::lock_guard<std::mutex> lock(batches_mu_);
+    auto it = batches_.find(id.value);
+    if (it == batches_.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
+    return it->second;
+  }
+
+  // Fails batches whose deadline passed. Runs on its own thread.
+  void WatchdogLoop() {
+    std::unique_lock<std::mutex> lock(watch_mu_);
+    while (!stopping_) {
+      if (watch_.empty()) {
+        watch_cv_.wait(lock);
+        continue;
+      }
+      auto next = watch_.begin()->first;
+      if (Clock::now() < next) {
+        watch_cv_.wait_until(lock, next);
+        continue;
+      }
+      std::weak_ptr<Batch> weak = watch_.begin()->second;
+      watch_.erase(watch_.begin());
+      std::shared_ptr<Batch> batch = weak.lock();
+      if (batch == nullptr || batch->final()) continue;
+      lock.unlock();
+      BatchStatus s = batch->Snapshot();
+      std::string peer = batch->peers.empty() ? "" : batch->peers[0]->address;
+      batch->Abandon(DeadlineExceededError(
+                         "batch " + std::to_string(batch->id) + " missed its deadline of " +
+                         std::to_string(batch->deadline_ms.count()) + " ms with " +
+                         std::to_string(s.num_requests - s.num_completed - s.num_failed) + " of " +
+                         std::to_string(s.num_requests) + " requests unfinished (peer " + peer + ")"),
+                     false);
+      lock.lock();
+    }
+  }
+
+  EngineOptions options_;
+  std::string node_id_;
+  MemoryRegistry registry_;
+  std::unique_ptr<tcp::TcpServer> server_;
+
+  std::mutex key_mu_;
+  std::mt19937_64 key_rng_;
+
+  std::mutex open_mu_;
+  mutable std::mutex peers_mu_;
+  uint64_t next_peer_id_ = 1;
+  std::map<uint64_t, std::shared_ptr<Peer>> peers_;
+  std::map<std::string, uint64_t> peer_by_address_;
+  std::map<uint64_t, SegmentDescriptor> descriptors_;
+
+  mutable std::mutex batches_mu_;
+  uint64_t next_batch_id_ = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<Batch>> batches_;
+
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  std::multimap<Clock::time_point, std::weak_ptr<Batch>> watch_;
+  bool stopping_ = false;
+  std::thread watchdog_;
+
+  std::mutex notify_mu_;
+  NotificationHandler handler_;
+  std::deque<Notification> inbox_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options) {
+  EngineOptions resolved = options;
+  ASSIGN_OR_RETURN(EnvConfig env, ReadEnvConfig());
+  if (env.tcp_lanes) resolved.tcp_lanes_per_peer = *env.tcp_lanes;
+  if (env.tcp_slice_bytes) resolved.tcp_slice_bytes = *env.tcp_slice_bytes;
+  if (env.listen_host && options.listen_host == EngineOptions().listen_host) {
+    resolved.listen_host = *env.listen_host;
+  }
+  auto engine = std::make_unique<EngineImpl>(resolved);
+  RETURN_IF_ERROR(engine->Init());
+  return std::unique_ptr<TransferEngine>(std::move(engine));
+}
+
+Status TransferSync(TransferEngine& engine, std::span<const TransferRequest> requests,
+                    const BatchOptions& options) {
+  ASSIGN_OR_RETURN(BatchId id, engine.SubmitBatch(requests, options));
+  StatusOr<BatchStatus> status = engine.WaitBatch(id, std::chrono::hours(24));
+  while (status.ok() && status->state == TransferState::kPending) {
+    status = engine.WaitBatch(id, std::chrono::hours(24));
+  }
+  engine.ReleaseBatch(id).IgnoreError();
+  if (!status.ok()) return status.status();
+  return status->error;
+}
+
+}  // namespace kvferry

@@ -1,0 +1,254 @@
+#include "engine/wire.h"
+
+#include <cstring>
+
+namespace kvferry::wire {
+namespace {
+
+class ByteWriter {
+ public:
+  void U8(uint8_t v) { out_.push_back(v); }
+  void U16(uint16_t v) { Put(v, 2); }
+  void U32(uint32_t v) { Put(v, 4); }
+  void U64(uint64_t v) { Put(v, 8); }
+  void Str(const std::string& s) {
+    U32(static_cast<uint32_t>(s.size()));
+    out_.insert(out_.end(), s.begin(), s.end());
+  }
+  std::vector<uint8_t> Take() { return std::move(out_); }
+
+ private:
+  void Put(uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  std::vector<uint8_t> out_;
+};
+
+// Reads little-endian values with bounds checks; the first failure sticks.
+class ByteReader {
+ public:
+  explicit ByteReader(std::span<const uint8_t> in) : in_(in) {}
+  bool U8(uint8_t* v) { return Get(v, 1); }
+  bool U16(uint16_t* v) { return Get(v, 2); }
+  bool U32(uint32_t* v) { return Get(v, 4); }
+  bool U64(uint64_t* v) { return Get(v, 8); }
+  bool Str(std::string* s, const char* what) {
+    uint32_t n = 0;
+    if (!U32(&n)) return false;
+    if (n > kMaxStringBytes) {
+      return Fail(std::string(what) + " length " + std::to_string(n) + " exceeds " +
+                  std::to_string(kMaxStringBytes));
+    }
+    if (in_.size() - pos_ < n) return Fail(std::string(what) + " truncated");
+    s->assign(reinterpret_cast<const char*>(in_.data() + pos_), n);
+    pos_ += n;
+    return true;
+  }
+  bool Fail(std::string why) {
+    if (error_.empty()) error_ = std::move(why);
+    return false;
+  }
+  size_t remaining() const { return in_.size() - pos_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  template <typename T>
+  bool Get(T* v, int n) {
+    if (in_.size() - pos_ < static_cast<size_t>(n)) {
+      return Fail("truncated at byte " + std::to_string(pos_));
+    }
+    uint64_t x = 0;
+    for (int i = 0; i < n; ++i) x |= static_cast<uint64_t>(in_[pos_ + i]) << (8 * i);
+    *v = static_cast<T>(x);
+    pos_ += n;
+    return true;
+  }
+  std::span<const uint8_t> in_;
+  size_t pos_ = 0;
+  std::string error_;
+};
+
+void PutLe(uint8_t* p, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint64_t GetLe(const uint8_t* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+constexpr uint32_t kDescriptorMagic = 0x44535646u;  // "FVSD"
+
+}  // namespace
+
+std::string_view FrameTypeName(FrameType type) {
+  switch (type) {
+    case FrameType::kHello: return "HELLO";
+    case FrameType::kHelloAck: return "HELLO_ACK";
+    case FrameType::kWrite: return "WRITE";
+    case FrameType::kWriteAck: return "WRITE_ACK";
+    case FrameType::kRead: return "READ";
+    case FrameType::kReadData: return "READ_DATA";
+    case FrameType::kNotify: return "NOTIFY";
+    case FrameType::kNotifyAck: return "NOTIFY_ACK";
+    case FrameType::kDescribe: return "DESCRIBE";
+    case FrameType::kDescribeAck: return "DESCRIBE_ACK";
+  }
+  return "UNKNOWN";
+}
+
+HeaderBytes EncodeFrameHeader(const FrameHeader& h) {
+  HeaderBytes b{};
+  PutLe(b.data() + 0, kFrameMagic, 4);
+  PutLe(b.data() + 4, kProtocolVersion, 2);
+  b[6] = static_cast<uint8_t>(h.type);
+  b[7] = h.flags;
+  PutLe(b.data() + 8, h.request_id, 8);
+  PutLe(b.data() + 16, h.addr, 8);
+  PutLe(b.data() + 24, h.length, 8);
+  PutLe(b.data() + 32, h.body_bytes, 4);
+  PutLe(b.data() + 36, h.status, 4);
+  return b;
+}
+
+StatusOr<FrameHeader> DecodeFrameHeader(std::span<const uint8_t, kFrameHeaderBytes> b,
+                                        uint32_t max_body_bytes) {
+  uint32_t magic = static_cast<uint32_t>(GetLe(b.data(), 4));
+  if (magic != kFrameMagic) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "bad frame magic 0x%08x (want 0x%08x)", magic, kFrameMagic);
+    return InvalidArgumentError(buf);
+  }
+  uint16_t version = static_cast<uint16_t>(GetLe(b.data() + 4, 2));
+  if (version != kProtocolVersion) {
+    return InvalidArgumentError("protocol version " + std::to_string(version) +
+                                " not supported (this build speaks " +
+                                std::to_string(kProtocolVersion) + ")");
+  }
+  FrameHeader h;
+  uint8_t type = b[6];
+  if (type < static_cast<uint8_t>(FrameType::kHello) ||
+      type > static_cast<uint8_t>(FrameType::kDescribeAck)) {
+    return InvalidArgumentError("unknown frame type " + std::to_string(type));
+  }
+  h.type = static_cast<FrameType>(type);
+  h.flags = b[7];
+  if (h.flags != 0) return InvalidArgumentError("unknown frame flags " + std::to_string(h.flags));
+  h.request_id = GetLe(b.data() + 8, 8);
+  h.addr = GetLe(b.data() + 16, 8);
+  h.length = GetLe(b.data() + 24, 8);
+  h.body_bytes = static_cast<uint32_t>(GetLe(b.data() + 32, 4));
+  h.status = static_cast<uint32_t>(GetLe(b.data() + 36, 4));
+  if (h.body_bytes > max_body_bytes) {
+    return InvalidArgumentError(std::string(FrameTypeName(h.type)) + " body of " +
+                                std::to_string(h.body_bytes) + " bytes exceeds limit " +
+                                std::to_string(max_body_bytes));
+  }
+  if (h.length > kMaxPayloadBytes) {
+    return InvalidArgumentError(std::string(FrameTypeName(h.type)) + " length " +
+                                std::to_string(h.length) + " exceeds limit " +
+                                std::to_string(kMaxPayloadBytes));
+  }
+  bool carries_length = h.type == FrameType::kWrite || h.type == FrameType::kRead ||
+                        h.type == FrameType::kReadData;
+  if (!carries_length && h.length != 0) {
+    return InvalidArgumentError(std::string(FrameTypeName(h.type)) +
+                                " must not carry a length (got " + std::to_string(h.length) + ")");
+  }
+  if ((h.type == FrameType::kWrite || h.type == FrameType::kRead) && h.length == 0) {
+    return InvalidArgumentError(std::string(FrameTypeName(h.type)) + " of zero bytes");
+  }
+  if (h.type == FrameType::kReadData && h.status == 0 && h.body_bytes != 0) {
+    return InvalidArgumentError("READ_DATA with OK status must not carry a body");
+  }
+  return h;
+}
+
+uint64_t PayloadBytes(const FrameHeader& h) {
+  if (h.type == FrameType::kWrite) return h.length;
+  if (h.type == FrameType::kReadData && h.status == 0) return h.length;
+  return 0;
+}
+
+std::vector<uint8_t> EncodeDescriptor(const SegmentDescriptor& d) {
+  ByteWriter w;
+  w.U32(kDescriptorMagic);
+  w.U16(kProtocolVersion);
+  w.Str(d.name);
+  w.Str(d.host);
+  w.U16(d.port);
+  w.Str(d.node_id);
+  w.U32(d.pid);
+  w.U32(static_cast<uint32_t>(d.transports.size()));
+  for (const auto& t : d.transports) w.Str(t);
+  w.U32(static_cast<uint32_t>(d.regions.size()));
+  for (const auto& r : d.regions) {
+    w.U64(r.base);
+    w.U64(r.length_bytes);
+    w.U8(static_cast<uint8_t>(r.kind));
+    w.U32(static_cast<uint32_t>(r.device_id));
+    w.U32(r.access);
+    w.U64(r.key);
+  }
+  return w.Take();
+}
+
+StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
+  ByteReader r(bytes);
+  SegmentDescriptor d;
+  uint32_t magic = 0;
+  uint16_t version = 0;
+  auto bad = [&](const std::string& what) {
+    return InvalidArgumentError("malformed segment descriptor: " +
+                                (r.error().empty() ? what : r.error()));
+  };
+  if (!r.U32(&magic)) return bad("");
+  if (magic != kDescriptorMagic) return bad("bad magic");
+  if (!r.U16(&version)) return bad("");
+  if (version != kProtocolVersion) {
+    return bad("version " + std::to_string(version) + ", want " +
+               std::to_string(kProtocolVersion));
+  }
+  if (!r.Str(&d.name, "name") || !r.Str(&d.host, "host") || !r.U16(&d.port) ||
+      !r.Str(&d.node_id, "node_id") || !r.U32(&d.pid)) {
+    return bad("");
+  }
+  uint32_t num_transports = 0;
+  if (!r.U32(&num_transports)) return bad("");
+  if (num_transports > kMaxTransports) {
+    return bad(std::to_string(num_transports) + " transports exceed " +
+               std::to_string(kMaxTransports));
+  }
+  d.transports.resize(num_transports);
+  for (auto& t : d.transports) {
+    if (!r.Str(&t, "transport name")) return bad("");
+  }
+  uint32_t num_regions = 0;
+  if (!r.U32(&num_regions)) return bad("");
+  if (num_regions > kMaxRegions) {
+    return bad(std::to_string(num_regions) + " regions exceed " + std::to_string(kMaxRegions));
+  }
+  // Each region takes 33 bytes; refuse counts the remaining bytes cannot hold before resizing.
+  if (static_cast<uint64_t>(num_regions) * 33 > r.remaining()) return bad("regions truncated");
+  d.regions.resize(num_regions);
+  for (auto& g : d.regions) {
+    uint8_t kind = 0;
+    uint32_t device = 0;
+    if (!r.U64(&g.base) || !r.U64(&g.length_bytes) || !r.U8(&kind) || !r.U32(&device) ||
+        !r.U32(&g.access) || !r.U64(&g.key)) {
+      return bad("");
+    }
+    if (kind > static_cast<uint8_t>(MemoryKind::kCuda)) {
+      return bad("unknown memory kind " + std::to_string(kind));
+    }
+    g.kind = static_cast<MemoryKind>(kind);
+    g.device_id = static_cast<int32_t>(device);
+    if (g.length_bytes == 0 || g.base + g.length_bytes < g.base) {
+      return bad("region with empty or wrapping range");
+    }
+  }
+  if (r.remaining() != 0) return bad(std::to_string(r.remaining()) + " trailing bytes");
+  return d;
+}
+
+}  // namespace kvferry::wire

@@ -1,0 +1,83 @@
+// kvferry's wire protocol: fixed 40-byte frame headers and the segment-descriptor codec.
+//
+// Every connection starts with kHello (client's descriptor) answered by kHelloAck (server's
+// descriptor). After that the client pipelines requests; the server answers each in order on
+// the same connection. All integers are little-endian. Every length read off the wire is
+// bounded before anything is allocated or read.
+//
+//   offset size field
+//   0      4    magic 0x3146564B ("KVF1")
+//   4      2    protocol version (kProtocolVersion)
+//   6      1    FrameType
+//   7      1    flags (0)
+//   8      8    request id (echoed in the response)
+//   16     8    address in the server's memory (kWrite, kRead)
+//   24     8    payload bytes following the header and body (kWrite, kReadData), or bytes
+//               requested (kRead)
+//   32     4    body bytes following the header (descriptor, message, error text)
+//   36     4    status code of a response (StatusCode)
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/segment.h"
+#include "kvferry/status.h"
+
+namespace kvferry::wire {
+
+inline constexpr uint32_t kFrameMagic = 0x3146564Bu;  // "KVF1" read as little-endian
+inline constexpr size_t kFrameHeaderBytes = 40;
+// Largest payload of one frame. Engines split requests into slices well below this.
+inline constexpr uint64_t kMaxPayloadBytes = 1ull << 30;
+// Bounds inside a descriptor.
+inline constexpr uint32_t kMaxStringBytes = 4096;
+inline constexpr uint32_t kMaxRegions = 1u << 16;
+inline constexpr uint32_t kMaxTransports = 16;
+
+enum class FrameType : uint8_t {
+  kHello = 1,         // body: client descriptor
+  kHelloAck = 2,      // body: server descriptor (or error text when status != OK)
+  kWrite = 3,         // payload: bytes to store at addr
+  kWriteAck = 4,      // status; body: error text
+  kRead = 5,          // length: bytes requested from addr
+  kReadData = 6,      // status OK: payload of `length` bytes; else body: error text
+  kNotify = 7,        // body: message
+  kNotifyAck = 8,     // status; body: error text
+  kDescribe = 9,      // asks for the server's current descriptor
+  kDescribeAck = 10,  // body: descriptor
+};
+
+std::string_view FrameTypeName(FrameType type);
+
+struct FrameHeader {
+  FrameType type = FrameType::kHello;
+  uint8_t flags = 0;
+  uint64_t request_id = 0;
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  uint32_t body_bytes = 0;
+  uint32_t status = 0;
+};
+
+using HeaderBytes = std::array<uint8_t, kFrameHeaderBytes>;
+
+HeaderBytes EncodeFrameHeader(const FrameHeader& header);
+
+// Decodes and validates a header: magic, version, known type, body within
+// `max_body_bytes`, payload/length within kMaxPayloadBytes, no payload on types that carry
+// none. Errors: kInvalidArgument naming the bad field and value.
+StatusOr<FrameHeader> DecodeFrameHeader(std::span<const uint8_t, kFrameHeaderBytes> bytes,
+                                        uint32_t max_body_bytes);
+
+// Bytes of payload that follow the header and body of this frame on the wire.
+uint64_t PayloadBytes(const FrameHeader& header);
+
+std::vector<uint8_t> EncodeDescriptor(const SegmentDescriptor& descriptor);
+// Errors: kInvalidArgument for truncation, trailing bytes, or any bound exceeded.
+StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes);
+
+}  // namespace kvferry::wire

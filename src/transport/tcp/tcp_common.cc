@@ -1,0 +1,146 @@
+#include "transport/tcp/tcp_common.h"
+
+#include "common/checks.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <vector>
+
+namespace kvferry::tcp {
+
+Status ParseAddress(const std::string& address, std::string* host, uint16_t* port) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    return InvalidArgumentError("address '" + address + "' is not host:port");
+  }
+  std::string h = address.substr(0, colon);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  std::string p = address.substr(colon + 1);
+  unsigned long value = 0;
+  for (char c : p) {
+    if (c < '0' || c > '9') return InvalidArgumentError("address '" + address + "' has a bad port");
+    value = value * 10 + static_cast<unsigned long>(c - '0');
+    if (value > 65535) return InvalidArgumentError("address '" + address + "' port exceeds 65535");
+  }
+  if (value == 0) return InvalidArgumentError("address '" + address + "' has port 0");
+  *host = h;
+  *port = static_cast<uint16_t>(value);
+  return OkStatus();
+}
+
+void TuneSocket(asio::ip::tcp::socket& socket) {
+  asio::error_code ec;
+  socket.set_option(asio::ip::tcp::no_delay(true), ec);
+}
+
+namespace {
+void SetReceiveTimeout(asio::ip::tcp::socket& socket, std::chrono::milliseconds timeout) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+}  // namespace
+
+Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
+                       const SegmentDescriptor& self, std::chrono::milliseconds timeout,
+                       uint32_t max_body_bytes, SegmentDescriptor* peer) {
+  std::string host;
+  uint16_t port = 0;
+  RETURN_IF_ERROR(ParseAddress(address, &host, &port));
+  auto fail = [&](const std::string& why) {
+    asio::error_code ignored;
+    socket.close(ignored);
+    return UnavailableError("cannot reach peer " + address + ": " + why);
+  };
+  asio::error_code ec;
+  asio::ip::address ip = asio::ip::make_address(host, ec);
+  std::vector<asio::ip::tcp::endpoint> endpoints;
+  if (!ec) {
+    endpoints.emplace_back(ip, port);
+  } else {
+    asio::io_context io;
+    asio::ip::tcp::resolver resolver(io);
+    auto results = resolver.resolve(host, std::to_string(port), ec);
+    if (ec) return fail("resolve: " + ec.message());
+    for (const auto& r : results) endpoints.push_back(r.endpoint());
+  }
+  // Connect asynchronously so the timeout bounds it, then continue with blocking I/O.
+  asio::io_context& io = static_cast<asio::io_context&>(socket.get_executor().context());
+  asio::error_code connect_ec = asio::error::timed_out;
+  asio::async_connect(socket, endpoints,
+                      [&](const asio::error_code& e, const asio::ip::tcp::endpoint&) {
+                        connect_ec = e;
+                      });
+  io.restart();
+  io.run_for(timeout);
+  if (!io.stopped()) {
+    socket.close(ec);
+    io.run();  // let the cancelled handler run
+    return fail("connect timed out after " + std::to_string(timeout.count()) + " ms");
+  }
+  if (connect_ec) return fail("connect: " + connect_ec.message());
+  TuneSocket(socket);
+  SetReceiveTimeout(socket, timeout);
+
+  std::vector<uint8_t> body = wire::EncodeDescriptor(self);
+  wire::FrameHeader hello;
+  hello.type = wire::FrameType::kHello;
+  hello.body_bytes = static_cast<uint32_t>(body.size());
+  wire::HeaderBytes hb = wire::EncodeFrameHeader(hello);
+  std::array<asio::const_buffer, 2> out{asio::buffer(hb), asio::buffer(body)};
+  asio::write(socket, out, ec);
+  if (ec) return fail("handshake send: " + ec.message());
+  auto header = ReadHeader(socket, max_body_bytes, ec);
+  if (ec) return fail("handshake receive: " + ec.message());
+  if (!header.ok()) return fail("handshake: " + header.status().message());
+  if (header->type != wire::FrameType::kHelloAck) {
+    return fail(std::string("handshake: expected HELLO_ACK, got ") +
+                std::string(wire::FrameTypeName(header->type)));
+  }
+  std::vector<uint8_t> reply(header->body_bytes);
+  asio::read(socket, asio::buffer(reply), ec);
+  if (ec) return fail("handshake body: " + ec.message());
+  if (header->status != 0) {
+    return fail("handshake refused: " + std::string(reply.begin(), reply.end()));
+  }
+  auto desc = wire::DecodeDescriptor(reply);
+  if (!desc.ok()) return fail("handshake: " + desc.status().message());
+  *peer = std::move(*desc);
+  SetReceiveTimeout(socket, std::chrono::milliseconds(0));  // 0 = block without limit
+  return OkStatus();
+}
+
+StatusOr<wire::FrameHeader> ReadHeader(asio::ip::tcp::socket& socket, uint32_t max_body_bytes,
+                                       asio::error_code& ec) {
+  wire::HeaderBytes bytes;
+  asio::read(socket, asio::buffer(bytes), ec);
+  if (ec) return UnavailableError(ec.message());
+  return wire::DecodeFrameHeader(bytes, max_body_bytes);
+}
+
+void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec) {
+  std::vector<uint8_t> scratch(std::min<uint64_t>(n, 256 << 10));
+  while (n > 0 && !ec) {
+    size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, scratch.size()));
+    asio::read(socket, asio::buffer(scratch.data(), chunk), ec);
+    n -= chunk;
+  }
+}
+
+std::string LocalNodeId() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string boot_id;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot_id);
+  return std::string(host) + "/" + boot_id;
+}
+
+}  // namespace kvferry::tcp

@@ -1,0 +1,39 @@
+// Helpers shared by the TCP client and server: connect with a timeout, the HELLO handshake,
+// framed reads, and address parsing.
+#pragma once
+
+#include <asio.hpp>
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "engine/wire.h"
+#include "kvferry/segment.h"
+#include "kvferry/status.h"
+
+namespace kvferry::tcp {
+
+// Splits "host:port" (IPv6 as "[::1]:port"). Errors: kInvalidArgument naming the text.
+Status ParseAddress(const std::string& address, std::string* host, uint16_t* port);
+
+// Connects and performs the handshake: sends HELLO with `self`, reads HELLO_ACK into `peer`.
+// Blocks at most `timeout`. Errors: kUnavailable naming the address and the reason.
+Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
+                       const SegmentDescriptor& self, std::chrono::milliseconds timeout,
+                       uint32_t max_body_bytes, SegmentDescriptor* peer);
+
+// Sets TCP_NODELAY and large socket buffers; failures are ignored (performance only).
+void TuneSocket(asio::ip::tcp::socket& socket);
+
+// Reads one header (blocking). Returns the asio error on I/O failure through `ec`; a decode
+// failure through the returned status with `ec` clear.
+StatusOr<wire::FrameHeader> ReadHeader(asio::ip::tcp::socket& socket, uint32_t max_body_bytes,
+                                       asio::error_code& ec);
+
+// Reads `n` bytes and throws them away.
+void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec);
+
+// A name for this machine shared by every engine on it (hostname + boot id).
+std::string LocalNodeId();
+
+}  // namespace kvferry::tcp

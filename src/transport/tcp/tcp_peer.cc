@@ -1,0 +1,424 @@
+#include "transport/tcp/tcp_peer.h"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+
+#include "common/checks.h"
+#include "common/logging.h"
+#include "transport/tcp/tcp_common.h"
+
+namespace kvferry::tcp {
+
+// One connection with its two threads. Items move queue_ -> inflight_ -> completed.
+class TcpLane : public std::enable_shared_from_this<TcpLane> {
+ public:
+  TcpLane(const TcpPeerOptions& options, int index) : options_(options), index_(index) {}
+  ~TcpLane() { Join(); }
+
+  // Starts the lane on an already connected socket, or connects first (in the sender thread).
+  void Start(std::unique_ptr<asio::io_context> io, std::unique_ptr<asio::ip::tcp::socket> socket) {
+    io_ = std::move(io);
+    socket_ = std::move(socket);
+    auto self = shared_from_this();
+    sender_ = std::thread([self] { self->SenderMain(); });
+  }
+
+  void Enqueue(std::shared_ptr<WorkItem> item) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!broken_) {
+        item->carrier.store(this);
+        outstanding_bytes_ += item->length + 64;
+        queue_.push_back(std::move(item));
+        cv_.notify_one();
+        return;
+      }
+    }
+    item->Complete(broken_reason());
+  }
+
+  // Interrupts both threads; the last one to exit completes what is left with `why`.
+  void Fail(const Status& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) return;
+      broken_ = true;
+      reason_ = why;
+      cv_.notify_all();
+    }
+    if (socket_ != nullptr && socket_->is_open()) {
+      ::shutdown(socket_->native_handle(), SHUT_RDWR);
+    }
+  }
+
+  bool broken() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return broken_;
+  }
+  uint64_t outstanding_bytes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return outstanding_bytes_;
+  }
+  Status broken_reason() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reason_;
+  }
+
+  // Joins both threads. When the last reference drops on a lane thread itself, that thread
+  // is detached instead (it is about to return).
+  void Join() {
+    for (std::thread* t : {&sender_, &receiver_}) {
+      if (!t->joinable()) continue;
+      if (t->get_id() == std::this_thread::get_id()) {
+        t->detach();
+      } else {
+        t->join();
+      }
+    }
+  }
+
+ private:
+  void SenderMain() {
+    if (socket_ == nullptr) {
+      io_ = std::make_unique<asio::io_context>();
+      socket_ = std::make_unique<asio::ip::tcp::socket>(*io_);
+      SegmentDescriptor ignored;
+      Status s = ConnectAndHello(*socket_, options_.address, options_.self,
+                                 options_.connect_timeout, options_.max_body_bytes, &ignored);
+      if (!s.ok()) {
+        Fail(s);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          threads_alive_ = 1;
+        }
+        ThreadExit();
+        return;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) {  // failed while connecting
+        threads_alive_ = 1;
+      } else {
+        auto self = shared_from_this();
+        receiver_ = std::thread([self] { self->ReceiverMain(); });
+      }
+    }
+    SendLoop();
+    ThreadExit();
+  }
+
+  void SendLoop() {
+    // Gathers up to kMaxGather items or kMaxGatherBytes into one writev.
+    constexpr size_t kMaxGather = 64;
+    constexpr uint64_t kMaxGatherBytes = 1ull << 20;
+    std::vector<std::shared_ptr<WorkItem>> batch;
+    std::vector<wire::HeaderBytes> headers;
+    std::vector<asio::const_buffer> buffers;
+    batch.reserve(kMaxGather);
+    headers.reserve(kMaxGather);
+    while (true) {
+      batch.clear();
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return broken_ || !queue_.empty(); });
+        if (broken_) return;
+        uint64_t bytes = 0;
+        while (!queue_.empty() && batch.size() < kMaxGather &&
+               (batch.empty() || bytes + queue_.front()->length <= kMaxGatherBytes)) {
+          std::shared_ptr<WorkItem> item = std::move(queue_.front());
+          queue_.pop_front();
+          uint8_t expected = WorkItem::kQueued;
+          if (!item->state.compare_exchange_strong(expected, WorkItem::kSending)) {
+            outstanding_bytes_ -= item->length + 64;  // abandoned while queued
+            continue;
+          }
+          bytes += item->length;
+          inflight_.push_back(item);
+          batch.push_back(std::move(item));
+        }
+      }
+      if (batch.empty()) continue;
+      headers.clear();
+      buffers.clear();
+      for (const auto& item : batch) {
+        wire::FrameHeader h;
+        h.request_id = next_request_id_++;
+        switch (item->kind) {
+          case WorkItem::Kind::kWrite:
+            h.type = wire::FrameType::kWrite;
+            h.addr = item->remote_addr;
+            h.length = item->length;
+            break;
+          case WorkItem::Kind::kRead:
+            h.type = wire::FrameType::kRead;
+            h.addr = item->remote_addr;
+            h.length = item->length;
+            break;
+          case WorkItem::Kind::kNotify:
+            h.type = wire::FrameType::kNotify;
+            h.body_bytes = static_cast<uint32_t>(item->message.size());
+            break;
+          case WorkItem::Kind::kDescribe:
+            h.type = wire::FrameType::kDescribe;
+            break;
+        }
+        headers.push_back(wire::EncodeFrameHeader(h));
+      }
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const auto& item = batch[i];
+        buffers.push_back(asio::buffer(headers[i]));
+        if (item->kind == WorkItem::Kind::kNotify && !item->message.empty()) {
+          buffers.push_back(asio::buffer(item->message));
+        } else if (item->kind == WorkItem::Kind::kWrite) {
+          buffers.push_back(asio::buffer(item->local, item->length));
+        }
+      }
+      asio::error_code ec;
+      asio::write(*socket_, buffers, ec);
+      if (ec) {
+        Fail(UnavailableError("connection to peer " + options_.address + " (lane " +
+                              std::to_string(index_) + ") failed while sending: " +
+                              ec.message()));
+        return;
+      }
+      for (const auto& item : batch) {
+        uint8_t expected = WorkItem::kSending;
+        item->state.compare_exchange_strong(expected, WorkItem::kSent);
+      }
+    }
+  }
+
+  void ReceiverMain() {
+    ReceiveLoop();
+    ThreadExit();
+  }
+
+  void ReceiveLoop() {
+    std::vector<uint8_t> scratch;
+    while (true) {
+      asio::error_code ec;
+      auto header = ReadHeader(*socket_, options_.max_body_bytes, ec);
+      if (ec) {
+        Fail(UnavailableError("connection to peer " + options_.address + " lost: " +
+                              ec.message()));
+        return;
+      }
+      if (!header.ok()) {
+        Fail(UnavailableError("peer " + options_.address +
+                              " sent a malformed frame: " + header.status().message()));
+        return;
+      }
+      std::shared_ptr<WorkItem> item;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!inflight_.empty()) {
+          item = std::move(inflight_.front());
+          inflight_.pop_front();
+          outstanding_bytes_ -= item->length + 64;
+        }
+      }
+      if (item == nullptr) {
+        Fail(UnavailableError("peer " + options_.address + " sent an unsolicited " +
+                              std::string(wire::FrameTypeName(header->type))));
+        return;
+      }
+      wire::FrameType want = wire::FrameType::kWriteAck;
+      switch (item->kind) {
+        case WorkItem::Kind::kWrite: want = wire::FrameType::kWriteAck; break;
+        case WorkItem::Kind::kRead: want = wire::FrameType::kReadData; break;
+        case WorkItem::Kind::kNotify: want = wire::FrameType::kNotifyAck; break;
+        case WorkItem::Kind::kDescribe: want = wire::FrameType::kDescribeAck; break;
+      }
+      if (header->type != want ||
+          (header->type == wire::FrameType::kReadData && header->status == 0 &&
+           header->length != item->length)) {
+        Status s = UnavailableError("peer " + options_.address + " answered with " +
+                                    std::string(wire::FrameTypeName(header->type)) +
+                                    " where " + std::string(wire::FrameTypeName(want)) +
+                                    " of the same length was due");
+        Fail(s);
+        FinishAfterTransfer(item.get(), s);
+        return;
+      }
+      std::vector<uint8_t> body(header->body_bytes);
+      if (!body.empty()) {
+        asio::read(*socket_, asio::buffer(body), ec);
+        if (ec) {
+          Status s = UnavailableError("connection to peer " + options_.address + " lost: " +
+                                      ec.message());
+          Fail(s);
+          FinishAfterTransfer(item.get(), s);
+          return;
+        }
+      }
+      Status status = header->status == 0
+                          ? OkStatus()
+                          : Status(StatusCodeFromInt(header->status),
+                                   "peer " + options_.address + ": " +
+                                       std::string(body.begin(), body.end()));
+      if (header->type == wire::FrameType::kReadData && header->status == 0) {
+        // Claim the item before touching its memory; an abandoned item's bytes are drained.
+        uint8_t s = item->state.load();
+        bool claimed = false;
+        while ((s == WorkItem::kSending || s == WorkItem::kSent) &&
+               !(claimed = item->state.compare_exchange_weak(s, WorkItem::kReceiving))) {
+        }
+        if (claimed) {
+          asio::read(*socket_, asio::buffer(item->local, item->length), ec);
+        } else {
+          Discard(*socket_, header->length, ec);
+        }
+        if (ec) {
+          Status lost = UnavailableError("connection to peer " + options_.address +
+                                         " lost mid-READ: " + ec.message());
+          Fail(lost);
+          FinishAfterTransfer(item.get(), lost);
+          return;
+        }
+      }
+      if (item->kind == WorkItem::Kind::kDescribe) item->reply_body = std::move(body);
+      FinishAfterTransfer(item.get(), status);
+    }
+  }
+
+  // Completes an item the receiver owns (state kSending/kSent/kReceiving/kDone).
+  static void FinishAfterTransfer(WorkItem* item, const Status& status) {
+    item->Complete(status);
+  }
+
+  void ThreadExit() {
+    std::deque<std::shared_ptr<WorkItem>> leftover;
+    Status why;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--threads_alive_ > 0) return;
+      leftover.swap(queue_);
+      for (auto& item : inflight_) leftover.push_back(std::move(item));
+      inflight_.clear();
+      outstanding_bytes_ = 0;
+      why = reason_.ok() ? UnavailableError("lane to " + options_.address + " closed") : reason_;
+    }
+    for (auto& item : leftover) item->Complete(why);
+    if (socket_ != nullptr) {
+      asio::error_code ignored;
+      socket_->close(ignored);
+    }
+  }
+
+  const TcpPeerOptions& options_;
+  const int index_;
+  std::unique_ptr<asio::io_context> io_;
+  std::unique_ptr<asio::ip::tcp::socket> socket_;
+  std::thread sender_;
+  std::thread receiver_;
+  uint64_t next_request_id_ = 1;  // sender thread only
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<WorkItem>> queue_;
+  std::deque<std::shared_ptr<WorkItem>> inflight_;
+  uint64_t outstanding_bytes_ = 0;
+  bool broken_ = false;
+  Status reason_;
+  int threads_alive_ = 2;
+};
+
+StatusOr<std::unique_ptr<TcpPeer>> TcpPeer::Create(const TcpPeerOptions& options) {
+  if (options.num_lanes < 1 || options.num_lanes > 64) {
+    return InvalidArgumentError("TCP lanes per peer must be in 1..64, got " +
+                                std::to_string(options.num_lanes));
+  }
+  std::unique_ptr<TcpPeer> peer(new TcpPeer(options));
+  auto io = std::make_unique<asio::io_context>();
+  auto socket = std::make_unique<asio::ip::tcp::socket>(*io);
+  RETURN_IF_ERROR(ConnectAndHello(*socket, options.address, options.self, options.connect_timeout,
+                                  options.max_body_bytes, &peer->descriptor_));
+  peer->lanes_.resize(static_cast<size_t>(options.num_lanes));
+  auto lane = std::make_shared<TcpLane>(peer->options_, 0);
+  lane->Start(std::move(io), std::move(socket));
+  peer->lanes_[0] = std::move(lane);
+  return peer;
+}
+
+TcpPeer::~TcpPeer() { Close(); }
+
+std::shared_ptr<TcpLane> TcpPeer::PickLane() {
+  // Least outstanding bytes; open an unused lane when every open one is busy.
+  std::shared_ptr<TcpLane> best;
+  uint64_t best_bytes = UINT64_MAX;
+  int free_slot = -1;
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    auto& lane = lanes_[i];
+    if (lane != nullptr && lane->broken()) {
+      retired_.push_back(std::move(lane));
+      lane = nullptr;
+    }
+    if (lane == nullptr) {
+      if (free_slot < 0) free_slot = static_cast<int>(i);
+      continue;
+    }
+    uint64_t bytes = lane->outstanding_bytes();
+    if (bytes < best_bytes) {
+      best = lane;
+      best_bytes = bytes;
+    }
+  }
+  if (free_slot >= 0 && (best == nullptr || best_bytes > 0)) {
+    auto lane = std::make_shared<TcpLane>(options_, free_slot);
+    lane->Start(nullptr, nullptr);
+    lanes_[static_cast<size_t>(free_slot)] = lane;
+    return lane;
+  }
+  return best;
+}
+
+void TcpPeer::Submit(std::shared_ptr<WorkItem> item) {
+  std::shared_ptr<TcpLane> lane;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!closed_) lane = PickLane();
+  }
+  if (lane == nullptr) {
+    item->Complete(UnavailableError("segment " + options_.address + " is closed"));
+    return;
+  }
+  lane->Enqueue(std::move(item));
+}
+
+void TcpPeer::Abandon(WorkItem* item, const Status& why) {
+  uint8_t s = item->state.load();
+  while (s == WorkItem::kQueued || s == WorkItem::kSent) {
+    // Not touching local memory now: complete at once. A late response is drained.
+    if (item->state.compare_exchange_weak(s, WorkItem::kDone)) {
+      item->owner->OnWorkDone(item, why);
+      return;
+    }
+  }
+  if (s == WorkItem::kDone) return;
+  // Bytes are moving: interrupt the lane; its threads complete the item once they stopped.
+  auto* lane = static_cast<TcpLane*>(item->carrier.load());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& l : lanes_) {
+    if (l.get() == lane) l->Fail(why);
+  }
+}
+
+void TcpPeer::Close() {
+  std::vector<std::shared_ptr<TcpLane>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    for (auto& l : lanes_) {
+      if (l != nullptr) all.push_back(std::move(l));
+    }
+    lanes_.clear();
+    for (auto& l : retired_) all.push_back(std::move(l));
+    retired_.clear();
+  }
+  for (auto& l : all) l->Fail(UnavailableError("segment " + options_.address + " closed"));
+  for (auto& l : all) l->Join();
+}
+
+}  // namespace kvferry::tcp

@@ -1,0 +1,61 @@
+// Client side of the TCP transport: a pool of persistent connections ("lanes") to one peer.
+//
+// Each lane has a sender thread that pipelines frames (gathering several small requests into
+// one writev, payloads sent straight from the caller's memory) and a receiver thread that
+// matches responses in order and reads READ payloads straight into the caller's memory. A
+// lane that fails (peer closed, reset, malformed response, abandoned mid-transfer) completes
+// everything it held with kUnavailable and is replaced on the next submission.
+//
+// Thread-safety: TcpPeer is thread-safe.
+#pragma once
+
+#include <asio.hpp>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace kvferry::tcp {
+
+struct TcpPeerOptions {
+  std::string address;  // peer "host:port"
+  SegmentDescriptor self;
+  int num_lanes = 4;
+  std::chrono::milliseconds connect_timeout{5000};
+  uint32_t max_body_bytes = 4u << 20;
+};
+
+class TcpLane;
+
+class TcpPeer : public PeerChannel {
+ public:
+  // Connects the first lane and performs the handshake (blocks up to connect_timeout);
+  // further lanes connect on first use. Errors: kUnavailable.
+  static StatusOr<std::unique_ptr<TcpPeer>> Create(const TcpPeerOptions& options);
+  ~TcpPeer() override;
+
+  const SegmentDescriptor& descriptor() const { return descriptor_; }
+  const std::string& address() const { return options_.address; }
+
+  void Submit(std::shared_ptr<WorkItem> item) override;
+  void Abandon(WorkItem* item, const Status& why) override;
+  void Close() override;
+
+ private:
+  explicit TcpPeer(const TcpPeerOptions& options) : options_(options) {}
+  std::shared_ptr<TcpLane> PickLane();
+
+  TcpPeerOptions options_;
+  SegmentDescriptor descriptor_;
+  std::mutex mu_;
+  bool closed_ = false;
+  std::vector<std::shared_ptr<TcpLane>> lanes_;    // size num_lanes; null until first use
+  std::vector<std::shared_ptr<TcpLane>> retired_;  // failed lanes, joined on Close
+};
+
+}  // namespace kvferry::tcp

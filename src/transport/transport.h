@@ -1,0 +1,76 @@
+// The transport interface. A transport moves WorkItems (request slices, notifications,
+// descriptor queries) to one peer through a PeerChannel. Transport state lives in the
+// transport's own types; the engine sees only this interface.
+//
+// Completion contract: every WorkItem handed to PeerChannel::Submit is completed exactly once
+// by calling its owner's OnWorkDone, from a transport thread, after the transport stopped
+// touching the item's local memory. Abandon() asks for an early completion (deadline or
+// cancellation): items not yet on the wire complete at once; items whose bytes are moving
+// are interrupted first.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvferry/memory.h"
+#include "kvferry/segment.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+struct WorkItem;
+
+class WorkOwner {
+ public:
+  virtual ~WorkOwner() = default;
+  virtual void OnWorkDone(WorkItem* item, const Status& status) = 0;
+};
+
+struct WorkItem {
+  enum class Kind : uint8_t { kWrite, kRead, kNotify, kDescribe };
+  // Life of an item inside a transport; only moves forward. kDone is terminal.
+  enum State : uint8_t { kQueued, kSending, kSent, kReceiving, kDone };
+
+  Kind kind = Kind::kWrite;
+  uint8_t* local = nullptr;  // kWrite source / kRead destination
+  uint64_t remote_addr = 0;
+  uint64_t length = 0;
+  std::string message;               // kNotify
+  std::vector<uint8_t> reply_body;   // kDescribe reply
+  uint32_t request_index = 0;        // owner's bookkeeping
+  WorkOwner* owner = nullptr;
+  std::shared_ptr<void> owner_keepalive;  // keeps `owner` alive until completion
+
+  std::atomic<uint8_t> state{kQueued};
+  std::atomic<void*> carrier{nullptr};  // transport-private: what is moving the item
+
+  // Moves the item to kDone and calls the owner once; later calls do nothing.
+  void Complete(const Status& status) {
+    if (state.exchange(kDone) == kDone) return;
+    owner->OnWorkDone(this, status);
+  }
+};
+
+struct TransportCapabilities {
+  bool host_memory = true;
+  bool device_memory = false;
+  bool same_node_only = false;
+};
+
+class PeerChannel {
+ public:
+  virtual ~PeerChannel() = default;
+  // Queues an item; never blocks on the network.
+  virtual void Submit(std::shared_ptr<WorkItem> item) = 0;
+  // Completes `item` early with `why` (see the contract above).
+  virtual void Abandon(WorkItem* item, const Status& why) = 0;
+  // Fails everything queued with kUnavailable and closes connections. Blocks until threads
+  // stopped.
+  virtual void Close() = 0;
+};
+
+}  // namespace kvferry

@@ -1,0 +1,370 @@
+// Two-process tests of the transfer engine over TCP: a real peer process, real sockets.
+#include "kvferry/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <asio.hpp>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "engine/wire.h"
+#include "testutil/peer_process.h"
+#include "testutil/scale.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+using testutil::PeerPatternByte;
+using testutil::PeerProcess;
+
+constexpr uint64_t kRegionBytes = 160ull << 20;
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    peer_ = std::make_unique<PeerProcess>(kRegionBytes);
+    ASSERT_TRUE(peer_->ok());
+    EngineOptions options;
+    options.name = "test-client";
+    auto engine = TransferEngine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    engine_ = std::move(*engine);
+    auto seg = engine_->OpenSegment(peer_->info().address);
+    ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+    segment_ = *seg;
+  }
+  void TearDown() override {
+    engine_.reset();
+    peer_.reset();
+  }
+
+  uint64_t rw(uint64_t offset) const { return peer_->info().rw_base + offset; }
+
+  Status Write(const void* src, uint64_t remote, uint64_t len, milliseconds deadline = {}) {
+    TransferRequest r{TransferOp::kWrite, src, segment_, remote, len};
+    BatchOptions o;
+    o.deadline = deadline;
+    return TransferSync(*engine_, std::span(&r, 1), o);
+  }
+  Status Read(void* dst, uint64_t remote, uint64_t len) {
+    TransferRequest r{TransferOp::kRead, dst, segment_, remote, len};
+    return TransferSync(*engine_, std::span(&r, 1));
+  }
+
+  std::unique_ptr<PeerProcess> peer_;
+  std::unique_ptr<TransferEngine> engine_;
+  SegmentHandle segment_;
+};
+
+TEST_F(EngineTest, HandshakeExchangesDescriptors) {
+  auto desc = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(desc.ok());
+  EXPECT_EQ(desc->name, "test-peer");
+  EXPECT_EQ(desc->Address(), peer_->info().address);
+  EXPECT_EQ(desc->node_id, engine_->LocalDescriptor().node_id);
+  ASSERT_EQ(desc->regions.size(), 2u);
+  EXPECT_EQ(desc->transports, std::vector<std::string>{"tcp"});
+  // Opening the same address again yields the same handle.
+  auto again = engine_->OpenSegment(peer_->info().address);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, segment_);
+}
+
+TEST_F(EngineTest, ReadsThePeersBytes) {
+  std::vector<uint8_t> got(1 << 20);
+  ASSERT_TRUE(Read(got.data(), rw(12345), got.size()).ok());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i], PeerPatternByte(12345 + i)) << "byte " << i;
+  }
+  ASSERT_TRUE(Read(got.data(), peer_->info().ro_base + 7, 1000).ok());
+  EXPECT_EQ(got[0], PeerPatternByte(7));
+}
+
+// Random sizes 1 B .. 64 MiB at random offsets, from several threads at once, each thread in
+// its own part of the peer's region; every byte written is read back and compared.
+TEST_F(EngineTest, RandomSizesFromManyThreadsVerifiedByteForByte) {
+  const int kThreads = 4;
+  const int kRounds = testutil::SmallScale() ? 6 : 24;
+  const uint64_t kArea = kRegionBytes / kThreads;  // 40 MiB per thread
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  std::atomic<uint64_t> bytes{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(1000 + t);
+      for (int round = 0; round < kRounds; ++round) {
+        // Log-uniform size so small and large requests both appear; one 64 MiB request spans
+        // two areas, so only thread 0 issues it, before the others write theirs.
+        uint64_t len = uint64_t{1} << std::uniform_int_distribution<int>(0, 25)(rng);
+        len = std::max<uint64_t>(1, len + rng() % len);
+        len = std::min(len, kArea);
+        uint64_t offset = t * kArea + rng() % (kArea - len + 1);
+        std::vector<uint8_t> src(len), back(len, 0);
+        for (auto& b : src) b = static_cast<uint8_t>(rng());
+        Status w = Write(src.data(), rw(offset), len);
+        Status r = w.ok() ? Read(back.data(), rw(offset), len) : w;
+        if (!r.ok() || std::memcmp(src.data(), back.data(), len) != 0) {
+          ADD_FAILURE() << "thread " << t << " round " << round << " len " << len << ": "
+                        << r.ToString();
+          ++failures;
+        }
+        bytes += len;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(bytes.load(), 0u);
+}
+
+TEST_F(EngineTest, SixtyFourMiBRequestAndBatchOfManySmall) {
+  const uint64_t big = 64ull << 20;
+  std::vector<uint8_t> src(big), back(big);
+  std::mt19937_64 rng(7);
+  for (size_t i = 0; i < big; i += 8) {
+    uint64_t v = rng();
+    std::memcpy(&src[i], &v, 8);
+  }
+  ASSERT_TRUE(Write(src.data(), rw(3), big).ok());
+  ASSERT_TRUE(Read(back.data(), rw(3), big).ok());
+  ASSERT_EQ(std::memcmp(src.data(), back.data(), big), 0);
+
+  // 2000 requests of 1..4 KiB in one batch, scattered; per-request status is reported.
+  std::vector<TransferRequest> reqs;
+  uint64_t off = 100ull << 20;
+  for (int i = 0; i < 2000; ++i) {
+    uint64_t len = 1 + rng() % 4096;
+    reqs.push_back({TransferOp::kWrite, src.data() + i * 4096, segment_, rw(off), len});
+    off += len + 13;
+  }
+  auto id = engine_->SubmitBatch(reqs);
+  ASSERT_TRUE(id.ok());
+  auto st = engine_->WaitBatch(*id, std::chrono::seconds(30));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kCompleted) << st->error.ToString();
+  EXPECT_EQ(st->num_completed, 2000u);
+  auto one = engine_->GetTransferStatus(*id, 1999);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->state, TransferState::kCompleted);
+  EXPECT_EQ(one->transferred_bytes, reqs[1999].length_bytes);
+  EXPECT_EQ(engine_->GetTransferStatus(*id, 2000).status().code(), StatusCode::kOutOfRange);
+  ASSERT_TRUE(engine_->ReleaseBatch(*id).ok());
+  EXPECT_EQ(engine_->GetBatchStatus(*id).status().code(), StatusCode::kNotFound);
+  for (const auto& r : reqs) {
+    std::vector<uint8_t> b(r.length_bytes);
+    ASSERT_TRUE(Read(b.data(), r.remote_addr, r.length_bytes).ok());
+    ASSERT_EQ(std::memcmp(b.data(), r.local_addr, r.length_bytes), 0);
+  }
+}
+
+TEST_F(EngineTest, WriteOutsideRegisteredMemoryFailsAndTouchesNothing) {
+  const auto& info = peer_->info();
+  std::vector<uint8_t> src(8192, 0xAB);
+  // Straddles the end of the read-write region.
+  Status s = Write(src.data(), rw(kRegionBytes - 4096), 8192);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("not inside a registered region"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("+8192"), std::string::npos) << s.message();
+  std::vector<uint8_t> back(4096);
+  ASSERT_TRUE(Read(back.data(), rw(kRegionBytes - 4096), 4096).ok());
+  for (size_t i = 0; i < back.size(); ++i) {
+    ASSERT_EQ(back[i], PeerPatternByte(kRegionBytes - 4096 + i)) << "byte " << i << " changed";
+  }
+  // Entirely unregistered address.
+  s = Write(src.data(), 4096, 100);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  // Read-only region refuses WRITE, still serves READ, and is unchanged.
+  s = Write(src.data(), info.ro_base + 10, 100);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("without remote write"), std::string::npos) << s.message();
+  ASSERT_TRUE(Read(back.data(), info.ro_base + 10, 100).ok());
+  EXPECT_EQ(back[0], PeerPatternByte(10));
+  // READ beyond the region fails too and leaves our buffer untouched.
+  std::fill(back.begin(), back.end(), 0x5A);
+  s = Read(back.data(), info.ro_base + info.ro_bytes - 10, 20);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(back[0], 0x5A);
+  // The connection still works after refusals.
+  ASSERT_TRUE(Write(src.data(), rw(0), 100).ok());
+}
+
+TEST_F(EngineTest, NotificationArrivesAfterTheBatchLanded) {
+  const uint64_t len = 24ull << 20;
+  std::vector<uint8_t> src(len);
+  std::mt19937_64 rng(3);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<TransferRequest> reqs;
+  for (uint64_t off = 0; off < len; off += 1 << 20) {
+    reqs.push_back({TransferOp::kWrite, src.data() + off, segment_, rw(off), 1 << 20});
+  }
+  BatchOptions o;
+  o.notification = "hash:0:" + std::to_string(len);
+  ASSERT_TRUE(TransferSync(*engine_, reqs, o).ok());
+  // The peer hashed its memory when the notification arrived and echoes the hash back.
+  std::string want = "echo:" + std::to_string(testutil::Hash64(src.data(), len));
+  std::vector<Notification> got;
+  for (int i = 0; i < 500 && got.empty(); ++i) {
+    got = engine_->PollNotifications();
+    if (got.empty()) std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].message, want);
+  EXPECT_EQ(got[0].peer_name, "test-peer");
+}
+
+TEST_F(EngineTest, KilledPeerFailsInFlightRequestsWithinDeadline) {
+  const uint64_t len = 8ull << 20;
+  std::vector<uint8_t> src(len, 1);
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < 200; ++i) {
+    reqs.push_back({TransferOp::kWrite, src.data(), segment_, rw((i % 16) * len), len});
+  }
+  BatchOptions o;
+  o.deadline = milliseconds(5000);
+  auto start = std::chrono::steady_clock::now();
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  std::this_thread::sleep_for(milliseconds(20));
+  peer_->Kill();
+  auto st = engine_->WaitBatch(*id, milliseconds(10000));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kFailed);
+  EXPECT_GT(st->num_failed, 0u);
+  EXPECT_LT(elapsed, milliseconds(5500));
+  EXPECT_TRUE(st->error.code() == StatusCode::kUnavailable ||
+              st->error.code() == StatusCode::kDeadlineExceeded)
+      << st->error.ToString();
+  // A new batch to the dead peer fails too, quickly, instead of hanging.
+  Status s = Write(src.data(), rw(0), 100, milliseconds(3000));
+  EXPECT_FALSE(s.ok());
+}
+
+TEST_F(EngineTest, StalledPeerHitsDeadlineAndSurvivorsStayUsable) {
+  const uint64_t len = 32ull << 20;
+  std::vector<uint8_t> src(len, 2);
+  std::vector<uint8_t> dst(len, 0);
+  peer_->Stop();
+  BatchOptions o;
+  o.deadline = milliseconds(400);
+  TransferRequest reqs[2] = {{TransferOp::kWrite, src.data(), segment_, rw(0), len},
+                             {TransferOp::kRead, dst.data(), segment_, rw(len), len}};
+  auto start = std::chrono::steady_clock::now();
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  auto st = engine_->WaitBatch(*id, milliseconds(5000));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded) << st->error.ToString();
+  EXPECT_NE(st->error.message().find("deadline of 400 ms"), std::string::npos);
+  EXPECT_LT(elapsed, milliseconds(2000));
+  auto r0 = engine_->GetTransferStatus(*id, 0);
+  ASSERT_TRUE(r0.ok());
+  EXPECT_EQ(r0->state, TransferState::kFailed);
+  ASSERT_TRUE(engine_->ReleaseBatch(*id).ok());
+  // Once the peer resumes, new transfers succeed on fresh lanes.
+  peer_->Continue();
+  std::vector<uint8_t> small(4096, 9), back(4096);
+  Status w = Write(small.data(), rw(0), small.size());
+  ASSERT_TRUE(w.ok()) << w.ToString();
+  ASSERT_TRUE(Read(back.data(), rw(0), back.size()).ok());
+  EXPECT_EQ(back, small);
+}
+
+TEST_F(EngineTest, CancelStopsQueuedRequests) {
+  std::vector<uint8_t> src(1 << 20, 3);
+  peer_->Stop();
+  std::vector<TransferRequest> reqs(500, {TransferOp::kWrite, src.data(), segment_, rw(0), 1 << 20});
+  BatchOptions o;
+  o.deadline = milliseconds(2000);
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  std::this_thread::sleep_for(milliseconds(50));
+  ASSERT_TRUE(engine_->CancelBatch(*id).ok());
+  auto st = engine_->GetBatchStatus(*id);
+  ASSERT_TRUE(st.ok());
+  EXPECT_NE(st->state, TransferState::kPending);
+  EXPECT_EQ(st->num_completed, 0u);
+  EXPECT_EQ(st->num_failed, 500u);
+  auto last = engine_->GetTransferStatus(*id, 499);
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(last->state, TransferState::kCancelled);
+  peer_->Continue();
+}
+
+TEST_F(EngineTest, BadSubmissionsAreRefused) {
+  std::vector<uint8_t> src(16);
+  EXPECT_EQ(engine_->SubmitBatch({}).status().code(), StatusCode::kInvalidArgument);
+  TransferRequest null_local{TransferOp::kWrite, nullptr, segment_, rw(0), 16};
+  EXPECT_EQ(engine_->SubmitBatch(std::span(&null_local, 1)).status().code(),
+            StatusCode::kInvalidArgument);
+  TransferRequest zero{TransferOp::kWrite, src.data(), segment_, rw(0), 0};
+  EXPECT_EQ(engine_->SubmitBatch(std::span(&zero, 1)).status().code(),
+            StatusCode::kInvalidArgument);
+  TransferRequest unknown{TransferOp::kWrite, src.data(), SegmentHandle{999}, rw(0), 16};
+  EXPECT_EQ(engine_->SubmitBatch(std::span(&unknown, 1)).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine_->OpenSegment("no-port").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->OpenSegment("127.0.0.1:1").status().code(), StatusCode::kUnavailable);
+}
+
+// Garbage and truncated frames close that connection only; the engine keeps serving.
+TEST_F(EngineTest, MalformedFramesCloseOnlyThatConnection) {
+  std::string host = peer_->info().address.substr(0, peer_->info().address.rfind(':'));
+  uint16_t port = static_cast<uint16_t>(
+      std::stoi(peer_->info().address.substr(peer_->info().address.rfind(':') + 1)));
+  asio::io_context io;
+  auto send_and_expect_close = [&](std::vector<uint8_t> bytes) {
+    asio::ip::tcp::socket s(io);
+    s.connect({asio::ip::make_address(host), port});
+    asio::write(s, asio::buffer(bytes));
+    uint8_t b;
+    asio::error_code ec;
+    s.read_some(asio::buffer(&b, 1), ec);
+    EXPECT_TRUE(ec == asio::error::eof || ec == asio::error::connection_reset) << ec.message();
+  };
+  send_and_expect_close(std::vector<uint8_t>(40, 0xFF));  // bad magic
+  wire::FrameHeader w;
+  w.type = wire::FrameType::kWrite;
+  w.addr = rw(0);
+  w.length = 8;
+  auto hb = wire::EncodeFrameHeader(w);
+  send_and_expect_close(std::vector<uint8_t>(hb.begin(), hb.end()));  // WRITE before HELLO
+  wire::FrameHeader huge;
+  huge.type = wire::FrameType::kHello;
+  huge.body_bytes = 1u << 30;
+  hb = wire::EncodeFrameHeader(huge);
+  send_and_expect_close(std::vector<uint8_t>(hb.begin(), hb.end()));  // oversized body
+  std::vector<uint8_t> src(1000, 4), back(1000);
+  ASSERT_TRUE(Write(src.data(), rw(500), 1000).ok());
+  ASSERT_TRUE(Read(back.data(), rw(500), 1000).ok());
+  EXPECT_EQ(back, src);
+}
+
+TEST(EngineLocalTest, RegistrationRules) {
+  auto engine = TransferEngine::Create({});
+  ASSERT_TRUE(engine.ok());
+  std::vector<uint8_t> buf(1 << 16);
+  TransferEngine& e = **engine;
+  ASSERT_TRUE(e.RegisterMemory(buf.data(), 4096, {}).ok());
+  EXPECT_EQ(e.RegisterMemory(buf.data() + 100, 10, {}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.RegisterMemory(nullptr, 10, {}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.RegisterMemory(buf.data() + 8192, 0, {}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.RegisterMemory(buf.data() + 8192, 10, {MemoryKind::kCuda, 0}).code(),
+            StatusCode::kUnimplemented);
+  ASSERT_TRUE(e.RegisterMemory(buf.data() + 4096, 4096, {}).ok());
+  EXPECT_EQ(e.LocalDescriptor().regions.size(), 2u);
+  EXPECT_TRUE(e.UnregisterMemory(buf.data()).ok());
+  EXPECT_EQ(e.UnregisterMemory(buf.data()).code(), StatusCode::kNotFound);
+  EXPECT_EQ(e.LocalDescriptor().regions.size(), 1u);
+  EngineOptions bad;
+  bad.transport = "carrier-pigeon";
+  EXPECT_EQ(TransferEngine::Create(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvferry

@@ -1,0 +1,48 @@
+// A real peer engine in a child process, for two-process tests.
+//
+// The child creates a TransferEngine on loopback, registers a read-write region of
+// `region_bytes` and a second, read-only region, fills both with a known pattern, and serves
+// until killed. It echoes every notification back to the sender as "echo:<xxh64 of range>"
+// when the message is "hash:<offset>:<length>" (offset into the read-write region), so a
+// test can check what had landed when the notification arrived.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+namespace kvferry::testutil {
+
+struct PeerInfo {
+  std::string address;
+  uint64_t rw_base = 0;
+  uint64_t rw_bytes = 0;
+  uint64_t ro_base = 0;
+  uint64_t ro_bytes = 0;
+};
+
+class PeerProcess {
+ public:
+  // Forks the child. Call before the test creates threads.
+  explicit PeerProcess(uint64_t region_bytes);
+  ~PeerProcess();  // SIGKILLs and reaps the child
+
+  const PeerInfo& info() const { return info_; }
+  pid_t pid() const { return pid_; }
+  bool ok() const { return !info_.address.empty(); }
+  void Kill();
+  void Stop();      // SIGSTOP: the peer stalls with sockets open
+  void Continue();  // SIGCONT
+
+ private:
+  pid_t pid_ = -1;
+  PeerInfo info_;
+};
+
+// Byte `i` of the pattern the child writes at offset `i` of its regions.
+uint8_t PeerPatternByte(uint64_t i);
+
+uint64_t Hash64(const void* data, size_t length);
+
+}  // namespace kvferry::testutil
