@@ -1,0 +1,117 @@
+// KV pools: the host memory a prefill or decode instance keeps its paged KV cache in, and the
+// allocator that hands out its pages.
+//
+// PageAllocator hands out page indices the way a long-running server does: after hours of
+// traffic the free list is fragmented, so a request's pages are rarely one ascending run. With a
+// nonzero seed the initial free list reproduces that (runs of random length shuffled), and freed
+// pages go to the back of the list, so reuse mixes further. This matters because transfers
+// coalesce only consecutive pages (CoalescePageRuns), and a benchmark on an ascending free list
+// would flatter them.
+//
+// KvPool owns one block of host memory holding every buffer of a KvLayout for num_pages pages.
+//
+// Thread-safety: PageAllocator is thread-safe. KvPool's accessors are thread-safe (they only
+// compute addresses); who writes which page is the caller's business, usually settled by the
+// PageAllocator that owns the page indices.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "kvferry/kv_layout.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+// Hands out page indices in [0, capacity) from a free list.
+class PageAllocator {
+ public:
+  // A negative num_pages is treated as 0 (every Allocate then fails with kInvalidArgument).
+  // shuffle_seed == 0: the free list starts ascending 0, 1, ..., num_pages - 1.
+  // shuffle_seed != 0: the list is cut into runs of random length 1..64 whose order is shuffled,
+  // deterministically for a given seed (on every platform).
+  explicit PageAllocator(int32_t num_pages, uint64_t shuffle_seed = 0);
+
+  PageAllocator(const PageAllocator&) = delete;
+  PageAllocator& operator=(const PageAllocator&) = delete;
+
+  // Takes `num_pages` pages from the front of the free list, in free-list order. Never blocks.
+  // Errors: kInvalidArgument when num_pages <= 0 or num_pages > capacity() (the message states
+  // both numbers); kResourceExhausted when fewer than num_pages are free now.
+  StatusOr<std::vector<int32_t>> Allocate(int32_t num_pages);
+
+  // As Allocate, but blocks until num_pages pages are free or `timeout` passes.
+  // Errors: kInvalidArgument as Allocate; kDeadlineExceeded when the timeout passes first.
+  StatusOr<std::vector<int32_t>> AllocateWait(int32_t num_pages, std::chrono::milliseconds timeout);
+
+  // Returns pages to the back of the free list, in the given order, and wakes AllocateWait
+  // callers. All-or-nothing: errors: kFailedPrecondition when any page is out of range, not
+  // allocated, or listed twice (nothing is freed then).
+  Status Free(std::span<const int32_t> pages);
+
+  int32_t num_free() const;
+  int32_t capacity() const { return capacity_; }
+
+ private:
+  const int32_t capacity_;
+  mutable std::mutex mu_;
+  std::condition_variable freed_;
+  std::deque<int32_t> free_list_;      // guarded by mu_
+  std::vector<uint8_t> is_allocated_;  // guarded by mu_; one flag per page
+};
+
+// Host memory for every buffer of a layout. Buffer b occupies
+// [data() + b * num_pages * page_bytes, + num_pages * page_bytes), laid out
+// [page][token slot][head][head_dim] (see kv_layout.h). Memory starts zeroed and is 4 KiB
+// aligned; it is freed with the pool.
+class KvPool {
+ public:
+  // Errors: kInvalidArgument when num_pages < 1 or the size overflows; kResourceExhausted when
+  // the memory cannot be mapped.
+  static StatusOr<std::unique_ptr<KvPool>> Create(const KvLayout& layout, int32_t num_pages);
+
+  // The most pages (all buffers) that fit in `pool_bytes`, clamped to INT32_MAX; may be 0.
+  static int32_t PagesForBytes(const KvLayout& layout, uint64_t pool_bytes);
+
+  ~KvPool();
+  KvPool(const KvPool&) = delete;
+  KvPool& operator=(const KvPool&) = delete;
+
+  const KvLayout& layout() const { return layout_; }
+  int32_t num_pages() const { return num_pages_; }
+
+  uint8_t* data() { return data_; }
+  const uint8_t* data() const { return data_; }
+  uint64_t size_bytes() const { return size_bytes_; }
+
+  // First byte of `buffer`. REQUIRES 0 <= buffer < layout().num_buffers().
+  uint8_t* BufferBase(int buffer) { return data_ + static_cast<uint64_t>(buffer) * buffer_bytes_; }
+  const uint8_t* BufferBase(int buffer) const {
+    return data_ + static_cast<uint64_t>(buffer) * buffer_bytes_;
+  }
+  // First byte of `page` in `buffer` (page_bytes() long).
+  // REQUIRES 0 <= buffer < layout().num_buffers() and 0 <= page < num_pages().
+  uint8_t* PageAddress(int buffer, int32_t page) {
+    return BufferBase(buffer) + static_cast<uint64_t>(page) * layout_.page_bytes();
+  }
+  const uint8_t* PageAddress(int buffer, int32_t page) const {
+    return BufferBase(buffer) + static_cast<uint64_t>(page) * layout_.page_bytes();
+  }
+
+ private:
+  KvPool(const KvLayout& layout, int32_t num_pages, uint8_t* data, uint64_t size_bytes);
+
+  KvLayout layout_;
+  int32_t num_pages_;
+  uint8_t* data_;
+  uint64_t size_bytes_;
+  uint64_t buffer_bytes_;  // num_pages * page_bytes
+};
+
+}  // namespace kvferry
