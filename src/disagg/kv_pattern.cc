@@ -1,0 +1,249 @@
+#include "disagg/kv_pattern.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace kvferry {
+
+namespace {
+
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
+constexpr uint64_t kTokenStep = 0xd1b54a32d192ed03ULL;
+constexpr uint64_t kHeadStep = 0x8cb92ba72f3d8dd7ULL;
+constexpr uint64_t kAuxSalt = 0xa0761d6478bd642fULL;
+
+// splitmix64's finalizer: a strong bijective mix, used once per seed.
+inline uint64_t Mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Word i of a head vector: a cheaper bijective mix (one multiply), used once per 8 bytes.
+// Bijective in (seed + i * kGolden), so the words of one head never repeat.
+inline uint64_t PatternWord(uint64_t seed, uint64_t i) {
+  uint64_t x = seed + (i + 1) * kGolden;
+  x ^= x >> 32;
+  x *= 0xd6e8feb86659fd93ULL;
+  return x ^ (x >> 32);
+}
+
+// Seed shared by every head vector of one buffer of one request.
+inline uint64_t BufferSeed(uint64_t room, int layer, int is_value) {
+  const uint64_t which = (static_cast<uint64_t>(static_cast<uint32_t>(layer)) << 1) |
+                         static_cast<uint64_t>(is_value != 0);
+  return Mix64(Mix64(room) + (which + 1) * kGolden);
+}
+
+inline uint64_t HeadSeed(uint64_t buffer_seed, int64_t token, int head) {
+  return Mix64(buffer_seed + static_cast<uint64_t>(token) * kTokenStep +
+               static_cast<uint64_t>(static_cast<uint32_t>(head)) * kHeadStep);
+}
+
+inline void StoreWord(uint8_t* dst, uint64_t word) { std::memcpy(dst, &word, sizeof(word)); }
+inline uint64_t LoadWord(const uint8_t* src) {
+  uint64_t word;
+  std::memcpy(&word, src, sizeof(word));
+  return word;
+}
+
+// Writes `num_bytes` pattern bytes for `seed` at dst (byte j of the stream is byte j % 8 of
+// word j / 8, little-endian order as stored by memcpy).
+inline void WritePattern(uint8_t* dst, uint64_t seed, uint64_t num_bytes) {
+  const uint64_t num_words = num_bytes / 8;
+  for (uint64_t i = 0; i < num_words; ++i) StoreWord(dst + 8 * i, PatternWord(seed, i));
+  const uint64_t tail = num_bytes % 8;
+  if (tail != 0) {
+    const uint64_t word = PatternWord(seed, num_words);
+    std::memcpy(dst + 8 * num_words, &word, tail);
+  }
+}
+
+// Returns nonzero when the bytes at src differ from the pattern of `seed`.
+inline uint64_t DiffPattern(const uint8_t* src, uint64_t seed, uint64_t num_bytes) {
+  const uint64_t num_words = num_bytes / 8;
+  uint64_t diff = 0;
+  for (uint64_t i = 0; i < num_words; ++i) diff |= LoadWord(src + 8 * i) ^ PatternWord(seed, i);
+  const uint64_t tail = num_bytes % 8;
+  if (tail != 0) {
+    const uint64_t word = PatternWord(seed, num_words);
+    diff |= static_cast<uint64_t>(std::memcmp(src + 8 * num_words, &word, tail) != 0);
+  }
+  return diff;
+}
+
+// Byte offset of the first difference from the pattern (REQUIRES one exists).
+uint64_t FirstDiffByte(const uint8_t* src, uint64_t seed, uint64_t num_bytes, uint8_t* expected,
+                       uint8_t* actual) {
+  for (uint64_t j = 0; j < num_bytes; ++j) {
+    const uint64_t word = PatternWord(seed, j / 8);
+    uint8_t want;
+    std::memcpy(&want, reinterpret_cast<const uint8_t*>(&word) + j % 8, 1);
+    if (src[j] != want) {
+      *expected = want;
+      *actual = src[j];
+      return j;
+    }
+  }
+  *expected = *actual = 0;
+  return num_bytes;
+}
+
+const char* BufferKindName(const KvLayout& layout, int buffer) {
+  if (layout.geometry().attention == AttentionKind::kMla) return "latent";
+  return layout.BufferIsValue(buffer) ? "V" : "K";
+}
+
+}  // namespace
+
+uint64_t PatternSeed(uint64_t room, int layer, int is_value, int64_t token, int head) {
+  return HeadSeed(BufferSeed(room, layer, is_value), token, head);
+}
+
+void FillTokens(const KvLayout& layout, KvPool& pool, uint64_t room, std::span<const int32_t> pages,
+                int64_t first_token, int64_t num_tokens) {
+  if (first_token < 0 || num_tokens <= 0) return;
+  const int64_t page_size = layout.page_size();
+  const int heads = layout.heads_per_token();
+  const uint64_t head_bytes = layout.head_bytes();
+  const uint64_t token_bytes = layout.token_bytes();
+  const int64_t end_token = first_token + num_tokens;
+  const int64_t first_page = first_token / page_size;
+  const int64_t end_page =
+      std::min<int64_t>(layout.NumPages(end_token), static_cast<int64_t>(pages.size()));
+  for (int b = 0; b < layout.num_buffers(); ++b) {
+    const uint64_t buffer_seed =
+        BufferSeed(room, layout.BufferLayer(b), layout.BufferIsValue(b) ? 1 : 0);
+    for (int64_t pi = first_page; pi < end_page; ++pi) {
+      const int32_t page = pages[pi];
+      if (page < 0 || page >= pool.num_pages()) continue;
+      uint8_t* base = pool.PageAddress(b, page);
+      const int64_t t_begin = std::max(first_token, pi * page_size);
+      const int64_t t_end = std::min(end_token, (pi + 1) * page_size);
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        uint8_t* dst = base + static_cast<uint64_t>(t - pi * page_size) * token_bytes;
+        for (int h = 0; h < heads; ++h) {
+          WritePattern(dst + h * head_bytes, HeadSeed(buffer_seed, t, h), head_bytes);
+        }
+      }
+    }
+  }
+}
+
+VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t room,
+                          std::span<const int32_t> pages, int64_t num_tokens) {
+  VerifyResult result;
+  if (num_tokens <= 0) return result;
+  const int64_t page_size = layout.page_size();
+  const int heads = layout.heads_per_token();
+  const uint64_t head_bytes = layout.head_bytes();
+  const uint64_t token_bytes = layout.token_bytes();
+  const int64_t num_pages = layout.NumPages(num_tokens);
+  char text[512];
+  for (int b = 0; b < layout.num_buffers(); ++b) {
+    const int layer = layout.BufferLayer(b);
+    const uint64_t buffer_seed = BufferSeed(room, layer, layout.BufferIsValue(b) ? 1 : 0);
+    for (int64_t pi = 0; pi < num_pages; ++pi) {
+      ++result.pages_checked;
+      const int32_t page = pi < static_cast<int64_t>(pages.size()) ? pages[pi] : -1;
+      if (page < 0 || page >= pool.num_pages()) {
+        ++result.pages_mismatched;
+        if (result.first_mismatch.empty()) {
+          std::snprintf(text, sizeof(text),
+                        "room %" PRIu64 " buffer %d (layer %d %s): request page %" PRId64
+                        " has %s page index %d (pool has %d pages, request lists %zu)",
+                        room, b, layer, BufferKindName(layout, b), pi,
+                        pi < static_cast<int64_t>(pages.size()) ? "out-of-range" : "no", page,
+                        pool.num_pages(), pages.size());
+          result.first_mismatch = text;
+        }
+        continue;
+      }
+      const uint8_t* base = pool.PageAddress(b, page);
+      const int64_t t_begin = pi * page_size;
+      const int64_t t_end = std::min(num_tokens, t_begin + page_size);
+      bool page_bad = false;
+      for (int64_t t = t_begin; t < t_end && !page_bad; ++t) {
+        const uint8_t* src = base + static_cast<uint64_t>(t - t_begin) * token_bytes;
+        for (int h = 0; h < heads; ++h) {
+          const uint64_t seed = HeadSeed(buffer_seed, t, h);
+          if (DiffPattern(src + h * head_bytes, seed, head_bytes) == 0) continue;
+          page_bad = true;
+          if (result.first_mismatch.empty()) {
+            uint8_t expected = 0;
+            uint8_t actual = 0;
+            const uint64_t at =
+                FirstDiffByte(src + h * head_bytes, seed, head_bytes, &expected, &actual);
+            const uint64_t pool_offset =
+                static_cast<uint64_t>(src + h * head_bytes + at - pool.data());
+            std::snprintf(text, sizeof(text),
+                          "room %" PRIu64 " buffer %d (layer %d %s) page %d (request page %" PRId64
+                          ") token %" PRId64 " head %d byte offset %" PRIu64
+                          " in head (pool offset %" PRIu64 "): expected 0x%02x, got 0x%02x",
+                          room, b, layer, BufferKindName(layout, b), page, pi, t, h, at,
+                          pool_offset, expected, actual);
+            result.first_mismatch = text;
+          }
+          break;
+        }
+      }
+      if (page_bad) ++result.pages_mismatched;
+    }
+  }
+  return result;
+}
+
+namespace {
+
+inline bool IsRoomField(const AuxLayout& layout, const AuxField& field) {
+  return field.size_bytes != 0 && field.offset_bytes == layout.room_offset();
+}
+
+inline uint64_t AuxFieldSeed(uint64_t room, size_t field_index) {
+  return Mix64(Mix64(room ^ kAuxSalt) + (field_index + 1) * kGolden);
+}
+
+}  // namespace
+
+void FillAuxRow(const AuxLayout& layout, uint8_t* row, uint64_t room) {
+  std::memset(row, 0, layout.row_bytes());
+  const std::vector<AuxField>& fields = layout.fields();
+  for (size_t k = 0; k < fields.size(); ++k) {
+    const AuxField& f = fields[k];
+    if (IsRoomField(layout, f)) continue;
+    WritePattern(row + f.offset_bytes, AuxFieldSeed(room, k), f.size_bytes);
+  }
+  std::memcpy(row + layout.room_offset(), &room, sizeof(room));
+}
+
+Status VerifyAuxRow(const AuxLayout& layout, const uint8_t* row, uint64_t room) {
+  uint64_t row_room;
+  std::memcpy(&row_room, row + layout.room_offset(), sizeof(row_room));
+  if (row_room != room) {
+    return DataLossError("aux row metadata corruption: row holds bootstrap room " +
+                         std::to_string(row_room) + ", expected room " + std::to_string(room));
+  }
+  const std::vector<AuxField>& fields = layout.fields();
+  for (size_t k = 0; k < fields.size(); ++k) {
+    const AuxField& f = fields[k];
+    if (IsRoomField(layout, f)) continue;
+    const uint64_t seed = AuxFieldSeed(room, k);
+    if (DiffPattern(row + f.offset_bytes, seed, f.size_bytes) == 0) continue;
+    uint8_t expected = 0;
+    uint8_t actual = 0;
+    const uint64_t at = FirstDiffByte(row + f.offset_bytes, seed, f.size_bytes, &expected, &actual);
+    char text[160];
+    std::snprintf(text, sizeof(text),
+                  " differs at byte %" PRIu64 " of %u: expected 0x%02x, got 0x%02x", at,
+                  f.size_bytes, expected, actual);
+    return DataLossError("aux row of room " + std::to_string(room) + ": field '" + f.name + "'" +
+                         text);
+  }
+  return OkStatus();
+}
+
+}  // namespace kvferry

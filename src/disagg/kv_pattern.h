@@ -1,0 +1,70 @@
+// Deterministic KV and aux content for replays: what a prefill writes and a decode verifies.
+//
+// Every head vector of every token gets bytes derived only from (bootstrap room, layer, K or V,
+// token position, head), so a decode instance can check, byte for byte, that the pages it
+// received belong to the right request, layer, buffer, token and head, without the two sides
+// sharing anything but the room. Content does not depend on which page a token sits in, so
+// prefill and decode may use different page indices (and the check catches a page landing in
+// the wrong slot).
+//
+// Content is generated 8 bytes at a time from a cheap bijective mix of (seed + word index), so
+// Fill and Verify run at memory speed; a head whose size is not a multiple of 8 gets the low
+// bytes of one more word.
+//
+// Thread-safety: pure functions. Concurrent calls on distinct pages (or distinct rows) of one
+// pool are safe; the caller must not write pages another call is reading.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "kvferry/aux_buffer.h"
+#include "kvferry/kv_layout.h"
+#include "kvferry/kv_pool.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+// The 64-bit seed of one head vector. is_value is 0 for K (and MLA latents), 1 for V.
+uint64_t PatternSeed(uint64_t room, int layer, int is_value, int64_t token, int head);
+
+// Writes the content of tokens [first_token, first_token + num_tokens) of request `room` into
+// every buffer of `pool`: token t lives in page pages[t / page_size], slot t % page_size.
+// `pages` are the request's pages in token order (index 0 holds tokens [0, page_size)).
+// REQUIRES pool.layout() equals `layout`, first_token >= 0, and pages covers every token
+// written with indices in [0, pool.num_pages()). Tokens whose page is missing or out of range
+// are skipped rather than written out of bounds. Slots past the last token are left untouched.
+void FillTokens(const KvLayout& layout, KvPool& pool, uint64_t room, std::span<const int32_t> pages,
+                int64_t first_token, int64_t num_tokens);
+
+struct VerifyResult {
+  // One per (buffer, page) pair checked: num_buffers * NumPages(num_tokens).
+  int64_t pages_checked = 0;
+  // (buffer, page) pairs in which at least one byte differs, or whose page index is missing
+  // from `pages` or out of the pool's range.
+  int64_t pages_mismatched = 0;
+  // Empty when nothing mismatched; otherwise names the room, buffer, layer, K/V, page, token,
+  // head and byte offset of the first difference, with expected and actual bytes.
+  std::string first_mismatch;
+
+  bool ok() const { return pages_mismatched == 0; }
+};
+
+// Checks every byte of tokens [0, num_tokens) of request `room` in every buffer of `pool`
+// against what FillTokens writes. Slots past num_tokens in the last page are not checked.
+// REQUIRES pool.layout() equals `layout`.
+VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t room,
+                          std::span<const int32_t> pages, int64_t num_tokens);
+
+// Writes a row derived from `room`: every field gets room-derived bytes, the bootstrap_room
+// field holds `room`, padding is zeroed. REQUIRES row points at layout.row_bytes() bytes.
+void FillAuxRow(const AuxLayout& layout, uint8_t* row, uint64_t room);
+
+// Checks a row written by FillAuxRow(layout, row, room).
+// Errors: kDataLoss; when the row's bootstrap_room differs from `room` the message contains
+// "metadata corruption" and both rooms; otherwise it names the first field that differs and the
+// byte offset inside it.
+Status VerifyAuxRow(const AuxLayout& layout, const uint8_t* row, uint64_t room);
+
+}  // namespace kvferry
