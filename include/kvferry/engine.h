@@ -104,6 +104,9 @@ struct BatchOptions {
   // When non-empty, delivered to the peer after every request of the batch completed.
   // REQUIRES: every request of such a batch targets the same segment.
   std::string notification;
+  // When set, called once when the batch becomes final, on an engine thread (must not block
+  // or call WaitBatch/CancelBatch on this batch). The batch stays queryable until released.
+  std::function<void(BatchId, const BatchStatus&)> on_complete;
 };
 
 struct Notification {

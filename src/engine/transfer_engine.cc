@@ -58,6 +58,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   Clock::time_point deadline;
   std::chrono::milliseconds deadline_ms{0};
   std::string notification;
+  std::function<void(BatchId, const BatchStatus&)> on_complete;
   std::shared_ptr<Peer> notify_peer;
   std::vector<std::shared_ptr<Peer>> peers;  // per request
   std::vector<std::shared_ptr<WorkItem>> items;
@@ -242,6 +243,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       final_ = true;
     }
     cv_.notify_all();
+    if (on_complete) {
+      auto callback = std::move(on_complete);
+      callback(BatchId{id}, Snapshot());
+    }
   }
 
   mutable std::mutex mu_;
@@ -487,6 +492,7 @@ class EngineImpl : public TransferEngine {
       }
     }
     batch->notification = options.notification;
+    batch->on_complete = options.on_complete;
     batch->notify_peer = batch->peers[0];
     batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
     batch->deadline = Clock::now() + batch->deadline_ms;

@@ -1,0 +1,129 @@
+// The disaggregation connector: moves each request's KV pages and aux row from a prefill
+// rank's pools into a decode rank's pools, at the page indices decode chose.
+//
+// Pairing: prefill ranks register with a bootstrap server (HTTP, see bootstrap.h); a decode
+// rank asks it for the prefill topology, refuses to pair on a page size or KV dtype mismatch,
+// opens the prefill rank's engine segment and registers its pool layout there.
+// Per request ("bootstrap room"):
+//   decode:  CreateReceiver(room, bootstrap address, destination pages, aux row)
+//   prefill: CreateSender(room, number of pages); once the room is WaitingForInput, one
+//            SendChunk per prefill chunk, in token order, the last with the aux row.
+// Contiguous page runs (source and destination both consecutive) go as one block per layer
+// buffer. The room succeeds on decode after every chunk and the aux row landed and the aux
+// row's room matched; see room.h for the states. Timeouts, heartbeats and aborts fail rooms,
+// never hang them.
+//
+// Thread-safety: all methods are thread-safe. Pools and aux buffers are owned by the caller
+// and must outlive the connector.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "kvferry/aux_buffer.h"
+#include "kvferry/engine.h"
+#include "kvferry/kv_pool.h"
+#include "kvferry/room.h"
+
+namespace kvferry {
+
+struct ConnectorStats {
+  uint64_t transfer_requests = 0;  // engine-level requests issued (KV blocks + aux rows)
+  uint64_t bytes = 0;              // bytes of those requests
+  uint64_t rooms_succeeded = 0;
+  uint64_t rooms_failed = 0;
+};
+
+struct PrefillConnectorOptions {
+  EngineOptions engine;
+  // Bootstrap server "host:port". With start_bootstrap_server the connector runs it (port 0
+  // picks a free one; read bootstrap_address() back); otherwise it registers with an
+  // existing one.
+  std::string bootstrap_address = "127.0.0.1:0";
+  bool start_bootstrap_server = true;
+  int tp_rank = 0, tp_size = 1, cp_rank = 0, cp_size = 1, pp_rank = 0, pp_size = 1;
+  std::string model;  // informational, published via bootstrap
+  // How long a sender waits for decode's destination before failing. Default 60 s.
+  std::chrono::milliseconds bootstrap_timeout{60000};
+  // Deadline of each chunk's transfer batch. Default 60 s.
+  std::chrono::milliseconds transfer_timeout{60000};
+  // Rooms of a decode rank that sent no heartbeat for this long fail. Default 30 s.
+  std::chrono::milliseconds heartbeat_timeout{30000};
+};
+
+class PrefillConnector {
+ public:
+  // Starts the engine (and bootstrap server), registers pool and aux memory, registers this
+  // rank with the bootstrap server. Errors: from engine creation and bootstrap.
+  static StatusOr<std::unique_ptr<PrefillConnector>> Create(const PrefillConnectorOptions& options,
+                                                            KvPool* pool, AuxBuffer* aux);
+  virtual ~PrefillConnector() = default;
+
+  virtual std::string bootstrap_address() const = 0;
+  virtual std::string engine_address() const = 0;
+
+  // Starts a room for a request of `num_pages` pages. Errors: kAlreadyExists (duplicate room
+  // id: only this request is refused), kInvalidArgument.
+  virtual Status CreateSender(uint64_t room, int64_t num_pages) = 0;
+  // Sends pages [first_page, first_page + src_pages.size()) of the request; `src_pages` are
+  // this rank's pool pages holding them. The last chunk passes `aux_row` (a row of this
+  // rank's aux buffer) and must complete the request's pages. Does not block on the network.
+  // REQUIRES: the room is WaitingForInput or Transferring (wait for it).
+  // Errors: kFailedPrecondition (wrong state; the room's failure when failed),
+  // kInvalidArgument/kOutOfRange (pages).
+  virtual Status SendChunk(uint64_t room, int64_t first_page, std::span<const int32_t> src_pages,
+                           std::optional<int32_t> aux_row) = 0;
+
+  virtual StatusOr<RoomStatus> Poll(uint64_t room) const = 0;
+  // Blocks until the room reaches `state` or later (or fails) or `timeout` passes.
+  virtual StatusOr<RoomStatus> Wait(uint64_t room, RoomState state,
+                                    std::chrono::milliseconds timeout) = 0;
+  // Fails the room and tells decode. Errors: kNotFound.
+  virtual Status Abort(uint64_t room, const std::string& reason) = 0;
+  // Forgets a final room. Errors: kNotFound, kFailedPrecondition (not final).
+  virtual Status Release(uint64_t room) = 0;
+  virtual ConnectorStats stats() const = 0;
+};
+
+struct DecodeConnectorOptions {
+  EngineOptions engine;
+  int tp_rank = 0, tp_size = 1;
+  // Bootstrapping (bootstrap query, connect, register) must finish within this. Default 30 s.
+  std::chrono::milliseconds bootstrap_timeout{30000};
+  // From WaitingForInput to Success at most this long. Default 60 s.
+  std::chrono::milliseconds waiting_timeout{60000};
+  // Heartbeat to each prefill rank with live rooms; after `heartbeat_max_failures` misses in
+  // a row its rooms fail. Defaults 2 s and 3.
+  std::chrono::milliseconds heartbeat_interval{2000};
+  int heartbeat_max_failures = 3;
+  // Threads doing bootstrap work (HTTP queries, connects). Default 4.
+  int bootstrap_threads = 4;
+};
+
+class DecodeConnector {
+ public:
+  static StatusOr<std::unique_ptr<DecodeConnector>> Create(const DecodeConnectorOptions& options,
+                                                           KvPool* pool, AuxBuffer* aux);
+  virtual ~DecodeConnector() = default;
+
+  virtual std::string engine_address() const = 0;
+
+  // Starts receiving a request into `dst_pages` (decode pool pages in token order) and
+  // `aux_row`. Bootstrapping runs in the background. Errors: kAlreadyExists (duplicate
+  // room), kInvalidArgument/kOutOfRange (pages, row).
+  virtual Status CreateReceiver(uint64_t room, const std::string& bootstrap_address,
+                                std::span<const int32_t> dst_pages, int32_t aux_row) = 0;
+  virtual StatusOr<RoomStatus> Poll(uint64_t room) const = 0;
+  virtual StatusOr<RoomStatus> Wait(uint64_t room, RoomState state,
+                                    std::chrono::milliseconds timeout) = 0;
+  // Fails the room and tells prefill to stop. Errors: kNotFound.
+  virtual Status Abort(uint64_t room, const std::string& reason) = 0;
+  virtual Status Release(uint64_t room) = 0;
+  virtual ConnectorStats stats() const = 0;
+};
+
+}  // namespace kvferry

@@ -1,0 +1,128 @@
+#include "disagg/control_message.h"
+
+#include "common/bytes.h"
+
+namespace kvferry {
+namespace {
+constexpr uint32_t kControlMagic = 0x4346564Bu;  // "KVFC"
+constexpr uint16_t kControlVersion = 1;
+constexpr uint32_t kMaxControlString = 4096;
+constexpr uint32_t kMaxBuffers = 1u << 16;
+}  // namespace
+
+std::string EncodeControl(const ControlMessage& m) {
+  ByteWriter w;
+  w.U32(kControlMagic);
+  w.U16(kControlVersion);
+  w.U8(static_cast<uint8_t>(m.type));
+  w.U64(m.room);
+  w.Str(m.decode_address);
+  switch (m.type) {
+    case ControlType::kRegisterDecode: {
+      const DecodeKvArgs& a = m.kv_args;
+      w.Str(a.decode_address);
+      w.U32(static_cast<uint32_t>(a.tp_rank));
+      w.U32(static_cast<uint32_t>(a.page_size));
+      w.Str(a.kv_dtype);
+      w.U64(a.page_bytes);
+      w.U32(static_cast<uint32_t>(a.num_pages));
+      w.U32(static_cast<uint32_t>(a.buffer_bases.size()));
+      for (uint64_t b : a.buffer_bases) w.U64(b);
+      w.U64(a.aux_base);
+      w.U32(a.aux_row_bytes);
+      w.U32(static_cast<uint32_t>(a.num_aux_rows));
+      break;
+    }
+    case ControlType::kTransferInfo:
+      w.U32(static_cast<uint32_t>(m.dst_pages.size()));
+      for (int32_t p : m.dst_pages) w.U32(static_cast<uint32_t>(p));
+      w.U32(static_cast<uint32_t>(m.aux_row));
+      break;
+    case ControlType::kAbort:
+    case ControlType::kRoomFailed:
+      w.U32(m.status_code);
+      w.Str(m.reason);
+      break;
+    case ControlType::kHeartbeat:
+    case ControlType::kChunkLanded:
+    case ControlType::kRoomDone:
+      break;
+  }
+  auto bytes = w.Take();
+  return std::string(bytes.begin(), bytes.end());
+}
+
+StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
+  ByteReader r(bytes, kMaxControlString);
+  ControlMessage m;
+  auto bad = [&](const std::string& what) {
+    return InvalidArgumentError("malformed control message: " +
+                                (r.error().empty() ? what : r.error()));
+  };
+  uint32_t magic = 0, u32 = 0;
+  uint16_t version = 0;
+  uint8_t type = 0;
+  if (!r.U32(&magic)) return bad("");
+  if (magic != kControlMagic) return bad("bad magic");
+  if (!r.U16(&version)) return bad("");
+  if (version != kControlVersion) return bad("version " + std::to_string(version));
+  if (!r.U8(&type)) return bad("");
+  if (type < 1 || type > static_cast<uint8_t>(ControlType::kRoomFailed)) {
+    return bad("unknown type " + std::to_string(type));
+  }
+  m.type = static_cast<ControlType>(type);
+  if (!r.U64(&m.room) || !r.Str(&m.decode_address, "decode address")) return bad("");
+  switch (m.type) {
+    case ControlType::kRegisterDecode: {
+      DecodeKvArgs& a = m.kv_args;
+      uint32_t tp = 0, page_size = 0, num_pages = 0, num_buffers = 0, rows = 0;
+      if (!r.Str(&a.decode_address, "decode address") || !r.U32(&tp) || !r.U32(&page_size) ||
+          !r.Str(&a.kv_dtype, "kv dtype") || !r.U64(&a.page_bytes) || !r.U32(&num_pages) ||
+          !r.U32(&num_buffers)) {
+        return bad("");
+      }
+      if (num_buffers > kMaxBuffers) return bad(std::to_string(num_buffers) + " buffers");
+      if (!r.Fits(num_buffers, 8, "buffer bases")) return bad("");
+      a.buffer_bases.resize(num_buffers);
+      for (auto& b : a.buffer_bases) {
+        if (!r.U64(&b)) return bad("");
+      }
+      if (!r.U64(&a.aux_base) || !r.U32(&a.aux_row_bytes) || !r.U32(&rows)) return bad("");
+      a.tp_rank = static_cast<int32_t>(tp);
+      a.page_size = static_cast<int32_t>(page_size);
+      a.num_pages = static_cast<int32_t>(num_pages);
+      a.num_aux_rows = static_cast<int32_t>(rows);
+      if (a.page_size <= 0 || a.num_pages < 0 || a.num_aux_rows < 0 || a.tp_rank < 0) {
+        return bad("negative or zero size");
+      }
+      break;
+    }
+    case ControlType::kTransferInfo: {
+      uint32_t n = 0;
+      if (!r.U32(&n)) return bad("");
+      if (n > kMaxControlPages) return bad(std::to_string(n) + " pages exceed the limit");
+      if (!r.Fits(n, 4, "page list")) return bad("");
+      m.dst_pages.resize(n);
+      for (auto& p : m.dst_pages) {
+        if (!r.U32(&u32)) return bad("");
+        p = static_cast<int32_t>(u32);
+        if (p < 0) return bad("negative page index");
+      }
+      if (!r.U32(&u32)) return bad("");
+      m.aux_row = static_cast<int32_t>(u32);
+      break;
+    }
+    case ControlType::kAbort:
+    case ControlType::kRoomFailed:
+      if (!r.U32(&m.status_code) || !r.Str(&m.reason, "reason")) return bad("");
+      break;
+    case ControlType::kHeartbeat:
+    case ControlType::kChunkLanded:
+    case ControlType::kRoomDone:
+      break;
+  }
+  if (r.remaining() != 0) return bad(std::to_string(r.remaining()) + " trailing bytes");
+  return m;
+}
+
+}  // namespace kvferry

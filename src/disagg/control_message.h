@@ -1,0 +1,71 @@
+// Control messages of the disaggregation connector. They travel as engine notifications
+// between a decode rank and a prefill rank; KV bytes never do.
+//
+//   decode -> prefill  kRegisterDecode  decode's pool layout: buffer bases, page bytes, aux
+//                                       (once per prefill rank a decode rank talks to)
+//                      kTransferInfo    one room's destination pages and aux row
+//                      kAbort           the room is abandoned on decode
+//                      kHeartbeat       decode is alive and still waits on this prefill
+//   prefill -> decode  kChunkLanded     a non-final chunk of the room landed (notification
+//                                       attached to that chunk's batch)
+//                      kRoomDone        the last chunk and the aux row landed
+//                      kRoomFailed      prefill failed or refused the room (reason)
+//
+// Encoding: magic "KVFC", version, type, then fields, little-endian; every count bounded.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+enum class ControlType : uint8_t {
+  kRegisterDecode = 1,
+  kTransferInfo = 2,
+  kAbort = 3,
+  kHeartbeat = 4,
+  kChunkLanded = 5,
+  kRoomDone = 6,
+  kRoomFailed = 7,
+};
+
+// Decode rank's pool as prefill needs it to address WRITEs.
+struct DecodeKvArgs {
+  std::string decode_address;  // decode engine "host:port"
+  int32_t tp_rank = 0;
+  int32_t page_size = 0;
+  std::string kv_dtype;
+  uint64_t page_bytes = 0;             // bytes of one page of one buffer
+  int32_t num_pages = 0;               // pages per buffer
+  std::vector<uint64_t> buffer_bases;  // address of page 0 of each buffer
+  uint64_t aux_base = 0;
+  uint32_t aux_row_bytes = 0;
+  int32_t num_aux_rows = 0;
+};
+
+struct ControlMessage {
+  ControlType type = ControlType::kHeartbeat;
+  uint64_t room = 0;
+  std::string decode_address;      // sender's address (kTransferInfo, kAbort, kHeartbeat)
+  DecodeKvArgs kv_args;            // kRegisterDecode
+  std::vector<int32_t> dst_pages;  // kTransferInfo: decode page per request page
+  int32_t aux_row = -1;            // kTransferInfo
+  uint32_t status_code = 0;        // kRoomFailed
+  std::string reason;              // kAbort, kRoomFailed
+};
+
+inline constexpr uint32_t kMaxControlPages = 1u << 22;  // 4M pages (page size 1 at 4M tokens)
+
+std::string EncodeControl(const ControlMessage& message);
+// Errors: kInvalidArgument naming what is malformed.
+StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes);
+inline StatusOr<ControlMessage> DecodeControl(const std::string& bytes) {
+  return DecodeControl(
+      std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+}
+
+}  // namespace kvferry

@@ -1,0 +1,173 @@
+// RoomTable: per-room state with forward-only transitions, Failed overriding, waiting, and
+// deadlines. Both connector sides keep their rooms here, with side-specific data in `T`.
+//
+// Thread-safety: all methods are thread-safe; `With` runs its function under the table lock
+// (keep it short; never call back into the table from it).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvferry/room.h"
+
+namespace kvferry {
+
+template <typename T>
+class RoomTable {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  struct Room {
+    RoomStatus status;
+    Clock::time_point deadline = Clock::time_point::max();  // fails the room when passed
+    std::string deadline_reason;
+    T data;
+  };
+
+  // Errors: kAlreadyExists when the room is active (not yet released).
+  Status Create(uint64_t room, T data, Clock::time_point deadline, std::string deadline_reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rooms_.count(room)) {
+      return AlreadyExistsError("bootstrap room " + std::to_string(room) +
+                                " is already in use (duplicate room id)");
+    }
+    Room r;
+    r.data = std::move(data);
+    r.deadline = deadline;
+    r.deadline_reason = std::move(deadline_reason);
+    rooms_.emplace(room, std::move(r));
+    return OkStatus();
+  }
+
+  // Moves forward to `state` (never back; no effect on final rooms). Returns whether the room
+  // changed. `deadline` replaces the room's deadline when given.
+  bool Advance(uint64_t room, RoomState state,
+               std::optional<Clock::time_point> deadline = std::nullopt,
+               std::string deadline_reason = {}) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return false;
+    RoomStatus& s = it->second.status;
+    if (IsFinal(s.state) || static_cast<int>(state) <= static_cast<int>(s.state)) return false;
+    if (state == RoomState::kFailed) return false;  // use Fail
+    s.state = state;
+    if (state == RoomState::kSuccess) {
+      it->second.deadline = Clock::time_point::max();
+    } else if (deadline) {
+      it->second.deadline = *deadline;
+      it->second.deadline_reason = std::move(deadline_reason);
+    }
+    cv_.notify_all();
+    return true;
+  }
+
+  // Fails a non-final room. Returns whether it changed.
+  bool Fail(uint64_t room, const Status& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
+    it->second.status.state = RoomState::kFailed;
+    it->second.status.error = why;
+    it->second.deadline = Clock::time_point::max();
+    cv_.notify_all();
+    return true;
+  }
+
+  StatusOr<RoomStatus> Get(uint64_t room) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return NotFoundError("unknown bootstrap room " + std::to_string(room));
+    return it->second.status;
+  }
+
+  // Blocks until the room reaches `state` (or later) or fails, or `timeout` passes; returns
+  // the status then. Errors: kNotFound.
+  StatusOr<RoomStatus> Wait(uint64_t room, RoomState state, std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto until = Clock::now() + timeout;
+    while (true) {
+      auto it = rooms_.find(room);
+      if (it == rooms_.end()) {
+        return NotFoundError("unknown bootstrap room " + std::to_string(room));
+      }
+      const RoomStatus& s = it->second.status;
+      if (s.state == RoomState::kFailed || static_cast<int>(s.state) >= static_cast<int>(state)) {
+        return s;
+      }
+      if (cv_.wait_until(lock, until) == std::cv_status::timeout) {
+        auto again = rooms_.find(room);
+        if (again == rooms_.end()) {
+          return NotFoundError("unknown bootstrap room " + std::to_string(room));
+        }
+        return again->second.status;
+      }
+    }
+  }
+
+  // Runs `fn(room)` under the lock. Errors: kNotFound.
+  Status With(uint64_t room, const std::function<Status(Room&)>& fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return NotFoundError("unknown bootstrap room " + std::to_string(room));
+    return fn(it->second);
+  }
+
+  // Forgets a room. Errors: kNotFound; kFailedPrecondition when not final (abort it first).
+  Status Release(uint64_t room) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return NotFoundError("unknown bootstrap room " + std::to_string(room));
+    if (!IsFinal(it->second.status.state)) {
+      return FailedPreconditionError("bootstrap room " + std::to_string(room) +
+                                     " is not final; abort it before releasing");
+    }
+    rooms_.erase(it);
+    return OkStatus();
+  }
+
+  // Fails every non-final room whose deadline passed, with its deadline reason; returns them.
+  std::vector<uint64_t> ExpireDeadlines(Clock::time_point now) {
+    std::vector<uint64_t> expired;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, r] : rooms_) {
+      if (!IsFinal(r.status.state) && r.deadline <= now) {
+        r.status.state = RoomState::kFailed;
+        r.status.error = DeadlineExceededError("bootstrap room " + std::to_string(id) + ": " +
+                                               r.deadline_reason);
+        r.deadline = Clock::time_point::max();
+        expired.push_back(id);
+      }
+    }
+    if (!expired.empty()) cv_.notify_all();
+    return expired;
+  }
+
+  // Rooms (non-final) whose data satisfies `pred`.
+  std::vector<uint64_t> Select(const std::function<bool(const T&)>& pred) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<uint64_t> out;
+    for (const auto& [id, r] : rooms_) {
+      if (!IsFinal(r.status.state) && pred(r.data)) out.push_back(id);
+    }
+    return out;
+  }
+
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return rooms_.size();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, Room> rooms_;
+};
+
+}  // namespace kvferry

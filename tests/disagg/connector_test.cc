@@ -1,0 +1,291 @@
+// Prefill and decode connectors over real loopback sockets and a real bootstrap server.
+#include "kvferry/connector.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "disagg/control_message.h"
+#include "disagg/kv_pattern.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+
+ModelGeometry TinyGeometry() {
+  ModelGeometry g;
+  g.name = "tiny";
+  g.attention = AttentionKind::kMha;
+  g.num_layers = 3;
+  g.num_attention_heads = 4;
+  g.num_kv_heads = 2;
+  g.head_dim = 16;
+  g.hidden_size = 64;
+  g.dtype = DType::kBFloat16;
+  return g;
+}
+
+// One side's pools.
+struct Side {
+  Side(const ModelGeometry& g, int page_size, int32_t num_pages, uint64_t seed)
+      : layout(*KvLayout::Create(g, page_size)),
+        pool(std::move(*KvPool::Create(layout, num_pages))),
+        aux(std::move(*AuxBuffer::Create(*AuxLayout::Create(g.hidden_size, g.dtype), 16))),
+        allocator(num_pages, seed) {}
+  KvLayout layout;
+  std::unique_ptr<KvPool> pool;
+  std::unique_ptr<AuxBuffer> aux;
+  PageAllocator allocator;
+};
+
+class ConnectorTest : public ::testing::Test {
+ protected:
+  void Start(int prefill_page_size = 4, int decode_page_size = 4) {
+    prefill_ = std::make_unique<Side>(TinyGeometry(), prefill_page_size, 256, 0);
+    decode_ = std::make_unique<Side>(TinyGeometry(), decode_page_size, 256, 99);
+    PrefillConnectorOptions po;
+    po.bootstrap_timeout = prefill_bootstrap_timeout_;
+    auto p = PrefillConnector::Create(po, prefill_->pool.get(), prefill_->aux.get());
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    prefill_conn_ = std::move(*p);
+    DecodeConnectorOptions dopt;
+    dopt.waiting_timeout = decode_waiting_timeout_;
+    dopt.heartbeat_interval = milliseconds(100);
+    dopt.heartbeat_max_failures = 2;
+    auto d = DecodeConnector::Create(dopt, decode_->pool.get(), decode_->aux.get());
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    decode_conn_ = std::move(*d);
+  }
+
+  // Sends `num_tokens` of `room` in chunks of `chunk_pages`; returns decode's pages.
+  std::vector<int32_t> Transfer(uint64_t room, int64_t num_tokens, int64_t chunk_pages,
+                                uint64_t aux_room_override = 0) {
+    const KvLayout& layout = prefill_->layout;
+    int64_t num_pages = layout.NumPages(num_tokens);
+    auto src = prefill_->allocator.Allocate(static_cast<int32_t>(num_pages));
+    auto dst = decode_->allocator.Allocate(static_cast<int32_t>(num_pages));
+    EXPECT_TRUE(src.ok() && dst.ok());
+    int32_t src_row = *prefill_->aux->AllocateRow();
+    int32_t dst_row = *decode_->aux->AllocateRow();
+    EXPECT_TRUE(decode_conn_->CreateReceiver(room, prefill_conn_->bootstrap_address(), *dst,
+                                             dst_row).ok());
+    EXPECT_TRUE(prefill_conn_->CreateSender(room, num_pages).ok());
+    auto st = prefill_conn_->Wait(room, RoomState::kWaitingForInput, milliseconds(5000));
+    EXPECT_TRUE(st.ok());
+    EXPECT_EQ(st->state, RoomState::kWaitingForInput) << st->error.ToString();
+    FillTokens(layout, *prefill_->pool, room, *src, 0, num_tokens);
+    FillAuxRow(prefill_->aux->layout(), prefill_->aux->Row(src_row),
+               aux_room_override ? aux_room_override : room);
+    for (int64_t first = 0; first < num_pages; first += chunk_pages) {
+      int64_t n = std::min(chunk_pages, num_pages - first);
+      bool last = first + n == num_pages;
+      Status s = prefill_conn_->SendChunk(room, first, std::span(src->data() + first, n),
+                                          last ? std::optional<int32_t>(src_row) : std::nullopt);
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    }
+    dst_row_ = dst_row;
+    return *dst;
+  }
+
+  milliseconds prefill_bootstrap_timeout_{5000};
+  milliseconds decode_waiting_timeout_{5000};
+  std::unique_ptr<Side> prefill_, decode_;
+  std::unique_ptr<PrefillConnector> prefill_conn_;
+  std::unique_ptr<DecodeConnector> decode_conn_;
+  int32_t dst_row_ = -1;
+};
+
+TEST_F(ConnectorTest, ChunkedTransferLandsEveryByteAtDecodesPages) {
+  Start();
+  const int64_t tokens = 301;  // 76 pages of 4, the last one partial
+  auto dst = Transfer(42, tokens, 10);
+  auto st = decode_conn_->Wait(42, RoomState::kSuccess, milliseconds(10000));
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->state, RoomState::kSuccess) << st->error.ToString();
+  auto v = VerifyTokens(decode_->layout, *decode_->pool, 42, dst, tokens);
+  EXPECT_EQ(v.pages_checked, 76 * 6);  // pages x (3 layers x K,V)
+  EXPECT_EQ(v.pages_mismatched, 0) << v.first_mismatch;
+  EXPECT_TRUE(VerifyAuxRow(decode_->aux->layout(), decode_->aux->Row(dst_row_), 42).ok());
+  auto ps = prefill_conn_->Wait(42, RoomState::kSuccess, milliseconds(5000));
+  ASSERT_TRUE(ps.ok());
+  EXPECT_EQ(ps->state, RoomState::kSuccess);
+  // Fragmented decode pages still coalesce some runs: fewer requests than pages x buffers.
+  ConnectorStats stats = prefill_conn_->stats();
+  EXPECT_GT(stats.transfer_requests, 0u);
+  EXPECT_LE(stats.transfer_requests, 76u * 6 + 1);
+  EXPECT_TRUE(decode_conn_->Release(42).ok());
+  EXPECT_TRUE(prefill_conn_->Release(42).ok());
+  EXPECT_EQ(decode_conn_->Poll(42).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(ConnectorTest, ContiguousPagesCoalesceIntoOneBlockPerBuffer) {
+  Start();
+  // Both allocators fresh: prefill ascending, decode seeded. Use explicit contiguous pages.
+  std::vector<int32_t> src(20), dst(20);
+  for (int i = 0; i < 20; ++i) {
+    src[i] = 100 + i;
+    dst[i] = 50 + i;
+  }
+  ASSERT_TRUE(decode_conn_->CreateReceiver(7, prefill_conn_->bootstrap_address(), dst, 3).ok());
+  ASSERT_TRUE(prefill_conn_->CreateSender(7, 20).ok());
+  ASSERT_EQ(prefill_conn_->Wait(7, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  FillTokens(prefill_->layout, *prefill_->pool, 7, src, 0, 80);
+  FillAuxRow(prefill_->aux->layout(), prefill_->aux->Row(1), 7);
+  ASSERT_TRUE(prefill_conn_->SendChunk(7, 0, src, 1).ok());
+  auto st = decode_conn_->Wait(7, RoomState::kSuccess, milliseconds(10000));
+  ASSERT_EQ(st->state, RoomState::kSuccess) << st->error.ToString();
+  // 6 buffers (3 layers x K,V), one block each, plus the aux row.
+  EXPECT_EQ(prefill_conn_->stats().transfer_requests, 7u);
+  EXPECT_EQ(VerifyTokens(decode_->layout, *decode_->pool, 7, dst, 80).pages_mismatched, 0);
+}
+
+TEST_F(ConnectorTest, PageSizeMismatchIsRefusedWithBothValues) {
+  Start(4, 8);
+  std::vector<int32_t> dst = {1, 2};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(5, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  auto st = decode_conn_->Wait(5, RoomState::kWaitingForInput, milliseconds(5000));
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_NE(st->error.message().find("page_size"), std::string::npos) << st->error.message();
+  EXPECT_NE(st->error.message().find('4'), std::string::npos);
+  EXPECT_NE(st->error.message().find('8'), std::string::npos);
+}
+
+TEST_F(ConnectorTest, DuplicateRoomIsRejectedForThatRequestOnly) {
+  Start();
+  std::vector<int32_t> dst = {1, 2, 3};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(9, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  Status dup = decode_conn_->CreateReceiver(9, prefill_conn_->bootstrap_address(), dst, 1);
+  EXPECT_EQ(dup.code(), StatusCode::kAlreadyExists);
+  ASSERT_TRUE(prefill_conn_->CreateSender(9, 3).ok());
+  EXPECT_EQ(prefill_conn_->CreateSender(9, 3).code(), StatusCode::kAlreadyExists);
+  // The original room is unaffected.
+  auto st = prefill_conn_->Wait(9, RoomState::kWaitingForInput, milliseconds(5000));
+  EXPECT_EQ(st->state, RoomState::kWaitingForInput);
+}
+
+TEST_F(ConnectorTest, PrefillBootstrapTimeoutFailsTheSender) {
+  prefill_bootstrap_timeout_ = milliseconds(200);
+  Start();
+  ASSERT_TRUE(prefill_conn_->CreateSender(11, 4).ok());
+  auto st = prefill_conn_->Wait(11, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(st->error.message().find("bootstrap timeout"), std::string::npos);
+  EXPECT_EQ(prefill_conn_->SendChunk(11, 0, std::vector<int32_t>{0}, 0).code(),
+            StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ConnectorTest, DecodeWaitingTimeoutFailsAndAbortsPrefill) {
+  decode_waiting_timeout_ = milliseconds(300);
+  Start();
+  std::vector<int32_t> dst = {4, 5};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(12, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  ASSERT_TRUE(prefill_conn_->CreateSender(12, 2).ok());
+  auto st = decode_conn_->Wait(12, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_NE(st->error.message().find("waiting timeout"), std::string::npos)
+      << st->error.message();
+  auto ps = prefill_conn_->Wait(12, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(ps->state, RoomState::kFailed);
+  EXPECT_NE(ps->error.message().find("aborted by decode"), std::string::npos)
+      << ps->error.message();
+}
+
+TEST_F(ConnectorTest, PrefillAbortReachesDecode) {
+  Start();
+  std::vector<int32_t> dst = {4, 5};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(13, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  ASSERT_TRUE(prefill_conn_->CreateSender(13, 2).ok());
+  ASSERT_EQ(prefill_conn_->Wait(13, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  ASSERT_TRUE(prefill_conn_->Abort(13, "out of memory").ok());
+  auto st = decode_conn_->Wait(13, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_NE(st->error.message().find("aborted by prefill: out of memory"), std::string::npos)
+      << st->error.message();
+}
+
+TEST_F(ConnectorTest, WrongRoomInAuxRowIsMetadataCorruption) {
+  Start();
+  Transfer(21, 40, 100, /*aux_room_override=*/777);
+  auto st = decode_conn_->Wait(21, RoomState::kSuccess, milliseconds(10000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDataLoss);
+  EXPECT_NE(st->error.message().find("metadata corruption"), std::string::npos);
+  EXPECT_NE(st->error.message().find("777"), std::string::npos);
+}
+
+TEST_F(ConnectorTest, DeadPrefillFailsDecodeRoomsThroughHeartbeat) {
+  Start();
+  std::vector<int32_t> dst = {4, 5};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(14, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  ASSERT_TRUE(prefill_conn_->CreateSender(14, 2).ok());
+  ASSERT_EQ(decode_conn_->Wait(14, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  prefill_conn_.reset();  // the prefill instance goes away
+  auto start = std::chrono::steady_clock::now();
+  auto st = decode_conn_->Wait(14, RoomState::kSuccess, milliseconds(4000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+  EXPECT_NE(st->error.message().find("heartbeat"), std::string::npos);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(2000));
+}
+
+TEST_F(ConnectorTest, BadSendChunkArgumentsAreRefused) {
+  Start();
+  std::vector<int32_t> dst = {4, 5, 6};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(15, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  EXPECT_EQ(decode_conn_->CreateReceiver(16, prefill_conn_->bootstrap_address(),
+                                         std::vector<int32_t>{9999}, 0).code(),
+            StatusCode::kOutOfRange);
+  ASSERT_TRUE(prefill_conn_->CreateSender(15, 3).ok());
+  ASSERT_EQ(prefill_conn_->Wait(15, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  std::vector<int32_t> src = {0, 1, 2};
+  EXPECT_EQ(prefill_conn_->SendChunk(15, 1, src, std::nullopt).code(),
+            StatusCode::kInvalidArgument);  // must start at page 0
+  EXPECT_EQ(prefill_conn_->SendChunk(15, 0, std::vector<int32_t>{0, 1, 2, 3}, 0).code(),
+            StatusCode::kOutOfRange);  // past the request
+  EXPECT_EQ(prefill_conn_->SendChunk(15, 0, std::vector<int32_t>{0, 1}, 0).code(),
+            StatusCode::kInvalidArgument);  // "last" chunk that does not finish
+  EXPECT_EQ(prefill_conn_->SendChunk(15, 0, std::vector<int32_t>{0, -1, 2}, 0).code(),
+            StatusCode::kOutOfRange);
+  EXPECT_TRUE(prefill_conn_->SendChunk(15, 0, src, 0).ok());
+}
+
+TEST(ControlMessageTest, RoundTripAndTruncation) {
+  ControlMessage m;
+  m.type = ControlType::kTransferInfo;
+  m.room = 0xdeadbeefcafeull;
+  m.decode_address = "127.0.0.1:5555";
+  m.dst_pages = {5, 3, 9, 0};
+  m.aux_row = 7;
+  std::string bytes = EncodeControl(m);
+  auto back = DecodeControl(bytes);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->room, m.room);
+  EXPECT_EQ(back->dst_pages, m.dst_pages);
+  EXPECT_EQ(back->aux_row, 7);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(DecodeControl(bytes.substr(0, n)).ok()) << n;
+  }
+  ControlMessage reg;
+  reg.type = ControlType::kRegisterDecode;
+  reg.kv_args.decode_address = "a:1";
+  reg.kv_args.page_size = 16;
+  reg.kv_args.kv_dtype = "bfloat16";
+  reg.kv_args.buffer_bases = {1, 2, 3};
+  reg.kv_args.num_pages = 10;
+  auto r = DecodeControl(EncodeControl(reg));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->kv_args.buffer_bases, reg.kv_args.buffer_bases);
+  std::string bad = EncodeControl(m);
+  bad[0] = 'X';
+  EXPECT_NE(DecodeControl(bad).status().message().find("magic"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvferry
