@@ -1,6 +1,411 @@
-// `kvferry prefill` / `kvferry decode`: placeholder until the instances land.
+#include "tools/instance.h"
+
+#include <httplib.h>
+#include <sys/prctl.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "common/checks.h"
+#include "common/env.h"
+#include "disagg/kv_pattern.h"
+#include "kvferry/connector.h"
 #include "tools/commands.h"
 
 namespace kvferry::tools {
-void AddInstanceCommands(CLI::App&, RunFn*) {}
+
+using json = nlohmann::json;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string& model_config) {
+  if (!model_config.empty()) {
+    auto g = LoadHfConfig(model_config);
+    if (!g.ok()) return g.status().WithContext("--model-config");
+    return g;
+  }
+  auto g = FindModelPreset(model);
+  if (!g.ok()) return g.status().WithContext("--model");
+  return g;
+}
+
+namespace {
+
+// Everything one instance owns.
+struct Instance {
+  InstanceFlags flags;
+  std::unique_ptr<KvLayout> layout;
+  std::unique_ptr<KvPool> pool;
+  std::unique_ptr<AuxBuffer> aux;
+  std::unique_ptr<PageAllocator> allocator;
+  std::mutex aux_mu;
+  std::condition_variable aux_freed;
+  httplib::Server server;
+  std::atomic<bool> stopping{false};
+
+  Status Init(bool fragmented) {
+    ASSIGN_OR_RETURN(ModelGeometry g, ResolveModel(flags.model, flags.model_config));
+    ASSIGN_OR_RETURN(KvLayout l, KvLayout::Create(g, flags.page_size));
+    layout = std::make_unique<KvLayout>(l);
+    auto pool_bytes = ParseByteSize(flags.pool_size);
+    if (!pool_bytes.ok()) return pool_bytes.status().WithContext("--pool-size");
+    int32_t pages = KvPool::PagesForBytes(*layout, *pool_bytes);
+    if (pages < 1) {
+      return InvalidArgumentError("--pool-size " + flags.pool_size + " holds no page of " +
+                                  FormatBytes(layout->bytes_per_page_all_buffers()));
+    }
+    ASSIGN_OR_RETURN(pool, KvPool::Create(*layout, pages));
+    ASSIGN_OR_RETURN(AuxLayout al, AuxLayout::Create(g.hidden_size > 0 ? g.hidden_size : 1, g.dtype));
+    ASSIGN_OR_RETURN(aux, AuxBuffer::Create(al, flags.aux_rows));
+    // Decode hands out pages in the fragmented order of a long-running server.
+    allocator = std::make_unique<PageAllocator>(pages, fragmented ? 0x5eed : 0);
+    return OkStatus();
+  }
+
+  StatusOr<int32_t> AllocateRow(milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(aux_mu);
+    auto until = Clock::now() + timeout;
+    while (true) {
+      auto row = aux->AllocateRow();
+      if (row.ok()) return row;
+      if (aux_freed.wait_until(lock, until) == std::cv_status::timeout) {
+        return DeadlineExceededError("no free aux row within " + std::to_string(timeout.count()) +
+                                     " ms");
+      }
+    }
+  }
+  void FreeRow(int32_t row) {
+    {
+      std::lock_guard<std::mutex> lock(aux_mu);
+      aux->FreeRow(row).IgnoreError();
+    }
+    aux_freed.notify_one();
+  }
+
+  json Info() const {
+    const ModelGeometry& g = layout->geometry();
+    return {{"model", g.name},
+            {"kv_dtype", std::string(DTypeName(g.dtype))},
+            {"page_size", layout->page_size()},
+            {"num_buffers", layout->num_buffers()},
+            {"page_bytes_all_buffers", layout->bytes_per_page_all_buffers()},
+            {"pool_pages", pool->num_pages()},
+            {"pool_bytes", pool->size_bytes()},
+            {"control_address", flags.host + ":" + std::to_string(control_port)}};
+  }
+  int control_port = 0;
+
+  // Routes shared by both kinds; `extra` adds to /info and /stats.
+  void AddCommonRoutes(const std::function<json()>& info, const std::function<json()>& stats) {
+    server.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content("OK", "text/plain");
+    });
+    server.Get("/info", [info](const httplib::Request&, httplib::Response& res) {
+      res.set_content(info().dump(), "application/json");
+    });
+    server.Get("/stats", [stats](const httplib::Request&, httplib::Response& res) {
+      res.set_content(stats().dump(), "application/json");
+    });
+    server.Post("/shutdown", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content("bye", "text/plain");
+      stopping = true;
+      std::thread([this] { server.stop(); }).detach();
+    });
+  }
+
+  // Binds the control port and prints the ready line; then serves until /shutdown.
+  int Serve(const std::function<json()>& info) {
+    server.new_task_queue = [] { return new httplib::ThreadPool(128); };
+    int port = flags.control_port > 0
+                   ? (server.bind_to_port(flags.host, flags.control_port) ? flags.control_port : -1)
+                   : server.bind_to_any_port(flags.host);
+    if (port <= 0) {
+      std::fprintf(stderr, "kvferry: cannot listen on %s:%d\n", flags.host.c_str(),
+                   flags.control_port);
+      return 1;
+    }
+    control_port = port;
+    std::printf("KVFERRY_READY %s\n", info().dump().c_str());
+    std::fflush(stdout);
+    server.listen_after_bind();
+    return 0;
+  }
+};
+
+json ParseBody(const httplib::Request& req, Status* error) {
+  json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object()) {
+    *error = InvalidArgumentError("request body is not a JSON object");
+  }
+  return body;
+}
+
+void Reply(httplib::Response& res, int code, const json& body) {
+  res.status = code;
+  res.set_content(body.dump(), "application/json");
+}
+
+int HttpCode(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument: return 400;
+    case StatusCode::kAlreadyExists: return 409;
+    case StatusCode::kResourceExhausted: return 413;
+    case StatusCode::kDeadlineExceeded: return 504;
+    default: return 500;
+  }
+}
+
+// Parses {"room": u64, "input_length": int > 0}.
+Status ParseRequest(const json& body, uint64_t* room, int64_t* input_length) {
+  if (!body.contains("room") || !body["room"].is_number_unsigned()) {
+    return InvalidArgumentError("field 'room' must be an unsigned integer");
+  }
+  if (!body.contains("input_length") || !body["input_length"].is_number_integer() ||
+      body["input_length"].get<int64_t>() <= 0) {
+    return InvalidArgumentError("field 'input_length' must be a positive integer");
+  }
+  *room = body["room"].get<uint64_t>();
+  *input_length = body["input_length"].get<int64_t>();
+  return OkStatus();
+}
+
+StatusOr<std::vector<int32_t>> AllocatePages(Instance& in, int64_t num_pages) {
+  if (num_pages > in.allocator->capacity()) {
+    return ResourceExhaustedError("request of " + std::to_string(num_pages) +
+                                  " pages is larger than the whole pool of " +
+                                  std::to_string(in.allocator->capacity()) + " pages");
+  }
+  return in.allocator->AllocateWait(static_cast<int32_t>(num_pages), milliseconds(in.flags.timeout_ms));
+}
+
+void InstallSignalExit() {
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // a replay that dies takes its instances along
+  std::signal(SIGPIPE, SIG_IGN);
+}
+
+}  // namespace
+
+int RunPrefillInstance(const InstanceFlags& flags) {
+  InstallSignalExit();
+  Instance in;
+  in.flags = flags;
+  Status s = in.Init(/*fragmented=*/false);
+  if (!s.ok()) {
+    std::fprintf(stderr, "kvferry prefill: %s\n", s.ToString().c_str());
+    return 2;
+  }
+  PrefillConnectorOptions o;
+  o.engine.listen_host = flags.host;
+  o.engine.transport = flags.transport;
+  o.engine.name = "prefill-0";
+  o.bootstrap_address = flags.host + ":" + std::to_string(flags.bootstrap_port);
+  o.bootstrap_timeout = o.transfer_timeout = milliseconds(flags.timeout_ms);
+  auto conn = PrefillConnector::Create(o, in.pool.get(), in.aux.get());
+  if (!conn.ok()) {
+    std::fprintf(stderr, "kvferry prefill: %s\n", conn.status().ToString().c_str());
+    return 1;
+  }
+  PrefillConnector& c = **conn;
+  const int64_t chunk_pages = std::max<int64_t>(1, flags.chunk_tokens / in.layout->page_size());
+  auto info = [&] {
+    json j = in.Info();
+    j["role"] = "prefill";
+    j["bootstrap_address"] = c.bootstrap_address();
+    j["engine_address"] = c.engine_address();
+    return j;
+  };
+  auto stats = [&] {
+    ConnectorStats st = c.stats();
+    return json{{"transfer_requests", st.transfer_requests}, {"bytes", st.bytes},
+                {"rooms_succeeded", st.rooms_succeeded}, {"rooms_failed", st.rooms_failed}};
+  };
+  in.AddCommonRoutes(info, stats);
+  in.server.Post("/prefill", [&](const httplib::Request& req, httplib::Response& res) {
+    Status err;
+    json body = ParseBody(req, &err);
+    uint64_t room = 0;
+    int64_t tokens = 0;
+    if (err.ok()) err = ParseRequest(body, &room, &tokens);
+    if (!err.ok()) return Reply(res, 400, {{"ok", false}, {"error", err.ToString()}});
+    const KvLayout& layout = *in.layout;
+    const int64_t num_pages = layout.NumPages(tokens);
+    auto pages = AllocatePages(in, num_pages);
+    if (!pages.ok()) {
+      return Reply(res, HttpCode(pages.status()),
+                   {{"ok", false}, {"rejected", pages.status().code() == StatusCode::kResourceExhausted},
+                    {"error", pages.status().ToString()}});
+    }
+    auto row = in.AllocateRow(milliseconds(flags.timeout_ms));
+    auto finish = [&](int code, json out) {
+      if (row.ok()) in.FreeRow(*row);
+      in.allocator->Free(*pages).IgnoreError();
+      Reply(res, code, out);
+    };
+    if (!row.ok()) return finish(504, {{"ok", false}, {"error", row.status().ToString()}});
+    Status created = c.CreateSender(room, num_pages);
+    if (!created.ok()) {
+      return finish(HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
+    }
+    auto fail = [&](const Status& why) {
+      c.Abort(room, why.message()).IgnoreError();
+      auto st = c.Poll(room);
+      std::string reason = st.ok() && !st->error.ok() ? st->error.ToString() : why.ToString();
+      c.Release(room).IgnoreError();
+      finish(500, {{"ok", false}, {"error", reason}});
+    };
+    auto ready = c.Wait(room, RoomState::kWaitingForInput, milliseconds(flags.timeout_ms));
+    if (!ready.ok() || ready->state != RoomState::kWaitingForInput) {
+      return fail(ready.ok() ? (ready->error.ok() ? DeadlineExceededError("decode never paired")
+                                                  : ready->error)
+                             : ready.status());
+    }
+    auto start = Clock::now();
+    FillAuxRow(in.aux->layout(), in.aux->Row(*row), room);
+    for (int64_t first = 0; first < num_pages; first += chunk_pages) {
+      int64_t n = std::min(chunk_pages, num_pages - first);
+      int64_t first_token = first * layout.page_size();
+      int64_t chunk_tokens = std::min<int64_t>(n * layout.page_size(), tokens - first_token);
+      // "Compute" this chunk's KV, then hand it to the sender while the next one computes.
+      FillTokens(layout, *in.pool, room, *pages, first_token, chunk_tokens);
+      bool last = first + n == num_pages;
+      Status sent = c.SendChunk(room, first, std::span(pages->data() + first, n),
+                                last ? std::optional<int32_t>(*row) : std::nullopt);
+      if (!sent.ok()) return fail(sent);
+    }
+    auto done = c.Wait(room, RoomState::kSuccess, milliseconds(flags.timeout_ms));
+    double transfer_ms =
+        std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    if (!done.ok() || done->state != RoomState::kSuccess) {
+      return fail(done.ok() ? (done->error.ok() ? DeadlineExceededError("transfer timed out")
+                                                : done->error)
+                            : done.status());
+    }
+    c.Release(room).IgnoreError();
+    finish(200, {{"ok", true}, {"room", room}, {"pages", num_pages}, {"transfer_ms", transfer_ms}});
+  });
+  return in.Serve(info);
+}
+
+int RunDecodeInstance(const InstanceFlags& flags) {
+  InstallSignalExit();
+  Instance in;
+  in.flags = flags;
+  Status s = in.Init(/*fragmented=*/true);
+  if (!s.ok()) {
+    std::fprintf(stderr, "kvferry decode: %s\n", s.ToString().c_str());
+    return 2;
+  }
+  DecodeConnectorOptions o;
+  o.engine.listen_host = flags.host;
+  o.engine.transport = flags.transport;
+  o.engine.name = "decode-0";
+  o.bootstrap_timeout = o.waiting_timeout = milliseconds(flags.timeout_ms);
+  auto conn = DecodeConnector::Create(o, in.pool.get(), in.aux.get());
+  if (!conn.ok()) {
+    std::fprintf(stderr, "kvferry decode: %s\n", conn.status().ToString().c_str());
+    return 1;
+  }
+  DecodeConnector& c = **conn;
+  auto info = [&] {
+    json j = in.Info();
+    j["role"] = "decode";
+    j["engine_address"] = c.engine_address();
+    return j;
+  };
+  auto stats = [&] {
+    ConnectorStats st = c.stats();
+    return json{{"bytes", st.bytes}, {"rooms_succeeded", st.rooms_succeeded},
+                {"rooms_failed", st.rooms_failed}};
+  };
+  in.AddCommonRoutes(info, stats);
+  in.server.Post("/decode", [&](const httplib::Request& req, httplib::Response& res) {
+    Status err;
+    json body = ParseBody(req, &err);
+    uint64_t room = 0;
+    int64_t tokens = 0;
+    if (err.ok()) err = ParseRequest(body, &room, &tokens);
+    if (err.ok() && (!body.contains("bootstrap_address") || !body["bootstrap_address"].is_string())) {
+      err = InvalidArgumentError("field 'bootstrap_address' must be a string");
+    }
+    if (!err.ok()) return Reply(res, 400, {{"ok", false}, {"error", err.ToString()}});
+    std::string bootstrap = body["bootstrap_address"].get<std::string>();
+    const KvLayout& layout = *in.layout;
+    const int64_t num_pages = layout.NumPages(tokens);
+    auto pages = AllocatePages(in, num_pages);
+    if (!pages.ok()) {
+      return Reply(res, HttpCode(pages.status()),
+                   {{"ok", false}, {"rejected", pages.status().code() == StatusCode::kResourceExhausted},
+                    {"error", pages.status().ToString()}});
+    }
+    auto row = in.AllocateRow(milliseconds(flags.timeout_ms));
+    auto finish = [&](int code, json out) {
+      if (row.ok()) in.FreeRow(*row);
+      in.allocator->Free(*pages).IgnoreError();
+      Reply(res, code, out);
+    };
+    if (!row.ok()) return finish(504, {{"ok", false}, {"error", row.status().ToString()}});
+    Status created = c.CreateReceiver(room, bootstrap, *pages, *row);
+    if (!created.ok()) {
+      return finish(HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
+    }
+    auto done = c.Wait(room, RoomState::kSuccess, milliseconds(2 * flags.timeout_ms));
+    if (!done.ok() || done->state != RoomState::kSuccess) {
+      if (done.ok() && !IsFinal(done->state)) c.Abort(room, "decode gave up waiting").IgnoreError();
+      auto st = c.Poll(room);
+      std::string reason = st.ok() && !st->error.ok() ? st->error.ToString() : "room did not finish";
+      c.Release(room).IgnoreError();
+      return finish(500, {{"ok", false}, {"error", reason}});
+    }
+    VerifyResult v = VerifyTokens(layout, *in.pool, room, *pages, tokens);
+    Status aux_ok = VerifyAuxRow(in.aux->layout(), in.aux->Row(*row), room);
+    c.Release(room).IgnoreError();
+    int64_t mismatched_pages = std::min<int64_t>(num_pages, v.pages_mismatched);
+    json out = {{"ok", true},
+                {"room", room},
+                {"pages", num_pages},
+                {"pages_verified", num_pages - mismatched_pages},
+                {"mismatches", v.pages_mismatched + (aux_ok.ok() ? 0 : 1)},
+                {"bytes", num_pages * layout.bytes_per_page_all_buffers() +
+                              in.aux->layout().row_bytes()}};
+    if (v.pages_mismatched > 0) out["first_mismatch"] = v.first_mismatch;
+    if (!aux_ok.ok()) out["aux_error"] = aux_ok.ToString();
+    finish(200, out);
+  });
+  return in.Serve(info);
+}
+
+namespace {
+void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
+  cmd->add_option("--model", f->model, "Model preset (KV geometry)")->capture_default_str();
+  cmd->add_option("--model-config", f->model_config, "Hugging Face config.json (overrides --model)");
+  cmd->add_option("--page-size", f->page_size, "Tokens per KV page")->capture_default_str();
+  cmd->add_option("--pool-size", f->pool_size, "KV pool bytes (KiB/MiB/GiB suffixes)")
+      ->capture_default_str();
+  cmd->add_option("--transport", f->transport, "Transport: auto or tcp")->capture_default_str();
+  cmd->add_option("--host", f->host, "Address to listen on")->capture_default_str();
+  cmd->add_option("--control-port", f->control_port, "HTTP control port (0 = any)");
+  cmd->add_option("--aux-rows", f->aux_rows, "Aux (metadata) rows")->capture_default_str();
+  cmd->add_option("--timeout-ms", f->timeout_ms, "Bootstrap/waiting/transfer timeout")
+      ->capture_default_str();
+  if (prefill) {
+    cmd->add_option("--bootstrap-port", f->bootstrap_port, "Bootstrap server port (0 = any)");
+    cmd->add_option("--chunk-tokens", f->chunk_tokens, "Tokens per prefill chunk")
+        ->capture_default_str();
+  }
+}
+}  // namespace
+
+void AddInstanceCommands(CLI::App& app, RunFn* run) {
+  auto flags = std::make_shared<InstanceFlags>();
+  auto* prefill = app.add_subcommand("prefill", "Run a prefill instance (bootstrap server + sender)");
+  AddInstanceFlags(prefill, flags.get(), true);
+  prefill->callback([run, flags] { *run = [flags] { return RunPrefillInstance(*flags); }; });
+  auto* decode = app.add_subcommand("decode", "Run a decode instance (receiver + verifier)");
+  AddInstanceFlags(decode, flags.get(), false);
+  decode->callback([run, flags] { *run = [flags] { return RunDecodeInstance(*flags); }; });
+}
+
 }  // namespace kvferry::tools

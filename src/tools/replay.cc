@@ -1,6 +1,446 @@
-// `kvferry replay`: placeholder until the replay lands.
+// `kvferry replay`: replays a request trace through a prefill and a decode instance and
+// verifies every byte that lands in decode's pools.
+#include <httplib.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "common/env.h"
 #include "tools/commands.h"
+#include "tools/instance.h"
+#include "tools/stats.h"
+#include "tools/trace.h"
 
 namespace kvferry::tools {
-void AddReplayCommand(CLI::App&, RunFn*) {}
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kDemoTrace = "../shared/traces/conversation_trace.jsonl";
+
+struct ReplayFlags {
+  std::string trace;
+  size_t synthetic = 0;
+  bool demo = false;
+  size_t limit = 0;
+  int concurrency = 4;
+  double time_scale = 0;  // 0: as fast as possible
+  std::string json_path;
+  std::string prefill_address;  // join a running prefill instance (control address)
+  std::string decode_address;   // join a running decode instance
+  uint64_t seed = 0;
+  InstanceFlags instance;
+};
+
+// A child instance process started by the replay.
+class ChildInstance {
+ public:
+  ~ChildInstance() { Stop(); }
+
+  Status Start(const std::string& role, const std::vector<std::string>& args) {
+    int out[2];
+    if (::pipe(out) != 0) return InternalError("pipe failed");
+    pid_ = ::fork();
+    if (pid_ < 0) return InternalError("fork failed");
+    if (pid_ == 0) {
+      ::dup2(out[1], STDOUT_FILENO);
+      ::close(out[0]);
+      ::close(out[1]);
+      std::vector<std::string> argv_s = {"kvferry", role};
+      argv_s.insert(argv_s.end(), args.begin(), args.end());
+      std::vector<char*> argv;
+      for (auto& a : argv_s) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv("/proc/self/exe", argv.data());
+      std::perror("kvferry replay: exec");
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    FILE* f = ::fdopen(out[0], "r");
+    char line[4096];
+    std::string text;
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      text = line;
+      if (text.rfind("KVFERRY_READY ", 0) == 0) break;
+      text.clear();
+    }
+    std::fclose(f);
+    if (text.empty()) {
+      int status = 0;
+      ::waitpid(pid_, &status, 0);
+      pid_ = -1;
+      return UnavailableError("the " + role + " instance exited before it was ready (see its "
+                              "error above)");
+    }
+    info_ = json::parse(text.substr(14), nullptr, false);
+    if (info_.is_discarded()) return InternalError("bad ready line from " + role + ": " + text);
+    return OkStatus();
+  }
+
+  const json& info() const { return info_; }
+
+  void Stop() {
+    if (pid_ <= 0) return;
+    if (info_.contains("control_address")) {
+      std::string addr = info_["control_address"];
+      httplib::Client c(addr.substr(0, addr.rfind(':')), std::stoi(addr.substr(addr.rfind(':') + 1)));
+      c.set_connection_timeout(2);
+      c.Post("/shutdown");
+    }
+    for (int i = 0; i < 100; ++i) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  json info_;
+};
+
+StatusOr<json> GetJson(const std::string& address, const std::string& path) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return InvalidArgumentError("address '" + address + "' is not host:port");
+  httplib::Client c(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
+  c.set_connection_timeout(5);
+  auto res = c.Get(path.c_str());
+  if (!res) return UnavailableError("cannot reach instance at " + address);
+  json j = json::parse(res->body, nullptr, false);
+  if (j.is_discarded()) return InternalError(address + path + " returned no JSON");
+  return j;
+}
+
+// Pages both pools can hold at once; requests acquire their pages before they are sent, so
+// neither instance ever waits on the other's memory (no allocation deadlock).
+class PageBudget {
+ public:
+  explicit PageBudget(int64_t pages) : available_(pages) {}
+  void Acquire(int64_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return available_ >= n; });
+    available_ -= n;
+  }
+  void Release(int64_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      available_ += n;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t available_;
+};
+
+struct Totals {
+  std::atomic<uint64_t> done{0}, failed{0}, rejected{0}, tokens{0}, pages{0}, pages_verified{0},
+      mismatches{0}, bytes{0};
+};
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "kvferry replay: %s\n", message.c_str());
+  return 2;
+}
+
+std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
+  std::vector<std::string> a = {"--page-size", std::to_string(f.page_size), "--pool-size",
+                                f.pool_size, "--transport", f.transport, "--host", f.host,
+                                "--timeout-ms", std::to_string(f.timeout_ms), "--aux-rows",
+                                std::to_string(f.aux_rows)};
+  if (!f.model_config.empty()) {
+    a.insert(a.end(), {"--model-config", f.model_config});
+  } else {
+    a.insert(a.end(), {"--model", f.model});
+  }
+  if (prefill) a.insert(a.end(), {"--chunk-tokens", std::to_string(f.chunk_tokens)});
+  return a;
+}
+
+std::string Fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+int RunReplay(ReplayFlags flags) {
+  std::signal(SIGPIPE, SIG_IGN);
+  // Validate flags before starting anything.
+  auto model = ResolveModel(flags.instance.model, flags.instance.model_config);
+  if (!model.ok()) return Fail(model.status().message());
+  if (flags.instance.page_size < 1) return Fail("--page-size must be >= 1");
+  auto pool_bytes = ParseByteSize(flags.instance.pool_size);
+  if (!pool_bytes.ok()) return Fail("--pool-size: " + pool_bytes.status().message());
+  if (flags.concurrency < 1) return Fail("--concurrency must be >= 1");
+  if (flags.time_scale < 0) return Fail("--time-scale must be >= 0");
+  flags.instance.aux_rows = std::max(flags.instance.aux_rows, 2 * flags.concurrency);
+
+  std::vector<TraceRequest> requests;
+  std::string source;
+  if (flags.demo && flags.trace.empty() && flags.synthetic == 0) {
+    if (std::filesystem::exists(kDemoTrace)) {
+      flags.trace = kDemoTrace;
+    } else {
+      flags.synthetic = flags.limit > 0 ? flags.limit : 40;
+    }
+  }
+  if (!flags.trace.empty() && flags.synthetic > 0) return Fail("give --trace or --synthetic, not both");
+  if (!flags.trace.empty()) {
+    auto t = LoadTrace(flags.trace, flags.limit);
+    if (!t.ok()) return Fail(t.status().message());
+    requests = std::move(*t);
+    source = flags.trace;
+  } else if (flags.synthetic > 0) {
+    requests = SyntheticTrace(flags.synthetic, flags.seed + 1);
+    if (flags.limit > 0 && requests.size() > flags.limit) requests.resize(flags.limit);
+    source = "synthetic (" + std::to_string(requests.size()) + " requests)";
+  } else {
+    return Fail("give --trace FILE, --synthetic N or --demo");
+  }
+  if (requests.empty()) return Fail("the workload has no requests");
+
+  // Instances: join running ones or start our own.
+  ChildInstance prefill_child, decode_child;
+  json prefill_info, decode_info;
+  if (!flags.prefill_address.empty() || !flags.decode_address.empty()) {
+    if (flags.prefill_address.empty() || flags.decode_address.empty()) {
+      return Fail("--prefill and --decode must be given together");
+    }
+    auto p = GetJson(flags.prefill_address, "/info");
+    if (!p.ok()) return Fail("--prefill: " + p.status().message());
+    auto d = GetJson(flags.decode_address, "/info");
+    if (!d.ok()) return Fail("--decode: " + d.status().message());
+    prefill_info = *p;
+    decode_info = *d;
+    if (prefill_info.value("page_size", 0) != decode_info.value("page_size", -1)) {
+      return Fail("prefill and decode instances use different page sizes");
+    }
+  } else {
+    Status s = prefill_child.Start("prefill", InstanceArgs(flags.instance, true));
+    if (!s.ok()) return Fail(s.message());
+    s = decode_child.Start("decode", InstanceArgs(flags.instance, false));
+    if (!s.ok()) return Fail(s.message());
+    prefill_info = prefill_child.info();
+    decode_info = decode_child.info();
+  }
+  const int page_size = prefill_info["page_size"];
+  const int64_t pool_pages =
+      std::min(prefill_info["pool_pages"].get<int64_t>(), decode_info["pool_pages"].get<int64_t>());
+  const std::string bootstrap = prefill_info["bootstrap_address"];
+  const std::string prefill_ctl = prefill_info["control_address"];
+  const std::string decode_ctl = decode_info["control_address"];
+
+  std::fprintf(stderr,
+               "kvferry replay: %zu requests from %s | model %s, page size %d, %lld pages per "
+               "pool (%s), concurrency %d, transport %s\n",
+               requests.size(), source.c_str(), prefill_info["model"].get<std::string>().c_str(),
+               page_size, static_cast<long long>(pool_pages),
+               FormatBytes(prefill_info["pool_bytes"].get<uint64_t>()).c_str(), flags.concurrency,
+               flags.instance.transport.c_str());
+
+  std::mt19937_64 rng(flags.seed ? flags.seed : std::random_device{}());
+  const uint64_t room_base = rng() & ~0xFFFFFFull;  // rooms unique across runs
+  PageBudget budget(pool_pages);
+  Totals totals;
+  LatencyRecorder latency;
+  std::mutex errors_mu;
+  std::vector<std::string> errors;
+  ProgressBar progress("replay", requests.size());
+  std::atomic<size_t> next{0};
+  const auto start = Clock::now();
+
+  auto split = [](const std::string& a) {
+    return std::make_pair(a.substr(0, a.rfind(':')), std::stoi(a.substr(a.rfind(':') + 1)));
+  };
+  auto worker = [&] {
+    auto [ph, pp] = split(prefill_ctl);
+    auto [dh, dp] = split(decode_ctl);
+    httplib::Client pc(ph, pp), dc(dh, dp);
+    const time_t read_timeout = static_cast<time_t>(3 * flags.instance.timeout_ms / 1000 + 10);
+    pc.set_read_timeout(read_timeout);
+    dc.set_read_timeout(read_timeout);
+    while (true) {
+      size_t i = next++;
+      if (i >= requests.size()) return;
+      const TraceRequest& r = requests[i];
+      if (flags.time_scale > 0) {
+        auto due = start + std::chrono::microseconds(
+                               static_cast<int64_t>(r.timestamp_ms * 1000.0 / flags.time_scale));
+        std::this_thread::sleep_until(due);
+      }
+      const int64_t pages = (r.input_length + page_size - 1) / page_size;
+      auto finish_one = [&] {
+        progress.Update(++totals.done, totals.bytes.load());
+      };
+      if (pages > pool_pages) {
+        ++totals.rejected;
+        finish_one();
+        continue;
+      }
+      budget.Acquire(pages);
+      const uint64_t room = room_base + i;
+      json body = {{"room", room}, {"input_length", r.input_length}};
+      json dbody = body;
+      dbody["bootstrap_address"] = bootstrap;
+      auto decode_future = std::async(std::launch::async, [&dc, d = dbody.dump()] {
+        return dc.Post("/decode", d, "application/json");
+      });
+      auto pres = pc.Post("/prefill", body.dump(), "application/json");
+      auto dres = decode_future.get();
+      budget.Release(pages);
+      json pj = pres ? json::parse(pres->body, nullptr, false) : json();
+      json dj = dres ? json::parse(dres->body, nullptr, false) : json();
+      bool ok = pres && dres && pres->status == 200 && dres->status == 200 &&
+                pj.value("ok", false) && dj.value("ok", false);
+      if ((pres && pres->status == 413) || (dres && dres->status == 413)) {
+        ++totals.rejected;
+      } else if (!ok) {
+        ++totals.failed;
+        std::string why = !pres ? "prefill instance unreachable"
+                          : !dres ? "decode instance unreachable"
+                          : !pj.value("ok", false) ? "prefill: " + pj.value("error", pres->body)
+                                                   : "decode: " + dj.value("error", dres->body);
+        std::lock_guard<std::mutex> lock(errors_mu);
+        errors.push_back("request " + std::to_string(i) + " (room " + std::to_string(room) +
+                         "): " + why);
+      } else {
+        totals.tokens += static_cast<uint64_t>(r.input_length);
+        totals.pages += static_cast<uint64_t>(pages);
+        totals.pages_verified += dj.value("pages_verified", 0ull);
+        uint64_t mism = dj.value("mismatches", 0ull);
+        totals.mismatches += mism;
+        totals.bytes += dj.value("bytes", 0ull);
+        latency.Add(pj.value("transfer_ms", 0.0));
+        if (mism > 0) {
+          std::lock_guard<std::mutex> lock(errors_mu);
+          errors.push_back("request " + std::to_string(i) + " (room " + std::to_string(room) +
+                           "): " + std::to_string(mism) + " mismatched pages, first: " +
+                           dj.value("first_mismatch", dj.value("aux_error", std::string("?"))));
+        }
+      }
+      finish_one();
+    }
+  };
+  std::vector<std::thread> workers;
+  for (int w = 0; w < flags.concurrency; ++w) workers.emplace_back(worker);
+  for (auto& t : workers) t.join();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  progress.Finish();
+
+  uint64_t transfer_requests = 0;
+  if (auto st = GetJson(prefill_ctl, "/stats"); st.ok()) {
+    transfer_requests = st->value("transfer_requests", 0ull);
+  }
+  prefill_child.Stop();
+  decode_child.Stop();
+
+  const double gbps = seconds > 0 ? static_cast<double>(totals.bytes.load()) / seconds / 1e9 : 0;
+  json out = {
+      {"requests", requests.size()},
+      {"requests_failed", totals.failed.load()},
+      {"requests_rejected", totals.rejected.load()},
+      {"tokens", totals.tokens.load()},
+      {"pages", totals.pages.load()},
+      {"pages_verified", totals.pages_verified.load()},
+      {"mismatches", totals.mismatches.load()},
+      {"bytes", totals.bytes.load()},
+      {"seconds", seconds},
+      {"gbps", gbps},
+      {"transfer_latency_ms",
+       {{"p50", latency.Percentile(50)}, {"p90", latency.Percentile(90)},
+        {"p99", latency.Percentile(99)}}},
+      {"transfer_requests", transfer_requests},
+      {"model", prefill_info["model"]},
+      {"page_size", page_size},
+      {"concurrency", flags.concurrency},
+      {"transport", flags.instance.transport},
+      {"trace", source},
+  };
+  std::vector<std::vector<std::string>> rows = {
+      {"metric", "value"},
+      {"requests", std::to_string(requests.size())},
+      {"requests failed", std::to_string(totals.failed.load())},
+      {"requests rejected (larger than pool)", std::to_string(totals.rejected.load())},
+      {"tokens", std::to_string(totals.tokens.load())},
+      {"pages", std::to_string(totals.pages.load())},
+      {"pages verified", std::to_string(totals.pages_verified.load())},
+      {"mismatches", std::to_string(totals.mismatches.load())},
+      {"bytes delivered", FormatBytes(totals.bytes.load())},
+      {"seconds", Fixed(seconds, 2)},
+      {"throughput (GB/s)", Fixed(gbps, 2)},
+      {"transfer latency p50/p90/p99 (ms)",
+       Fixed(latency.Percentile(50), 1) + " / " + Fixed(latency.Percentile(90), 1) + " / " +
+           Fixed(latency.Percentile(99), 1)},
+      {"engine transfer requests", std::to_string(transfer_requests)},
+  };
+  std::printf("%s", RenderTable(rows).c_str());
+  for (size_t i = 0; i < errors.size() && i < 10; ++i) {
+    std::fprintf(stderr, "kvferry replay: %s\n", errors[i].c_str());
+  }
+  if (errors.size() > 10) std::fprintf(stderr, "kvferry replay: ... %zu more\n", errors.size() - 10);
+  if (!flags.json_path.empty()) {
+    std::ofstream f(flags.json_path);
+    f << out.dump(2) << "\n";
+    if (!f) return Fail("cannot write --json file " + flags.json_path);
+  }
+  return totals.failed.load() > 0 || totals.mismatches.load() > 0 ? 1 : 0;
+}
+
+}  // namespace
+
+void AddReplayCommand(CLI::App& app, RunFn* run) {
+  auto flags = std::make_shared<ReplayFlags>();
+  auto* cmd = app.add_subcommand(
+      "replay", "Replay a request trace through prefill and decode instances, verifying every byte");
+  cmd->add_option("--trace", flags->trace, "Mooncake-format JSONL trace");
+  cmd->add_option("--synthetic", flags->synthetic, "Generate N requests with trace-like lengths");
+  cmd->add_flag("--demo", flags->demo,
+                std::string("Embedded default: ") + kDemoTrace + " when present, else synthetic");
+  cmd->add_option("--model", flags->instance.model, "Model preset (KV geometry)")
+      ->capture_default_str();
+  cmd->add_option("--model-config", flags->instance.model_config,
+                  "Hugging Face config.json (overrides --model)");
+  cmd->add_option("--limit", flags->limit, "Replay at most N requests (0 = all)");
+  cmd->add_option("--page-size", flags->instance.page_size, "Tokens per KV page")
+      ->capture_default_str();
+  cmd->add_option("--concurrency", flags->concurrency, "Requests in flight")->capture_default_str();
+  cmd->add_option("--time-scale", flags->time_scale,
+                  "Honour arrival times, X times faster (default: as fast as possible)");
+  cmd->add_option("--pool-size", flags->instance.pool_size, "KV pool bytes per side")
+      ->capture_default_str();
+  cmd->add_option("--transport", flags->instance.transport, "Transport: auto or tcp")
+      ->capture_default_str();
+  cmd->add_option("--chunk-tokens", flags->instance.chunk_tokens, "Tokens per prefill chunk")
+      ->capture_default_str();
+  cmd->add_option("--timeout-ms", flags->instance.timeout_ms, "Bootstrap/waiting/transfer timeout")
+      ->capture_default_str();
+  cmd->add_option("--json", flags->json_path, "Write the summary as JSON");
+  cmd->add_option("--prefill", flags->prefill_address,
+                  "Join a running prefill instance (its control host:port)");
+  cmd->add_option("--decode", flags->decode_address,
+                  "Join a running decode instance (its control host:port)");
+  cmd->add_option("--seed", flags->seed, "Seed for rooms and the synthetic workload");
+  cmd->callback([run, flags] { *run = [flags] { return RunReplay(*flags); }; });
+}
+
 }  // namespace kvferry::tools

@@ -1,0 +1,45 @@
+// Prefill and decode instances as processes, the way the replay (or an operator) runs them.
+//
+// Each instance holds a KV pool, an aux buffer, a page allocator and a connector, and serves
+// a small HTTP control API standing in for an inference server's request path:
+//   prefill  POST /prefill {"room","input_length"}: allocates pages, waits for decode's
+//            destination, "computes" the prompt chunk by chunk (deterministic content per
+//            (room, layer, token, head)) and sends each chunk as it is produced, then the
+//            aux row; answers when the room succeeded or failed.
+//   decode   POST /decode {"room","input_length","bootstrap_address"}: allocates pages in
+//            fragmented order, receives, verifies every byte and the aux row, frees.
+//   both     GET /info, GET /stats, GET /health, POST /shutdown.
+// A request larger than the whole pool is refused with HTTP 413 ("rejected"); smaller ones
+// wait for pool space.
+// On start an instance prints one line "KVFERRY_READY <json of /info>" on stdout.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kvferry/kv_layout.h"
+#include "kvferry/status.h"
+
+namespace kvferry::tools {
+
+struct InstanceFlags {
+  std::string model = "llama-3.1-8b";
+  std::string model_config;  // Hugging Face config.json; overrides `model`
+  int page_size = 16;
+  std::string pool_size = "4GiB";  // per instance
+  std::string transport = "auto";
+  std::string host = "127.0.0.1";
+  int control_port = 0;
+  int bootstrap_port = 0;  // prefill only
+  int64_t chunk_tokens = 8192;  // prefill: tokens per prefill chunk (chunked prefill)
+  int aux_rows = 1024;
+  int64_t timeout_ms = 120000;  // bootstrap, waiting and transfer timeouts
+};
+
+// Resolves --model / --model-config. Errors name the flag and value.
+StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string& model_config);
+
+int RunPrefillInstance(const InstanceFlags& flags);
+int RunDecodeInstance(const InstanceFlags& flags);
+
+}  // namespace kvferry::tools
