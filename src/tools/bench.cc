@@ -1,9 +1,268 @@
-// `kvferry bench`: placeholder until the benchmark lands.
+// `kvferry bench`: transfer-engine throughput and batch latency between two processes.
+//
+// By default the initiator spawns its target (the hidden `bench-target` subcommand of this
+// same binary) on loopback, sweeps block sizes x batch sizes, verifies the bytes after each
+// configuration, prints a table and optionally writes JSON. `--serve` runs a target by hand
+// and `--target HOST:PORT` points an initiator at it, so the two sides can be two machines.
+// Comparable tools: Mooncake's transfer_engine_bench, NVIDIA's nixlbench.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/env.h"
+#include "tools/bench_config.h"
+#include "tools/bench_session.h"
+#include "tools/bench_target.h"
 #include "tools/commands.h"
+#include "tools/stats.h"
 
 namespace kvferry::tools {
-void AddBenchCommand(CLI::App& app, RunFn* run) {
-  auto* cmd = app.add_subcommand("bench", "Transfer-engine benchmark between two processes");
-  cmd->callback([run] { *run = [] { return 2; }; });
+
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+// The target allocates and touches its whole buffer before it reports (2 GiB takes about a
+// second), so allow for a slow, loaded machine.
+constexpr std::chrono::milliseconds kTargetStartupTimeout{60000};
+// Untimed run before the sweep: opens every lane so the first configuration does not pay for
+// connection setup.
+constexpr double kWarmupSeconds = 0.2;
+
+// Effective lanes and slice size: what the engine will use after environment overrides
+// (TransferEngine::Create lets KVFERRY_TCP_LANES / KVFERRY_TCP_SLICE win over options).
+struct EffectiveTcp {
+  int lanes = EngineOptions().tcp_lanes_per_peer;
+  uint64_t slice_bytes = EngineOptions().tcp_slice_bytes;
+};
+
+EffectiveTcp ResolveTcp(const BenchPlan& plan) {
+  EffectiveTcp tcp;
+  if (plan.lanes) tcp.lanes = *plan.lanes;
+  StatusOr<EnvConfig> env = ReadEnvConfig();  // already validated by the CLI
+  if (env.ok()) {
+    if (env->tcp_lanes) {
+      if (plan.lanes && *plan.lanes != *env->tcp_lanes) {
+        std::fprintf(stderr, "kvferry bench: KVFERRY_TCP_LANES=%d overrides --lanes %d\n",
+                     *env->tcp_lanes, *plan.lanes);
+      }
+      tcp.lanes = *env->tcp_lanes;
+    }
+    if (env->tcp_slice_bytes) tcp.slice_bytes = *env->tcp_slice_bytes;
+  }
+  return tcp;
 }
+
+std::string Hostname() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+std::string UtcNow() {
+  std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&now, &tm);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
+}
+
+std::string FormatLatencyUs(double us) {
+  return us >= 100 ? fmt::format("{:.0f}", us) : fmt::format("{:.1f}", us);
+}
+
+std::string RenderResults(const std::vector<BenchConfigResult>& results) {
+  std::vector<std::vector<std::string>> rows = {
+      {"block", "batch", "threads", "seconds", "GB/s", "p50 us", "p99 us"}};
+  for (const BenchConfigResult& r : results) {
+    rows.push_back({FormatBytes(r.block_bytes), std::to_string(r.batch_size),
+                    std::to_string(r.num_threads), fmt::format("{:.2f}", r.seconds),
+                    fmt::format("{:.3f}", r.gbps), FormatLatencyUs(r.latency_p50_us),
+                    FormatLatencyUs(r.latency_p99_us)});
+  }
+  return RenderTable(rows);
+}
+
+Status WriteJson(const std::string& path, const BenchPlan& plan, const EffectiveTcp& tcp,
+                 const std::vector<BenchConfigResult>& results) {
+  nlohmann::ordered_json configs = nlohmann::ordered_json::array();
+  for (const BenchConfigResult& r : results) {
+    configs.push_back({{"block_size", r.block_bytes},
+                       {"batch_size", r.batch_size},
+                       {"threads", r.num_threads},
+                       {"seconds", r.seconds},
+                       {"bytes", r.bytes},
+                       {"batches", r.num_batches},
+                       {"gbps", r.gbps},
+                       {"latency_us", {{"p50", r.latency_p50_us}, {"p99", r.latency_p99_us}}},
+                       {"verified", true}});
+  }
+  nlohmann::ordered_json doc = {
+      {"transport", plan.transport},
+      {"op", plan.op == TransferOp::kWrite ? "write" : "read"},
+      {"threads", plan.num_threads},
+      {"lanes", tcp.lanes},
+      {"slice_bytes", tcp.slice_bytes},
+      {"duration_s", plan.duration_s},
+      {"configs", configs},
+      {"machine", {{"hostname", Hostname()}, {"nproc", std::thread::hardware_concurrency()}}},
+      {"date", UtcNow()}};
+  std::ofstream out(path);
+  if (!out) return UnavailableError("--json: cannot open '" + path + "' for writing");
+  out << doc.dump(2) << "\n";
+  out.close();
+  if (!out) return UnavailableError("--json: cannot write '" + path + "'");
+  return OkStatus();
+}
+
+int Fail(const Status& status) {
+  std::fprintf(stderr, "kvferry bench: %s\n", status.ToString().c_str());
+  return kExitFailure;
+}
+
+int RunBench(const BenchFlags& flags) {
+  StatusOr<BenchPlan> plan_or = MakeBenchPlan(flags);
+  if (!plan_or.ok()) {
+    std::fprintf(stderr, "kvferry bench: %s\n", plan_or.status().message().c_str());
+    return kExitUsage;
+  }
+  const BenchPlan& plan = *plan_or;
+  TargetOptions target_options;
+  target_options.transport = plan.transport;
+  target_options.buffer_bytes = plan.buffer_bytes;
+  if (plan.serve) {
+    target_options.listen_host = plan.listen_host;
+    target_options.listen_port = plan.listen_port;
+    target_options.until_stdin_closes = false;
+    return RunBenchTarget(target_options);
+  }
+
+  // Spawn first: the engine's threads do not exist yet.
+  std::unique_ptr<TargetProcess> target;
+  std::string address = plan.target_address;
+  if (address.empty()) {
+    target_options.until_stdin_closes = true;
+    StatusOr<std::unique_ptr<TargetProcess>> spawned =
+        TargetProcess::Spawn(target_options, kTargetStartupTimeout);
+    if (!spawned.ok()) return Fail(spawned.status());
+    target = std::move(*spawned);
+    address = target->info().address;
+  }
+  const EffectiveTcp tcp = ResolveTcp(plan);
+  StatusOr<std::unique_ptr<BenchSession>> session =
+      BenchSession::Open(plan, address, target ? &target->info() : nullptr);
+  if (!session.ok()) return Fail(session.status());
+
+  std::printf(
+      "kvferry bench: %s, transport %s, %d threads, %d lanes, slice %s, buffer %s, "
+      "target %s%s, %.2f s per configuration\n",
+      plan.op == TransferOp::kWrite ? "WRITE" : "READ", plan.transport.c_str(), plan.num_threads,
+      tcp.lanes, FormatBytes(tcp.slice_bytes).c_str(),
+      FormatBytes((*session)->buffer_bytes()).c_str(), address.c_str(), target ? " (spawned)" : "",
+      plan.duration_s);
+  std::fflush(stdout);
+
+  StatusOr<BenchConfigResult> warmup =
+      (*session)->Run(plan.block_sizes_bytes.front(), plan.batch_sizes.front(),
+                      std::min(kWarmupSeconds, plan.duration_s));
+  if (!warmup.ok()) return Fail(warmup.status().WithContext("warm-up"));
+
+  std::vector<BenchConfigResult> results;
+  for (uint64_t block_bytes : plan.block_sizes_bytes) {
+    for (size_t batch_size : plan.batch_sizes) {
+      StatusOr<BenchConfigResult> result =
+          (*session)->Run(block_bytes, batch_size, plan.duration_s);
+      if (!result.ok()) return Fail(result.status());
+      if (Status verified = (*session)->Verify(block_bytes, batch_size); !verified.ok()) {
+        return Fail(verified);
+      }
+      std::fprintf(stderr, "  %s x %zu: %.3f GB/s, batch p50 %s us, p99 %s us (verified)\n",
+                   FormatBytes(block_bytes).c_str(), batch_size, result->gbps,
+                   FormatLatencyUs(result->latency_p50_us).c_str(),
+                   FormatLatencyUs(result->latency_p99_us).c_str());
+      results.push_back(*result);
+    }
+  }
+  session->reset();  // close connections before the target goes away
+  if (target != nullptr) {
+    if (Status stopped = target->Stop(); !stopped.ok()) {
+      std::fprintf(stderr, "kvferry bench: warning: %s\n", stopped.ToString().c_str());
+    }
+  }
+
+  std::printf("%s", RenderResults(results).c_str());
+  std::fflush(stdout);
+  if (!plan.json_path.empty()) {
+    if (Status written = WriteJson(plan.json_path, plan, tcp, results); !written.ok()) {
+      return Fail(written);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddBenchCommand(CLI::App& app, RunFn* run) {
+  auto flags = std::make_shared<BenchFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "bench", "Transfer-engine benchmark between two processes (throughput, batch latency)");
+  cmd->add_option("--transport", flags->transport, "Transport: auto or a name such as tcp")
+      ->capture_default_str();
+  cmd->add_option("--op", flags->op, "write or read")->capture_default_str();
+  cmd->add_option("--block-size", flags->block_sizes,
+                  "Comma list of request sizes (KiB/MiB/GiB suffixes)")
+      ->capture_default_str();
+  cmd->add_option("--batch-size", flags->batch_sizes, "Comma list of requests per batch")
+      ->capture_default_str();
+  cmd->add_option("--threads", flags->threads, "Submitting threads")->capture_default_str();
+  cmd->add_option("--duration", flags->duration_s, "Seconds per configuration (fractions allowed)")
+      ->capture_default_str();
+  cmd->add_option("--lanes", flags->lanes,
+                  "TCP lanes (connections) per peer; default: the engine's (4)");
+  cmd->add_option("--buffer-size", flags->buffer_size,
+                  "Bytes of each side's buffer; default threads x batch x block, at most 2 GiB");
+  cmd->add_option("--json", flags->json_path, "Also write results as JSON to this file");
+  cmd->add_option("--target", flags->target,
+                  "HOST:PORT of a running `kvferry bench --serve` instead of spawning one");
+  cmd->add_flag("--serve", flags->serve,
+                "Serve as a target (for --target elsewhere) until SIGINT/SIGTERM");
+  cmd->add_option("--listen", flags->listen, "With --serve: HOST:PORT to listen on")
+      ->capture_default_str();
+  cmd->callback([run, flags] { *run = [flags] { return RunBench(*flags); }; });
+
+  // Hidden: the target an initiator spawns. Serves until its stdin closes.
+  auto target_flags = std::make_shared<BenchFlags>();
+  CLI::App* hidden = app.add_subcommand("bench-target", "Target process of `kvferry bench`");
+  hidden->group("");
+  hidden->add_option("--transport", target_flags->transport);
+  hidden->add_option("--listen", target_flags->listen);
+  hidden->add_option("--buffer-size", target_flags->buffer_size)->required();
+  hidden->callback([run, target_flags] {
+    *run = [target_flags] {
+      TargetOptions options;
+      options.transport = target_flags->transport;
+      options.until_stdin_closes = true;
+      Status parsed = ParseHostPort("--listen", target_flags->listen, &options.listen_host,
+                                    &options.listen_port);
+      StatusOr<uint64_t> size = ParseByteSize(target_flags->buffer_size);
+      if (!parsed.ok() || !size.ok() || *size == 0) {
+        std::fprintf(stderr, "kvferry bench-target: bad --listen or --buffer-size\n");
+        return kExitUsage;
+      }
+      options.buffer_bytes = *size;
+      return RunBenchTarget(options);
+    };
+  });
+}
+
 }  // namespace kvferry::tools
