@@ -142,8 +142,9 @@ StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvLayout& layout, int32_t
     return InvalidArgumentError("KV pool of " + std::to_string(size_bytes) +
                                 " bytes exceeds the address space");
   }
-  // Anonymous mappings are page aligned and zeroed, and commit memory only when touched, so a
-  // large pool costs nothing until a replay writes it.
+  // Anonymous mappings are page aligned and zeroed. A serving engine's pool is resident
+  // from start-up, so fault it in now (huge pages where the kernel allows): otherwise the
+  // first transfers into each page pay for zeroing it, which dominated short replays.
   void* data = mmap(nullptr, static_cast<size_t>(size_bytes), PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (data == MAP_FAILED) {
@@ -151,6 +152,15 @@ StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvLayout& layout, int32_t
                                   " bytes for a KV pool of " + std::to_string(num_pages) +
                                   " pages");
   }
+  madvise(data, static_cast<size_t>(size_bytes), MADV_HUGEPAGE);  // a hint; failure is fine
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(data, static_cast<size_t>(size_bytes), MADV_POPULATE_WRITE) != 0) {
+    munmap(data, static_cast<size_t>(size_bytes));
+    return ResourceExhaustedError("cannot commit " + std::to_string(size_bytes) +
+                                  " bytes for a KV pool of " + std::to_string(num_pages) +
+                                  " pages (out of memory?)");
+  }
+#endif
   return std::unique_ptr<KvPool>(
       new KvPool(layout, num_pages, static_cast<uint8_t*>(data), size_bytes));
 }

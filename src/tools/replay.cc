@@ -29,6 +29,9 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kDemoTrace = "../shared/traces/conversation_trace.jsonl";
+// Requests the demo replays unless --limit says otherwise: keeps `make demo` near a minute on
+// a 2-core machine with the Llama-3.1-8B geometry (about 1.5 GiB of KV per request).
+constexpr size_t kDemoLimit = 40;
 
 struct ReplayFlags {
   std::string trace;
@@ -197,6 +200,7 @@ int RunReplay(ReplayFlags flags) {
 
   std::vector<TraceRequest> requests;
   std::string source;
+  if (flags.demo && flags.limit == 0) flags.limit = kDemoLimit;
   if (flags.demo && flags.trace.empty() && flags.synthetic == 0) {
     if (std::filesystem::exists(kDemoTrace)) {
       flags.trace = kDemoTrace;

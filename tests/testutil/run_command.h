@@ -1,0 +1,21 @@
+// Runs a shell command (the real `kvferry` binary) and captures its output and exit code.
+#pragma once
+
+#include <string>
+
+namespace kvferry::testutil {
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+CommandResult RunCommand(const std::string& command);
+
+// Path of the built `kvferry` binary.
+inline std::string KvferryBinary() { return KVFERRY_BINARY; }
+// The shared data folder beside the repository (traces, models).
+inline std::string SharedDir() { return std::string(KVFERRY_SOURCE_DIR) + "/../shared"; }
+inline std::string SourceDir() { return KVFERRY_SOURCE_DIR; }
+
+}  // namespace kvferry::testutil

@@ -1,0 +1,174 @@
+// `kvferry replay` end to end: real processes, real sockets, every byte verified.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "testutil/run_command.h"
+
+namespace kvferry {
+namespace {
+
+using nlohmann::json;
+using testutil::KvferryBinary;
+using testutil::RunCommand;
+
+std::string TempPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() /
+          ("kvferry-" + std::to_string(::getpid()) + "-" + name))
+      .string();
+}
+
+json ReadJson(const std::string& path) {
+  std::ifstream f(path);
+  return json::parse(f, nullptr, false);
+}
+
+std::string Config(const std::string& name) {
+  return testutil::SourceDir() + "/tests/data/" + name;
+}
+
+TEST(ReplayTest, HundredConversationRequestsVerifyEveryByte) {
+  std::string trace = testutil::SharedDir() + "/traces/conversation_trace.jsonl";
+  if (!std::filesystem::exists(trace)) GTEST_SKIP() << "no " << trace;
+  std::string out = TempPath("conv.json");
+  auto r = RunCommand(KvferryBinary() + " replay --trace " + trace +
+                      " --limit 100 --model-config " + Config("tiny-gqa-config.json") +
+                      " --page-size 16 --pool-size 256MiB --concurrency 4 --json " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  json j = ReadJson(out);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+  EXPECT_EQ(j["requests"], 100);
+  EXPECT_EQ(j["requests_failed"], 0);
+  EXPECT_EQ(j["requests_rejected"], 0);
+  EXPECT_EQ(j["mismatches"], 0);
+  EXPECT_GT(j["pages"].get<int64_t>(), 0);
+  EXPECT_EQ(j["pages_verified"], j["pages"]);
+  // 1 KiB of KV per token for this geometry (2 layers x K,V x 2 heads x 64 x 2 bytes), plus
+  // one aux row per request.
+  EXPECT_GE(j["bytes"].get<uint64_t>(), j["tokens"].get<uint64_t>() * 1024);
+  EXPECT_GT(j["gbps"].get<double>(), 0.0);
+  EXPECT_GT(j["transfer_latency_ms"]["p50"].get<double>(), 0.0);
+  EXPECT_LE(j["transfer_latency_ms"]["p50"].get<double>(),
+            j["transfer_latency_ms"]["p99"].get<double>());
+  EXPECT_NE(r.output.find("mismatches"), std::string::npos);  // the summary table
+  std::remove(out.c_str());
+}
+
+TEST(ReplayTest, MlaSyntheticWithPageSizeOne) {
+  std::string out = TempPath("mla.json");
+  auto r = RunCommand(KvferryBinary() + " replay --synthetic 12 --model-config " +
+                      Config("tiny-mla-config.json") +
+                      " --page-size 1 --pool-size 128MiB --concurrency 3 --chunk-tokens 3000 "
+                      "--json " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  json j = ReadJson(out);
+  EXPECT_EQ(j["requests_failed"], 0);
+  EXPECT_EQ(j["mismatches"], 0);
+  EXPECT_EQ(j["pages_verified"], j["pages"]);
+  EXPECT_EQ(j["pages"], j["tokens"]);  // page size 1
+  std::remove(out.c_str());
+}
+
+TEST(ReplayTest, RequestLargerThanThePoolIsRejectedOthersWait) {
+  std::string trace = TempPath("big.jsonl");
+  {
+    std::ofstream f(trace);
+    f << R"({"timestamp": 0, "input_length": 3000, "output_length": 1, "hash_ids": [0]})" << "\n";
+    f << R"({"timestamp": 1, "input_length": 900000, "output_length": 1, "hash_ids": [1]})"
+      << "\n";
+    f << R"({"timestamp": 2, "input_length": 5000, "output_length": 1, "hash_ids": [2]})" << "\n";
+    f << R"({"timestamp": 3, "input_length": 6000, "output_length": 1, "hash_ids": [3]})" << "\n";
+  }
+  std::string out = TempPath("big.json");
+  // 8 MiB pool: 8192 tokens of 1 KiB; two requests never fit together, so they wait.
+  auto r = RunCommand(KvferryBinary() + " replay --trace " + trace + " --model-config " +
+                      Config("tiny-gqa-config.json") +
+                      " --page-size 16 --pool-size 8MiB --concurrency 4 --json " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  json j = ReadJson(out);
+  EXPECT_EQ(j["requests"], 4);
+  EXPECT_EQ(j["requests_rejected"], 1);
+  EXPECT_EQ(j["requests_failed"], 0);
+  EXPECT_EQ(j["tokens"], 14000);
+  EXPECT_EQ(j["mismatches"], 0);
+  std::remove(trace.c_str());
+  std::remove(out.c_str());
+}
+
+TEST(ReplayTest, MalformedTraceNamesFileAndLine) {
+  std::string trace = TempPath("bad.jsonl");
+  {
+    std::ofstream f(trace);
+    f << R"({"timestamp": 0, "input_length": 30, "output_length": 1})" << "\n";
+    f << R"({"timestamp": 1, "input_length": )" << "\n";
+  }
+  auto r = RunCommand(KvferryBinary() + " replay --trace " + trace + " --model-config " +
+                      Config("tiny-gqa-config.json"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find(trace + ":2"), std::string::npos) << r.output;
+  auto missing = RunCommand(KvferryBinary() + " replay --trace /nonexistent/t.jsonl");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.output.find("/nonexistent/t.jsonl"), std::string::npos) << missing.output;
+  std::remove(trace.c_str());
+}
+
+TEST(ReplayTest, BadFlagsAreNamed) {
+  auto r = RunCommand(KvferryBinary() + " replay --synthetic 2 --pool-size 12XB");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--pool-size"), std::string::npos) << r.output;
+  r = RunCommand(KvferryBinary() + " replay --synthetic 2 --model no-such-model");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("no-such-model"), std::string::npos) << r.output;
+  r = RunCommand(KvferryBinary() + " replay --synthetic 2 --model-config /nonexistent.json");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("/nonexistent.json"), std::string::npos) << r.output;
+}
+
+// Instances started separately (as an operator would), then joined by the replay.
+TEST(ReplayTest, JoinsRunningInstances) {
+  auto start = [](const std::string& role, const std::string& log) {
+    std::string cmd = KvferryBinary() + " " + role + " --model-config " +
+                      Config("tiny-gqa-config.json") + " --pool-size 64MiB > " + log + " 2>&1 &";
+    EXPECT_EQ(std::system(cmd.c_str()), 0);
+  };
+  std::string plog = TempPath("p.log"), dlog = TempPath("d.log");
+  start("prefill", plog);
+  start("decode", dlog);
+  auto ready = [](const std::string& log) -> json {
+    for (int i = 0; i < 200; ++i) {
+      std::ifstream f(log);
+      std::string line;
+      while (std::getline(f, line)) {
+        if (line.rfind("KVFERRY_READY ", 0) == 0) return json::parse(line.substr(14));
+      }
+      usleep(50000);
+    }
+    return json();
+  };
+  json p = ready(plog), d = ready(dlog);
+  ASSERT_TRUE(p.contains("control_address")) << plog;
+  ASSERT_TRUE(d.contains("control_address")) << dlog;
+  std::string out = TempPath("join.json");
+  auto r = RunCommand(KvferryBinary() + " replay --synthetic 5 --prefill " +
+                      p["control_address"].get<std::string>() + " --decode " +
+                      d["control_address"].get<std::string>() + " --json " + out);
+  // Stop them the way the replay would.
+  for (const json& inst : {p, d}) {
+    std::string addr = inst["control_address"];
+    httplib::Client c(addr.substr(0, addr.rfind(':')), std::stoi(addr.substr(addr.rfind(':') + 1)));
+    EXPECT_TRUE(c.Post("/shutdown")) << addr;
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  json j = ReadJson(out);
+  EXPECT_EQ(j["mismatches"], 0);
+  EXPECT_EQ(j["requests_failed"], 0);
+  EXPECT_EQ(j["requests"], 5);
+}
+
+}  // namespace
+}  // namespace kvferry
