@@ -40,8 +40,13 @@ struct EngineOptions {
   std::string listen_host = "127.0.0.1";
   // Port to listen on; 0 picks a free one (read it back with LocalDescriptor()).
   uint16_t listen_port = 0;
-  // Transport used for peers: "auto" (best available) or a name such as "tcp".
+  // Transport: "auto" picks per request (NVLink between GPU memory of one node, TCP for host
+  // memory); "tcp" or "nvlink" force one (requests it cannot carry fail at submission).
   std::string transport = "auto";
+  // NVLink: blocks of at least this many bytes go through the copy engine, smaller ones
+  // through one batched copy kernel per submission. Default 4 MiB (measured crossover:
+  // docs/perf/nvlink-h200.md).
+  uint64_t nvlink_copy_engine_threshold_bytes = 4ull << 20;
   // TCP connections (lanes) per peer. More lanes spread large requests over several
   // streams and cores; bounded to keep file descriptors in check. Default 4, range 1..64.
   int tcp_lanes_per_peer = 4;

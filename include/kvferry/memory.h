@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace kvferry {
 
@@ -30,6 +31,14 @@ enum AccessFlags : uint32_t {
   kAccessRemoteReadWrite = kAccessRemoteRead | kAccessRemoteWrite,
 };
 
+// How a peer on the same node can map a device region into its own address space.
+enum class ShareHandleType : uint8_t {
+  kNone = 0,     // not shareable (host memory, or no CUDA): reachable through TCP only
+  kCudaIpc = 1,  // `share_handle` holds a cudaIpcMemHandle_t (cudaMalloc / caching allocators)
+  kPosixFd = 2,  // a cuMem allocation: the owner passes a file descriptor on request over the
+                 // segment's Unix socket (SegmentDescriptor::ipc_socket), keyed by `key`
+};
+
 // Location of memory being registered.
 struct MemoryLocation {
   MemoryKind kind = MemoryKind::kHost;
@@ -46,6 +55,13 @@ struct RegionDescriptor {
   // Access key: random per registration. A peer must quote it in transports that carry keys
   // (RDMA rkeys later); over TCP the range check alone protects memory.
   uint64_t key = 0;
+  // Device memory only: how to map it, where the region starts inside its underlying
+  // allocation (registration may name part of a larger allocation, as caching allocators
+  // hand out), and that allocation's size.
+  ShareHandleType share_type = ShareHandleType::kNone;
+  std::vector<uint8_t> share_handle;  // at most 128 bytes
+  uint64_t alloc_offset = 0;
+  uint64_t alloc_bytes = 0;
 
   bool Contains(uint64_t addr, uint64_t length) const {
     return addr >= base && length <= length_bytes && addr - base <= length_bytes - length;

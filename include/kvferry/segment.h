@@ -25,7 +25,8 @@ struct SegmentDescriptor {
   uint16_t port = 0;
   std::string node_id;  // identifies the host machine (engines on one node share it)
   uint32_t pid = 0;
-  std::vector<std::string> transports;  // e.g. {"tcp"}
+  std::vector<std::string> transports;  // e.g. {"tcp", "nvlink"}
+  std::string ipc_socket;  // abstract Unix socket serving device-memory file descriptors
   std::vector<RegionDescriptor> regions;
 
   std::string Address() const { return host + ":" + std::to_string(port); }

@@ -20,6 +20,7 @@ class ByteWriter {
     U32(static_cast<uint32_t>(s.size()));
     out_.insert(out_.end(), s.begin(), s.end());
   }
+  void Bytes(std::span<const uint8_t> b) { out_.insert(out_.end(), b.begin(), b.end()); }
   std::vector<uint8_t> Take() { return std::move(out_); }
 
  private:
@@ -48,6 +49,13 @@ class ByteReader {
     if (in_.size() - pos_ < n) return Fail(std::string(what) + " truncated");
     s->assign(reinterpret_cast<const char*>(in_.data() + pos_), n);
     pos_ += n;
+    return true;
+  }
+  // Fills `out` completely from the input.
+  bool Bytes(std::span<uint8_t> out) {
+    if (in_.size() - pos_ < out.size()) return Fail("truncated at byte " + std::to_string(pos_));
+    for (size_t i = 0; i < out.size(); ++i) out[i] = in_[pos_ + i];
+    pos_ += out.size();
     return true;
   }
   // Checks that `count` items of `item_bytes` each can still follow, before resizing.

@@ -2,6 +2,8 @@
 // none invents its own.
 #pragma once
 
+#include <string>
+
 #include "kvferry/status.h"
 
 #define KVF_CONCAT_INNER_(a, b) a##b
@@ -21,3 +23,27 @@
   auto tmp = (expr);                               \
   if (!tmp.ok()) return tmp.status();              \
   lhs = std::move(tmp).value()
+
+// CUDA checks: record the failed call, its error name and file:line. Only files that include
+// the CUDA headers expand these.
+#define CUDA_RETURN_IF_ERROR(call)                                                         \
+  do {                                                                                     \
+    cudaError_t kvf_cuda_err_ = (call);                                                    \
+    if (kvf_cuda_err_ != cudaSuccess) {                                                    \
+      return ::kvferry::InternalError(std::string(#call) + " failed: " +                   \
+                                      cudaGetErrorName(kvf_cuda_err_) + " (" +             \
+                                      cudaGetErrorString(kvf_cuda_err_) + ") at " +        \
+                                      __FILE__ + ":" + std::to_string(__LINE__));          \
+    }                                                                                      \
+  } while (0)
+
+// For CUresult calls through the run-time loaded driver table (src/cuda/cuda_driver.h).
+#define CU_RETURN_IF_ERROR(driver, call)                                                   \
+  do {                                                                                     \
+    CUresult kvf_cu_err_ = (driver).call;                                                  \
+    if (kvf_cu_err_ != CUDA_SUCCESS) {                                                     \
+      return ::kvferry::InternalError(std::string(#call) + " failed: " +                   \
+                                      (driver).ErrorName(kvf_cu_err_) + " at " + __FILE__ + \
+                                      ":" + std::to_string(__LINE__));                     \
+    }                                                                                      \
+  } while (0)

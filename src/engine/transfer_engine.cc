@@ -13,10 +13,13 @@
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/logging.h"
+#include "cuda/device_memory.h"
 #include "engine/memory_registry.h"
 #include "kvferry/engine.h"
 #include "transport/tcp/tcp_common.h"
 #include "transport/tcp/tcp_peer.h"
+#include "transport/nvlink/fd_passing.h"
+#include "transport/nvlink/nvlink_channel.h"
 #include "transport/tcp/tcp_server.h"
 
 namespace kvferry {
@@ -39,7 +42,9 @@ struct Peer {
   uint64_t id = 0;
   std::string address;
   std::unique_ptr<tcp::TcpPeer> tcp;  // control channel and TCP data path
-  PeerChannel* data = nullptr;        // data path chosen for this peer
+  bool same_node_nvlink = false;      // peer on this node and both sides speak NVLink
+  std::mutex nvlink_mu;
+  std::map<int, std::unique_ptr<PeerChannel>> nvlink;  // by local CUDA device
 };
 
 // One submitted batch. Owns its work items; items hold a reference back (owner_keepalive)
@@ -60,7 +65,8 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::string notification;
   std::function<void(BatchId, const BatchStatus&)> on_complete;
   std::shared_ptr<Peer> notify_peer;
-  std::vector<std::shared_ptr<Peer>> peers;  // per request
+  std::vector<std::shared_ptr<Peer>> peers;  // per request (keeps channels alive)
+  std::vector<PeerChannel*> channels;        // per request: the data path chosen
   std::vector<std::shared_ptr<WorkItem>> items;
 
   explicit Batch(std::span<const TransferRequest> requests) {
@@ -98,7 +104,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       to_send = items;  // completions may append the notification item meanwhile
     }
     for (auto& item : to_send) item->owner_keepalive = self;
-    for (auto& item : to_send) peers[item->request_index]->data->Submit(item);
+    for (auto& item : to_send) channels[item->request_index]->Submit(item);
   }
 
   void OnWorkDone(WorkItem* item, const Status& status) override {
@@ -155,7 +161,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       } else {
         PeerChannel* channel = item->kind == WorkItem::Kind::kNotify
                                    ? notify_peer->tcp.get()
-                                   : peers[item->request_index]->data;
+                                   : channels[item->request_index];
         channel->Abandon(item.get(), why);
       }
     }
@@ -295,9 +301,15 @@ class EngineImpl : public TransferEngine {
       ::gethostname(host, sizeof(host) - 1);
       options_.name = std::string(host) + "-" + std::to_string(::getpid());
     }
-    if (options_.transport != "auto" && options_.transport != "tcp") {
-      return InvalidArgumentError("transport '" + options_.transport +
-                                  "' is not available in this build (available: auto, tcp)");
+    nvlink_available_ = NvlinkAvailable();
+    if (options_.transport != "auto" && options_.transport != "tcp" &&
+        options_.transport != "nvlink") {
+      return InvalidArgumentError("unknown transport '" + options_.transport +
+                                  "' (known: auto, tcp, nvlink)");
+    }
+    if (options_.transport == "nvlink" && !nvlink_available_) {
+      return FailedPreconditionError("transport 'nvlink' needs a CUDA build and a CUDA device: " +
+                                     cuda::CheckDevice(0).message());
     }
     if (options_.tcp_lanes_per_peer < 1 || options_.tcp_lanes_per_peer > 64) {
       return InvalidArgumentError("tcp_lanes_per_peer must be in 1..64, got " +
@@ -320,6 +332,19 @@ class EngineImpl : public TransferEngine {
     server_options.describe = [this] { return LocalDescriptor(); };
     server_options.on_notification = [this](Notification n) { Deliver(std::move(n)); };
     ASSIGN_OR_RETURN(server_, tcp::TcpServer::Create(server_options, &registry_));
+    if (nvlink_available_) {
+      // Serves file descriptors of kvferry-allocated (cuMem) device memory to local peers.
+      std::string name = "kvferry-" + std::to_string(::getpid()) + "-" +
+                         std::to_string(server_->port()) + "-" + std::to_string(key_rng_() % 100000);
+      ASSIGN_OR_RETURN(fd_server_, FdServer::Create(name, [this](uint64_t key) -> StatusOr<int> {
+                         for (const auto& r : registry_.Regions()) {
+                           if (r.key == key && r.share_type == ShareHandleType::kPosixFd) {
+                             return cuda::ExportFd(r.base - r.alloc_offset);
+                           }
+                         }
+                         return NotFoundError("no shareable region with that key");
+                       }));
+    }
     watchdog_ = std::thread([this] { WatchdogLoop(); });
     return OkStatus();
   }
@@ -342,21 +367,30 @@ class EngineImpl : public TransferEngine {
       std::lock_guard<std::mutex> lock(peers_mu_);
       peers.swap(peers_);
     }
-    for (auto& [id, p] : peers) p->tcp->Close();
+    for (auto& [id, p] : peers) {
+      p->tcp->Close();
+      std::lock_guard<std::mutex> lock(p->nvlink_mu);
+      for (auto& [dev, ch] : p->nvlink) ch->Close();
+    }
     for (auto& b : batches) b->ReleaseItems();
     server_.reset();
   }
 
   Status RegisterMemory(void* addr, uint64_t length_bytes, MemoryLocation location,
                         uint32_t access) override {
-    if (location.kind == MemoryKind::kCuda) {
-      return UnimplementedError("device memory registration needs a CUDA build");
-    }
+    if (addr == nullptr) return InvalidArgumentError("cannot register a null address");
+    if (length_bytes == 0) return InvalidArgumentError("cannot register zero bytes");
     RegionDescriptor region;
-    region.base = reinterpret_cast<uint64_t>(addr);
-    region.length_bytes = length_bytes;
-    region.kind = location.kind;
-    region.device_id = location.kind == MemoryKind::kHost ? -1 : location.device_id;
+    if (location.kind == MemoryKind::kCuda) {
+      // Peers map the whole underlying allocation and offset into it, so memory from a
+      // framework's caching allocator registers like a plain cudaMalloc buffer.
+      ASSIGN_OR_RETURN(region, cuda::DescribeDeviceRegion(addr, length_bytes, location.device_id));
+    } else {
+      region.base = reinterpret_cast<uint64_t>(addr);
+      region.length_bytes = length_bytes;
+      region.kind = location.kind;
+      region.device_id = -1;
+    }
     region.access = access;
     {
       std::lock_guard<std::mutex> lock(key_mu_);
@@ -377,6 +411,8 @@ class EngineImpl : public TransferEngine {
     d.node_id = node_id_;
     d.pid = static_cast<uint32_t>(::getpid());
     d.transports = {"tcp"};
+    if (nvlink_available_) d.transports.push_back("nvlink");
+    d.ipc_socket = fd_server_ != nullptr ? fd_server_->name() : "";
     d.regions = registry_.Regions();
     return d;
   }
@@ -404,7 +440,11 @@ class EngineImpl : public TransferEngine {
     auto peer = std::make_shared<Peer>();
     peer->address = address;
     peer->tcp = std::move(tcp_peer);
-    peer->data = peer->tcp.get();
+    const SegmentDescriptor& remote = peer->tcp->descriptor();
+    peer->same_node_nvlink =
+        nvlink_available_ && remote.node_id == node_id_ &&
+        std::find(remote.transports.begin(), remote.transports.end(), "nvlink") !=
+            remote.transports.end();
     std::lock_guard<std::mutex> lock(peers_mu_);
     peer->id = next_peer_id_++;
     peers_[peer->id] = peer;
@@ -456,6 +496,8 @@ class EngineImpl : public TransferEngine {
       descriptors_.erase(segment.value);
     }
     peer->tcp->Close();
+    std::lock_guard<std::mutex> lock(peer->nvlink_mu);
+    for (auto& [dev, ch] : peer->nvlink) ch->Close();
     return OkStatus();
   }
 
@@ -490,6 +532,10 @@ class EngineImpl : public TransferEngine {
               std::to_string(i) + " targets another)");
         }
       }
+    }
+    batch->channels.resize(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      ASSIGN_OR_RETURN(batch->channels[i], ChooseChannel(requests[i], *batch->peers[i], i));
     }
     batch->notification = options.notification;
     batch->on_complete = options.on_complete;
@@ -596,6 +642,38 @@ class EngineImpl : public TransferEngine {
     return std::max<uint32_t>(options_.max_message_bytes, 4u << 20);
   }
 
+  // Picks the data path for one request: NVLink between GPU memory of one node, TCP between
+  // host memory; `transport` in the options can force one.
+  StatusOr<PeerChannel*> ChooseChannel(const TransferRequest& r, Peer& peer, size_t index) {
+    auto local = registry_.Find(reinterpret_cast<uint64_t>(r.local_addr), r.length_bytes);
+    bool local_device = local.ok() && local->kind == MemoryKind::kCuda;
+    std::string where = "request " + std::to_string(index) + ": ";
+    if (!local_device) {
+      if (options_.transport == "nvlink") {
+        return FailedPreconditionError(where + "transport 'nvlink' needs local memory inside a "
+                                               "registered CUDA region");
+      }
+      return static_cast<PeerChannel*>(peer.tcp.get());
+    }
+    if (options_.transport == "tcp" || !peer.same_node_nvlink) {
+      return UnimplementedError(where + "GPU memory to peer " + peer.address +
+                                " needs NVLink (same node, both with CUDA); GPU memory over TCP "
+                                "is not supported yet");
+    }
+    std::lock_guard<std::mutex> lock(peer.nvlink_mu);
+    auto& channel = peer.nvlink[local->device_id];
+    if (channel == nullptr) {
+      NvlinkChannelOptions o;
+      o.peer = peer.tcp->descriptor();
+      o.local_device = local->device_id;
+      o.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
+      uint64_t id = peer.id;
+      o.refresh = [this, id] { return RefreshSegment(SegmentHandle{id}); };
+      ASSIGN_OR_RETURN(channel, CreateNvlinkChannel(o));
+    }
+    return channel.get();
+  }
+
   void Deliver(Notification n) {
     NotificationHandler handler;
     {
@@ -655,8 +733,10 @@ class EngineImpl : public TransferEngine {
 
   EngineOptions options_;
   std::string node_id_;
+  bool nvlink_available_ = false;
   MemoryRegistry registry_;
   std::unique_ptr<tcp::TcpServer> server_;
+  std::unique_ptr<FdServer> fd_server_;
 
   std::mutex key_mu_;
   std::mt19937_64 key_rng_;

@@ -118,6 +118,7 @@ std::vector<uint8_t> EncodeDescriptor(const SegmentDescriptor& d) {
   w.U16(d.port);
   w.Str(d.node_id);
   w.U32(d.pid);
+  w.Str(d.ipc_socket);
   w.U32(static_cast<uint32_t>(d.transports.size()));
   for (const auto& t : d.transports) w.Str(t);
   w.U32(static_cast<uint32_t>(d.regions.size()));
@@ -128,6 +129,11 @@ std::vector<uint8_t> EncodeDescriptor(const SegmentDescriptor& d) {
     w.U32(static_cast<uint32_t>(r.device_id));
     w.U32(r.access);
     w.U64(r.key);
+    w.U8(static_cast<uint8_t>(r.share_type));
+    w.U32(static_cast<uint32_t>(r.share_handle.size()));
+    w.Bytes(r.share_handle);
+    w.U64(r.alloc_offset);
+    w.U64(r.alloc_bytes);
   }
   return w.Take();
 }
@@ -149,7 +155,7 @@ StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
                std::to_string(kProtocolVersion));
   }
   if (!r.Str(&d.name, "name") || !r.Str(&d.host, "host") || !r.U16(&d.port) ||
-      !r.Str(&d.node_id, "node_id") || !r.U32(&d.pid)) {
+      !r.Str(&d.node_id, "node_id") || !r.U32(&d.pid) || !r.Str(&d.ipc_socket, "ipc_socket")) {
     return bad("");
   }
   uint32_t num_transports = 0;
@@ -167,14 +173,27 @@ StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
   if (num_regions > kMaxRegions) {
     return bad(std::to_string(num_regions) + " regions exceed " + std::to_string(kMaxRegions));
   }
-  // Each region takes 33 bytes; refuse counts the remaining bytes cannot hold before resizing.
-  if (static_cast<uint64_t>(num_regions) * 33 > r.remaining()) return bad("regions truncated");
+  // Each region takes at least 54 bytes; refuse counts the remaining bytes cannot hold.
+  if (static_cast<uint64_t>(num_regions) * 54 > r.remaining()) return bad("regions truncated");
   d.regions.resize(num_regions);
   for (auto& g : d.regions) {
     uint8_t kind = 0;
     uint32_t device = 0;
+    uint8_t share = 0;
+    uint32_t handle_bytes = 0;
     if (!r.U64(&g.base) || !r.U64(&g.length_bytes) || !r.U8(&kind) || !r.U32(&device) ||
-        !r.U32(&g.access) || !r.U64(&g.key)) {
+        !r.U32(&g.access) || !r.U64(&g.key) || !r.U8(&share) || !r.U32(&handle_bytes)) {
+      return bad("");
+    }
+    if (share > static_cast<uint8_t>(ShareHandleType::kPosixFd)) {
+      return bad("unknown share handle type " + std::to_string(share));
+    }
+    if (handle_bytes > kMaxShareHandleBytes) {
+      return bad("share handle of " + std::to_string(handle_bytes) + " bytes");
+    }
+    g.share_type = static_cast<ShareHandleType>(share);
+    g.share_handle.resize(handle_bytes);
+    if (!r.Bytes(g.share_handle) || !r.U64(&g.alloc_offset) || !r.U64(&g.alloc_bytes)) {
       return bad("");
     }
     if (kind > static_cast<uint8_t>(MemoryKind::kCuda)) {

@@ -37,6 +37,7 @@ inline constexpr uint64_t kMaxPayloadBytes = 1ull << 30;
 inline constexpr uint32_t kMaxStringBytes = 4096;
 inline constexpr uint32_t kMaxRegions = 1u << 16;
 inline constexpr uint32_t kMaxTransports = 16;
+inline constexpr uint32_t kMaxShareHandleBytes = 128;
 
 enum class FrameType : uint8_t {
   kHello = 1,         // body: client descriptor

@@ -15,8 +15,13 @@ SegmentDescriptor Sample() {
   d.node_id = "node/abc";
   d.pid = 42;
   d.transports = {"tcp", "nvlink"};
+  d.ipc_socket = "kvferry-fd-42";
   d.regions = {{0x1000, 4096, MemoryKind::kHost, -1, kAccessRemoteReadWrite, 7},
                {0x7f0000000000, 1ull << 33, MemoryKind::kCuda, 1, kAccessRemoteWrite, 9}};
+  d.regions[1].share_type = ShareHandleType::kCudaIpc;
+  d.regions[1].share_handle = std::vector<uint8_t>(64, 0xAB);
+  d.regions[1].alloc_offset = 4096;
+  d.regions[1].alloc_bytes = (1ull << 33) + 4096;
   return d;
 }
 

@@ -1,0 +1,28 @@
+// Built instead of the CUDA sources when no CUDA compiler was found: every GPU feature
+// reports that clearly and the rest of kvferry works unchanged.
+#include "cuda/device_memory.h"
+#include "transport/nvlink/nvlink_channel.h"
+
+namespace kvferry {
+namespace {
+Status NoCuda() {
+  return UnimplementedError("no CUDA device: kvferry was built without CUDA (no nvcc found)");
+}
+}  // namespace
+
+namespace cuda {
+Status CheckDevice(int) { return NoCuda(); }
+StatusOr<RegionDescriptor> DescribeDeviceRegion(void*, uint64_t, int) { return NoCuda(); }
+StatusOr<int> ExportFd(uint64_t) { return NoCuda(); }
+StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int, uint64_t) {
+  return NoCuda();
+}
+DeviceAllocation::~DeviceAllocation() = default;
+}  // namespace cuda
+
+bool NvlinkAvailable() { return false; }
+StatusOr<std::unique_ptr<PeerChannel>> CreateNvlinkChannel(const NvlinkChannelOptions&) {
+  return NoCuda();
+}
+
+}  // namespace kvferry

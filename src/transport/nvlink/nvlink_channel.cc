@@ -1,0 +1,319 @@
+#include "transport/nvlink/nvlink_channel.h"
+
+#include <cuda_runtime.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/checks.h"
+#include "common/logging.h"
+#include "cuda/copy_kernels.h"
+#include "cuda/cuda_driver.h"
+#include "cuda/device_memory.h"
+#include "transport/nvlink/fd_passing.h"
+
+namespace kvferry {
+namespace {
+
+constexpr int kTableSlots = 8;
+constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (1.5 MiB of table) per launch
+
+std::string CudaError(const char* what, cudaError_t e) {
+  return std::string(what) + " failed: " + cudaGetErrorName(e);
+}
+
+class NvlinkChannel : public PeerChannel {
+ public:
+  explicit NvlinkChannel(const NvlinkChannelOptions& options) : options_(options) {}
+
+  Status Init() {
+    RETURN_IF_ERROR(cuda::CheckDevice(options_.local_device));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.local_device));
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    for (int i = 0; i < kTableSlots; ++i) {
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&slots_[i].host, kSlotTiles * sizeof(cuda::CopyTile)));
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&slots_[i].device, kSlotTiles * sizeof(cuda::CopyTile)));
+    }
+    thread_ = std::thread([this] { ProgressLoop(); });
+    return OkStatus();
+  }
+
+  ~NvlinkChannel() override {
+    Close();
+    cudaSetDevice(options_.local_device);
+    for (auto& s : slots_) {
+      if (s.host) cudaFreeHost(s.host);
+      if (s.device) cudaFree(s.device);
+    }
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    imports_.clear();
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  void Submit(std::shared_ptr<WorkItem> item) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!closed_) {
+        queue_.push_back(std::move(item));
+        cv_.notify_one();
+        return;
+      }
+    }
+    item->Complete(UnavailableError("NVLink channel to " + options_.peer.name + " is closed"));
+  }
+
+  void Abandon(WorkItem* item, const Status& why) override {
+    // Queued items complete at once; copies already launched finish on the GPU shortly and
+    // complete with their real outcome (a kernel cannot be interrupted safely).
+    uint8_t expected = WorkItem::kQueued;
+    if (item->state.compare_exchange_strong(expected, WorkItem::kDone)) {
+      item->owner->OnWorkDone(item, why);
+    }
+  }
+
+  void Close() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return;
+      closed_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct Slot {
+    void* host = nullptr;
+    void* device = nullptr;
+    bool busy = false;
+  };
+  struct Flight {
+    cudaEvent_t event = nullptr;
+    std::vector<std::shared_ptr<WorkItem>> items;
+    std::vector<int> slots;
+  };
+
+  void ProgressLoop() {
+    cudaSetDevice(options_.local_device);
+    std::vector<std::shared_ptr<WorkItem>> batch;
+    while (true) {
+      batch.clear();
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (queue_.empty() && inflight_.empty()) {
+          cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+        }
+        if (closed_ && inflight_.empty()) {
+          for (auto& item : queue_) batch.push_back(std::move(item));
+          queue_.clear();
+          lock.unlock();
+          for (auto& item : batch) item->Complete(UnavailableError("NVLink channel closed"));
+          return;
+        }
+        while (!queue_.empty()) {
+          batch.push_back(std::move(queue_.front()));
+          queue_.pop_front();
+        }
+      }
+      if (!batch.empty()) Dispatch(batch);
+      PollFlights(/*block=*/false);
+      if (!inflight_.empty()) std::this_thread::yield();
+    }
+  }
+
+  // Completes finished flights in order; with `block`, waits for at least the oldest.
+  void PollFlights(bool block) {
+    while (!inflight_.empty()) {
+      Flight& f = inflight_.front();
+      cudaError_t e = block ? cudaEventSynchronize(f.event) : cudaEventQuery(f.event);
+      if (e == cudaErrorNotReady) return;
+      Status s = e == cudaSuccess ? OkStatus() : InternalError(CudaError("NVLink copy", e));
+      for (int slot : f.slots) slots_[slot].busy = false;
+      free_events_.push_back(f.event);
+      auto items = std::move(f.items);
+      inflight_.pop_front();
+      for (auto& item : items) item->Complete(s);
+      block = false;
+    }
+  }
+
+  int AcquireSlot() {
+    while (true) {
+      for (int i = 0; i < kTableSlots; ++i) {
+        if (!slots_[i].busy) {
+          slots_[i].busy = true;
+          return i;
+        }
+      }
+      PollFlights(/*block=*/true);
+    }
+  }
+
+  cudaEvent_t AcquireEvent() {
+    if (!free_events_.empty()) {
+      cudaEvent_t e = free_events_.back();
+      free_events_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    return e;
+  }
+
+  // Maps [remote, remote + length) of the peer to a local pointer, or says why not.
+  StatusOr<uint8_t*> Translate(uint64_t remote, uint64_t length, bool write) {
+    const uint32_t need = write ? kAccessRemoteWrite : kAccessRemoteRead;
+    const RegionDescriptor* region = FindRegion(remote, length);
+    if (region == nullptr && options_.refresh) {
+      auto fresh = options_.refresh();
+      if (fresh.ok()) options_.peer = std::move(*fresh);
+      region = FindRegion(remote, length);
+    }
+    char range[80];
+    std::snprintf(range, sizeof(range), "[0x%llx, +%llu)", static_cast<unsigned long long>(remote),
+                  static_cast<unsigned long long>(length));
+    if (region == nullptr || region->kind != MemoryKind::kCuda) {
+      return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
+                                     range + " is not inside GPU memory " + options_.peer.name +
+                                     " registered");
+    }
+    if ((region->access & need) != need) {
+      return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
+                                     range + " lies in a region registered without remote " +
+                                     (write ? "write" : "read") + " access");
+    }
+    auto it = imports_.find(region->key);
+    if (it == imports_.end()) {
+      StatusOr<std::unique_ptr<cuda::ImportedAllocation>> imported =
+          UnimplementedError("region is not shareable");
+      if (region->share_type == ShareHandleType::kCudaIpc) {
+        imported = cuda::ImportedAllocation::FromIpcHandle(region->share_handle,
+                                                           options_.local_device);
+      } else if (region->share_type == ShareHandleType::kPosixFd) {
+        auto fd = RequestFd(options_.peer.ipc_socket, region->key);
+        if (!fd.ok()) return fd.status();
+        imported = cuda::ImportedAllocation::FromFd(*fd, region->alloc_bytes, region->device_id,
+                                                    options_.local_device);
+      }
+      if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
+      if (region->device_id != options_.local_device) {
+        cudaError_t e = cudaDeviceEnablePeerAccess(region->device_id, 0);
+        if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+          cudaGetLastError();
+        }
+      }
+      it = imports_.emplace(region->key, std::move(*imported)).first;
+    }
+    return it->second->base() + region->alloc_offset + (remote - region->base);
+  }
+
+  const RegionDescriptor* FindRegion(uint64_t addr, uint64_t length) const {
+    for (const auto& r : options_.peer.regions) {
+      if (r.Contains(addr, length)) return &r;
+    }
+    return nullptr;
+  }
+
+  void Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
+    std::vector<std::shared_ptr<WorkItem>> accepted;
+    tiles_.clear();
+    std::vector<std::pair<cuda::CopyTile, bool>> engine_copies;
+    for (auto& item : batch) {
+      uint8_t expected = WorkItem::kQueued;
+      if (!item->state.compare_exchange_strong(expected, WorkItem::kSending)) continue;
+      if (item->kind != WorkItem::Kind::kWrite && item->kind != WorkItem::Kind::kRead) {
+        item->Complete(InternalError("NVLink channel carries only WRITE and READ"));
+        continue;
+      }
+      bool write = item->kind == WorkItem::Kind::kWrite;
+      auto mapped = Translate(item->remote_addr, item->length, write);
+      if (!mapped.ok()) {
+        item->Complete(mapped.status());
+        continue;
+      }
+      uint64_t local = reinterpret_cast<uint64_t>(item->local);
+      uint64_t remote = reinterpret_cast<uint64_t>(*mapped);
+      uint64_t src = write ? local : remote, dst = write ? remote : local;
+      if (item->length >= options_.copy_engine_threshold_bytes) {
+        engine_copies.push_back({{src, dst, item->length}, true});
+      } else {
+        cuda::AppendTiles(src, dst, item->length, &tiles_);
+      }
+      accepted.push_back(std::move(item));
+    }
+    if (accepted.empty()) return;
+    Flight flight;
+    Status status;
+    for (const auto& c : engine_copies) {
+      cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(c.first.dst),
+                                      reinterpret_cast<const void*>(c.first.src), c.first.len,
+                                      cudaMemcpyDefault, stream_);
+      if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaMemcpyAsync", e));
+    }
+    size_t done = 0;
+    while (done < tiles_.size() && status.ok()) {
+      size_t n = std::min<size_t>(tiles_.size() - done, kSlotTiles);
+      cudaError_t e;
+      if (n <= static_cast<size_t>(cuda::kInlineTiles)) {
+        cuda::InlineTiles inline_tiles;
+        std::memcpy(inline_tiles.tiles, tiles_.data() + done, n * sizeof(cuda::CopyTile));
+        e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(n), stream_);
+      } else {
+        int slot = AcquireSlot();
+        flight.slots.push_back(slot);
+        std::memcpy(slots_[slot].host, tiles_.data() + done, n * sizeof(cuda::CopyTile));
+        e = cudaMemcpyAsync(slots_[slot].device, slots_[slot].host, n * sizeof(cuda::CopyTile),
+                            cudaMemcpyHostToDevice, stream_);
+        if (e == cudaSuccess) {
+          e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(slots_[slot].device),
+                                      static_cast<int>(n), stream_);
+        }
+      }
+      if (e != cudaSuccess) status = InternalError(CudaError("batched copy launch", e));
+      done += n;
+    }
+    flight.event = AcquireEvent();
+    cudaError_t e = cudaEventRecord(flight.event, stream_);
+    if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaEventRecord", e));
+    if (!status.ok()) {
+      // Wait for whatever was launched before reporting, so no copy outlives its item.
+      cudaStreamSynchronize(stream_);
+      for (int slot : flight.slots) slots_[slot].busy = false;
+      free_events_.push_back(flight.event);
+      for (auto& item : accepted) item->Complete(status);
+      return;
+    }
+    flight.items = std::move(accepted);
+    inflight_.push_back(std::move(flight));
+  }
+
+  NvlinkChannelOptions options_;
+  cudaStream_t stream_ = nullptr;
+  Slot slots_[kTableSlots];
+  std::vector<cuda::CopyTile> tiles_;                    // progress thread only
+  std::deque<Flight> inflight_;                          // progress thread (read under mu_)
+  std::vector<cudaEvent_t> free_events_;                 // progress thread only
+  std::map<uint64_t, std::unique_ptr<cuda::ImportedAllocation>> imports_;  // by region key
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<WorkItem>> queue_;
+  bool closed_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+bool NvlinkAvailable() { return cuda::CheckDevice(0).ok(); }
+
+StatusOr<std::unique_ptr<PeerChannel>> CreateNvlinkChannel(const NvlinkChannelOptions& options) {
+  auto c = std::make_unique<NvlinkChannel>(options);
+  RETURN_IF_ERROR(c->Init());
+  return std::unique_ptr<PeerChannel>(std::move(c));
+}
+
+}  // namespace kvferry

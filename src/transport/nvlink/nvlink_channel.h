@@ -1,0 +1,33 @@
+// NVLink transport: copies between this process's GPU memory and a peer process's GPU memory
+// on the same node, through mappings of the peer's allocations (CUDA IPC handles or cuMem file
+// descriptors). No CUDA types here: the engine includes this header in every build, and a
+// build without CUDA links a stub whose factory reports that.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "kvferry/segment.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+
+struct NvlinkChannelOptions {
+  SegmentDescriptor peer;  // the peer's regions at open time
+  // Re-reads the peer's descriptor when a range is not found (it may have registered more).
+  std::function<StatusOr<SegmentDescriptor>()> refresh;
+  int local_device = 0;
+  // Blocks at least this long go through the copy engine (cudaMemcpyAsync), smaller ones
+  // through one batched copy kernel per submission.
+  uint64_t copy_engine_threshold_bytes = 4ull << 20;
+};
+
+// True when this build has CUDA and a device is present.
+bool NvlinkAvailable();
+
+// Errors: kUnimplemented (no CUDA in this build), kFailedPrecondition (no device, no peer
+// access between the devices).
+StatusOr<std::unique_ptr<PeerChannel>> CreateNvlinkChannel(const NvlinkChannelOptions& options);
+
+}  // namespace kvferry
