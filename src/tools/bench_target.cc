@@ -120,6 +120,11 @@ StatusOr<TargetInfo> ParseTargetLine(const std::string& line) {
 
 int RunBenchTarget(const TargetOptions& options) {
   const char* who = options.until_stdin_closes ? "kvferry bench-target" : "kvferry bench --serve";
+  if (options.until_stdin_closes) {
+    // Executed as /proc/self/exe, the process would show as "exe" in top and perf; threads
+    // created from here on inherit this name.
+    ::prctl(PR_SET_NAME, "kvferry-target");
+  }
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   if (!options.until_stdin_closes) {
