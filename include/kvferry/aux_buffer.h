@@ -30,9 +30,14 @@
 #include <vector>
 
 #include "kvferry/kv_layout.h"
+#include "kvferry/memory.h"
 #include "kvferry/status.h"
 
 namespace kvferry {
+
+namespace cuda {
+class DeviceAllocation;
+}  // namespace cuda
 
 // One field of an aux row: bytes [offset_bytes, offset_bytes + size_bytes) of the row.
 // size_bytes is 0 for a field whose count is 0 (e.g. top_logprobs_num == 0).
@@ -72,6 +77,12 @@ class AuxBuffer {
   // Errors: kInvalidArgument when num_rows < 1 or the size overflows; kResourceExhausted when
   // the memory cannot be allocated.
   static StatusOr<std::unique_ptr<AuxBuffer>> Create(const AuxLayout& layout, int32_t num_rows);
+  // Rows in GPU memory of `device` (they then travel over NVLink with the KV). Row() returns
+  // device pointers; FreeRow and ReadRoom copy through the device. Errors: as Create, plus
+  // kFailedPrecondition ("no CUDA device") and kUnimplemented (built without CUDA).
+  static StatusOr<std::unique_ptr<AuxBuffer>> CreateOnDevice(const AuxLayout& layout,
+                                                             int32_t num_rows, int device);
+  MemoryLocation location() const { return location_; }
 
   ~AuxBuffer();
   AuxBuffer(const AuxBuffer&) = delete;
@@ -105,6 +116,8 @@ class AuxBuffer {
   AuxLayout layout_;
   int32_t num_rows_;
   uint8_t* data_;
+  MemoryLocation location_;
+  std::unique_ptr<cuda::DeviceAllocation> device_memory_;  // set for GPU rows
   std::mutex mu_;
   std::deque<int32_t> free_rows_;      // guarded by mu_
   std::vector<uint8_t> is_allocated_;  // guarded by mu_

@@ -25,9 +25,14 @@
 #include <vector>
 
 #include "kvferry/kv_layout.h"
+#include "kvferry/memory.h"
 #include "kvferry/status.h"
 
 namespace kvferry {
+
+namespace cuda {
+class DeviceAllocation;
+}  // namespace cuda
 
 // Hands out page indices in [0, capacity) from a free list.
 class PageAllocator {
@@ -75,6 +80,11 @@ class KvPool {
   // Errors: kInvalidArgument when num_pages < 1 or the size overflows; kResourceExhausted when
   // the memory cannot be mapped.
   static StatusOr<std::unique_ptr<KvPool>> Create(const KvLayout& layout, int32_t num_pages);
+  // The same pool in GPU memory of `device`, allocated by kvferry (cuMem, shareable with local
+  // peers through a file descriptor). data() is then a device pointer. Errors: as Create, plus
+  // kFailedPrecondition ("no CUDA device") and kUnimplemented (built without CUDA).
+  static StatusOr<std::unique_ptr<KvPool>> CreateOnDevice(const KvLayout& layout,
+                                                          int32_t num_pages, int device);
 
   // The most pages (all buffers) that fit in `pool_bytes`, clamped to INT32_MAX; may be 0.
   static int32_t PagesForBytes(const KvLayout& layout, uint64_t pool_bytes);
@@ -85,6 +95,8 @@ class KvPool {
 
   const KvLayout& layout() const { return layout_; }
   int32_t num_pages() const { return num_pages_; }
+  // Host memory, or the GPU the pool lives on.
+  MemoryLocation location() const { return location_; }
 
   uint8_t* data() { return data_; }
   const uint8_t* data() const { return data_; }
@@ -108,6 +120,8 @@ class KvPool {
   KvPool(const KvLayout& layout, int32_t num_pages, uint8_t* data, uint64_t size_bytes);
 
   KvLayout layout_;
+  MemoryLocation location_;
+  std::unique_ptr<cuda::DeviceAllocation> device_memory_;  // set for GPU pools
   int32_t num_pages_;
   uint8_t* data_;
   uint64_t size_bytes_;

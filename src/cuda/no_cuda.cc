@@ -1,6 +1,7 @@
 // Built instead of the CUDA sources when no CUDA compiler was found: every GPU feature
 // reports that clearly and the rest of kvferry works unchanged.
 #include "cuda/device_memory.h"
+#include "cuda/device_ops.h"
 #include "transport/nvlink/nvlink_channel.h"
 
 namespace kvferry {
@@ -18,6 +19,10 @@ StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int, uint64
   return NoCuda();
 }
 DeviceAllocation::~DeviceAllocation() = default;
+Status CopyToDevice(void*, const void*, uint64_t) { return NoCuda(); }
+Status CopyToHost(void*, const void*, uint64_t) { return NoCuda(); }
+Status MemsetDevice(void*, int, uint64_t) { return NoCuda(); }
+StatusOr<std::unique_ptr<GpuPattern>> GpuPattern::Create(int) { return NoCuda(); }
 }  // namespace cuda
 
 bool NvlinkAvailable() { return false; }

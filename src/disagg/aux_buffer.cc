@@ -1,5 +1,9 @@
 #include "kvferry/aux_buffer.h"
 
+#include "common/checks.h"
+#include "cuda/device_memory.h"
+#include "cuda/device_ops.h"
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -92,7 +96,27 @@ AuxBuffer::AuxBuffer(const AuxLayout& layout, int32_t num_rows, uint8_t* data)
   for (int32_t row = 0; row < num_rows; ++row) free_rows_.push_back(row);
 }
 
-AuxBuffer::~AuxBuffer() { munmap(data_, static_cast<size_t>(size_bytes())); }
+AuxBuffer::~AuxBuffer() {
+  if (device_memory_ == nullptr) munmap(data_, static_cast<size_t>(size_bytes()));
+}
+
+StatusOr<std::unique_ptr<AuxBuffer>> AuxBuffer::CreateOnDevice(const AuxLayout& layout,
+                                                               int32_t num_rows, int device) {
+  if (num_rows < 1) {
+    return InvalidArgumentError("an aux buffer needs at least one row, got " +
+                                std::to_string(num_rows));
+  }
+  const uint64_t bytes = static_cast<uint64_t>(num_rows) * layout.row_bytes();
+  auto memory = cuda::DeviceAllocation::Create(device, bytes);
+  if (!memory.ok()) {
+    return memory.status().WithContext("aux rows on CUDA device " + std::to_string(device));
+  }
+  RETURN_IF_ERROR(cuda::MemsetDevice((*memory)->data(), 0, bytes));
+  std::unique_ptr<AuxBuffer> aux(new AuxBuffer(layout, num_rows, (*memory)->data()));
+  aux->location_ = MemoryLocation{MemoryKind::kCuda, device};
+  aux->device_memory_ = std::move(*memory);
+  return aux;
+}
 
 StatusOr<int32_t> AuxBuffer::AllocateRow() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -115,15 +139,24 @@ Status AuxBuffer::FreeRow(int32_t row) {
     return FailedPreconditionError("aux row " + std::to_string(row) + " is not allocated");
   }
   // Zero before the row can be handed out again, so a stale room never survives into it.
-  std::memset(Row(row), 0, layout_.row_bytes());
+  if (device_memory_ != nullptr) {
+    RETURN_IF_ERROR(cuda::MemsetDevice(Row(row), 0, layout_.row_bytes()));
+  } else {
+    std::memset(Row(row), 0, layout_.row_bytes());
+  }
   is_allocated_[row] = 0;
   free_rows_.push_back(row);
   return OkStatus();
 }
 
 uint64_t AuxBuffer::ReadRoom(int32_t row) const {
-  uint64_t room;
-  std::memcpy(&room, Row(row) + layout_.room_offset(), sizeof(room));
+  uint64_t room = 0;
+  if (device_memory_ != nullptr) {
+    // A failed copy leaves 0, which no live room equals: the caller reports corruption.
+    cuda::CopyToHost(&room, Row(row) + layout_.room_offset(), sizeof(room)).IgnoreError();
+  } else {
+    std::memcpy(&room, Row(row) + layout_.room_offset(), sizeof(room));
+  }
   return room;
 }
 

@@ -54,9 +54,9 @@ class DecodeConnectorImpl : public DecodeConnector {
     }
     bootstrap_ = std::make_unique<TaskQueue>(options_.bootstrap_threads);
     ASSIGN_OR_RETURN(engine_, TransferEngine::Create(options_.engine));
-    RETURN_IF_ERROR(engine_->RegisterMemory(pool_->data(), pool_->size_bytes(), {},
+    RETURN_IF_ERROR(engine_->RegisterMemory(pool_->data(), pool_->size_bytes(), pool_->location(),
                                             kAccessRemoteWrite));
-    RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), {},
+    RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), aux_->location(),
                                             kAccessRemoteWrite));
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     timer_ = std::thread([this] { TimerLoop(); });

@@ -1,5 +1,7 @@
 #include "disagg/kv_pattern.h"
 
+#include "disagg/kv_pattern_math.h"
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -11,38 +13,13 @@ namespace kvferry {
 
 namespace {
 
-constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
-constexpr uint64_t kTokenStep = 0xd1b54a32d192ed03ULL;
-constexpr uint64_t kHeadStep = 0x8cb92ba72f3d8dd7ULL;
 constexpr uint64_t kAuxSalt = 0xa0761d6478bd642fULL;
 
-// splitmix64's finalizer: a strong bijective mix, used once per seed.
-inline uint64_t Mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-// Word i of a head vector: a cheaper bijective mix (one multiply), used once per 8 bytes.
-// Bijective in (seed + i * kGolden), so the words of one head never repeat.
-inline uint64_t PatternWord(uint64_t seed, uint64_t i) {
-  uint64_t x = seed + (i + 1) * kGolden;
-  x ^= x >> 32;
-  x *= 0xd6e8feb86659fd93ULL;
-  return x ^ (x >> 32);
-}
-
-// Seed shared by every head vector of one buffer of one request.
-inline uint64_t BufferSeed(uint64_t room, int layer, int is_value) {
-  const uint64_t which = (static_cast<uint64_t>(static_cast<uint32_t>(layer)) << 1) |
-                         static_cast<uint64_t>(is_value != 0);
-  return Mix64(Mix64(room) + (which + 1) * kGolden);
-}
-
-inline uint64_t HeadSeed(uint64_t buffer_seed, int64_t token, int head) {
-  return Mix64(buffer_seed + static_cast<uint64_t>(token) * kTokenStep +
-               static_cast<uint64_t>(static_cast<uint32_t>(head)) * kHeadStep);
-}
+using pattern::BufferSeed;
+using pattern::HeadSeed;
+using pattern::Mix64;
+using pattern::PatternWord;
+using pattern::kGolden;
 
 inline void StoreWord(uint8_t* dst, uint64_t word) { std::memcpy(dst, &word, sizeof(word)); }
 inline uint64_t LoadWord(const uint8_t* src) {

@@ -48,9 +48,9 @@ class PrefillConnectorImpl : public PrefillConnector {
       options_.engine.name = "prefill-tp" + std::to_string(options_.tp_rank);
     }
     ASSIGN_OR_RETURN(engine_, TransferEngine::Create(options_.engine));
-    RETURN_IF_ERROR(engine_->RegisterMemory(pool_->data(), pool_->size_bytes(), {},
+    RETURN_IF_ERROR(engine_->RegisterMemory(pool_->data(), pool_->size_bytes(), pool_->location(),
                                             kAccessRemoteRead));
-    RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), {},
+    RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), aux_->location(),
                                             kAccessRemoteRead));
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     if (options_.start_bootstrap_server) {

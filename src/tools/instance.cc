@@ -11,6 +11,7 @@
 
 #include "common/checks.h"
 #include "common/env.h"
+#include "cuda/device_ops.h"
 #include "disagg/kv_pattern.h"
 #include "kvferry/connector.h"
 #include "tools/commands.h"
@@ -45,6 +46,68 @@ struct Instance {
   std::condition_variable aux_freed;
   httplib::Server server;
   std::atomic<bool> stopping{false};
+  bool on_gpu = false;
+  cuda::PatternGeometry gpu_geometry;
+  std::mutex patterns_mu;
+  std::vector<std::unique_ptr<cuda::GpuPattern>> patterns;  // idle GPU fill/verify contexts
+
+  // A GPU fill/verify context for this handler thread (returned with ReturnPattern).
+  StatusOr<std::unique_ptr<cuda::GpuPattern>> TakePattern() {
+    {
+      std::lock_guard<std::mutex> lock(patterns_mu);
+      if (!patterns.empty()) {
+        auto p = std::move(patterns.back());
+        patterns.pop_back();
+        return p;
+      }
+    }
+    return cuda::GpuPattern::Create(flags.gpu);
+  }
+  void ReturnPattern(std::unique_ptr<cuda::GpuPattern> p) {
+    std::lock_guard<std::mutex> lock(patterns_mu);
+    patterns.push_back(std::move(p));
+  }
+
+  // Writes the aux row for `room` (through the device for GPU rows).
+  Status WriteAuxRow(int32_t row, uint64_t room) {
+    if (!on_gpu) {
+      FillAuxRow(aux->layout(), aux->Row(row), room);
+      return OkStatus();
+    }
+    std::vector<uint8_t> host(aux->layout().row_bytes());
+    FillAuxRow(aux->layout(), host.data(), room);
+    return cuda::CopyToDevice(aux->Row(row), host.data(), host.size());
+  }
+  Status CheckAuxRow(int32_t row, uint64_t room) {
+    if (!on_gpu) return VerifyAuxRow(aux->layout(), aux->Row(row), room);
+    std::vector<uint8_t> host(aux->layout().row_bytes());
+    RETURN_IF_ERROR(cuda::CopyToHost(host.data(), aux->Row(row), host.size()));
+    return VerifyAuxRow(aux->layout(), host.data(), room);
+  }
+  // Fills tokens of a request on the CPU or with a GPU kernel.
+  Status Fill(uint64_t room, std::span<const int32_t> pages, int64_t first, int64_t n) {
+    if (!on_gpu) {
+      FillTokens(*layout, *pool, room, pages, first, n);
+      return OkStatus();
+    }
+    ASSIGN_OR_RETURN(auto p, TakePattern());
+    Status s = p->Fill(gpu_geometry, pool->data(), room, pages, first, n);
+    ReturnPattern(std::move(p));
+    return s;
+  }
+  // Returns mismatched (buffer, page) pairs and the first mismatch's description.
+  StatusOr<std::pair<int64_t, std::string>> Verify(uint64_t room, std::span<const int32_t> pages,
+                                                   int64_t tokens) {
+    if (!on_gpu) {
+      VerifyResult v = VerifyTokens(*layout, *pool, room, pages, tokens);
+      return std::make_pair(v.pages_mismatched, v.first_mismatch);
+    }
+    ASSIGN_OR_RETURN(auto p, TakePattern());
+    auto bad = p->Verify(gpu_geometry, pool->data(), room, pages, tokens);
+    ReturnPattern(std::move(p));
+    if (!bad.ok()) return bad.status();
+    return std::make_pair(*bad, std::string(*bad > 0 ? "on the GPU (per-page flags)" : ""));
+  }
 
   Status Init(bool fragmented) {
     ASSIGN_OR_RETURN(ModelGeometry g, ResolveModel(flags.model, flags.model_config));
@@ -57,9 +120,25 @@ struct Instance {
       return InvalidArgumentError("--pool-size " + flags.pool_size + " holds no page of " +
                                   FormatBytes(layout->bytes_per_page_all_buffers()));
     }
-    ASSIGN_OR_RETURN(pool, KvPool::Create(*layout, pages));
     ASSIGN_OR_RETURN(AuxLayout al, AuxLayout::Create(g.hidden_size > 0 ? g.hidden_size : 1, g.dtype));
-    ASSIGN_OR_RETURN(aux, AuxBuffer::Create(al, flags.aux_rows));
+    if (flags.device == "cuda") {
+      on_gpu = true;
+      ASSIGN_OR_RETURN(pool, KvPool::CreateOnDevice(*layout, pages, flags.gpu));
+      ASSIGN_OR_RETURN(aux, AuxBuffer::CreateOnDevice(al, flags.aux_rows, flags.gpu));
+      gpu_geometry.num_layers = g.num_layers;
+      gpu_geometry.num_buffers = layout->num_buffers();
+      gpu_geometry.page_size = layout->page_size();
+      gpu_geometry.heads = layout->heads_per_token();
+      gpu_geometry.head_bytes = layout->head_bytes();
+      gpu_geometry.token_bytes = layout->token_bytes();
+      gpu_geometry.page_bytes = layout->page_bytes();
+      gpu_geometry.buffer_stride = static_cast<uint64_t>(pages) * layout->page_bytes();
+    } else if (flags.device == "cpu") {
+      ASSIGN_OR_RETURN(pool, KvPool::Create(*layout, pages));
+      ASSIGN_OR_RETURN(aux, AuxBuffer::Create(al, flags.aux_rows));
+    } else {
+      return InvalidArgumentError("--device must be cpu or cuda, got '" + flags.device + "'");
+    }
     // Decode hands out pages in the fragmented order of a long-running server.
     allocator = std::make_unique<PageAllocator>(pages, fragmented ? 0x5eed : 0);
     return OkStatus();
@@ -94,6 +173,8 @@ struct Instance {
             {"page_bytes_all_buffers", layout->bytes_per_page_all_buffers()},
             {"pool_pages", pool->num_pages()},
             {"pool_bytes", pool->size_bytes()},
+            {"device", flags.device},
+            {"gpu", on_gpu ? flags.gpu : -1},
             {"control_address", flags.host + ":" + std::to_string(control_port)}};
   }
   int control_port = 0;
@@ -263,13 +344,13 @@ int RunPrefillInstance(const InstanceFlags& flags) {
                              : ready.status());
     }
     auto start = Clock::now();
-    FillAuxRow(in.aux->layout(), in.aux->Row(*row), room);
+    if (Status a = in.WriteAuxRow(*row, room); !a.ok()) return fail(a);
     for (int64_t first = 0; first < num_pages; first += chunk_pages) {
       int64_t n = std::min(chunk_pages, num_pages - first);
       int64_t first_token = first * layout.page_size();
       int64_t chunk_tokens = std::min<int64_t>(n * layout.page_size(), tokens - first_token);
       // "Compute" this chunk's KV, then hand it to the sender while the next one computes.
-      FillTokens(layout, *in.pool, room, *pages, first_token, chunk_tokens);
+      if (Status f = in.Fill(room, *pages, first_token, chunk_tokens); !f.ok()) return fail(f);
       bool last = first + n == num_pages;
       Status sent = c.SendChunk(room, first, std::span(pages->data() + first, n),
                                 last ? std::optional<int32_t>(*row) : std::nullopt);
@@ -359,18 +440,20 @@ int RunDecodeInstance(const InstanceFlags& flags) {
       c.Release(room).IgnoreError();
       return finish(500, {{"ok", false}, {"error", reason}});
     }
-    VerifyResult v = VerifyTokens(layout, *in.pool, room, *pages, tokens);
-    Status aux_ok = VerifyAuxRow(in.aux->layout(), in.aux->Row(*row), room);
+    auto v = in.Verify(room, *pages, tokens);
+    Status aux_ok = in.CheckAuxRow(*row, room);
     c.Release(room).IgnoreError();
-    int64_t mismatched_pages = std::min<int64_t>(num_pages, v.pages_mismatched);
+    if (!v.ok()) return finish(500, {{"ok", false}, {"error", v.status().ToString()}});
+    const int64_t pages_mismatched = v->first;
+    int64_t mismatched_pages = std::min<int64_t>(num_pages, pages_mismatched);
     json out = {{"ok", true},
                 {"room", room},
                 {"pages", num_pages},
                 {"pages_verified", num_pages - mismatched_pages},
-                {"mismatches", v.pages_mismatched + (aux_ok.ok() ? 0 : 1)},
+                {"mismatches", pages_mismatched + (aux_ok.ok() ? 0 : 1)},
                 {"bytes", num_pages * layout.bytes_per_page_all_buffers() +
                               in.aux->layout().row_bytes()}};
-    if (v.pages_mismatched > 0) out["first_mismatch"] = v.first_mismatch;
+    if (pages_mismatched > 0) out["first_mismatch"] = v->second;
     if (!aux_ok.ok()) out["aux_error"] = aux_ok.ToString();
     finish(200, out);
   });
@@ -390,6 +473,8 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
   cmd->add_option("--aux-rows", f->aux_rows, "Aux (metadata) rows")->capture_default_str();
   cmd->add_option("--timeout-ms", f->timeout_ms, "Bootstrap/waiting/transfer timeout")
       ->capture_default_str();
+  cmd->add_option("--device", f->device, "Where pools live: cpu or cuda")->capture_default_str();
+  cmd->add_option("--gpu", f->gpu, "CUDA device for --device cuda")->capture_default_str();
   if (prefill) {
     cmd->add_option("--bootstrap-port", f->bootstrap_port, "Bootstrap server port (0 = any)");
     cmd->add_option("--chunk-tokens", f->chunk_tokens, "Tokens per prefill chunk")

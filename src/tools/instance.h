@@ -34,6 +34,8 @@ struct InstanceFlags {
   int64_t chunk_tokens = 8192;  // prefill: tokens per prefill chunk (chunked prefill)
   int aux_rows = 1024;
   int64_t timeout_ms = 120000;  // bootstrap, waiting and transfer timeouts
+  std::string device = "cpu";   // "cpu": host pools; "cuda": pools and aux rows on GPU `gpu`
+  int gpu = 0;
 };
 
 // Resolves --model / --model-config. Errors name the flag and value.

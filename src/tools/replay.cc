@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "common/env.h"
+#include "cuda/device_memory.h"
 #include "tools/commands.h"
 #include "tools/instance.h"
 #include "tools/stats.h"
@@ -177,6 +178,7 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
     a.insert(a.end(), {"--model", f.model});
   }
   if (prefill) a.insert(a.end(), {"--chunk-tokens", std::to_string(f.chunk_tokens)});
+  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(prefill ? 0 : f.gpu)});
   return a;
 }
 
@@ -197,6 +199,14 @@ int RunReplay(ReplayFlags flags) {
   if (flags.concurrency < 1) return Fail("--concurrency must be >= 1");
   if (flags.time_scale < 0) return Fail("--time-scale must be >= 0");
   flags.instance.aux_rows = std::max(flags.instance.aux_rows, 2 * flags.concurrency);
+  if (flags.instance.device == "cuda") {
+    // Prefill on GPU 0, decode on GPU 1 (or GPU 0 when there is only one).
+    Status one = cuda::CheckDevice(0);
+    if (!one.ok()) return Fail("--device cuda: " + one.message());
+    flags.instance.gpu = cuda::CheckDevice(1).ok() ? 1 : 0;
+  } else if (flags.instance.device != "cpu") {
+    return Fail("--device must be cpu or cuda, got '" + flags.instance.device + "'");
+  }
 
   std::vector<TraceRequest> requests;
   std::string source;
@@ -378,6 +388,7 @@ int RunReplay(ReplayFlags flags) {
       {"page_size", page_size},
       {"concurrency", flags.concurrency},
       {"transport", flags.instance.transport},
+      {"device", flags.instance.device},
       {"trace", source},
   };
   std::vector<std::vector<std::string>> rows = {
@@ -444,6 +455,9 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
   cmd->add_option("--decode", flags->decode_address,
                   "Join a running decode instance (its control host:port)");
   cmd->add_option("--seed", flags->seed, "Seed for rooms and the synthetic workload");
+  cmd->add_option("--device", flags->instance.device,
+                  "Pools on cpu, or on cuda (prefill GPU 0, decode GPU 1; verified on the GPU)")
+      ->capture_default_str();
   cmd->callback([run, flags] { *run = [flags] { return RunReplay(*flags); }; });
 }
 

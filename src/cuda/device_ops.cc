@@ -1,0 +1,110 @@
+#include "cuda/device_ops.h"
+
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "common/checks.h"
+#include "cuda/device_memory.h"
+#include "cuda/pattern_kernels.h"
+
+namespace kvferry::cuda {
+
+Status CopyToDevice(void* dst, const void* src, uint64_t bytes) {
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  return OkStatus();
+}
+Status CopyToHost(void* dst, const void* src, uint64_t bytes) {
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  return OkStatus();
+}
+Status MemsetDevice(void* dst, int value, uint64_t bytes) {
+  CUDA_RETURN_IF_ERROR(cudaMemset(dst, value, bytes));
+  return OkStatus();
+}
+
+namespace {
+
+class GpuPatternImpl : public GpuPattern {
+ public:
+  explicit GpuPatternImpl(int device) : device_(device) {}
+  ~GpuPatternImpl() override {
+    cudaSetDevice(device_);
+    if (pages_) cudaFree(pages_);
+    if (flags_) cudaFree(flags_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status Init() {
+    RETURN_IF_ERROR(CheckDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    return OkStatus();
+  }
+
+  Status Fill(const PatternGeometry& g, uint8_t* pool, uint64_t room,
+              std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    RETURN_IF_ERROR(UploadPages(pages));
+    CUDA_RETURN_IF_ERROR(
+        LaunchFillTokens(g, pool, pages_, room, first_token, num_tokens, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return OkStatus();
+  }
+
+  StatusOr<int64_t> Verify(const PatternGeometry& g, const uint8_t* pool, uint64_t room,
+                           std::span<const int32_t> pages, int64_t num_tokens) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    RETURN_IF_ERROR(UploadPages(pages));
+    const int64_t num_pages = static_cast<int64_t>(pages.size());
+    const uint64_t flag_bytes = static_cast<uint64_t>(g.num_buffers) * num_pages;
+    if (flag_bytes > flags_capacity_) {
+      if (flags_) cudaFree(flags_);
+      flags_ = nullptr;
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&flags_, flag_bytes));
+      flags_capacity_ = flag_bytes;
+    }
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags_, 0, flag_bytes, stream_));
+    CUDA_RETURN_IF_ERROR(
+        LaunchVerifyTokens(g, pool, pages_, num_pages, room, num_tokens, flags_, stream_));
+    host_flags_.resize(flag_bytes);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_flags_.data(), flags_, flag_bytes,
+                                         cudaMemcpyDeviceToHost, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    int64_t bad = 0;
+    for (uint8_t f : host_flags_) bad += f != 0;
+    return bad;
+  }
+
+ private:
+  Status UploadPages(std::span<const int32_t> pages) {
+    const uint64_t bytes = pages.size() * sizeof(int32_t);
+    if (bytes > pages_capacity_) {
+      if (pages_) cudaFree(pages_);
+      pages_ = nullptr;
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&pages_, bytes));
+      pages_capacity_ = bytes;
+    }
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(pages_, pages.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    return OkStatus();
+  }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  int32_t* pages_ = nullptr;
+  uint64_t pages_capacity_ = 0;
+  uint8_t* flags_ = nullptr;
+  uint64_t flags_capacity_ = 0;
+  std::vector<uint8_t> host_flags_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<GpuPattern>> GpuPattern::Create(int device) {
+  auto p = std::make_unique<GpuPatternImpl>(device);
+  RETURN_IF_ERROR(p->Init());
+  return std::unique_ptr<GpuPattern>(std::move(p));
+}
+
+}  // namespace kvferry::cuda

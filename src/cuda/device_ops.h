@@ -1,0 +1,35 @@
+// Small synchronous device-memory operations and the GPU replay pattern, behind an interface
+// with no CUDA types so host-only code (pools, connector, tools) can call them in every build;
+// without CUDA they report "no CUDA device".
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "cuda/pattern_geometry.h"
+#include "kvferry/status.h"
+
+namespace kvferry::cuda {
+
+Status CopyToDevice(void* dst, const void* src, uint64_t bytes);
+Status CopyToHost(void* dst, const void* src, uint64_t bytes);
+Status MemsetDevice(void* dst, int value, uint64_t bytes);
+
+// Fills and verifies replay content in a GPU pool with kernels (same bytes as kv_pattern.h).
+// One per thread: it owns a stream and scratch buffers on `device`.
+class GpuPattern {
+ public:
+  static StatusOr<std::unique_ptr<GpuPattern>> Create(int device);
+  virtual ~GpuPattern() = default;
+  // Writes tokens [first_token, first_token + num_tokens) and waits for the kernel.
+  virtual Status Fill(const PatternGeometry& g, uint8_t* pool, uint64_t room,
+                      std::span<const int32_t> pages, int64_t first_token,
+                      int64_t num_tokens) = 0;
+  // Checks tokens [0, num_tokens); returns the number of (buffer, page) pairs with a wrong
+  // byte (like VerifyResult::pages_mismatched).
+  virtual StatusOr<int64_t> Verify(const PatternGeometry& g, const uint8_t* pool, uint64_t room,
+                                   std::span<const int32_t> pages, int64_t num_tokens) = 0;
+};
+
+}  // namespace kvferry::cuda

@@ -1,0 +1,21 @@
+// Pool geometry as the GPU pattern kernels see it. C++17, no CUDA types: included by both
+// host code and .cu files.
+#pragma once
+
+#include <cstdint>
+
+namespace kvferry::cuda {
+
+// Geometry of a pool as the pattern kernels need it (built from KvLayout and KvPool).
+struct PatternGeometry {
+  int num_layers = 0;
+  int num_buffers = 0;  // MHA: 2 * num_layers (all K, then all V); MLA: num_layers
+  int page_size = 0;
+  int heads = 0;               // head vectors per token per buffer
+  uint64_t head_bytes = 0;
+  uint64_t token_bytes = 0;    // heads * head_bytes
+  uint64_t page_bytes = 0;     // page_size * token_bytes
+  uint64_t buffer_stride = 0;  // bytes between buffer b and b + 1 (num_pages * page_bytes)
+};
+
+}  // namespace kvferry::cuda

@@ -1,0 +1,26 @@
+// GPU versions of the replay's KV fill and verification (same bytes as kv_pattern.cc), so a
+// GPU replay never copies KV back to the host to check it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/pattern_geometry.h"
+
+namespace kvferry::cuda {
+
+// Writes tokens [first_token, first_token + num_tokens) of `room`; token t lives in page
+// pages[t / page_size] (device array), slot t % page_size.
+cudaError_t LaunchFillTokens(const PatternGeometry& g, uint8_t* pool, const int32_t* pages,
+                             uint64_t room, int64_t first_token, int64_t num_tokens,
+                             cudaStream_t stream);
+
+// Checks tokens [0, num_tokens); sets flags[b * num_pages + p] = 1 for every buffer b and
+// request page p holding a wrong byte. `flags` (device, num_buffers * num_pages bytes) must be
+// zeroed by the caller.
+cudaError_t LaunchVerifyTokens(const PatternGeometry& g, const uint8_t* pool,
+                               const int32_t* pages, int64_t num_pages, uint64_t room,
+                               int64_t num_tokens, uint8_t* flags, cudaStream_t stream);
+
+}  // namespace kvferry::cuda
