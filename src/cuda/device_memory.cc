@@ -7,10 +7,13 @@
 
 #include "common/checks.h"
 #include "cuda/cuda_driver.h"
+#include "cuda/device_guard.h"
 
 namespace kvferry::cuda {
 
 StatusOr<RegionDescriptor> DescribeDeviceRegion(void* addr, uint64_t length, int device) {
+  RETURN_IF_ERROR(CheckDevice(device));
+  DeviceGuard guard(device);
   ASSIGN_OR_RETURN(AllocationInfo info, InspectDevicePointer(addr));
   if (info.device != device) {
     return InvalidArgumentError("address is on CUDA device " + std::to_string(info.device) +

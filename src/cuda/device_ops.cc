@@ -5,20 +5,24 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "cuda/device_guard.h"
 #include "cuda/device_memory.h"
 #include "cuda/pattern_kernels.h"
 
 namespace kvferry::cuda {
 
 Status CopyToDevice(void* dst, const void* src, uint64_t bytes) {
+  DeviceGuard guard(DeviceOf(dst));
   CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   return OkStatus();
 }
 Status CopyToHost(void* dst, const void* src, uint64_t bytes) {
+  DeviceGuard guard(DeviceOf(src));
   CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
   return OkStatus();
 }
 Status MemsetDevice(void* dst, int value, uint64_t bytes) {
+  DeviceGuard guard(DeviceOf(dst));
   CUDA_RETURN_IF_ERROR(cudaMemset(dst, value, bytes));
   return OkStatus();
 }

@@ -201,10 +201,9 @@ class NvlinkChannel : public PeerChannel {
       }
       if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
       if (region->device_id != options_.local_device) {
-        cudaError_t e = cudaDeviceEnablePeerAccess(region->device_id, 0);
-        if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
-          cudaGetLastError();
-        }
+        // IPC mappings may have enabled it already; either way the call leaves its result as
+        // the thread's last error, which the next launch check would report: clear it.
+        if (cudaDeviceEnablePeerAccess(region->device_id, 0) != cudaSuccess) cudaGetLastError();
       }
       it = imports_.emplace(region->key, std::move(*imported)).first;
     }

@@ -1,0 +1,304 @@
+// Two-process NVLink tests on real GPUs: a peer process owns GPU memory (cudaMalloc, mapped
+// by peers through a CUDA IPC handle, and kvferry's own cuMem allocation, mapped through a
+// file descriptor); this process writes and reads it over NVLink. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include "kvferry/engine.h"
+
+#ifdef KVFERRY_WITH_CUDA
+#include <cuda_runtime.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "cuda/device_memory.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr uint64_t kRegionBytes = 96ull << 20;
+
+uint8_t Pattern(uint64_t i) { return static_cast<uint8_t>((i * 29) ^ (i >> 11)); }
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+struct GpuPeer {
+  pid_t pid = -1;
+  std::string address;
+  uint64_t ipc_base = 0;  // cudaMalloc region (IPC handle)
+  uint64_t vmm_base = 0;  // kvferry cuMem region (fd)
+  uint64_t ro_base = 0;   // read-only cudaMalloc region
+};
+
+// The peer: a fresh exec of this binary (CUDA state does not survive fork), selected by the
+// environment before main runs. It reports on file descriptor 3.
+[[noreturn]] void PeerMain(int device) {
+  const int out = 3;
+  {
+    auto fail = [&](const std::string& why) {
+      std::string m = "ERR " + why + "\n";
+      (void)!::write(out, m.data(), m.size());
+      ::_exit(1);
+    };
+    if (cudaSetDevice(device) != cudaSuccess) fail("cudaSetDevice");
+    void* ipc = nullptr;
+    void* ro = nullptr;
+    if (cudaMalloc(&ipc, kRegionBytes) != cudaSuccess) fail("cudaMalloc");
+    if (cudaMalloc(&ro, 1 << 20) != cudaSuccess) fail("cudaMalloc ro");
+    auto vmm = cuda::DeviceAllocation::Create(device, kRegionBytes);
+    if (!vmm.ok()) fail(vmm.status().ToString());
+    std::vector<uint8_t> host(kRegionBytes);
+    for (uint64_t i = 0; i < kRegionBytes; ++i) host[i] = Pattern(i);
+    cudaMemcpy(ipc, host.data(), kRegionBytes, cudaMemcpyHostToDevice);
+    cudaMemcpy((*vmm)->data(), host.data(), kRegionBytes, cudaMemcpyHostToDevice);
+    cudaMemcpy(ro, host.data(), 1 << 20, cudaMemcpyHostToDevice);
+    EngineOptions o;
+    o.name = "gpu-peer";
+    auto engine = TransferEngine::Create(o);
+    if (!engine.ok()) fail(engine.status().ToString());
+    MemoryLocation loc{MemoryKind::kCuda, device};
+    // Register the middle of the cudaMalloc allocation, as a caching allocator's tensor would
+    // be: peers must map the whole allocation and offset into it.
+    Status s = (*engine)->RegisterMemory(static_cast<uint8_t*>(ipc) + 4096, kRegionBytes - 4096,
+                                         loc, kAccessRemoteReadWrite);
+    if (!s.ok()) fail(s.ToString());
+    s = (*engine)->RegisterMemory((*vmm)->data(), kRegionBytes, loc, kAccessRemoteReadWrite);
+    if (!s.ok()) fail(s.ToString());
+    s = (*engine)->RegisterMemory(ro, 1 << 20, loc, kAccessRemoteRead);
+    if (!s.ok()) fail(s.ToString());
+    std::string line = "OK " + (*engine)->LocalDescriptor().Address() + " " +
+                       std::to_string(reinterpret_cast<uint64_t>(ipc) + 4096) + " " +
+                       std::to_string(reinterpret_cast<uint64_t>((*vmm)->data())) + " " +
+                       std::to_string(reinterpret_cast<uint64_t>(ro)) + "\n";
+    (void)!::write(out, line.data(), line.size());
+    ::close(out);
+    while (true) ::pause();
+  }
+}
+
+// Entered only in the exec'd peer (by --gtest_filter and the environment), from main, after
+// every static initializer (the CUDA runtime's included) ran.
+TEST(NvlinkGpuPeer, Serve) {
+  const char* d = std::getenv("KVFERRY_GPU_PEER_DEVICE");
+  if (d == nullptr) GTEST_SKIP() << "only runs as the peer process of NvlinkGpuTest";
+  PeerMain(std::atoi(d));
+}
+
+GpuPeer StartPeer(int device) {
+  int fds[2];
+  if (::pipe(fds) != 0) return {};
+  GpuPeer peer;
+  peer.pid = ::fork();
+  if (peer.pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    ::dup2(fds[1], 3);
+    ::close(fds[0]);
+    ::close(fds[1]);  // only fd 3 may stay open, so the parent sees EOF once the peer reports
+    ::setenv("KVFERRY_GPU_PEER_DEVICE", std::to_string(device).c_str(), 1);
+    char* argv[] = {const_cast<char*>("nvlink_gpu_test_peer"),
+                    const_cast<char*>("--gtest_filter=NvlinkGpuPeer.Serve"), nullptr};
+    ::execv("/proc/self/exe", argv);
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  std::string text;
+  char buf[512];
+  ssize_t n;
+  // Bounded wait: a peer that hangs fails the test instead of the suite.
+  pollfd p{fds[0], POLLIN, 0};
+  while (::poll(&p, 1, 60000) > 0 && (n = ::read(fds[0], buf, sizeof(buf))) > 0) {
+    text.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  char addr[128] = {0};
+  unsigned long long a = 0, b = 0, c = 0;
+  if (std::sscanf(text.c_str(), "OK %127s %llu %llu %llu", addr, &a, &b, &c) == 4) {
+    peer.address = addr;
+    peer.ipc_base = a;
+    peer.vmm_base = b;
+    peer.ro_base = c;
+  } else {
+    std::fprintf(stderr, "GPU peer failed: %s\n", text.c_str());
+  }
+  return peer;
+}
+
+void StopPeer(GpuPeer& p) {
+  if (p.pid > 0) {
+    ::kill(p.pid, SIGKILL);
+    ::waitpid(p.pid, nullptr, 0);
+    p.pid = -1;
+  }
+}
+
+class NvlinkGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int devices = DeviceCount();
+    if (devices == 0) GTEST_SKIP() << "no CUDA device";
+    peer_device_ = devices > 1 ? 1 : 0;
+    peer_ = StartPeer(peer_device_);
+    ASSERT_FALSE(peer_.address.empty());
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&local_, kRegionBytes), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&back_, kRegionBytes), cudaSuccess);
+    auto engine = TransferEngine::Create({});
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    engine_ = std::move(*engine);
+    ASSERT_TRUE(engine_->RegisterMemory(local_, kRegionBytes, {MemoryKind::kCuda, 0}).ok());
+    ASSERT_TRUE(engine_->RegisterMemory(back_, kRegionBytes, {MemoryKind::kCuda, 0}).ok());
+    auto seg = engine_->OpenSegment(peer_.address);
+    ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+    segment_ = *seg;
+  }
+  void TearDown() override {
+    engine_.reset();
+    StopPeer(peer_);
+    if (local_) cudaFree(local_);
+    if (back_) cudaFree(back_);
+  }
+
+  Status Do(TransferOp op, void* local, uint64_t remote, uint64_t len, milliseconds deadline = {}) {
+    TransferRequest r{op, local, segment_, remote, len};
+    BatchOptions o;
+    o.deadline = deadline;
+    return TransferSync(*engine_, std::span(&r, 1), o);
+  }
+
+  int peer_device_ = 0;
+  GpuPeer peer_;
+  void* local_ = nullptr;
+  void* back_ = nullptr;
+  std::unique_ptr<TransferEngine> engine_;
+  SegmentHandle segment_;
+};
+
+TEST_F(NvlinkGpuTest, DescriptorAdvertisesNvlinkAndShareHandles) {
+  auto d = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(d.ok());
+  EXPECT_NE(std::find(d->transports.begin(), d->transports.end(), "nvlink"), d->transports.end());
+  ASSERT_EQ(d->regions.size(), 3u);
+  int ipc = 0, fd = 0;
+  for (const auto& r : d->regions) {
+    EXPECT_EQ(r.kind, MemoryKind::kCuda);
+    ipc += r.share_type == ShareHandleType::kCudaIpc;
+    fd += r.share_type == ShareHandleType::kPosixFd;
+  }
+  EXPECT_EQ(ipc, 2);
+  EXPECT_EQ(fd, 1);
+}
+
+// Random sizes and alignments into both kinds of peer memory, read back over NVLink and
+// compared byte for byte on the host; untouched peer bytes keep their pattern.
+TEST_F(NvlinkGpuTest, RandomSizesAndAlignmentsVerifiedByteForByte) {
+  std::mt19937_64 rng(11);
+  std::vector<uint8_t> src(kRegionBytes), got(kRegionBytes);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  ASSERT_EQ(cudaMemcpy(local_, src.data(), kRegionBytes, cudaMemcpyHostToDevice), cudaSuccess);
+  for (uint64_t base : {peer_.ipc_base, peer_.vmm_base}) {
+    for (int round = 0; round < 40; ++round) {
+      uint64_t len = 1 + rng() % (round < 30 ? 70000 : (32ull << 20));
+      uint64_t src_off = rng() % (kRegionBytes / 2 - len);
+      uint64_t dst_off = rng() % (kRegionBytes / 2 - 4096 - len);
+      Status w = Do(TransferOp::kWrite, static_cast<uint8_t*>(local_) + src_off, base + dst_off, len);
+      ASSERT_TRUE(w.ok()) << w.ToString();
+      Status r = Do(TransferOp::kRead, back_, base + dst_off, len);
+      ASSERT_TRUE(r.ok()) << r.ToString();
+      ASSERT_EQ(cudaMemcpy(got.data(), back_, len, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(std::memcmp(got.data(), src.data() + src_off, len), 0)
+          << "round " << round << " len " << len << " src_off " << src_off << " dst_off " << dst_off;
+    }
+  }
+  // The upper half was never written: still the peer's pattern (READ path on its own).
+  const uint64_t off = kRegionBytes - (1 << 20);
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base + off, 1 << 20).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, 1 << 20, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint64_t i = 0; i < (1u << 20); ++i) ASSERT_EQ(got[i], Pattern(off + i)) << i;
+}
+
+TEST_F(NvlinkGpuTest, ManySmallBlocksInOneBatch) {
+  std::vector<uint8_t> src(8192 * 2048);
+  std::mt19937_64 rng(5);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < 8192; ++i) {
+    // Scattered destinations: block i lands at slot (i * 7919) % 8192.
+    uint64_t slot = (static_cast<uint64_t>(i) * 7919) % 8192;
+    reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + i * 2048, segment_,
+                    peer_.ipc_base + slot * 2048, 2048});
+  }
+  ASSERT_TRUE(TransferSync(*engine_, reqs).ok());
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, src.size()).ok());
+  std::vector<uint8_t> got(src.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int i = 0; i < 8192; ++i) {
+    uint64_t slot = (static_cast<uint64_t>(i) * 7919) % 8192;
+    ASSERT_EQ(std::memcmp(got.data() + slot * 2048, src.data() + i * 2048, 2048), 0) << i;
+  }
+}
+
+TEST_F(NvlinkGpuTest, RangeOutsideRegisteredMemoryIsRefused) {
+  // Past the end of the cuMem region, and the 4 KiB before the registered part of the
+  // cudaMalloc allocation (mapped by the peer, but not registered).
+  Status s = Do(TransferOp::kWrite, local_, peer_.vmm_base + kRegionBytes - 100, 200);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  s = Do(TransferOp::kWrite, local_, peer_.ipc_base - 4096, 100);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  s = Do(TransferOp::kWrite, local_, peer_.ro_base, 100);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("without remote write"), std::string::npos) << s.message();
+  // Still usable, and the refused bytes were untouched.
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base + kRegionBytes - 100, 100).ok());
+  std::vector<uint8_t> got(100);
+  cudaMemcpy(got.data(), back_, 100, cudaMemcpyDeviceToHost);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(got[i], Pattern(kRegionBytes - 100 + i));
+}
+
+TEST_F(NvlinkGpuTest, KilledPeerFailsTheBatchWithinDeadlineAndWeSurvive) {
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < 400; ++i) {
+    reqs.push_back({TransferOp::kWrite, local_, segment_, peer_.vmm_base + (i % 8) * (8 << 20),
+                    8 << 20});
+  }
+  BatchOptions o;
+  o.deadline = milliseconds(3000);
+  o.notification = "done";  // needs the peer alive: the batch cannot report success without it
+  auto start = std::chrono::steady_clock::now();
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  StopPeer(peer_);
+  auto st = engine_->WaitBatch(*id, milliseconds(10000));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kFailed) << st->error.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(3500));
+  // This process's GPU context is intact.
+  std::vector<uint8_t> host(4096, 7), got(4096);
+  ASSERT_EQ(cudaMemcpy(local_, host.data(), 4096, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(back_, local_, 4096, cudaMemcpyDeviceToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, host);
+}
+
+}  // namespace
+}  // namespace kvferry
+
+#else  // !KVFERRY_WITH_CUDA
+
+TEST(NvlinkGpuTest, NeedsCudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+
+#endif
