@@ -5,8 +5,11 @@ set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.devbuild/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B=$PWD/.devbuild
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+# Everything goes to a work folder, packed into one archive at the end (the device tool
+# returns a few files only).
+FINAL_OUT=${OUT:-/tmp/out}
+OUT=$(mktemp -d)
+trap 'tar czf "$FINAL_OUT/results.tar.gz" -C "$OUT" . ' EXIT
 TRACE=$B/traces/conversation_trace.jsonl
 {
   date -u; hostname; nproc; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -22,3 +25,23 @@ for ps in ${PAGE_SIZES:-64 1}; do
     --model llama-3.1-8b --page-size "$ps" --pool-size 40GiB --concurrency 8 \
     --json "$OUT/replay_cuda_p$ps.json" 2>&1 | tail -16 | tee "$OUT/replay_cuda_p$ps.txt"
 done
+
+if [ -n "${BENCH:-1}" ]; then
+  SIZES=2KiB,4KiB,16KiB,64KiB,128KiB,512KiB,1MiB,4MiB,16MiB,64MiB
+  for mode in auto kernel engine; do
+    case $mode in
+      auto) unset KVFERRY_NVLINK_CE_THRESHOLD ;;
+      kernel) export KVFERRY_NVLINK_CE_THRESHOLD=1TiB ;;  # every block through the copy kernel
+      engine) export KVFERRY_NVLINK_CE_THRESHOLD=1 ;;     # every block through the copy engine
+    esac
+    step "bench nvlink ($mode)"
+    timeout 200 "$B/kvferry" bench --device cuda --transport nvlink --block-size $SIZES \
+      --batch-size 64,1024 --threads 1 --duration ${BENCH_SECONDS:-0.5} \
+      --json "$OUT/bench_nvlink_$mode.json" > "$OUT/bench_nvlink_$mode.txt" 2>&1
+    tail -40 "$OUT/bench_nvlink_$mode.txt"
+  done
+  unset KVFERRY_NVLINK_CE_THRESHOLD
+  step "bench nvlink latency (one 4 KiB WRITE per batch)"
+  timeout 60 "$B/kvferry" bench --device cuda --transport nvlink --block-size 4KiB \
+    --batch-size 1 --threads 1 --duration 2 --json "$OUT/bench_nvlink_latency.json" 2>&1 | tail -8
+fi

@@ -98,6 +98,14 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.tcp_slice_bytes = *size;
   }
+  if (const char* v = std::getenv("KVFERRY_NVLINK_CE_THRESHOLD"); v != nullptr && *v != '\0') {
+    auto size = ParseByteSize(v);
+    if (!size.ok() || *size == 0) {
+      return InvalidArgumentError(std::string("KVFERRY_NVLINK_CE_THRESHOLD='") + v +
+                                  "' must be a positive byte size");
+    }
+    config.nvlink_ce_threshold_bytes = *size;
+  }
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
     config.listen_host = std::string(v);
   }

@@ -5,6 +5,8 @@
 //   KVFERRY_TCP_LANES      TCP connections per peer, 1..64        default EngineOptions value
 //   KVFERRY_TCP_SLICE      slice size in bytes (KiB/MiB suffix)   default EngineOptions value
 //   KVFERRY_LISTEN_HOST    address engines listen on              default 127.0.0.1
+//   KVFERRY_NVLINK_CE_THRESHOLD  NVLink blocks of at least this size use the copy engine
+//                                (bytes, KiB/MiB suffix)      default EngineOptions value
 #pragma once
 
 #include <cstdint>
@@ -20,6 +22,7 @@ struct EnvConfig {
   std::optional<int> tcp_lanes;
   std::optional<uint64_t> tcp_slice_bytes;
   std::optional<std::string> listen_host;
+  std::optional<uint64_t> nvlink_ce_threshold_bytes;
 };
 
 // Reads and validates all variables above. Errors: kInvalidArgument naming the variable.

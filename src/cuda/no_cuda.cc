@@ -1,5 +1,6 @@
 // Built instead of the CUDA sources when no CUDA compiler was found: every GPU feature
 // reports that clearly and the rest of kvferry works unchanged.
+#include "cuda/baselines.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "transport/nvlink/nvlink_channel.h"
@@ -23,6 +24,9 @@ Status CopyToDevice(void*, const void*, uint64_t) { return NoCuda(); }
 Status CopyToHost(void*, const void*, uint64_t) { return NoCuda(); }
 Status MemsetDevice(void*, int, uint64_t) { return NoCuda(); }
 StatusOr<std::unique_ptr<GpuPattern>> GpuPattern::Create(int) { return NoCuda(); }
+StatusOr<double> MeasureMemcpyPeer(int, int, uint64_t, int) { return NoCuda(); }
+StatusOr<double> MeasureMemcpyBatch(int, int, uint64_t, int, int) { return NoCuda(); }
+int DeviceCount() { return 0; }
 }  // namespace cuda
 
 bool NvlinkAvailable() { return false; }

@@ -770,6 +770,9 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   ASSIGN_OR_RETURN(EnvConfig env, ReadEnvConfig());
   if (env.tcp_lanes) resolved.tcp_lanes_per_peer = *env.tcp_lanes;
   if (env.tcp_slice_bytes) resolved.tcp_slice_bytes = *env.tcp_slice_bytes;
+  if (env.nvlink_ce_threshold_bytes) {
+    resolved.nvlink_copy_engine_threshold_bytes = *env.nvlink_ce_threshold_bytes;
+  }
   if (env.listen_host && options.listen_host == EngineOptions().listen_host) {
     resolved.listen_host = *env.listen_host;
   }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "cuda/baselines.h"
 #include "tools/bench_config.h"
 #include "tools/bench_session.h"
 #include "tools/bench_target.h"
@@ -81,6 +82,49 @@ std::string FormatLatencyUs(double us) {
   return us >= 100 ? fmt::format("{:.0f}", us) : fmt::format("{:.1f}", us);
 }
 
+// What CUDA itself achieves between the two GPUs, measured in the same run.
+struct GpuBaseline {
+  std::string what;          // "cudaMemcpyPeer" or "cudaMemcpyBatchAsync"
+  uint64_t block_bytes = 0;
+  size_t count = 1;
+  double gbps = 0;
+};
+
+std::vector<GpuBaseline> MeasureGpuBaselines(const BenchPlan& plan) {
+  std::vector<GpuBaseline> out;
+  const int src = plan.op == TransferOp::kWrite ? plan.local_gpu : plan.target_gpu;
+  const int dst = plan.op == TransferOp::kWrite ? plan.target_gpu : plan.local_gpu;
+  std::vector<std::vector<std::string>> rows = {{"baseline", "block", "count", "GB/s"}};
+  auto peer = cuda::MeasureMemcpyPeer(src, dst, 1ull << 30, 10);
+  if (peer.ok()) {
+    out.push_back({"cudaMemcpyPeer", 1ull << 30, 1, *peer});
+  } else {
+    std::fprintf(stderr, "kvferry bench: cudaMemcpyPeer baseline: %s\n",
+                 peer.status().ToString().c_str());
+  }
+  for (uint64_t block : plan.block_sizes_bytes) {
+    for (size_t batch : plan.batch_sizes) {
+      // The same blocks the engine moved; never less than 64 MiB in flight per copy call.
+      size_t count = std::max<size_t>(batch, static_cast<size_t>((64ull << 20) / block));
+      count = std::min<size_t>(count, static_cast<size_t>((4ull << 30) / block));
+      auto b = cuda::MeasureMemcpyBatch(src, dst, block, static_cast<int>(std::max<size_t>(1, count)), 5);
+      if (b.ok()) {
+        out.push_back({"cudaMemcpyBatchAsync", block, count, *b});
+      } else {
+        std::fprintf(stderr, "kvferry bench: cudaMemcpyBatchAsync baseline (%s): %s\n",
+                     FormatBytes(block).c_str(), b.status().ToString().c_str());
+      }
+    }
+  }
+  for (const auto& b : out) {
+    char gbps[32];
+    std::snprintf(gbps, sizeof(gbps), "%.2f", b.gbps);
+    rows.push_back({b.what, FormatBytes(b.block_bytes), std::to_string(b.count), gbps});
+  }
+  std::printf("\nCUDA baselines, GPU %d -> GPU %d, same run:\n%s", src, dst, RenderTable(rows).c_str());
+  return out;
+}
+
 std::string RenderResults(const std::vector<BenchConfigResult>& results) {
   std::vector<std::vector<std::string>> rows = {
       {"block", "batch", "threads", "seconds", "GB/s", "p50 us", "p99 us"}};
@@ -94,7 +138,8 @@ std::string RenderResults(const std::vector<BenchConfigResult>& results) {
 }
 
 Status WriteJson(const std::string& path, const BenchPlan& plan, const EffectiveTcp& tcp,
-                 const std::vector<BenchConfigResult>& results) {
+                 const std::vector<BenchConfigResult>& results,
+                 const std::vector<GpuBaseline>& baselines) {
   nlohmann::ordered_json configs = nlohmann::ordered_json::array();
   for (const BenchConfigResult& r : results) {
     configs.push_back({{"block_size", r.block_bytes},
@@ -107,7 +152,13 @@ Status WriteJson(const std::string& path, const BenchPlan& plan, const Effective
                        {"latency_us", {{"p50", r.latency_p50_us}, {"p99", r.latency_p99_us}}},
                        {"verified", true}});
   }
+  nlohmann::ordered_json ceilings = nlohmann::ordered_json::array();
+  for (const GpuBaseline& b : baselines) {
+    ceilings.push_back({{"what", b.what}, {"block_size", b.block_bytes}, {"count", b.count},
+                        {"gbps", b.gbps}});
+  }
   nlohmann::ordered_json doc = {
+      {"device", plan.device},
       {"transport", plan.transport},
       {"op", plan.op == TransferOp::kWrite ? "write" : "read"},
       {"threads", plan.num_threads},
@@ -115,6 +166,7 @@ Status WriteJson(const std::string& path, const BenchPlan& plan, const Effective
       {"slice_bytes", tcp.slice_bytes},
       {"duration_s", plan.duration_s},
       {"configs", configs},
+      {"baselines", ceilings},
       {"machine", {{"hostname", Hostname()}, {"nproc", std::thread::hardware_concurrency()}}},
       {"date", UtcNow()}};
   std::ofstream out(path);
@@ -140,6 +192,8 @@ int RunBench(const BenchFlags& flags) {
   TargetOptions target_options;
   target_options.transport = plan.transport;
   target_options.buffer_bytes = plan.buffer_bytes;
+  target_options.device = plan.device;
+  target_options.gpu = plan.target_gpu;
   if (plan.serve) {
     target_options.listen_host = plan.listen_host;
     target_options.listen_port = plan.listen_port;
@@ -201,9 +255,12 @@ int RunBench(const BenchFlags& flags) {
   }
 
   std::printf("%s", RenderResults(results).c_str());
+  std::vector<GpuBaseline> baselines;
+  if (plan.device == "cuda") baselines = MeasureGpuBaselines(plan);
   std::fflush(stdout);
   if (!plan.json_path.empty()) {
-    if (Status written = WriteJson(plan.json_path, plan, tcp, results); !written.ok()) {
+    if (Status written = WriteJson(plan.json_path, plan, tcp, results, baselines);
+        !written.ok()) {
       return Fail(written);
     }
   }
@@ -216,6 +273,10 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
   auto flags = std::make_shared<BenchFlags>();
   CLI::App* cmd = app.add_subcommand(
       "bench", "Transfer-engine benchmark between two processes (throughput, batch latency)");
+  cmd->add_option("--device", flags->device,
+                  "cpu, or cuda: buffers in GPU memory (initiator GPU 0, target GPU 1); also "
+                  "measures cudaMemcpyPeer and cudaMemcpyBatchAsync in the same run")
+      ->capture_default_str();
   cmd->add_option("--transport", flags->transport, "Transport: auto or a name such as tcp")
       ->capture_default_str();
   cmd->add_option("--op", flags->op, "write or read")->capture_default_str();
@@ -247,10 +308,15 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
   hidden->add_option("--transport", target_flags->transport);
   hidden->add_option("--listen", target_flags->listen);
   hidden->add_option("--buffer-size", target_flags->buffer_size)->required();
-  hidden->callback([run, target_flags] {
-    *run = [target_flags] {
+  hidden->add_option("--device", target_flags->device);
+  auto target_gpu = std::make_shared<int>(0);
+  hidden->add_option("--gpu", *target_gpu);
+  hidden->callback([run, target_flags, target_gpu] {
+    *run = [target_flags, target_gpu] {
       TargetOptions options;
       options.transport = target_flags->transport;
+      options.device = target_flags->device;
+      options.gpu = *target_gpu;
       options.until_stdin_closes = true;
       Status parsed = ParseHostPort("--listen", target_flags->listen, &options.listen_host,
                                     &options.listen_port);

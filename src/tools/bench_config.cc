@@ -1,5 +1,7 @@
 #include "tools/bench_config.h"
 
+#include "cuda/device_memory.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -107,9 +109,19 @@ uint64_t DefaultBenchBufferBytes(int num_threads, size_t max_batch_size, uint64_
 }
 
 StatusOr<BenchPlan> MakeBenchPlan(const BenchFlags& flags) {
+  if (flags.device != "cpu" && flags.device != "cuda") {
+    return InvalidArgumentError("--device must be cpu or cuda, got '" + flags.device + "'");
+  }
   BenchPlan plan;
   plan.serve = flags.serve;
   plan.transport = flags.transport;
+  plan.device = flags.device;
+  if (plan.device == "cuda") {
+    // The initiator on GPU 0, the target on GPU 1 (GPU 0 too when there is only one).
+    RETURN_IF_ERROR(cuda::CheckDevice(0).WithContext("--device cuda"));
+    plan.local_gpu = 0;
+    plan.target_gpu = cuda::CheckDevice(1).ok() ? 1 : 0;
+  }
   if (plan.transport.empty()) return FlagError("--transport", "must not be empty");
   if (flags.op == "write") {
     plan.op = TransferOp::kWrite;

@@ -27,6 +27,7 @@ inline constexpr uint64_t kMaxDefaultBenchBufferBytes = 2ull << 30;
 
 // Flag values as typed on the command line.
 struct BenchFlags {
+  std::string device = "cpu";  // "cuda": both buffers in GPU memory (initiator GPU 0, target GPU 1)
   std::string transport = "auto";
   std::string op = "write";
   std::string block_sizes = kDefaultBenchBlockSizes;
@@ -43,6 +44,9 @@ struct BenchFlags {
 
 // What one benchmark run does. Built only by MakeBenchPlan, so every field is valid.
 struct BenchPlan {
+  std::string device = "cpu";
+  int local_gpu = 0;
+  int target_gpu = 0;
   std::string transport;
   TransferOp op = TransferOp::kWrite;
   std::vector<uint64_t> block_sizes_bytes;  // each > 0, in the order given

@@ -1,5 +1,7 @@
 #include "tools/bench_session.h"
 
+#include "cuda/device_ops.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -117,11 +119,17 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
                                    " x --block-size " + FormatBytes(max_block));
   }
 
-  ASSIGN_OR_RETURN(session->local_, HostBuffer::Allocate(session->buffer_bytes_));
+  if (plan.device == "cuda") {
+    ASSIGN_OR_RETURN(session->local_,
+                     HostBuffer::AllocateOnDevice(session->buffer_bytes_, plan.local_gpu));
+  } else {
+    ASSIGN_OR_RETURN(session->local_, HostBuffer::Allocate(session->buffer_bytes_));
+  }
   // Not needed by TCP (it reads local memory directly) but what a real client does, and what
   // transports with memory keys require.
   RETURN_IF_ERROR(session->engine_->RegisterMemory(session->local_.data(),
-                                                   session->local_.size_bytes(), MemoryLocation{},
+                                                   session->local_.size_bytes(),
+                                                   session->local_.location(),
                                                    kAccessRemoteReadWrite));
   return session;
 }
@@ -275,14 +283,21 @@ Status BenchSession::Verify(uint64_t block_bytes, size_t batch_size) {
     }
   };
   const std::string what = ConfigName(block_bytes, batch_size) + ": verification";
-  FillBenchPattern(local_.data(), length, seed);
+  // GPU buffers are filled and checked through a host copy.
+  const bool on_gpu = local_.location().kind == MemoryKind::kCuda;
+  std::vector<uint8_t> staging(on_gpu ? length : 0);
+  uint8_t* host = on_gpu ? staging.data() : local_.data();
+  FillBenchPattern(host, length, seed);
+  if (on_gpu) RETURN_IF_ERROR(cuda::CopyToDevice(local_.data(), host, length));
   build(TransferOp::kWrite);
   RETURN_IF_ERROR(TransferAll(requests).WithContext(what + " WRITE"));
   // Overwrite the pattern so a READ that moved nothing cannot pass.
-  std::memset(local_.data(), 0x5a, length);
+  std::memset(host, 0x5a, length);
+  if (on_gpu) RETURN_IF_ERROR(cuda::CopyToDevice(local_.data(), host, length));
   build(TransferOp::kRead);
   RETURN_IF_ERROR(TransferAll(requests).WithContext(what + " READ"));
-  const uint64_t bad = FindBenchPatternMismatch(local_.data(), length, seed);
+  if (on_gpu) RETURN_IF_ERROR(cuda::CopyToHost(host, local_.data(), length));
+  const uint64_t bad = FindBenchPatternMismatch(host, length, seed);
   if (bad != length) {
     return DataLossError(what + ": " + std::to_string(n) + " x " + FormatBytes(block_bytes) +
                          " written then read back differ first at byte " +

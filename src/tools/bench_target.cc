@@ -1,5 +1,9 @@
 #include "tools/bench_target.h"
 
+#include "common/checks.h"
+#include "cuda/device_memory.h"
+#include "cuda/device_ops.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
@@ -53,17 +57,35 @@ StatusOr<HostBuffer> HostBuffer::Allocate(uint64_t size_bytes) {
   return buffer;
 }
 
+StatusOr<HostBuffer> HostBuffer::AllocateOnDevice(uint64_t size_bytes, int device) {
+  if (size_bytes == 0) return InvalidArgumentError("buffer size must be > 0");
+  ASSIGN_OR_RETURN(std::unique_ptr<cuda::DeviceAllocation> memory,
+                   cuda::DeviceAllocation::Create(device, size_bytes));
+  RETURN_IF_ERROR(cuda::MemsetDevice(memory->data(), 0, size_bytes));
+  HostBuffer buffer;
+  buffer.data_ = memory->data();
+  buffer.size_bytes_ = size_bytes;
+  buffer.location_ = MemoryLocation{MemoryKind::kCuda, device};
+  buffer.device_memory_ = std::move(memory);
+  return buffer;
+}
+
 HostBuffer::HostBuffer(HostBuffer&& other) noexcept
-    : data_(other.data_), size_bytes_(other.size_bytes_) {
+    : data_(other.data_),
+      size_bytes_(other.size_bytes_),
+      location_(other.location_),
+      device_memory_(std::move(other.device_memory_)) {
   other.data_ = nullptr;
   other.size_bytes_ = 0;
 }
 
 HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
   if (this != &other) {
-    if (data_ != nullptr) ::munmap(data_, size_bytes_);
+    if (data_ != nullptr && device_memory_ == nullptr) ::munmap(data_, size_bytes_);
     data_ = other.data_;
     size_bytes_ = other.size_bytes_;
+    location_ = other.location_;
+    device_memory_ = std::move(other.device_memory_);
     other.data_ = nullptr;
     other.size_bytes_ = 0;
   }
@@ -71,7 +93,7 @@ HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
 }
 
 HostBuffer::~HostBuffer() {
-  if (data_ != nullptr) ::munmap(data_, size_bytes_);
+  if (data_ != nullptr && device_memory_ == nullptr) ::munmap(data_, size_bytes_);
 }
 
 std::string FormatTargetLine(const TargetInfo& info) {
@@ -134,7 +156,9 @@ int RunBenchTarget(const TargetOptions& options) {
     sigaddset(&stop_signals, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   }
-  StatusOr<HostBuffer> buffer = HostBuffer::Allocate(options.buffer_bytes);
+  StatusOr<HostBuffer> buffer = options.device == "cuda"
+                                    ? HostBuffer::AllocateOnDevice(options.buffer_bytes, options.gpu)
+                                    : HostBuffer::Allocate(options.buffer_bytes);
   if (!buffer.ok()) {
     std::fprintf(stderr, "%s: %s\n", who, buffer.status().ToString().c_str());
     return 1;
@@ -150,7 +174,7 @@ int RunBenchTarget(const TargetOptions& options) {
     return 1;
   }
   Status registered = (*engine)->RegisterMemory(buffer->data(), buffer->size_bytes(),
-                                                MemoryLocation{}, kAccessRemoteReadWrite);
+                                                buffer->location(), kAccessRemoteReadWrite);
   if (!registered.ok()) {
     std::fprintf(stderr, "%s: cannot register the buffer: %s\n", who,
                  registered.ToString().c_str());
@@ -187,7 +211,9 @@ StatusOr<std::unique_ptr<TargetProcess>> TargetProcess::Spawn(
       "kvferry",       "bench-target",
       "--transport",   options.transport,
       "--listen",      options.listen_host + ":" + std::to_string(options.listen_port),
-      "--buffer-size", std::to_string(options.buffer_bytes)};
+      "--buffer-size", std::to_string(options.buffer_bytes),
+      "--device",      options.device,
+      "--gpu",         std::to_string(options.gpu)};
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);

@@ -16,7 +16,12 @@
 #include <memory>
 #include <string>
 
+#include "kvferry/memory.h"
 #include "kvferry/status.h"
+
+namespace kvferry::cuda {
+class DeviceAllocation;
+}  // namespace kvferry::cuda
 
 namespace kvferry::tools {
 
@@ -26,6 +31,11 @@ class HostBuffer {
  public:
   // Errors: kResourceExhausted when mmap fails.
   static StatusOr<HostBuffer> Allocate(uint64_t size_bytes);
+  // The same size in GPU memory of `device` (kvferry's cuMem allocation; data() is a device
+  // pointer). Errors: "no CUDA device", kResourceExhausted.
+  static StatusOr<HostBuffer> AllocateOnDevice(uint64_t size_bytes, int device);
+  // Host memory, or the GPU holding the buffer.
+  MemoryLocation location() const { return location_; }
 
   HostBuffer() = default;
   HostBuffer(HostBuffer&& other) noexcept;
@@ -40,6 +50,8 @@ class HostBuffer {
  private:
   uint8_t* data_ = nullptr;
   uint64_t size_bytes_ = 0;
+  MemoryLocation location_;
+  std::shared_ptr<cuda::DeviceAllocation> device_memory_;  // set for GPU buffers
 };
 
 // What a target announces: where to connect and which region to use.
@@ -59,6 +71,8 @@ struct TargetOptions {
   std::string listen_host = "127.0.0.1";
   uint16_t listen_port = 0;  // 0 picks a free port
   uint64_t buffer_bytes = 0;
+  std::string device = "cpu";  // "cuda": the buffer lives on GPU `gpu`
+  int gpu = 0;
   // true: serve until stdin reaches end of file (spawned by an initiator, which closes the
   // pipe to stop it). false: serve until SIGINT or SIGTERM (`kvferry bench --serve`).
   bool until_stdin_closes = false;
