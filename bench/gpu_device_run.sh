@@ -18,8 +18,8 @@ TRACE=$B/traces/conversation_trace.jsonl
 cat "$OUT/machine.txt"
 step() { echo "=== $*"; }
 step "GPU tests"
-timeout 150 "$B/tests/nvlink_gpu_test" 2>&1 | tee "$OUT/gpu_test.log" | grep -E "OK|FAILED|Failure|SKIPPED|PASSED|error" | head -40
-for ps in ${PAGE_SIZES:-64 1}; do
+[ "${TESTS:-1}" = 1 ] && timeout 150 "$B/tests/nvlink_gpu_test" 2>&1 | tee "$OUT/gpu_test.log" | grep -E "OK|FAILED|Failure|SKIPPED|PASSED|error" | head -40
+for ps in ${PAGE_SIZES-64 1}; do
   step "replay --device cuda page size $ps"
   timeout ${REPLAY_TIMEOUT:-150} "$B/kvferry" replay --device cuda --trace "$TRACE" --limit ${REPLAY_LIMIT:-500} \
     --model llama-3.1-8b --page-size "$ps" --pool-size 40GiB --concurrency 8 \
@@ -28,20 +28,26 @@ done
 
 if [ -n "${BENCH:-1}" ]; then
   SIZES=2KiB,4KiB,16KiB,64KiB,128KiB,512KiB,1MiB,4MiB,16MiB,64MiB
-  for mode in auto kernel engine; do
+  step "bench nvlink (auto: kernel below the copy-engine threshold, copy engine above)"
+  timeout 240 "$B/kvferry" bench --device cuda --transport nvlink --block-size $SIZES \
+    --batch-size 64,1024,8192 --threads 4 --duration ${BENCH_SECONDS:-0.5} \
+    --json "$OUT/bench_nvlink_auto.json" > "$OUT/bench_nvlink_auto.txt" 2>&1
+  tail -45 "$OUT/bench_nvlink_auto.txt"
+  for mode in kernel engine; do
     case $mode in
-      auto) unset KVFERRY_NVLINK_CE_THRESHOLD ;;
       kernel) export KVFERRY_NVLINK_CE_THRESHOLD=1TiB ;;  # every block through the copy kernel
       engine) export KVFERRY_NVLINK_CE_THRESHOLD=1 ;;     # every block through the copy engine
     esac
-    step "bench nvlink ($mode)"
+    step "bench nvlink ($mode only)"
     timeout 200 "$B/kvferry" bench --device cuda --transport nvlink --block-size $SIZES \
-      --batch-size 64,1024 --threads 1 --duration ${BENCH_SECONDS:-0.5} \
+      --batch-size 1024 --threads 4 --duration ${BENCH_SECONDS:-0.5} \
       --json "$OUT/bench_nvlink_$mode.json" > "$OUT/bench_nvlink_$mode.txt" 2>&1
-    tail -40 "$OUT/bench_nvlink_$mode.txt"
+    grep -E "^ *[0-9.]+ [KMG]iB +[0-9]+ " "$OUT/bench_nvlink_$mode.txt" | head -12
   done
   unset KVFERRY_NVLINK_CE_THRESHOLD
   step "bench nvlink latency (one 4 KiB WRITE per batch)"
   timeout 60 "$B/kvferry" bench --device cuda --transport nvlink --block-size 4KiB \
-    --batch-size 1 --threads 1 --duration 2 --json "$OUT/bench_nvlink_latency.json" 2>&1 | tail -8
+    --batch-size 1 --threads 1 --duration 2 --json "$OUT/bench_nvlink_latency.json" \
+    > "$OUT/bench_nvlink_latency.txt" 2>&1
+  tail -8 "$OUT/bench_nvlink_latency.txt"
 fi

@@ -1,7 +1,7 @@
 // Batched copy kernels: one launch copies many (src, dst, len) blocks, so thousands of small
 // KV pages cost one launch instead of thousands of cudaMemcpyAsync calls.
 //
-// Blocks are split into tiles of at most kCopyTileBytes on the host; each CTA copies whole
+// Blocks are split into tiles of at most kCopyTileBytes on the host; each warp copies whole
 // tiles (grid-stride over the table), with 16-byte vector loads and stores where source,
 // destination and length allow, and a byte loop otherwise, so any alignment and length copy
 // correctly. Source and destination may be on different devices of one node (peer access or
@@ -21,7 +21,8 @@ struct CopyTile {
   uint64_t len = 0;
 };
 
-inline constexpr uint64_t kCopyTileBytes = 64 << 10;
+// One warp copies one tile; 16 KiB tiles give a 64 MiB block 4096 warps' worth of work.
+inline constexpr uint64_t kCopyTileBytes = 16 << 10;
 // Tables up to this many tiles travel inside the launch's parameters (no table upload).
 inline constexpr int kInlineTiles = 64;
 

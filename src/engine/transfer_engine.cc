@@ -47,8 +47,8 @@ struct Peer {
   std::map<int, std::unique_ptr<PeerChannel>> nvlink;  // by local CUDA device
 };
 
-// One submitted batch. Owns its work items; items hold a reference back (owner_keepalive)
-// until they complete, so the batch outlives every transport callback.
+// One submitted batch. Its work items live in one array inside the batch; transports hold
+// aliasing pointers to them, which keep the batch alive until every transport callback ran.
 class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
  public:
   struct Request {
@@ -67,7 +67,6 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::shared_ptr<Peer> notify_peer;
   std::vector<std::shared_ptr<Peer>> peers;  // per request (keeps channels alive)
   std::vector<PeerChannel*> channels;        // per request: the data path chosen
-  std::vector<std::shared_ptr<WorkItem>> items;
 
   explicit Batch(std::span<const TransferRequest> requests) {
     requests_.resize(requests.size());
@@ -75,94 +74,101 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     requests_left_ = requests.size();
   }
 
-  // Splits requests into slices of at most `slice_bytes`.
-  void BuildItems(uint64_t slice_bytes) {
+  // Splits request i into slices of at most slice_bytes(i) (TCP spreads slices over lanes;
+  // other transports take whole requests).
+  template <typename SliceBytes>
+  void BuildItems(SliceBytes slice_bytes) {
+    size_t count = 0;
+    for (size_t i = 0; i < requests_.size(); ++i) {
+      const uint64_t len = requests_[i].request.length_bytes, slice = slice_bytes(i);
+      count += static_cast<size_t>(len / slice + (len % slice != 0));
+    }
+    items_.reset(new WorkItem[count]);
+    num_items_ = count;
+    size_t k = 0;
     for (size_t i = 0; i < requests_.size(); ++i) {
       const TransferRequest& r = requests_[i].request;
-      uint64_t offset = 0;
-      while (offset < r.length_bytes) {
-        uint64_t len = std::min(slice_bytes, r.length_bytes - offset);
-        auto item = std::make_shared<WorkItem>();
-        item->kind = r.op == TransferOp::kWrite ? WorkItem::Kind::kWrite : WorkItem::Kind::kRead;
-        item->local = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.local_addr)) + offset;
-        item->remote_addr = r.remote_addr + offset;
-        item->length = len;
-        item->request_index = static_cast<uint32_t>(i);
-        item->owner = this;
-        items.push_back(std::move(item));
+      const uint64_t slice = slice_bytes(i);
+      for (uint64_t offset = 0; offset < r.length_bytes; offset += slice) {
+        WorkItem& item = items_[k++];
+        item.kind = r.op == TransferOp::kWrite ? WorkItem::Kind::kWrite : WorkItem::Kind::kRead;
+        item.local = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.local_addr)) + offset;
+        item.remote_addr = r.remote_addr + offset;
+        item.length = std::min(slice, r.length_bytes - offset);
+        item.request_index = static_cast<uint32_t>(i);
+        item.owner = this;
         ++requests_[i].slices_left;
-        offset += len;
       }
     }
   }
 
   void Start() {
     auto self = shared_from_this();
-    std::vector<std::shared_ptr<WorkItem>> to_send;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      to_send = items;  // completions may append the notification item meanwhile
+    // One submission per channel: most batches go to one peer over one transport.
+    std::vector<std::pair<PeerChannel*, std::vector<std::shared_ptr<WorkItem>>>> groups;
+    for (size_t k = 0; k < num_items_; ++k) {
+      PeerChannel* channel = channels[items_[k].request_index];
+      if (groups.empty() || groups.back().first != channel) {
+        auto it = std::find_if(groups.begin(), groups.end(),
+                               [&](const auto& g) { return g.first == channel; });
+        if (it == groups.end()) {
+          groups.emplace_back(channel, std::vector<std::shared_ptr<WorkItem>>());
+          groups.back().second.reserve(num_items_);
+        } else {
+          std::iter_swap(it, groups.end() - 1);
+        }
+      }
+      groups.back().second.emplace_back(self, &items_[k]);  // aliasing: owns the batch
     }
-    for (auto& item : to_send) item->owner_keepalive = self;
-    for (auto& item : to_send) channels[item->request_index]->Submit(item);
+    for (auto& [channel, items] : groups) channel->SubmitMany(std::move(items));
   }
 
   void OnWorkDone(WorkItem* item, const Status& status) override {
-    if (item->kind == WorkItem::Kind::kNotify) {
+    WorkItem* one[1] = {item};
+    OnWorkDoneMany(one, status);
+  }
+
+  void OnWorkDoneMany(std::span<WorkItem* const> done, const Status& status) override {
+    if (done.size() == 1 && done[0]->kind == WorkItem::Kind::kNotify) {
       Finish(status.ok() ? status : status.WithContext("notification not delivered"));
-      item->owner_keepalive.reset();
+      done[0]->owner_keepalive.reset();
       return;
     }
     bool all_requests_done = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      Request& r = requests_[item->request_index];
-      if (status.ok()) {
-        r.transferred_bytes += item->length;
-        transferred_bytes_ += item->length;
-      } else if (r.error.ok()) {
-        r.error = status;
-      }
-      if (--r.slices_left == 0) {
-        r.state = r.error.ok() ? TransferState::kCompleted
-                  : r.error.code() == StatusCode::kCancelled ? TransferState::kCancelled
-                                                              : TransferState::kFailed;
-        if (r.state == TransferState::kCompleted) {
-          ++num_completed_;
-        } else {
-          ++num_failed_;
-          if (first_error_.ok()) first_error_ = r.error;
-        }
-        all_requests_done = --requests_left_ == 0;
-      }
+      for (WorkItem* item : done) all_requests_done |= ApplyLocked(*item, status);
     }
     if (all_requests_done) AfterRequestsDone();
-    item->owner_keepalive.reset();  // may destroy `this`; nothing below
   }
 
   // Marks unfinished requests with `why` and asks transports to stop their items.
   void Abandon(const Status& why, bool queued_only) {
-    std::vector<std::shared_ptr<WorkItem>> snapshot;
+    std::vector<WorkItem*> snapshot;
+    std::shared_ptr<WorkItem> notify;  // keeps the notification item alive while we use it
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (final_) return;
       for (auto& r : requests_) {
         if (r.state == TransferState::kPending && r.error.ok()) r.error = why;
       }
-      snapshot = items;
+      snapshot.reserve(num_items_ + 1);
+      for (size_t k = 0; k < num_items_; ++k) snapshot.push_back(&items_[k]);
+      notify = notify_item_;
+      if (notify != nullptr) snapshot.push_back(notify.get());
     }
-    for (auto& item : snapshot) {
+    for (WorkItem* item : snapshot) {
       if (item->state.load() == WorkItem::kDone) continue;
       if (queued_only) {
         uint8_t expected = WorkItem::kQueued;
         if (item->state.compare_exchange_strong(expected, WorkItem::kDone)) {
-          OnWorkDone(item.get(), why);
+          OnWorkDone(item, why);
         }
       } else {
         PeerChannel* channel = item->kind == WorkItem::Kind::kNotify
                                    ? notify_peer->tcp.get()
                                    : channels[item->request_index];
-        channel->Abandon(item.get(), why);
+        channel->Abandon(item, why);
       }
     }
   }
@@ -205,9 +211,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     return cv_.wait_until(lock, until, [&] { return final_; });
   }
 
+  // Drops the notification item (which holds a reference back to the batch).
   void ReleaseItems() {
     std::lock_guard<std::mutex> lock(mu_);
-    items.clear();
+    notify_item_.reset();
   }
 
  private:
@@ -228,7 +235,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     item->owner_keepalive = shared_from_this();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      items.push_back(item);
+      notify_item_ = item;
     }
     notify_peer->tcp->Submit(std::move(item));
   }
@@ -254,6 +261,32 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       callback(BatchId{id}, Snapshot());
     }
   }
+
+  // Applies one finished item; returns whether it finished the last request. Holds mu_.
+  bool ApplyLocked(const WorkItem& item, const Status& status) {
+    Request& r = requests_[item.request_index];
+    if (status.ok()) {
+      r.transferred_bytes += item.length;
+      transferred_bytes_ += item.length;
+    } else if (r.error.ok()) {
+      r.error = status;
+    }
+    if (--r.slices_left != 0) return false;
+    r.state = r.error.ok() ? TransferState::kCompleted
+              : r.error.code() == StatusCode::kCancelled ? TransferState::kCancelled
+                                                          : TransferState::kFailed;
+    if (r.state == TransferState::kCompleted) {
+      ++num_completed_;
+    } else {
+      ++num_failed_;
+      if (first_error_.ok()) first_error_ = r.error;
+    }
+    return --requests_left_ == 0;
+  }
+
+  std::unique_ptr<WorkItem[]> items_;
+  size_t num_items_ = 0;
+  std::shared_ptr<WorkItem> notify_item_;  // guarded by mu_
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -542,7 +575,10 @@ class EngineImpl : public TransferEngine {
     batch->notify_peer = batch->peers[0];
     batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
     batch->deadline = Clock::now() + batch->deadline_ms;
-    batch->BuildItems(options_.tcp_slice_bytes);
+    batch->BuildItems([&](size_t i) {
+      return batch->channels[i] == batch->peers[i]->tcp.get() ? options_.tcp_slice_bytes
+                                                               : UINT64_MAX;
+    });
     {
       std::lock_guard<std::mutex> lock(batches_mu_);
       batch->id = next_batch_id_++;

@@ -93,7 +93,8 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
   const RegionDescriptor* region = nullptr;
   for (const RegionDescriptor& r : peer.regions) {
     if ((r.access & kAccessRemoteReadWrite) != kAccessRemoteReadWrite) continue;
-    if (r.kind != MemoryKind::kHost) continue;
+    const MemoryKind want = plan.device == "cuda" ? MemoryKind::kCuda : MemoryKind::kHost;
+    if (r.kind != want) continue;
     if (expected != nullptr) {
       if (r.base == expected->base) region = &r;
     } else if (region == nullptr || r.length_bytes > region->length_bytes) {
@@ -102,7 +103,9 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
   }
   if (region == nullptr) {
     return FailedPreconditionError("target " + address +
-                                   " has no read-write host region to benchmark against");
+                                   " has no read-write " +
+                                   std::string(plan.device == "cuda" ? "GPU" : "host") +
+                                   " region to benchmark against");
   }
   session->remote_base_ = region->base;
   session->buffer_bytes_ = std::min(plan.buffer_bytes, region->length_bytes);

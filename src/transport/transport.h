@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -28,6 +29,11 @@ class WorkOwner {
  public:
   virtual ~WorkOwner() = default;
   virtual void OnWorkDone(WorkItem* item, const Status& status) = 0;
+  // Several items of this owner finished with one status (a whole GPU launch); owners that
+  // track many items override it to take their lock once.
+  virtual void OnWorkDoneMany(std::span<WorkItem* const> items, const Status& status) {
+    for (WorkItem* item : items) OnWorkDone(item, status);
+  }
 };
 
 struct WorkItem {
@@ -43,7 +49,9 @@ struct WorkItem {
   std::vector<uint8_t> reply_body;   // kDescribe reply
   uint32_t request_index = 0;        // owner's bookkeeping
   WorkOwner* owner = nullptr;
-  std::shared_ptr<void> owner_keepalive;  // keeps `owner` alive until completion
+  // Keeps `owner` alive until completion when the item is not itself owned through it (a
+  // batch's items are aliasing pointers into the batch and need none).
+  std::shared_ptr<void> owner_keepalive;
 
   std::atomic<uint8_t> state{kQueued};
   std::atomic<void*> carrier{nullptr};  // transport-private: what is moving the item
@@ -66,6 +74,10 @@ class PeerChannel {
   virtual ~PeerChannel() = default;
   // Queues an item; never blocks on the network.
   virtual void Submit(std::shared_ptr<WorkItem> item) = 0;
+  // Queues several items at once (one lock and one wake-up where the transport allows).
+  virtual void SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) {
+    for (auto& item : items) Submit(std::move(item));
+  }
   // Completes `item` early with `why` (see the contract above).
   virtual void Abandon(WorkItem* item, const Status& why) = 0;
   // Fails everything queued with kUnavailable and closes connections. Blocks until threads

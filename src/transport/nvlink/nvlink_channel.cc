@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -55,15 +57,24 @@ class NvlinkChannel : public PeerChannel {
   }
 
   void Submit(std::shared_ptr<WorkItem> item) override {
+    std::vector<std::shared_ptr<WorkItem>> one;
+    one.push_back(std::move(item));
+    SubmitMany(std::move(one));
+  }
+
+  void SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!closed_) {
-        queue_.push_back(std::move(item));
+        for (auto& item : items) queue_.push_back(std::move(item));
+        queued_.store(true, std::memory_order_release);
         cv_.notify_one();
         return;
       }
     }
-    item->Complete(UnavailableError("NVLink channel to " + options_.peer.name + " is closed"));
+    for (auto& item : items) {
+      item->Complete(UnavailableError("NVLink channel to " + options_.peer.name + " is closed"));
+    }
   }
 
   void Abandon(WorkItem* item, const Status& why) override {
@@ -102,11 +113,19 @@ class NvlinkChannel : public PeerChannel {
     std::vector<std::shared_ptr<WorkItem>> batch;
     while (true) {
       batch.clear();
+      if (inflight_.empty()) {
+        // Spin a little before sleeping: a futex wake-up costs more than a small transfer.
+        auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+        while (!queued_.load(std::memory_order_acquire) &&
+               std::chrono::steady_clock::now() < spin_until) {
+        }
+      }
       {
         std::unique_lock<std::mutex> lock(mu_);
         if (queue_.empty() && inflight_.empty()) {
           cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
         }
+        queued_.store(false, std::memory_order_relaxed);
         if (closed_ && inflight_.empty()) {
           for (auto& item : queue_) batch.push_back(std::move(item));
           queue_.clear();
@@ -136,9 +155,29 @@ class NvlinkChannel : public PeerChannel {
       free_events_.push_back(f.event);
       auto items = std::move(f.items);
       inflight_.pop_front();
-      for (auto& item : items) item->Complete(s);
+      CompleteAll(items, s);
       block = false;
     }
+  }
+
+  // Completes items exactly once, handing each owner its items in one call.
+  static void CompleteAll(std::vector<std::shared_ptr<WorkItem>>& items, const Status& s) {
+    std::vector<WorkItem*> group;
+    group.reserve(items.size());
+    WorkOwner* owner = nullptr;
+    auto flush = [&] {
+      if (!group.empty()) owner->OnWorkDoneMany(group, s);
+      group.clear();
+    };
+    for (auto& item : items) {
+      if (item->state.exchange(WorkItem::kDone) == WorkItem::kDone) continue;
+      if (item->owner != owner) {
+        flush();
+        owner = item->owner;
+      }
+      group.push_back(item.get());
+    }
+    flush();
   }
 
   int AcquireSlot() {
@@ -167,10 +206,18 @@ class NvlinkChannel : public PeerChannel {
   // Maps [remote, remote + length) of the peer to a local pointer, or says why not.
   StatusOr<uint8_t*> Translate(uint64_t remote, uint64_t length, bool write) {
     const uint32_t need = write ? kAccessRemoteWrite : kAccessRemoteRead;
+    // Most requests of a batch land in the region the previous one did.
+    if (last_region_ != nullptr && last_region_->Contains(remote, length) &&
+        (last_region_->access & need) == need) {
+      return last_base_ + last_region_->alloc_offset + (remote - last_region_->base);
+    }
     const RegionDescriptor* region = FindRegion(remote, length);
     if (region == nullptr && options_.refresh) {
       auto fresh = options_.refresh();
-      if (fresh.ok()) options_.peer = std::move(*fresh);
+      if (fresh.ok()) {
+        options_.peer = std::move(*fresh);
+        last_region_ = nullptr;  // pointed into the old descriptor
+      }
       region = FindRegion(remote, length);
     }
     char range[80];
@@ -207,6 +254,8 @@ class NvlinkChannel : public PeerChannel {
       }
       it = imports_.emplace(region->key, std::move(*imported)).first;
     }
+    last_region_ = region;
+    last_base_ = it->second->base();
     return it->second->base() + region->alloc_offset + (remote - region->base);
   }
 
@@ -297,6 +346,9 @@ class NvlinkChannel : public PeerChannel {
   std::deque<Flight> inflight_;                          // progress thread (read under mu_)
   std::vector<cudaEvent_t> free_events_;                 // progress thread only
   std::map<uint64_t, std::unique_ptr<cuda::ImportedAllocation>> imports_;  // by region key
+  const RegionDescriptor* last_region_ = nullptr;  // progress thread: last translated region
+  uint8_t* last_base_ = nullptr;                   // its mapping
+  std::atomic<bool> queued_{false};                // items waiting in queue_
 
   std::mutex mu_;
   std::condition_variable cv_;
