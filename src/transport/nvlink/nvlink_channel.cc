@@ -17,6 +17,7 @@
 #include "cuda/cuda_driver.h"
 #include "cuda/device_memory.h"
 #include "transport/nvlink/fd_passing.h"
+#include "transport/nvlink/launch_plan.h"
 
 namespace kvferry {
 namespace {
@@ -267,9 +268,12 @@ class NvlinkChannel : public PeerChannel {
   }
 
   void Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
+    // Translate every item; small blocks become tiles for the copy kernel, large ones copy-
+    // engine copies. Then cut the work into launches of at most one table slot each.
     std::vector<std::shared_ptr<WorkItem>> accepted;
+    std::vector<size_t> item_tiles;
+    std::vector<cuda::CopyTile> engine_copy;  // per accepted item; len 0 when tiled
     tiles_.clear();
-    std::vector<std::pair<cuda::CopyTile, bool>> engine_copies;
     for (auto& item : batch) {
       uint8_t expected = WorkItem::kQueued;
       if (!item->state.compare_exchange_strong(expected, WorkItem::kSending)) continue;
@@ -277,66 +281,78 @@ class NvlinkChannel : public PeerChannel {
         item->Complete(InternalError("NVLink channel carries only WRITE and READ"));
         continue;
       }
-      bool write = item->kind == WorkItem::Kind::kWrite;
+      const bool write = item->kind == WorkItem::Kind::kWrite;
       auto mapped = Translate(item->remote_addr, item->length, write);
       if (!mapped.ok()) {
         item->Complete(mapped.status());
         continue;
       }
-      uint64_t local = reinterpret_cast<uint64_t>(item->local);
-      uint64_t remote = reinterpret_cast<uint64_t>(*mapped);
-      uint64_t src = write ? local : remote, dst = write ? remote : local;
+      const uint64_t local = reinterpret_cast<uint64_t>(item->local);
+      const uint64_t remote = reinterpret_cast<uint64_t>(*mapped);
+      const uint64_t src = write ? local : remote, dst = write ? remote : local;
       if (item->length >= options_.copy_engine_threshold_bytes) {
-        engine_copies.push_back({{src, dst, item->length}, true});
+        engine_copy.push_back({src, dst, item->length});
+        item_tiles.push_back(0);
       } else {
+        const size_t before = tiles_.size();
         cuda::AppendTiles(src, dst, item->length, &tiles_);
+        engine_copy.push_back({});
+        item_tiles.push_back(tiles_.size() - before);
       }
       accepted.push_back(std::move(item));
     }
     if (accepted.empty()) return;
-    Flight flight;
-    Status status;
-    for (const auto& c : engine_copies) {
-      cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(c.first.dst),
-                                      reinterpret_cast<const void*>(c.first.src), c.first.len,
-                                      cudaMemcpyDefault, stream_);
-      if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaMemcpyAsync", e));
-    }
-    size_t done = 0;
-    while (done < tiles_.size() && status.ok()) {
-      size_t n = std::min<size_t>(tiles_.size() - done, kSlotTiles);
-      cudaError_t e;
-      if (n <= static_cast<size_t>(cuda::kInlineTiles)) {
-        cuda::InlineTiles inline_tiles;
-        std::memcpy(inline_tiles.tiles, tiles_.data() + done, n * sizeof(cuda::CopyTile));
-        e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(n), stream_);
-      } else {
-        int slot = AcquireSlot();
-        flight.slots.push_back(slot);
-        std::memcpy(slots_[slot].host, tiles_.data() + done, n * sizeof(cuda::CopyTile));
-        e = cudaMemcpyAsync(slots_[slot].device, slots_[slot].host, n * sizeof(cuda::CopyTile),
-                            cudaMemcpyHostToDevice, stream_);
-        if (e == cudaSuccess) {
-          e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(slots_[slot].device),
-                                      static_cast<int>(n), stream_);
-        }
+    size_t next_engine_item = 0;  // copy-engine copies are issued in item order
+    for (const LaunchPlan& plan : PlanLaunches(item_tiles, kSlotTiles)) {
+      Flight flight;
+      Status status;
+      // Copy-engine blocks of the items this launch completes (and any before them).
+      const size_t last_item = plan.items.empty() ? next_engine_item : plan.items.back() + 1;
+      for (; next_engine_item < last_item; ++next_engine_item) {
+        const cuda::CopyTile& c = engine_copy[next_engine_item];
+        if (c.len == 0) continue;
+        cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(c.dst),
+                                        reinterpret_cast<const void*>(c.src), c.len,
+                                        cudaMemcpyDefault, stream_);
+        if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaMemcpyAsync", e));
       }
-      if (e != cudaSuccess) status = InternalError(CudaError("batched copy launch", e));
-      done += n;
+      if (plan.num_tiles > 0 && status.ok()) {
+        const cuda::CopyTile* tiles = tiles_.data() + plan.first_tile;
+        const int n = static_cast<int>(plan.num_tiles);
+        cudaError_t e;
+        if (n <= cuda::kInlineTiles) {
+          cuda::InlineTiles inline_tiles;
+          std::memcpy(inline_tiles.tiles, tiles, n * sizeof(cuda::CopyTile));
+          e = cuda::LaunchBatchedCopyInline(inline_tiles, n, stream_);
+        } else {
+          // Every busy slot belongs to a flight already queued, so this always makes progress.
+          const int slot = AcquireSlot();
+          flight.slots.push_back(slot);
+          std::memcpy(slots_[slot].host, tiles, n * sizeof(cuda::CopyTile));
+          e = cudaMemcpyAsync(slots_[slot].device, slots_[slot].host, n * sizeof(cuda::CopyTile),
+                              cudaMemcpyHostToDevice, stream_);
+          if (e == cudaSuccess) {
+            e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(slots_[slot].device),
+                                        n, stream_);
+          }
+        }
+        if (e != cudaSuccess) status = InternalError(CudaError("batched copy launch", e));
+      }
+      flight.event = AcquireEvent();
+      cudaError_t e = cudaEventRecord(flight.event, stream_);
+      if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaEventRecord", e));
+      for (size_t i : plan.items) flight.items.push_back(std::move(accepted[i]));
+      if (!status.ok()) {
+        // Wait for whatever was launched before reporting, so no copy outlives its item.
+        cudaStreamSynchronize(stream_);
+        PollFlights(/*block=*/true);
+        for (int slot : flight.slots) slots_[slot].busy = false;
+        free_events_.push_back(flight.event);
+        CompleteAll(flight.items, status);
+        continue;
+      }
+      inflight_.push_back(std::move(flight));
     }
-    flight.event = AcquireEvent();
-    cudaError_t e = cudaEventRecord(flight.event, stream_);
-    if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaEventRecord", e));
-    if (!status.ok()) {
-      // Wait for whatever was launched before reporting, so no copy outlives its item.
-      cudaStreamSynchronize(stream_);
-      for (int slot : flight.slots) slots_[slot].busy = false;
-      free_events_.push_back(flight.event);
-      for (auto& item : accepted) item->Complete(status);
-      return;
-    }
-    flight.items = std::move(accepted);
-    inflight_.push_back(std::move(flight));
   }
 
   NvlinkChannelOptions options_;

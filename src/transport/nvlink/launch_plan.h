@@ -1,0 +1,24 @@
+// How one dispatch of NVLink work is cut into GPU launches. Each launch (a flight) copies at
+// most `slot_tiles` tiles, so it needs at most one table slot: a slot is then always held by a
+// flight already in the stream, and waiting for the oldest flight frees one. An item is
+// attached to the launch holding its last tile (launches run in stream order, so it is done
+// when that launch is); items with no tiles (copy-engine blocks) join the launch being built.
+// No CUDA types: tested on the CPU.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+namespace kvferry {
+
+struct LaunchPlan {
+  size_t first_tile = 0;      // into the dispatch's concatenated tile list
+  size_t num_tiles = 0;       // <= slot_tiles; may be 0 (copy-engine blocks only)
+  std::vector<size_t> items;  // indices of items completed by this launch
+};
+
+// `item_tiles[i]` is the number of tiles of item i, in dispatch order. REQUIRES slot_tiles > 0.
+std::vector<LaunchPlan> PlanLaunches(std::span<const size_t> item_tiles, size_t slot_tiles);
+
+}  // namespace kvferry
