@@ -92,6 +92,16 @@ StatusOr<MemoryRegistry::Pin> MemoryRegistry::PinRange(uint64_t addr, uint64_t l
   return Pin(this, std::move(entry));
 }
 
+bool MemoryRegistry::Lookup(uint64_t addr, uint64_t length, Span* out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.upper_bound(addr);
+  if (it == regions_.begin()) return false;
+  const RegionDescriptor& r = std::prev(it)->second->region;
+  if (!r.Contains(addr, length)) return false;
+  *out = Span{r.base, r.length_bytes, r.kind, r.device_id};
+  return true;
+}
+
 StatusOr<RegionDescriptor> MemoryRegistry::Find(uint64_t addr, uint64_t length) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.upper_bound(addr);

@@ -51,6 +51,19 @@ class MemoryRegistry {
   // Checks that [addr, addr + length) lies inside one region with all of `access` and pins
   // it. Errors: kFailedPrecondition naming the range and what is wrong.
   StatusOr<Pin> PinRange(uint64_t addr, uint64_t length, uint32_t access);
+  // Where a local range lives, without copying the region's descriptor.
+  struct Span {
+    uint64_t base = 0;
+    uint64_t length_bytes = 0;
+    MemoryKind kind = MemoryKind::kHost;
+    int32_t device_id = -1;
+    bool Contains(uint64_t addr, uint64_t length) const {
+      return length_bytes != 0 && addr >= base && length <= length_bytes &&
+             addr - base <= length_bytes - length;
+    }
+  };
+  // True when [addr, addr + length) lies inside one registered region; fills `out`.
+  bool Lookup(uint64_t addr, uint64_t length, Span* out) const;
   // Finds the region holding [addr, addr + length) (local lookups; no access check).
   StatusOr<RegionDescriptor> Find(uint64_t addr, uint64_t length) const;
 

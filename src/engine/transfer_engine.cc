@@ -65,8 +65,9 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::string notification;
   std::function<void(BatchId, const BatchStatus&)> on_complete;
   std::shared_ptr<Peer> notify_peer;
-  std::vector<std::shared_ptr<Peer>> peers;  // per request (keeps channels alive)
-  std::vector<PeerChannel*> channels;        // per request: the data path chosen
+  std::vector<Peer*> peers;                      // per request
+  std::vector<std::shared_ptr<Peer>> peer_refs;  // each distinct peer once: keeps channels alive
+  std::vector<PeerChannel*> channels;            // per request: the data path chosen
 
   explicit Batch(std::span<const TransferRequest> requests) {
     requests_.resize(requests.size());
@@ -544,21 +545,35 @@ class EngineImpl : public TransferEngine {
     }
     auto batch = std::make_shared<Batch>(requests);
     batch->peers.resize(requests.size());
+    batch->channels.resize(requests.size());
+    // Per-request work stays allocation-free: error text is built only on failure, and the
+    // peer and data path are looked up again only when they can differ from the request
+    // before (consecutive requests of a batch usually share both).
+    auto where = [](size_t i) { return "request " + std::to_string(i) + ": "; };
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
+      const std::shared_ptr<Peer>* peer = nullptr;
+      SegmentHandle peer_segment;
       for (size_t i = 0; i < requests.size(); ++i) {
         const TransferRequest& r = requests[i];
-        std::string where = "request " + std::to_string(i) + ": ";
-        if (r.local_addr == nullptr) return InvalidArgumentError(where + "null local address");
-        if (r.length_bytes == 0) return InvalidArgumentError(where + "zero length");
+        if (r.local_addr == nullptr) return InvalidArgumentError(where(i) + "null local address");
+        if (r.length_bytes == 0) return InvalidArgumentError(where(i) + "zero length");
         if (r.remote_addr + r.length_bytes < r.remote_addr) {
-          return InvalidArgumentError(where + "remote range wraps the address space");
+          return InvalidArgumentError(where(i) + "remote range wraps the address space");
         }
-        auto it = peers_.find(r.segment.value);
-        if (it == peers_.end()) {
-          return NotFoundError(where + "unknown segment " + std::to_string(r.segment.value));
+        if (peer == nullptr || r.segment != peer_segment) {
+          auto it = peers_.find(r.segment.value);
+          if (it == peers_.end()) {
+            return NotFoundError(where(i) + "unknown segment " + std::to_string(r.segment.value));
+          }
+          peer = &it->second;
+          peer_segment = r.segment;
+          if (std::find(batch->peer_refs.begin(), batch->peer_refs.end(), *peer) ==
+              batch->peer_refs.end()) {
+            batch->peer_refs.push_back(*peer);
+          }
         }
-        batch->peers[i] = it->second;
+        batch->peers[i] = peer->get();
         if (!options.notification.empty() && r.segment != requests[0].segment) {
           return InvalidArgumentError(
               "a batch with a notification must target one segment (request " +
@@ -566,13 +581,13 @@ class EngineImpl : public TransferEngine {
         }
       }
     }
-    batch->channels.resize(requests.size());
+    ChannelCache cache;
     for (size_t i = 0; i < requests.size(); ++i) {
-      ASSIGN_OR_RETURN(batch->channels[i], ChooseChannel(requests[i], *batch->peers[i], i));
+      ASSIGN_OR_RETURN(batch->channels[i], ChooseChannel(requests[i], *batch->peers[i], i, &cache));
     }
     batch->notification = options.notification;
     batch->on_complete = options.on_complete;
-    batch->notify_peer = batch->peers[0];
+    batch->notify_peer = batch->peer_refs[0];
     batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
     batch->deadline = Clock::now() + batch->deadline_ms;
     batch->BuildItems([&](size_t i) {
@@ -678,12 +693,36 @@ class EngineImpl : public TransferEngine {
     return std::max<uint32_t>(options_.max_message_bytes, 4u << 20);
   }
 
+  // The last data-path decision of a submission, reused while requests stay on the same peer
+  // and inside the same local region.
+  struct ChannelCache {
+    const Peer* peer = nullptr;
+    MemoryRegistry::Span region;
+    PeerChannel* channel = nullptr;
+  };
+
   // Picks the data path for one request: NVLink between GPU memory of one node, TCP between
   // host memory; `transport` in the options can force one.
-  StatusOr<PeerChannel*> ChooseChannel(const TransferRequest& r, Peer& peer, size_t index) {
-    auto local = registry_.Find(reinterpret_cast<uint64_t>(r.local_addr), r.length_bytes);
-    bool local_device = local.ok() && local->kind == MemoryKind::kCuda;
-    std::string where = "request " + std::to_string(index) + ": ";
+  StatusOr<PeerChannel*> ChooseChannel(const TransferRequest& r, Peer& peer, size_t index,
+                                       ChannelCache* cache) {
+    const uint64_t addr = reinterpret_cast<uint64_t>(r.local_addr);
+    if (cache->peer == &peer && cache->region.Contains(addr, r.length_bytes)) {
+      return cache->channel;
+    }
+    MemoryRegistry::Span local;
+    const bool registered = registry_.Lookup(addr, r.length_bytes, &local);
+    const bool local_device = registered && local.kind == MemoryKind::kCuda;
+    ASSIGN_OR_RETURN(PeerChannel * channel, ChannelFor(r, peer, index, local_device, local.device_id));
+    cache->peer = &peer;
+    cache->region = registered ? local : MemoryRegistry::Span{addr, r.length_bytes};
+    cache->channel = channel;
+    return channel;
+  }
+
+  StatusOr<PeerChannel*> ChannelFor(const TransferRequest& r, Peer& peer, size_t index,
+                                    bool local_device, int local_device_id) {
+    (void)r;
+    const std::string where = "request " + std::to_string(index) + ": ";
     if (!local_device) {
       if (options_.transport == "nvlink") {
         return FailedPreconditionError(where + "transport 'nvlink' needs local memory inside a "
@@ -697,11 +736,11 @@ class EngineImpl : public TransferEngine {
                                 "is not supported yet");
     }
     std::lock_guard<std::mutex> lock(peer.nvlink_mu);
-    auto& channel = peer.nvlink[local->device_id];
+    auto& channel = peer.nvlink[local_device_id];
     if (channel == nullptr) {
       NvlinkChannelOptions o;
       o.peer = peer.tcp->descriptor();
-      o.local_device = local->device_id;
+      o.local_device = local_device_id;
       o.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
       uint64_t id = peer.id;
       o.refresh = [this, id] { return RefreshSegment(SegmentHandle{id}); };
