@@ -43,10 +43,11 @@ struct EngineOptions {
   // Transport: "auto" picks per request (NVLink between GPU memory of one node, TCP for host
   // memory); "tcp" or "nvlink" force one (requests it cannot carry fail at submission).
   std::string transport = "auto";
-  // NVLink: blocks of at least this many bytes go through the copy engine, smaller ones
-  // through one batched copy kernel per submission. Default 4 MiB (measured crossover:
-  // docs/perf/nvlink-h200.md).
-  uint64_t nvlink_copy_engine_threshold_bytes = 4ull << 20;
+  // NVLink: blocks of at least this many bytes go through the copy engine (cudaMemcpyAsync),
+  // smaller ones through one batched copy kernel per submission. Default: never, because on
+  // H200 the kernel beat the copy engine at every block size measured (2 KiB..64 MiB,
+  // docs/perf/nvlink-h200.md). Lower it to keep SMs free for compute at some cost in GB/s.
+  uint64_t nvlink_copy_engine_threshold_bytes = UINT64_MAX;
   // TCP connections (lanes) per peer. More lanes spread large requests over several
   // streams and cores; bounded to keep file descriptors in check. Default 4, range 1..64.
   int tcp_lanes_per_peer = 4;

@@ -20,7 +20,7 @@ struct NvlinkChannelOptions {
   int local_device = 0;
   // Blocks at least this long go through the copy engine (cudaMemcpyAsync), smaller ones
   // through one batched copy kernel per submission.
-  uint64_t copy_engine_threshold_bytes = 4ull << 20;
+  uint64_t copy_engine_threshold_bytes = UINT64_MAX;
 };
 
 // True when this build has CUDA and a device is present.
