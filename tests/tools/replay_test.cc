@@ -1,6 +1,7 @@
 // `kvferry replay` end to end: real processes, real sockets, every byte verified.
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -131,10 +132,23 @@ TEST(ReplayTest, BadFlagsAreNamed) {
 
 // Instances started separately (as an operator would), then joined by the replay.
 TEST(ReplayTest, JoinsRunningInstances) {
-  auto start = [](const std::string& role, const std::string& log) {
+  // Started in the background; killed by PID when the test ends, pass or fail.
+  std::vector<pid_t> pids;
+  struct KillAll {
+    std::vector<pid_t>* pids;
+    ~KillAll() {
+      for (pid_t p : *pids) ::kill(p, SIGKILL);
+    }
+  } kill_all{&pids};
+  auto start = [&](const std::string& role, const std::string& log) {
+    std::string pidfile = log + ".pid";
     std::string cmd = KvferryBinary() + " " + role + " --model-config " +
-                      Config("tiny-gqa-config.json") + " --pool-size 64MiB > " + log + " 2>&1 &";
+                      Config("tiny-gqa-config.json") + " --pool-size 64MiB > " + log +
+                      " 2>&1 & echo $! > " + pidfile;
     EXPECT_EQ(std::system(cmd.c_str()), 0);
+    std::ifstream f(pidfile);
+    pid_t pid = 0;
+    if (f >> pid && pid > 0) pids.push_back(pid);
   };
   std::string plog = TempPath("p.log"), dlog = TempPath("d.log");
   start("prefill", plog);
