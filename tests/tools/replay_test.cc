@@ -101,6 +101,30 @@ TEST(ReplayTest, RequestLargerThanThePoolIsRejectedOthersWait) {
   std::remove(out.c_str());
 }
 
+TEST(ReplayTest, TimeScaleHonoursArrivalTimes) {
+  std::string trace = TempPath("timed.jsonl");
+  {
+    std::ofstream f(trace);
+    for (int i = 0; i < 4; ++i) {
+      f << R"({"timestamp": )" << i * 1000 << R"(, "input_length": 100, "output_length": 1})"
+        << "\n";
+    }
+  }
+  std::string out = TempPath("timed.json");
+  // Arrivals at 0..3 s, replayed 10x faster: the last one starts at 0.3 s.
+  auto r = RunCommand(KvferryBinary() + " replay --trace " + trace + " --model-config " +
+                      Config("tiny-gqa-config.json") +
+                      " --pool-size 8MiB --time-scale 10 --json " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  json j = ReadJson(out);
+  EXPECT_EQ(j["requests"], 4);
+  EXPECT_EQ(j["mismatches"], 0);
+  EXPECT_GE(j["seconds"].get<double>(), 0.3);
+  EXPECT_LT(j["seconds"].get<double>(), 3.0);
+  std::remove(trace.c_str());
+  std::remove(out.c_str());
+}
+
 TEST(ReplayTest, MalformedTraceNamesFileAndLine) {
   std::string trace = TempPath("bad.jsonl");
   {

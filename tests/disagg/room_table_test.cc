@@ -1,0 +1,88 @@
+#include "disagg/room_table.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+namespace kvferry {
+namespace {
+
+using Clock = RoomTable<int>::Clock;
+using std::chrono::milliseconds;
+
+TEST(RoomTableTest, StatesOnlyMoveForward) {
+  RoomTable<int> t;
+  ASSERT_TRUE(t.Create(1, 0, Clock::time_point::max(), "").ok());
+  EXPECT_EQ(t.Get(1)->state, RoomState::kBootstrapping);
+  EXPECT_TRUE(t.Advance(1, RoomState::kTransferring));  // skipping ahead is forward
+  EXPECT_FALSE(t.Advance(1, RoomState::kWaitingForInput));  // never back
+  EXPECT_EQ(t.Get(1)->state, RoomState::kTransferring);
+  EXPECT_FALSE(t.Advance(1, RoomState::kFailed));  // failing goes through Fail
+  EXPECT_TRUE(t.Advance(1, RoomState::kSuccess));
+  EXPECT_FALSE(t.Fail(1, AbortedError("late")));  // final rooms stay final
+  EXPECT_EQ(t.Get(1)->state, RoomState::kSuccess);
+  EXPECT_TRUE(t.Get(1)->error.ok());
+}
+
+TEST(RoomTableTest, FailedOverridesAnyNonFinalStateAndCarriesTheReason) {
+  RoomTable<int> t;
+  ASSERT_TRUE(t.Create(2, 0, Clock::time_point::max(), "").ok());
+  ASSERT_TRUE(t.Advance(2, RoomState::kWaitingForInput));
+  EXPECT_TRUE(t.Fail(2, UnavailableError("prefill gone")));
+  EXPECT_FALSE(t.Advance(2, RoomState::kSuccess));
+  auto s = t.Get(2);
+  EXPECT_EQ(s->state, RoomState::kFailed);
+  EXPECT_EQ(s->error.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(s->error.message(), "prefill gone");
+}
+
+TEST(RoomTableTest, DuplicateRoomIsRefusedUntilReleased) {
+  RoomTable<int> t;
+  ASSERT_TRUE(t.Create(3, 7, Clock::time_point::max(), "").ok());
+  Status dup = t.Create(3, 8, Clock::time_point::max(), "");
+  EXPECT_EQ(dup.code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(dup.message().find("duplicate"), std::string::npos);
+  EXPECT_EQ(t.Release(3).code(), StatusCode::kFailedPrecondition);  // not final yet
+  t.Fail(3, AbortedError("x"));
+  EXPECT_TRUE(t.Release(3).ok());
+  EXPECT_EQ(t.Get(3).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(t.Create(3, 9, Clock::time_point::max(), "").ok());
+}
+
+TEST(RoomTableTest, DeadlinesFailRoomsWithTheirReason) {
+  RoomTable<int> t;
+  auto now = Clock::now();
+  ASSERT_TRUE(t.Create(4, 0, now + milliseconds(10), "no decode in time").ok());
+  ASSERT_TRUE(t.Create(5, 0, now + milliseconds(10000), "later").ok());
+  EXPECT_TRUE(t.ExpireDeadlines(now).empty());
+  auto expired = t.ExpireDeadlines(now + milliseconds(20));
+  ASSERT_EQ(expired, std::vector<uint64_t>{4});
+  auto s = t.Get(4);
+  EXPECT_EQ(s->state, RoomState::kFailed);
+  EXPECT_EQ(s->error.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(s->error.message().find("no decode in time"), std::string::npos);
+  // Advancing with a new deadline replaces the old one; success clears it.
+  ASSERT_TRUE(t.Advance(5, RoomState::kWaitingForInput, now + milliseconds(30), "waiting"));
+  EXPECT_EQ(t.ExpireDeadlines(now + milliseconds(40)), std::vector<uint64_t>{5});
+}
+
+TEST(RoomTableTest, WaitWakesOnTransitionsAndTimesOut) {
+  RoomTable<int> t;
+  ASSERT_TRUE(t.Create(6, 0, Clock::time_point::max(), "").ok());
+  std::thread advancer([&] {
+    std::this_thread::sleep_for(milliseconds(30));
+    t.Advance(6, RoomState::kSuccess);
+  });
+  auto s = t.Wait(6, RoomState::kSuccess, milliseconds(5000));
+  advancer.join();
+  EXPECT_EQ(s->state, RoomState::kSuccess);
+  ASSERT_TRUE(t.Create(7, 0, Clock::time_point::max(), "").ok());
+  auto start = Clock::now();
+  auto w = t.Wait(7, RoomState::kSuccess, milliseconds(50));
+  EXPECT_EQ(w->state, RoomState::kBootstrapping);
+  EXPECT_GE(Clock::now() - start, milliseconds(45));
+  EXPECT_EQ(t.Wait(99, RoomState::kSuccess, milliseconds(1)).status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvferry
