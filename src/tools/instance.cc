@@ -262,6 +262,55 @@ StatusOr<std::vector<int32_t>> AllocatePages(Instance& in, int64_t num_pages) {
   return in.allocator->AllocateWait(static_cast<int32_t>(num_pages), milliseconds(in.flags.timeout_ms));
 }
 
+// A request's pages and aux row, handed back to the instance when the handler ends.
+struct Admission {
+  Instance* in = nullptr;
+  uint64_t room = 0;
+  int64_t tokens = 0;
+  int64_t num_pages = 0;
+  std::vector<int32_t> pages;
+  int32_t row = -1;
+  json body;
+  ~Admission() {
+    if (row >= 0) in->FreeRow(row);
+    if (!pages.empty()) in->allocator->Free(pages).IgnoreError();
+  }
+};
+
+// Parses {"room", "input_length", ...}, runs `check` on the body, then takes the request's
+// pages (waiting for pool space) and an aux row. On failure it answers the HTTP request
+// (400 bad body, 413 larger than the whole pool, 504 no space in time) and returns null.
+std::unique_ptr<Admission> Admit(Instance& in, const httplib::Request& req, httplib::Response& res,
+                                 const std::function<Status(const json&)>& check) {
+  auto a = std::make_unique<Admission>();
+  a->in = &in;
+  Status err;
+  a->body = ParseBody(req, &err);
+  if (err.ok()) err = ParseRequest(a->body, &a->room, &a->tokens);
+  if (err.ok() && check) err = check(a->body);
+  if (!err.ok()) {
+    Reply(res, 400, {{"ok", false}, {"error", err.ToString()}});
+    return nullptr;
+  }
+  a->num_pages = in.layout->NumPages(a->tokens);
+  auto pages = AllocatePages(in, a->num_pages);
+  if (!pages.ok()) {
+    Reply(res, HttpCode(pages.status()),
+          {{"ok", false},
+           {"rejected", pages.status().code() == StatusCode::kResourceExhausted},
+           {"error", pages.status().ToString()}});
+    return nullptr;
+  }
+  a->pages = std::move(*pages);
+  auto row = in.AllocateRow(milliseconds(in.flags.timeout_ms));
+  if (!row.ok()) {
+    Reply(res, 504, {{"ok", false}, {"error", row.status().ToString()}});
+    return nullptr;
+  }
+  a->row = *row;
+  return a;
+}
+
 void InstallSignalExit() {
   ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // a replay that dies takes its instances along
   std::signal(SIGPIPE, SIG_IGN);
@@ -305,27 +354,14 @@ int RunPrefillInstance(const InstanceFlags& flags) {
   };
   in.AddCommonRoutes(info, stats);
   in.server.Post("/prefill", [&](const httplib::Request& req, httplib::Response& res) {
-    Status err;
-    json body = ParseBody(req, &err);
-    uint64_t room = 0;
-    int64_t tokens = 0;
-    if (err.ok()) err = ParseRequest(body, &room, &tokens);
-    if (!err.ok()) return Reply(res, 400, {{"ok", false}, {"error", err.ToString()}});
+    auto admitted = Admit(in, req, res, nullptr);
+    if (admitted == nullptr) return;
     const KvLayout& layout = *in.layout;
-    const int64_t num_pages = layout.NumPages(tokens);
-    auto pages = AllocatePages(in, num_pages);
-    if (!pages.ok()) {
-      return Reply(res, HttpCode(pages.status()),
-                   {{"ok", false}, {"rejected", pages.status().code() == StatusCode::kResourceExhausted},
-                    {"error", pages.status().ToString()}});
-    }
-    auto row = in.AllocateRow(milliseconds(flags.timeout_ms));
-    auto finish = [&](int code, json out) {
-      if (row.ok()) in.FreeRow(*row);
-      in.allocator->Free(*pages).IgnoreError();
-      Reply(res, code, out);
-    };
-    if (!row.ok()) return finish(504, {{"ok", false}, {"error", row.status().ToString()}});
+    const uint64_t room = admitted->room;
+    const int64_t tokens = admitted->tokens, num_pages = admitted->num_pages;
+    const std::vector<int32_t>* pages = &admitted->pages;
+    const int32_t* row = &admitted->row;
+    auto finish = [&](int code, json out) { Reply(res, code, out); };
     Status created = c.CreateSender(room, num_pages);
     if (!created.ok()) {
       return finish(HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
@@ -403,31 +439,20 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   };
   in.AddCommonRoutes(info, stats);
   in.server.Post("/decode", [&](const httplib::Request& req, httplib::Response& res) {
-    Status err;
-    json body = ParseBody(req, &err);
-    uint64_t room = 0;
-    int64_t tokens = 0;
-    if (err.ok()) err = ParseRequest(body, &room, &tokens);
-    if (err.ok() && (!body.contains("bootstrap_address") || !body["bootstrap_address"].is_string())) {
-      err = InvalidArgumentError("field 'bootstrap_address' must be a string");
-    }
-    if (!err.ok()) return Reply(res, 400, {{"ok", false}, {"error", err.ToString()}});
-    std::string bootstrap = body["bootstrap_address"].get<std::string>();
+    auto admitted = Admit(in, req, res, [](const json& body) {
+      if (!body.contains("bootstrap_address") || !body["bootstrap_address"].is_string()) {
+        return InvalidArgumentError("field 'bootstrap_address' must be a string");
+      }
+      return OkStatus();
+    });
+    if (admitted == nullptr) return;
     const KvLayout& layout = *in.layout;
-    const int64_t num_pages = layout.NumPages(tokens);
-    auto pages = AllocatePages(in, num_pages);
-    if (!pages.ok()) {
-      return Reply(res, HttpCode(pages.status()),
-                   {{"ok", false}, {"rejected", pages.status().code() == StatusCode::kResourceExhausted},
-                    {"error", pages.status().ToString()}});
-    }
-    auto row = in.AllocateRow(milliseconds(flags.timeout_ms));
-    auto finish = [&](int code, json out) {
-      if (row.ok()) in.FreeRow(*row);
-      in.allocator->Free(*pages).IgnoreError();
-      Reply(res, code, out);
-    };
-    if (!row.ok()) return finish(504, {{"ok", false}, {"error", row.status().ToString()}});
+    const uint64_t room = admitted->room;
+    const int64_t tokens = admitted->tokens, num_pages = admitted->num_pages;
+    const std::vector<int32_t>* pages = &admitted->pages;
+    const int32_t* row = &admitted->row;
+    const std::string bootstrap = admitted->body["bootstrap_address"].get<std::string>();
+    auto finish = [&](int code, json out) { Reply(res, code, out); };
     Status created = c.CreateReceiver(room, bootstrap, *pages, *row);
     if (!created.ok()) {
       return finish(HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
