@@ -93,6 +93,33 @@ StatusOr<ShareInfo> ExportAllocation(const AllocationInfo& info) {
 }
 
 namespace {
+
+// Maps `handle` at a fresh reservation of `size` bytes and grants `device` read-write access.
+Status MapForDevice(const DriverApi& d, CUmemGenericAllocationHandle handle, uint64_t size,
+                    size_t alignment, int device, uint64_t* ptr_out) {
+  CUdeviceptr ptr = 0;
+  CU_RETURN_IF_ERROR(d, cuMemAddressReserve(&ptr, size, alignment, 0, 0));
+  *ptr_out = ptr;  // recorded first, so the caller's cleanup frees the reservation on error
+  CU_RETURN_IF_ERROR(d, cuMemMap(ptr, size, 0, handle, 0));
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CU_RETURN_IF_ERROR(d, cuMemSetAccess(ptr, size, &access, 1));
+  return OkStatus();
+}
+
+// Undoes MapForDevice and drops the allocation handle; any of them may be unset (0).
+void Unmap(uint64_t ptr, uint64_t size, uint64_t handle) {
+  auto d = Driver();
+  if (!d.ok()) return;
+  if (ptr != 0) {
+    (*d)->cuMemUnmap(ptr, size);
+    (*d)->cuMemAddressFree(ptr, size);
+  }
+  if (handle != 0) (*d)->cuMemRelease(handle);
+}
+
 CUmemAllocationProp PinnedProp(int device) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -121,27 +148,11 @@ StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device,
                                   d->ErrorName(r));
   }
   a->handle_ = h;
-  CUdeviceptr ptr = 0;
-  CU_RETURN_IF_ERROR(*d, cuMemAddressReserve(&ptr, a->size_, granularity, 0, 0));
-  a->ptr_ = ptr;
-  CU_RETURN_IF_ERROR(*d, cuMemMap(ptr, a->size_, 0, h, 0));
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  CU_RETURN_IF_ERROR(*d, cuMemSetAccess(ptr, a->size_, &access, 1));
+  RETURN_IF_ERROR(MapForDevice(*d, h, a->size_, granularity, device, &a->ptr_));
   return a;
 }
 
-DeviceAllocation::~DeviceAllocation() {
-  auto d = Driver();
-  if (!d.ok()) return;
-  if (ptr_ != 0) {
-    (*d)->cuMemUnmap(ptr_, size_);
-    (*d)->cuMemAddressFree(ptr_, size_);
-  }
-  if (handle_ != 0) (*d)->cuMemRelease(handle_);
-}
+DeviceAllocation::~DeviceAllocation() { Unmap(ptr_, size_, handle_); }
 
 StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromIpcHandle(
     std::span<const uint8_t> handle, int local_device) {
@@ -182,15 +193,7 @@ StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromFd(int fd,
   size_t granularity = 0;
   CU_RETURN_IF_ERROR(*d, cuMemGetAllocationGranularity(&granularity, &prop,
                                                        CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  CUdeviceptr ptr = 0;
-  CU_RETURN_IF_ERROR(*d, cuMemAddressReserve(&ptr, alloc_bytes, granularity, 0, 0));
-  a->ptr_ = ptr;
-  CU_RETURN_IF_ERROR(*d, cuMemMap(ptr, alloc_bytes, 0, h, 0));
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = local_device;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  CU_RETURN_IF_ERROR(*d, cuMemSetAccess(ptr, alloc_bytes, &access, 1));
+  RETURN_IF_ERROR(MapForDevice(*d, h, alloc_bytes, granularity, local_device, &a->ptr_));
   return a;
 }
 
@@ -199,13 +202,7 @@ ImportedAllocation::~ImportedAllocation() {
     if (ptr_ != 0) cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr_));
     return;
   }
-  auto d = Driver();
-  if (!d.ok()) return;
-  if (ptr_ != 0) {
-    (*d)->cuMemUnmap(ptr_, size_);
-    (*d)->cuMemAddressFree(ptr_, size_);
-  }
-  if (handle_ != 0) (*d)->cuMemRelease(handle_);
+  Unmap(ptr_, size_, handle_);
 }
 
 }  // namespace kvferry::cuda
