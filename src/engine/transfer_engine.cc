@@ -712,26 +712,25 @@ class EngineImpl : public TransferEngine {
     MemoryRegistry::Span local;
     const bool registered = registry_.Lookup(addr, r.length_bytes, &local);
     const bool local_device = registered && local.kind == MemoryKind::kCuda;
-    ASSIGN_OR_RETURN(PeerChannel * channel, ChannelFor(r, peer, index, local_device, local.device_id));
+    ASSIGN_OR_RETURN(PeerChannel * channel, ChannelFor(peer, index, local_device, local.device_id));
     cache->peer = &peer;
     cache->region = registered ? local : MemoryRegistry::Span{addr, r.length_bytes};
     cache->channel = channel;
     return channel;
   }
 
-  StatusOr<PeerChannel*> ChannelFor(const TransferRequest& r, Peer& peer, size_t index,
-                                    bool local_device, int local_device_id) {
-    (void)r;
-    const std::string where = "request " + std::to_string(index) + ": ";
+  StatusOr<PeerChannel*> ChannelFor(Peer& peer, size_t index, bool local_device,
+                                    int local_device_id) {
+    auto where = [index] { return "request " + std::to_string(index) + ": "; };
     if (!local_device) {
       if (options_.transport == "nvlink") {
-        return FailedPreconditionError(where + "transport 'nvlink' needs local memory inside a "
-                                               "registered CUDA region");
+        return FailedPreconditionError(where() + "transport 'nvlink' needs local memory inside a "
+                                                 "registered CUDA region");
       }
       return static_cast<PeerChannel*>(peer.tcp.get());
     }
     if (options_.transport == "tcp" || !peer.same_node_nvlink) {
-      return UnimplementedError(where + "GPU memory to peer " + peer.address +
+      return UnimplementedError(where() + "GPU memory to peer " + peer.address +
                                 " needs NVLink (same node, both with CUDA); GPU memory over TCP "
                                 "is not supported yet");
     }
