@@ -6,14 +6,20 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 WERROR := $(if $(CI),-DKVFERRY_WERROR=ON,)
 
-.PHONY: deps build build-asan demo test test-asan clean
+.PHONY: deps configure build build-cli build-asan demo test test-asan clean
 
 deps:
 	@scripts/install_deps.sh
 
-build: deps
+configure: deps
 	@cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(WERROR) $(CMAKE_FLAGS) >/dev/null
+
+build: configure
 	@cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# Only the `kvferry` tool (what the demo runs), not the test suite.
+build-cli: configure
+	@cmake --build $(BUILD_DIR) -j $(JOBS) --target kvferry_cli
 
 build-asan: deps
 	@cmake -S . -B $(ASAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZER=address,undefined -DKVFERRY_WITH_CUDA=OFF $(WERROR) $(CMAKE_FLAGS) >/dev/null
@@ -21,7 +27,7 @@ build-asan: deps
 
 # The main job on its embedded default: the conversation trace when ../shared has it,
 # otherwise a synthetic workload of similar lengths.
-demo: build
+demo: build-cli
 	@$(BUILD_DIR)/kvferry replay --demo
 
 test: build
