@@ -82,7 +82,7 @@ uint64_t PatternSeed(uint64_t room, int layer, int is_value, int64_t token, int 
 }
 
 void FillTokens(const KvLayout& layout, KvPool& pool, uint64_t room, std::span<const int32_t> pages,
-                int64_t first_token, int64_t num_tokens) {
+                int64_t first_token, int64_t num_tokens, int head_offset) {
   if (first_token < 0 || num_tokens <= 0) return;
   const int64_t page_size = layout.page_size();
   const int heads = layout.heads_per_token();
@@ -104,7 +104,7 @@ void FillTokens(const KvLayout& layout, KvPool& pool, uint64_t room, std::span<c
       for (int64_t t = t_begin; t < t_end; ++t) {
         uint8_t* dst = base + static_cast<uint64_t>(t - pi * page_size) * token_bytes;
         for (int h = 0; h < heads; ++h) {
-          WritePattern(dst + h * head_bytes, HeadSeed(buffer_seed, t, h), head_bytes);
+          WritePattern(dst + h * head_bytes, HeadSeed(buffer_seed, t, head_offset + h), head_bytes);
         }
       }
     }
@@ -112,7 +112,7 @@ void FillTokens(const KvLayout& layout, KvPool& pool, uint64_t room, std::span<c
 }
 
 VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t room,
-                          std::span<const int32_t> pages, int64_t num_tokens) {
+                          std::span<const int32_t> pages, int64_t num_tokens, int head_offset) {
   VerifyResult result;
   if (num_tokens <= 0) return result;
   const int64_t page_size = layout.page_size();
@@ -147,7 +147,7 @@ VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t r
       for (int64_t t = t_begin; t < t_end && !page_bad; ++t) {
         const uint8_t* src = base + static_cast<uint64_t>(t - t_begin) * token_bytes;
         for (int h = 0; h < heads; ++h) {
-          const uint64_t seed = HeadSeed(buffer_seed, t, h);
+          const uint64_t seed = HeadSeed(buffer_seed, t, head_offset + h);
           if (DiffPattern(src + h * head_bytes, seed, head_bytes) == 0) continue;
           page_bad = true;
           if (result.first_mismatch.empty()) {

@@ -35,8 +35,11 @@ uint64_t PatternSeed(uint64_t room, int layer, int is_value, int64_t token, int 
 // REQUIRES pool.layout() equals `layout`, first_token >= 0, and pages covers every token
 // written with indices in [0, pool.num_pages()). Tokens whose page is missing or out of range
 // are skipped rather than written out of bounds. Slots past the last token are left untouched.
+// `head_offset`: the global KV head of this pool's local head 0, for a tensor-parallel rank
+// that holds heads [head_offset, head_offset + heads_per_token) of the model (content is keyed
+// by the global head, so ranks of different TP sizes agree on every head's bytes).
 void FillTokens(const KvLayout& layout, KvPool& pool, uint64_t room, std::span<const int32_t> pages,
-                int64_t first_token, int64_t num_tokens);
+                int64_t first_token, int64_t num_tokens, int head_offset = 0);
 
 struct VerifyResult {
   // One per (buffer, page) pair checked: num_buffers * NumPages(num_tokens).
@@ -55,7 +58,7 @@ struct VerifyResult {
 // against what FillTokens writes. Slots past num_tokens in the last page are not checked.
 // REQUIRES pool.layout() equals `layout`.
 VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t room,
-                          std::span<const int32_t> pages, int64_t num_tokens);
+                          std::span<const int32_t> pages, int64_t num_tokens, int head_offset = 0);
 
 // Writes a row derived from `room`: every field gets room-derived bytes, the bootstrap_room
 // field holds `room`, padding is zeroed. REQUIRES row points at layout.row_bytes() bytes.

@@ -1,0 +1,89 @@
+#include "disagg/head_slices.h"
+
+#include <cstring>
+#include <string>
+
+namespace kvferry {
+namespace {
+
+Status Check(const KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
+             int64_t num_tokens, int head_start, int num_heads, uint64_t staging_bytes) {
+  const KvLayout& l = pool.layout();
+  if (first_token < 0 || num_tokens < 0) {
+    return OutOfRangeError("token range [" + std::to_string(first_token) + ", +" +
+                           std::to_string(num_tokens) + ") is negative");
+  }
+  if (head_start < 0 || num_heads < 1 || head_start + num_heads > l.heads_per_token()) {
+    return OutOfRangeError("heads [" + std::to_string(head_start) + ", " +
+                           std::to_string(head_start + num_heads) + ") outside the pool's " +
+                           std::to_string(l.heads_per_token()) + " heads");
+  }
+  const int64_t end_page = l.NumPages(first_token + num_tokens);
+  if (end_page > static_cast<int64_t>(pages.size())) {
+    return OutOfRangeError("tokens up to " + std::to_string(first_token + num_tokens) + " need " +
+                           std::to_string(end_page) + " pages, the request lists " +
+                           std::to_string(pages.size()));
+  }
+  for (int64_t p = first_token / l.page_size(); p < end_page; ++p) {
+    if (pages[p] < 0 || pages[p] >= pool.num_pages()) {
+      return OutOfRangeError("page index " + std::to_string(pages[p]) + " outside the pool of " +
+                             std::to_string(pool.num_pages()) + " pages");
+    }
+  }
+  const uint64_t need = StagingBytes(l, num_tokens, num_heads);
+  if (staging_bytes < need) {
+    return OutOfRangeError("staging region of " + std::to_string(staging_bytes) +
+                           " bytes, need " + std::to_string(need));
+  }
+  return OkStatus();
+}
+
+// Calls copy(pool_bytes, staging_offset, length) for every (buffer, token) piece.
+template <typename Pool, typename Copy>
+void ForEachPiece(Pool& pool, std::span<const int32_t> pages, int64_t first_token,
+                  int64_t num_tokens, int head_start, int num_heads, Copy copy) {
+  const KvLayout& l = pool.layout();
+  const uint64_t piece = static_cast<uint64_t>(num_heads) * l.head_bytes();
+  for (int b = 0; b < l.num_buffers(); ++b) {
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      const int64_t t = first_token + i;
+      auto* slot = pool.PageAddress(b, pages[t / l.page_size()]) +
+                   static_cast<uint64_t>(t % l.page_size()) * l.token_bytes() +
+                   static_cast<uint64_t>(head_start) * l.head_bytes();
+      copy(slot, (static_cast<uint64_t>(b) * num_tokens + i) * piece, piece);
+    }
+  }
+}
+
+}  // namespace
+
+uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads) {
+  return static_cast<uint64_t>(layout.num_buffers()) * static_cast<uint64_t>(num_tokens) *
+         static_cast<uint64_t>(num_heads) * layout.head_bytes();
+}
+
+Status GatherHeads(const KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
+                   int64_t num_tokens, int head_start, int num_heads,
+                   std::span<uint8_t> staging) {
+  Status s = Check(pool, pages, first_token, num_tokens, head_start, num_heads, staging.size());
+  if (!s.ok()) return s;
+  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads,
+               [&](const uint8_t* slot, uint64_t off, uint64_t n) {
+                 std::memcpy(staging.data() + off, slot, n);
+               });
+  return OkStatus();
+}
+
+Status ScatterHeads(KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
+                    int64_t num_tokens, int head_start, int num_heads,
+                    std::span<const uint8_t> staging) {
+  Status s = Check(pool, pages, first_token, num_tokens, head_start, num_heads, staging.size());
+  if (!s.ok()) return s;
+  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads,
+               [&](uint8_t* slot, uint64_t off, uint64_t n) {
+                 std::memcpy(slot, staging.data() + off, n);
+               });
+  return OkStatus();
+}
+
+}  // namespace kvferry
