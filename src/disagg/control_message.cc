@@ -31,12 +31,19 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U64(a.aux_base);
       w.U32(a.aux_row_bytes);
       w.U32(static_cast<uint32_t>(a.num_aux_rows));
+      w.U32(static_cast<uint32_t>(a.tp_size));
+      w.U32(static_cast<uint32_t>(a.heads_per_token));
       break;
     }
     case ControlType::kTransferInfo:
       w.U32(static_cast<uint32_t>(m.dst_pages.size()));
       for (int32_t p : m.dst_pages) w.U32(static_cast<uint32_t>(p));
       w.U32(static_cast<uint32_t>(m.aux_row));
+      w.U32(static_cast<uint32_t>(m.slice.src_head_start));
+      w.U32(static_cast<uint32_t>(m.slice.dst_head_start));
+      w.U32(static_cast<uint32_t>(m.slice.num_heads));
+      w.U8(static_cast<uint8_t>((m.slice.sends ? 1 : 0) | (m.slice.sends_aux ? 2 : 0)));
+      w.U32(static_cast<uint32_t>(m.slice.decode_ranks));
       break;
     case ControlType::kAbort:
     case ControlType::kRoomFailed:
@@ -87,7 +94,14 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       for (auto& b : a.buffer_bases) {
         if (!r.U64(&b)) return bad("");
       }
-      if (!r.U64(&a.aux_base) || !r.U32(&a.aux_row_bytes) || !r.U32(&rows)) return bad("");
+      uint32_t tp_size = 0, heads = 0;
+      if (!r.U64(&a.aux_base) || !r.U32(&a.aux_row_bytes) || !r.U32(&rows) || !r.U32(&tp_size) ||
+          !r.U32(&heads)) {
+        return bad("");
+      }
+      a.tp_size = static_cast<int32_t>(tp_size);
+      a.heads_per_token = static_cast<int32_t>(heads);
+      if (a.tp_size < 1 || a.heads_per_token < 0) return bad("bad TP size or head count");
       a.tp_rank = static_cast<int32_t>(tp);
       a.page_size = static_cast<int32_t>(page_size);
       a.num_pages = static_cast<int32_t>(num_pages);
@@ -110,6 +124,21 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       }
       if (!r.U32(&u32)) return bad("");
       m.aux_row = static_cast<int32_t>(u32);
+      uint32_t src = 0, dst = 0, heads = 0, ranks = 0;
+      uint8_t flags = 0;
+      if (!r.U32(&src) || !r.U32(&dst) || !r.U32(&heads) || !r.U8(&flags) || !r.U32(&ranks)) {
+        return bad("");
+      }
+      m.slice.src_head_start = static_cast<int32_t>(src);
+      m.slice.dst_head_start = static_cast<int32_t>(dst);
+      m.slice.num_heads = static_cast<int32_t>(heads);
+      m.slice.sends = (flags & 1) != 0;
+      m.slice.sends_aux = (flags & 2) != 0;
+      m.slice.decode_ranks = static_cast<int32_t>(ranks);
+      if (m.slice.src_head_start < 0 || m.slice.dst_head_start < 0 || m.slice.num_heads < 0 ||
+          m.slice.decode_ranks < 1 || (flags & ~3u) != 0) {
+        return bad("bad head slice");
+      }
       break;
     }
     case ControlType::kAbort:

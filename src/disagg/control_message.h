@@ -45,6 +45,18 @@ struct DecodeKvArgs {
   uint64_t aux_base = 0;
   uint32_t aux_row_bytes = 0;
   int32_t num_aux_rows = 0;
+  int32_t tp_size = 1;          // decode attention TP size
+  int32_t heads_per_token = 0;  // KV heads this decode rank holds (1 for MLA)
+};
+
+// Which heads of the request a prefill rank sends to this decode rank (see tp_plan.h).
+struct SliceInfo {
+  int32_t src_head_start = 0;
+  int32_t dst_head_start = 0;
+  int32_t num_heads = 0;      // 0: every head (equal layouts)
+  bool sends = true;          // false: a replica that reports done without sending
+  bool sends_aux = true;      // this prefill rank also writes the aux row
+  int32_t decode_ranks = 1;   // decode ranks this prefill rank serves for the room
 };
 
 struct ControlMessage {
@@ -54,6 +66,7 @@ struct ControlMessage {
   DecodeKvArgs kv_args;            // kRegisterDecode
   std::vector<int32_t> dst_pages;  // kTransferInfo: decode page per request page
   int32_t aux_row = -1;            // kTransferInfo
+  SliceInfo slice;                 // kTransferInfo
   uint32_t status_code = 0;        // kRoomFailed
   std::string reason;              // kAbort, kRoomFailed
 };

@@ -1,4 +1,5 @@
 // Prefill side of the disaggregation connector: senders, decode registrations, chunk batches.
+#include <algorithm>
 #include <atomic>
 #include <map>
 
@@ -22,17 +23,36 @@ struct DecodePeer {
   Clock::time_point last_heartbeat;
 };
 
-struct SenderRoom {
-  int64_t num_pages = 0;
-  bool has_destination = false;
+// One decode rank receiving (part of) a room: with unequal TP a prefill rank may serve
+// several, each with its own head slice.
+struct Destination {
   std::shared_ptr<DecodePeer> decode;
   std::vector<int32_t> dst_pages;
   int32_t dst_aux_row = -1;
-  int64_t next_page = 0;  // chunks arrive in token order
+  SliceInfo slice;
   int outstanding_batches = 0;
+  bool finishing = false;  // its done notice (with the aux row when it carries it) is on its way
+  bool done = false;
+};
+
+struct SenderRoom {
+  int64_t num_pages = 0;
+  int expected_destinations = 0;  // known from decode's first destination
+  std::vector<Destination> destinations;
+  int64_t next_page = 0;  // chunks arrive in token order
   bool last_submitted = false;
   int32_t src_aux_row = -1;
-  bool aux_submitted = false;
+
+  bool all_arrived() const {
+    return expected_destinations > 0 &&
+           destinations.size() == static_cast<size_t>(expected_destinations);
+  }
+  bool uses(const std::shared_ptr<DecodePeer>& peer) const {
+    for (const auto& d : destinations) {
+      if (d.decode == peer) return true;
+    }
+    return false;
+  }
 };
 
 class PrefillConnectorImpl : public PrefillConnector {
@@ -119,32 +139,38 @@ class PrefillConnectorImpl : public PrefillConnector {
                                   "decode sent no destination within bootstrap timeout of " +
                                       std::to_string(options_.bootstrap_timeout.count()) + " ms"));
     // Decode may have been faster than us.
-    std::optional<ControlMessage> early;
+    std::vector<Pending> early;
     {
       std::lock_guard<std::mutex> lock(pending_mu_);
       auto it = pending_.find(room);
       if (it != pending_.end()) {
-        early = std::move(it->second.message);
+        early = std::move(it->second);
         pending_.erase(it);
       }
     }
-    if (early) control_->Post([this, m = std::move(*early)] { HandleTransferInfo(m); });
+    for (Pending& p : early) {
+      control_->Post([this, m = std::move(p.message)] { HandleTransferInfo(m); });
+    }
     return OkStatus();
   }
 
   Status SendChunk(uint64_t room, int64_t first_page, std::span<const int32_t> src_pages,
                    std::optional<int32_t> aux_row) override {
-    std::vector<TransferRequest> requests;
-    SegmentHandle segment;
-    bool last = aux_row.has_value();
-    bool send_aux_now = false;
+    struct Work {
+      size_t dest = 0;
+      std::vector<TransferRequest> requests;
+      bool finishing = false;   // the batch carries the done notice
+      bool notify_only = false;  // no data: the done notice goes on its own
+    };
+    std::vector<Work> work;
+    const bool last = aux_row.has_value();
     Status s = rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
       SenderRoom& d = r.data;
       std::string where = "room " + std::to_string(room) + ": ";
       if (r.status.state == RoomState::kFailed) {
         return FailedPreconditionError(where + "failed: " + r.status.error.message());
       }
-      if (r.status.state == RoomState::kBootstrapping || !d.has_destination) {
+      if (r.status.state == RoomState::kBootstrapping || !d.all_arrived()) {
         return FailedPreconditionError(where + "decode destination not known yet "
                                                "(wait for WaitingForInput)");
       }
@@ -173,40 +199,42 @@ class PrefillConnectorImpl : public PrefillConnector {
         return OutOfRangeError(where + "aux row " + std::to_string(*aux_row) + " outside " +
                                std::to_string(aux_->num_rows()) + " rows");
       }
-      std::span<const int32_t> dst(d.dst_pages.data() + first_page, src_pages.size());
-      const DecodeKvArgs& a = d.decode->args;
-      const uint64_t page_bytes = pool_->layout().page_bytes();
-      for (const PageRun& run : CoalescePageRuns(src_pages, dst)) {
-        for (int b = 0; b < pool_->layout().num_buffers(); ++b) {
-          requests.push_back({TransferOp::kWrite,
-                              pool_->PageAddress(b, static_cast<int32_t>(run.src_page)),
-                              d.decode->segment,
-                              a.buffer_bases[b] + static_cast<uint64_t>(run.dst_page) * page_bytes,
-                              static_cast<uint64_t>(run.num_pages) * page_bytes});
-        }
-      }
-      d.next_page += static_cast<int64_t>(src_pages.size());
-      segment = d.decode->segment;
       if (last) {
         d.last_submitted = true;
         d.src_aux_row = *aux_row;
-        // With nothing else in flight the aux row and the done notice ride this batch.
-        send_aux_now = d.outstanding_batches == 0;
-        if (send_aux_now) {
-          d.aux_submitted = true;
-          requests.push_back(AuxRequest(d));
-        }
       }
-      if (!requests.empty()) ++d.outstanding_batches;
+      for (size_t k = 0; k < d.destinations.size(); ++k) {
+        Destination& dest = d.destinations[k];
+        Work w;
+        w.dest = k;
+        if (dest.slice.sends) {
+          AppendChunkRequests(dest, first_page, src_pages, &w.requests);
+        }
+        if (last && !dest.finishing && dest.outstanding_batches == 0) {
+          // Nothing else in flight to this rank: the aux row and the done notice ride now.
+          dest.finishing = true;
+          w.finishing = true;
+          if (dest.slice.sends && dest.slice.sends_aux) w.requests.push_back(AuxRequest(d, dest));
+          w.notify_only = w.requests.empty();
+        }
+        if (!w.requests.empty()) ++dest.outstanding_batches;
+        if (!w.requests.empty() || w.notify_only) work.push_back(std::move(w));
+      }
+      d.next_page += static_cast<int64_t>(src_pages.size());
       return OkStatus();
     });
     RETURN_IF_ERROR(s);
     rooms_.Advance(room, RoomState::kTransferring);
-    if (requests.empty()) return OkStatus();  // an empty chunk
-    ControlMessage note;
-    note.room = room;
-    note.type = send_aux_now ? ControlType::kRoomDone : ControlType::kChunkLanded;
-    Submit(room, std::move(requests), EncodeControl(note), send_aux_now);
+    for (Work& w : work) {
+      ControlMessage note;
+      note.room = room;
+      note.type = w.finishing ? ControlType::kRoomDone : ControlType::kChunkLanded;
+      if (w.notify_only) {
+        NotifyDone(room, w.dest);
+      } else {
+        Submit(room, w.dest, std::move(w.requests), EncodeControl(note), w.finishing);
+      }
+    }
     return OkStatus();
   }
 
@@ -236,15 +264,62 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
  private:
-  TransferRequest AuxRequest(const SenderRoom& d) const {
-    const DecodeKvArgs& a = d.decode->args;
-    return {TransferOp::kWrite, aux_->Row(d.src_aux_row), d.decode->segment,
-            a.aux_base + static_cast<uint64_t>(d.dst_aux_row) * a.aux_row_bytes,
+  TransferRequest AuxRequest(const SenderRoom& room, const Destination& dest) const {
+    const DecodeKvArgs& a = dest.decode->args;
+    return {TransferOp::kWrite, aux_->Row(room.src_aux_row), dest.decode->segment,
+            a.aux_base + static_cast<uint64_t>(dest.dst_aux_row) * a.aux_row_bytes,
             aux_->layout().row_bytes()};
   }
 
-  void Submit(uint64_t room, std::vector<TransferRequest> requests, std::string notification,
-              bool carries_aux) {
+  // Requests moving this chunk's pages to one destination: page runs coalesced into one block
+  // per layer buffer when the destination takes whole tokens; otherwise one request per page,
+  // token slot and buffer for the head slice (the "direct slices" path of unequal TP).
+  void AppendChunkRequests(const Destination& dest, int64_t first_page,
+                           std::span<const int32_t> src_pages,
+                           std::vector<TransferRequest>* out) const {
+    const KvLayout& l = pool_->layout();
+    const DecodeKvArgs& a = dest.decode->args;
+    std::span<const int32_t> dst(dest.dst_pages.data() + first_page, src_pages.size());
+    const int src_heads = l.heads_per_token();
+    const int dst_heads = a.heads_per_token > 0 ? a.heads_per_token : src_heads;
+    const int heads = dest.slice.num_heads > 0 ? dest.slice.num_heads : src_heads;
+    const bool whole = dest.slice.src_head_start == 0 && dest.slice.dst_head_start == 0 &&
+                       heads == src_heads && heads == dst_heads;
+    if (whole) {
+      const uint64_t page_bytes = l.page_bytes();
+      for (const PageRun& run : CoalescePageRuns(src_pages, dst)) {
+        for (int b = 0; b < l.num_buffers(); ++b) {
+          out->push_back({TransferOp::kWrite,
+                          pool_->PageAddress(b, static_cast<int32_t>(run.src_page)),
+                          dest.decode->segment,
+                          a.buffer_bases[b] + static_cast<uint64_t>(run.dst_page) * page_bytes,
+                          static_cast<uint64_t>(run.num_pages) * page_bytes});
+        }
+      }
+      return;
+    }
+    const uint64_t head_bytes = l.head_bytes();
+    const uint64_t dst_token_bytes = static_cast<uint64_t>(dst_heads) * head_bytes;
+    const uint64_t length = static_cast<uint64_t>(heads) * head_bytes;
+    for (size_t i = 0; i < src_pages.size(); ++i) {
+      for (int b = 0; b < l.num_buffers(); ++b) {
+        const uint8_t* src_page = pool_->PageAddress(b, src_pages[i]);
+        const uint64_t dst_page =
+            a.buffer_bases[b] + static_cast<uint64_t>(dst[i]) * a.page_bytes;
+        for (int slot = 0; slot < l.page_size(); ++slot) {
+          out->push_back(
+              {TransferOp::kWrite,
+               src_page + slot * l.token_bytes() + dest.slice.src_head_start * head_bytes,
+               dest.decode->segment,
+               dst_page + slot * dst_token_bytes + dest.slice.dst_head_start * head_bytes,
+               length});
+        }
+      }
+    }
+  }
+
+  void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
+              std::string notification, bool finishing) {
     uint64_t bytes = 0;
     for (const auto& r : requests) bytes += r.length_bytes;
     transfer_requests_ += requests.size();
@@ -252,10 +327,10 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
-    o.on_complete = [this, room, carries_aux](BatchId id, const BatchStatus& status) {
-      completion_->Post([this, room, carries_aux, id, status] {
+    o.on_complete = [this, room, dest, finishing](BatchId id, const BatchStatus& status) {
+      completion_->Post([this, room, dest, finishing, id, status] {
         engine_->ReleaseBatch(id).IgnoreError();
-        OnBatchDone(room, carries_aux, status);
+        OnBatchDone(room, dest, finishing, status);
       });
     };
     auto id = engine_->SubmitBatch(requests, o);
@@ -263,54 +338,91 @@ class PrefillConnectorImpl : public PrefillConnector {
       BatchStatus failed;
       failed.state = TransferState::kFailed;
       failed.error = id.status();
-      completion_->Post([this, room, carries_aux, failed] { OnBatchDone(room, carries_aux, failed); });
+      completion_->Post(
+          [this, room, dest, finishing, failed] { OnBatchDone(room, dest, finishing, failed); });
     }
   }
 
-  // Runs on the completion queue.
-  void OnBatchDone(uint64_t room, bool carried_aux, const BatchStatus& status) {
+  // A destination that receives no data this time (a replica, or no aux row to carry):
+  // its done notice travels alone, on the control queue.
+  void NotifyDone(uint64_t room, size_t dest) {
+    std::shared_ptr<DecodePeer> decode;
+    rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+      decode = r.data.destinations[dest].decode;
+      return OkStatus();
+    }).IgnoreError();
+    if (decode == nullptr) return;
+    ControlMessage note;
+    note.type = ControlType::kRoomDone;
+    note.room = room;
+    control_->Post([this, room, dest, decode, text = EncodeControl(note)] {
+      Status sent = engine_->SendNotification(decode->segment, text, options_.transfer_timeout);
+      BatchStatus status;
+      status.state = sent.ok() ? TransferState::kCompleted : TransferState::kFailed;
+      status.error = sent;
+      completion_->Post([this, room, dest, status] { OnBatchDone(room, dest, true, status, false); });
+    });
+  }
+
+  // Runs on the completion queue. `counted`: the batch was counted in outstanding_batches.
+  void OnBatchDone(uint64_t room, size_t dest, bool finishing, const BatchStatus& status,
+                   bool counted = true) {
     if (status.state != TransferState::kCompleted) {
       FailRoom(room, status.error.WithContext("KV transfer to decode failed"));
       return;
     }
+    bool finish_now = false, notify_only = false, all_done = false;
     std::optional<TransferRequest> aux;
-    bool done = false;
     rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
       SenderRoom& d = r.data;
-      --d.outstanding_batches;
-      if (carried_aux) {
-        done = true;
-      } else if (d.last_submitted && !d.aux_submitted && d.outstanding_batches == 0 &&
+      Destination& t = d.destinations[dest];
+      if (counted) --t.outstanding_batches;
+      if (finishing) {
+        t.done = true;
+        all_done = std::all_of(d.destinations.begin(), d.destinations.end(),
+                               [](const Destination& x) { return x.done; });
+      } else if (d.last_submitted && !t.finishing && t.outstanding_batches == 0 &&
                  r.status.state != RoomState::kFailed) {
-        d.aux_submitted = true;
-        ++d.outstanding_batches;
-        aux = AuxRequest(d);
+        t.finishing = true;
+        finish_now = true;
+        if (t.slice.sends && t.slice.sends_aux) {
+          ++t.outstanding_batches;
+          aux = AuxRequest(d, t);
+        } else {
+          notify_only = true;
+        }
       }
       return OkStatus();
     }).IgnoreError();
-    if (aux) {
+    if (finish_now && aux) {
       ControlMessage note;
       note.type = ControlType::kRoomDone;
       note.room = room;
-      Submit(room, {*aux}, EncodeControl(note), true);
+      Submit(room, dest, {*aux}, EncodeControl(note), true);
+    } else if (finish_now && notify_only) {
+      NotifyDone(room, dest);
     }
-    if (done && rooms_.Advance(room, RoomState::kSuccess)) ++rooms_succeeded_;
+    if (all_done && rooms_.Advance(room, RoomState::kSuccess)) ++rooms_succeeded_;
   }
 
   void FailRoom(uint64_t room, const Status& why) {
     if (!rooms_.Fail(room, why)) return;
     ++rooms_failed_;
-    std::shared_ptr<DecodePeer> decode;
+    std::vector<std::shared_ptr<DecodePeer>> decodes;
     rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
-      decode = r.data.decode;
+      for (const auto& d : r.data.destinations) decodes.push_back(d.decode);
       return OkStatus();
     }).IgnoreError();
-    if (decode == nullptr) return;
     ControlMessage m;
     m.type = ControlType::kRoomFailed;
     m.room = room;
     m.status_code = static_cast<uint32_t>(why.code());
     m.reason = why.message();
+    for (auto& decode : decodes) TellDecode(decode, m);
+  }
+
+  void TellDecode(const std::shared_ptr<DecodePeer>& decode, const ControlMessage& m) {
+    if (decode == nullptr || !decode->refused.ok()) return;
     control_->Post([this, decode, text = EncodeControl(m)] {
       engine_->SendNotification(decode->segment, text, std::chrono::milliseconds(2000))
           .IgnoreError();
@@ -363,12 +475,18 @@ class PrefillConnectorImpl : public PrefillConnector {
     } else if (a.kv_dtype != dtype) {
       peer->refused = FailedPreconditionError("kv dtype mismatch: prefill " + dtype +
                                               ", decode " + a.kv_dtype);
-    } else if (a.page_bytes != layout.page_bytes() ||
-               a.buffer_bases.size() != static_cast<size_t>(layout.num_buffers())) {
+    } else if (a.buffer_bases.size() != static_cast<size_t>(layout.num_buffers()) ||
+               a.page_bytes != static_cast<uint64_t>(layout.page_size()) *
+                                   (a.heads_per_token > 0 ? a.heads_per_token
+                                                          : layout.heads_per_token()) *
+                                   layout.head_bytes()) {
+      // With unequal TP the page sizes in bytes differ; the head size may not.
       peer->refused = FailedPreconditionError(
           "KV layout mismatch: prefill has " + std::to_string(layout.num_buffers()) +
-          " buffers of " + std::to_string(layout.page_bytes()) + "-byte pages, decode " +
-          std::to_string(a.buffer_bases.size()) + " of " + std::to_string(a.page_bytes));
+          " buffers of " + std::to_string(layout.head_bytes()) + "-byte heads, decode " +
+          std::to_string(a.buffer_bases.size()) + " buffers of " +
+          std::to_string(a.page_bytes) + "-byte pages with " +
+          std::to_string(a.heads_per_token) + " heads");
     } else if (a.aux_row_bytes != aux_->layout().row_bytes()) {
       peer->refused = FailedPreconditionError(
           "aux row mismatch: prefill " + std::to_string(aux_->layout().row_bytes()) +
@@ -396,76 +514,96 @@ class PrefillConnectorImpl : public PrefillConnector {
       auto it = decodes_.find(m.decode_address);
       if (it != decodes_.end()) decode = it->second;
     }
-    auto refuse_to = [&](const Status& why) {
-      if (decode == nullptr || !decode->refused.ok()) return;
+    if (decode == nullptr) {
+      KVF_LOG_WARN("prefill: room {} from unregistered decode {}", m.room, m.decode_address);
+      return;
+    }
+    auto refuse = [&](const Status& why) {
       ControlMessage f;
       f.type = ControlType::kRoomFailed;
       f.room = m.room;
       f.status_code = static_cast<uint32_t>(why.code());
       f.reason = why.message();
-      engine_->SendNotification(decode->segment, EncodeControl(f), std::chrono::milliseconds(2000))
-          .IgnoreError();
+      TellDecode(decode, f);
     };
-    if (decode == nullptr) {
-      KVF_LOG_WARN("prefill: room {} from unregistered decode {}", m.room, m.decode_address);
-      return;
-    }
     if (!decode->refused.ok()) {
       FailRoom(m.room, decode->refused);
       return;
     }
-    bool unknown = false;
+    bool all_arrived = false;
     Status s = rooms_.With(m.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
       SenderRoom& d = r.data;
-      if (d.has_destination) {
+      if (d.uses(decode) || d.all_arrived()) {
         return AlreadyExistsError("bootstrap room " + std::to_string(m.room) +
-                                  " already has a decode destination (duplicate room id)");
+                                  " already has this decode destination (duplicate room id)");
       }
       if (IsFinal(r.status.state)) return OkStatus();
-      if (static_cast<int64_t>(m.dst_pages.size()) != d.num_pages) {
-        return InvalidArgumentError("decode sent " + std::to_string(m.dst_pages.size()) +
-                                    " pages for a request of " + std::to_string(d.num_pages));
-      }
-      for (int32_t p : m.dst_pages) {
-        if (p >= decode->args.num_pages) {
-          return OutOfRangeError("decode page " + std::to_string(p) + " outside its pool of " +
-                                 std::to_string(decode->args.num_pages));
-        }
-      }
-      if (m.aux_row < 0 || m.aux_row >= decode->args.num_aux_rows) {
-        return OutOfRangeError("decode aux row " + std::to_string(m.aux_row) + " outside " +
-                               std::to_string(decode->args.num_aux_rows));
-      }
-      d.decode = decode;
-      d.dst_pages = m.dst_pages;
-      d.dst_aux_row = m.aux_row;
-      d.has_destination = true;
+      RETURN_IF_ERROR(CheckDestination(m, *decode, d.num_pages));
+      if (d.expected_destinations == 0) d.expected_destinations = m.slice.decode_ranks;
+      Destination dest;
+      dest.decode = decode;
+      dest.dst_pages = m.dst_pages;
+      dest.dst_aux_row = m.aux_row;
+      dest.slice = m.slice;
+      d.destinations.push_back(std::move(dest));
+      all_arrived = d.all_arrived();
       return OkStatus();
     });
     if (s.code() == StatusCode::kNotFound) {
-      unknown = true;
-    } else if (s.code() == StatusCode::kAlreadyExists) {
-      refuse_to(s);
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      auto& waiting = pending_[m.room];
+      for (const Pending& p : waiting) {
+        if (p.message.decode_address == m.decode_address) {
+          refuse(AlreadyExistsError("bootstrap room " + std::to_string(m.room) +
+                                    " already awaited from this decode (duplicate room id)"));
+          return;
+        }
+      }
+      waiting.push_back(Pending{m, Clock::now()});
       return;
-    } else if (!s.ok()) {
-      rooms_.With(m.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
-        r.data.decode = decode;  // so the failure reaches decode
-        return OkStatus();
-      }).IgnoreError();
+    }
+    if (s.code() == StatusCode::kAlreadyExists) {
+      refuse(s);
+      return;
+    }
+    if (!s.ok()) {
+      refuse(s);
       FailRoom(m.room, s);
       return;
     }
-    if (unknown) {
-      std::lock_guard<std::mutex> lock(pending_mu_);
-      if (pending_.count(m.room)) {
-        refuse_to(AlreadyExistsError("bootstrap room " + std::to_string(m.room) +
-                                     " already awaited by another decode (duplicate room id)"));
-        return;
-      }
-      pending_[m.room] = Pending{m, Clock::now()};
-      return;
+    if (all_arrived) {
+      rooms_.Advance(m.room, RoomState::kWaitingForInput, Clock::time_point::max(), "");
     }
-    rooms_.Advance(m.room, RoomState::kWaitingForInput, Clock::time_point::max(), "");
+  }
+
+  // A decode destination must fit the request and both pools.
+  Status CheckDestination(const ControlMessage& m, const DecodePeer& decode,
+                          int64_t num_pages) const {
+    if (static_cast<int64_t>(m.dst_pages.size()) != num_pages) {
+      return InvalidArgumentError("decode sent " + std::to_string(m.dst_pages.size()) +
+                                  " pages for a request of " + std::to_string(num_pages));
+    }
+    for (int32_t p : m.dst_pages) {
+      if (p >= decode.args.num_pages) {
+        return OutOfRangeError("decode page " + std::to_string(p) + " outside its pool of " +
+                               std::to_string(decode.args.num_pages));
+      }
+    }
+    if (m.slice.sends_aux && (m.aux_row < 0 || m.aux_row >= decode.args.num_aux_rows)) {
+      return OutOfRangeError("decode aux row " + std::to_string(m.aux_row) + " outside " +
+                             std::to_string(decode.args.num_aux_rows));
+    }
+    const int heads = pool_->layout().heads_per_token();
+    const int dst_heads = decode.args.heads_per_token > 0 ? decode.args.heads_per_token : heads;
+    const int n = m.slice.num_heads > 0 ? m.slice.num_heads : heads;
+    if (m.slice.src_head_start + n > heads || m.slice.dst_head_start + n > dst_heads) {
+      return OutOfRangeError("head slice [" + std::to_string(m.slice.src_head_start) + ", +" +
+                             std::to_string(n) + ") -> [" +
+                             std::to_string(m.slice.dst_head_start) + ", +" + std::to_string(n) +
+                             ") does not fit prefill's " + std::to_string(heads) +
+                             " heads and decode's " + std::to_string(dst_heads));
+    }
+    return OkStatus();
   }
 
   void TimerLoop() {
@@ -479,8 +617,8 @@ class PrefillConnectorImpl : public PrefillConnector {
       {
         std::lock_guard<std::mutex> plock(pending_mu_);
         for (auto it = pending_.begin(); it != pending_.end();) {
-          it = now - it->second.arrived > options_.bootstrap_timeout ? pending_.erase(it)
-                                                                       : std::next(it);
+          it = now - it->second.front().arrived > options_.bootstrap_timeout ? pending_.erase(it)
+                                                                               : std::next(it);
         }
       }
       std::vector<std::shared_ptr<DecodePeer>> silent;
@@ -491,7 +629,7 @@ class PrefillConnectorImpl : public PrefillConnector {
         }
       }
       for (const auto& peer : silent) {
-        auto rooms = rooms_.Select([&](const SenderRoom& d) { return d.decode == peer; });
+        auto rooms = rooms_.Select([&](const SenderRoom& d) { return d.uses(peer); });
         for (uint64_t room : rooms) {
           FailRoom(room, UnavailableError("decode " + peer->args.decode_address +
                                           " sent no heartbeat for " +
@@ -522,7 +660,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::mutex decodes_mu_;
   std::map<std::string, std::shared_ptr<DecodePeer>> decodes_;
   std::mutex pending_mu_;
-  std::map<uint64_t, Pending> pending_;
+  std::map<uint64_t, std::vector<Pending>> pending_;  // destinations that came before the room
 
   std::atomic<uint64_t> transfer_requests_{0};
   std::atomic<uint64_t> bytes_{0};
