@@ -46,6 +46,9 @@ struct PrefillConnectorOptions {
   std::string bootstrap_address = "127.0.0.1:0";
   bool start_bootstrap_server = true;
   int tp_rank = 0, tp_size = 1, cp_rank = 0, cp_size = 1, pp_rank = 0, pp_size = 1;
+  // KV heads of the whole model (the pool holds this rank's share). 0: the pool's heads times
+  // tp_size, right unless heads are replicated (TP larger than the head count).
+  int total_kv_heads = 0;
   std::string model;  // informational, published via bootstrap
   // How long a sender waits for decode's destination before failing. Default 60 s.
   std::chrono::milliseconds bootstrap_timeout{60000};
@@ -91,6 +94,9 @@ class PrefillConnector {
 
 struct DecodeConnectorOptions {
   EngineOptions engine;
+  // This rank's attention TP rank and size. With a prefill TP size that differs, the pool
+  // holds this rank's share of the KV heads, and each room takes its heads from the prefill
+  // ranks the TP plan names (tp_plan.h).
   int tp_rank = 0, tp_size = 1;
   // Bootstrapping (bootstrap query, connect, register) must finish within this. Default 30 s.
   std::chrono::milliseconds bootstrap_timeout{30000};

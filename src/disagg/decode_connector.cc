@@ -1,4 +1,5 @@
 // Decode side of the disaggregation connector: receivers, bootstrap, heartbeats.
+#include <algorithm>
 #include <atomic>
 #include <map>
 
@@ -9,6 +10,7 @@
 #include "disagg/task_queue.h"
 #include "kvferry/bootstrap.h"
 #include "kvferry/connector.h"
+#include "kvferry/tp_plan.h"
 
 namespace kvferry {
 namespace {
@@ -16,23 +18,38 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// A prefill rank this decode rank pairs with, found through one bootstrap address.
+// A prefill rank this decode rank takes KV from.
 struct PrefillPeer {
   std::string bootstrap_address;
-  std::mutex setup_mu;  // serializes the first bootstrap
-  bool ready = false;   // guarded by setup_mu
+  int prefill_rank = 0;
   std::string engine_address;
   SegmentHandle segment;
   std::atomic<int> heartbeat_failures{0};
 };
 
+// What one bootstrap address (one prefill instance) means for this decode rank: the head
+// slices of the TP plan it receives and the prefill rank behind each (see tp_plan.h).
+struct PrefillGroup {
+  std::string bootstrap_address;
+  std::mutex setup_mu;  // serializes the first bootstrap
+  bool ready = false;   // guarded by setup_mu
+  std::vector<HeadSlice> slices;
+  std::vector<std::shared_ptr<PrefillPeer>> peers;  // per slice
+  std::vector<int> decode_ranks_of_prefill;         // per slice: decode ranks its rank serves
+  int aux_slice = 0;                                // the slice whose rank writes the aux row
+};
+
 struct ReceiverRoom {
   std::string bootstrap_address;
-  std::shared_ptr<PrefillPeer> prefill;
+  std::vector<std::shared_ptr<PrefillPeer>> prefills;  // every rank taking part
   std::vector<int32_t> dst_pages;
   int32_t aux_row = -1;
   int expected_responses = 1;  // prefill ranks that must report done
   int responses = 0;
+
+  bool uses(const std::shared_ptr<PrefillPeer>& peer) const {
+    return std::find(prefills.begin(), prefills.end(), peer) != prefills.end();
+  }
 };
 
 class DecodeConnectorImpl : public DecodeConnector {
@@ -130,40 +147,54 @@ class DecodeConnectorImpl : public DecodeConnector {
   }
 
  private:
-  StatusOr<std::shared_ptr<PrefillPeer>> PrefillFor(const std::string& bootstrap_address) {
-    std::shared_ptr<PrefillPeer> peer;
+  StatusOr<std::shared_ptr<PrefillGroup>> GroupFor(const std::string& bootstrap_address) {
+    std::shared_ptr<PrefillGroup> group;
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
-      auto& slot = peers_[bootstrap_address];
+      auto& slot = groups_[bootstrap_address];
       if (slot == nullptr) {
-        slot = std::make_shared<PrefillPeer>();
+        slot = std::make_shared<PrefillGroup>();
         slot->bootstrap_address = bootstrap_address;
       }
-      peer = slot;
+      group = slot;
     }
-    std::lock_guard<std::mutex> setup(peer->setup_mu);
-    if (peer->ready) return peer;
+    std::lock_guard<std::mutex> setup(group->setup_mu);
+    if (group->ready) return group;
     BootstrapClient client(bootstrap_address, options_.bootstrap_timeout);
     ASSIGN_OR_RETURN(PrefillTopology topology, client.WaitForTopology(options_.bootstrap_timeout));
     const KvLayout& layout = pool_->layout();
     RETURN_IF_ERROR(CheckPairing(topology, layout.page_size(), DTypeName(layout.geometry().dtype)));
-    if (topology.tp_size != options_.tp_size) {
-      return UnimplementedError("prefill attention TP " + std::to_string(topology.tp_size) +
-                                ", decode TP " + std::to_string(options_.tp_size) +
-                                ": heterogeneous TP is not supported yet");
-    }
     if (topology.cp_size != 1 || topology.pp_size != 1) {
       return UnimplementedError("prefill CP " + std::to_string(topology.cp_size) + " / PP " +
                                 std::to_string(topology.pp_size) + " is not supported yet");
     }
-    ASSIGN_OR_RETURN(PrefillRankInfo rank, client.GetRank(options_.tp_rank, 0, 0));
-    ASSIGN_OR_RETURN(SegmentHandle segment, engine_->OpenSegment(rank.engine_address));
+    const AttentionKind attention = layout.geometry().attention;
+    const int total_heads = attention == AttentionKind::kMla
+                                ? 1
+                                : (topology.num_kv_heads > 0 ? topology.num_kv_heads
+                                                             : layout.heads_per_token());
+    ASSIGN_OR_RETURN(TpPlan plan,
+                     PlanHeadSlices(total_heads, topology.tp_size, options_.tp_size, attention));
+    if (attention != AttentionKind::kMla && plan.decode_heads != layout.heads_per_token()) {
+      return FailedPreconditionError(
+          "decode rank holds " + std::to_string(layout.heads_per_token()) + " KV heads, but " +
+          std::to_string(total_heads) + " heads at decode attention TP " +
+          std::to_string(options_.tp_size) + " need " + std::to_string(plan.decode_heads));
+    }
+    std::vector<HeadSlice> slices = plan.ForDecodeRank(options_.tp_rank);
+    if (slices.empty()) {
+      return FailedPreconditionError("decode TP rank " + std::to_string(options_.tp_rank) +
+                                     " is outside decode attention TP " +
+                                     std::to_string(options_.tp_size));
+    }
     ControlMessage reg;
     reg.type = ControlType::kRegisterDecode;
     reg.decode_address = engine_address();
     DecodeKvArgs& a = reg.kv_args;
     a.decode_address = reg.decode_address;
     a.tp_rank = options_.tp_rank;
+    a.tp_size = options_.tp_size;
+    a.heads_per_token = layout.heads_per_token();
     a.page_size = layout.page_size();
     a.kv_dtype = std::string(DTypeName(layout.geometry().dtype));
     a.page_bytes = layout.page_bytes();
@@ -174,13 +205,36 @@ class DecodeConnectorImpl : public DecodeConnector {
     a.aux_base = reinterpret_cast<uint64_t>(aux_->data());
     a.aux_row_bytes = aux_->layout().row_bytes();
     a.num_aux_rows = aux_->num_rows();
-    RETURN_IF_ERROR(
-        engine_->SendNotification(segment, EncodeControl(reg), options_.bootstrap_timeout));
-    peer->engine_address = rank.engine_address;
-    peer->segment = segment;
-    peer->heartbeat_failures = 0;
-    peer->ready = true;
-    return peer;
+    std::vector<std::shared_ptr<PrefillPeer>> peers;
+    std::map<int, std::shared_ptr<PrefillPeer>> by_rank;
+    for (const HeadSlice& slice : slices) {
+      auto& peer = by_rank[slice.prefill_rank];
+      if (peer == nullptr) {
+        ASSIGN_OR_RETURN(PrefillRankInfo rank, client.GetRank(slice.prefill_rank, 0, 0));
+        ASSIGN_OR_RETURN(SegmentHandle segment, engine_->OpenSegment(rank.engine_address));
+        RETURN_IF_ERROR(
+            engine_->SendNotification(segment, EncodeControl(reg), options_.bootstrap_timeout));
+        peer = std::make_shared<PrefillPeer>();
+        peer->bootstrap_address = bootstrap_address;
+        peer->prefill_rank = slice.prefill_rank;
+        peer->engine_address = rank.engine_address;
+        peer->segment = segment;
+      }
+      peers.push_back(peer);
+      group->decode_ranks_of_prefill.push_back(
+          static_cast<int>(plan.ForPrefillRank(slice.prefill_rank).size()));
+    }
+    group->aux_slice = 0;
+    for (size_t i = 0; i < slices.size(); ++i) {
+      if (slices[i].sends) {
+        group->aux_slice = static_cast<int>(i);
+        break;
+      }
+    }
+    group->slices = std::move(slices);
+    group->peers = std::move(peers);
+    group->ready = true;
+    return group;
   }
 
   // Runs on the bootstrap queue.
@@ -192,29 +246,40 @@ class DecodeConnectorImpl : public DecodeConnector {
       return OkStatus();
     });
     if (!s.ok()) return;
-    auto peer = PrefillFor(copy.bootstrap_address);
-    if (!peer.ok()) {
-      FailRoom(room, peer.status().WithContext("bootstrap with prefill " + copy.bootstrap_address),
+    auto group = GroupFor(copy.bootstrap_address);
+    if (!group.ok()) {
+      FailRoom(room, group.status().WithContext("bootstrap with prefill " + copy.bootstrap_address),
                false);
       return;
     }
+    const PrefillGroup& g = **group;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
-      r.data.prefill = *peer;
+      r.data.prefills = g.peers;
+      r.data.expected_responses = static_cast<int>(g.slices.size());
       return OkStatus();
     }).IgnoreError();
-    ControlMessage info;
-    info.type = ControlType::kTransferInfo;
-    info.room = room;
-    info.decode_address = engine_address();
-    info.dst_pages = std::move(copy.dst_pages);
-    info.aux_row = copy.aux_row;
-    Status sent = engine_->SendNotification((*peer)->segment, EncodeControl(info),
-                                            options_.bootstrap_timeout);
-    if (!sent.ok()) {
-      FailRoom(room, sent.WithContext("sending destination to prefill " +
-                                      (*peer)->engine_address),
-               false);
-      return;
+    for (size_t i = 0; i < g.slices.size(); ++i) {
+      const HeadSlice& slice = g.slices[i];
+      ControlMessage info;
+      info.type = ControlType::kTransferInfo;
+      info.room = room;
+      info.decode_address = engine_address();
+      info.dst_pages = copy.dst_pages;
+      info.aux_row = copy.aux_row;
+      info.slice.src_head_start = slice.src_head_start;
+      info.slice.dst_head_start = slice.dst_head_start;
+      info.slice.num_heads = slice.num_heads;
+      info.slice.sends = slice.sends;
+      info.slice.sends_aux = static_cast<int>(i) == g.aux_slice;
+      info.slice.decode_ranks = g.decode_ranks_of_prefill[i];
+      Status sent = engine_->SendNotification(g.peers[i]->segment, EncodeControl(info),
+                                              options_.bootstrap_timeout);
+      if (!sent.ok()) {
+        FailRoom(room, sent.WithContext("sending destination to prefill " +
+                                        g.peers[i]->engine_address),
+                 true);
+        return;
+      }
     }
     rooms_.Advance(room, RoomState::kWaitingForInput, Clock::now() + options_.waiting_timeout,
                    WaitingReason());
@@ -239,17 +304,20 @@ class DecodeConnectorImpl : public DecodeConnector {
                        WaitingReason());
         break;
       case ControlType::kRoomDone: {
+        // Every prefill rank of the room reports done; only one of them carries the aux row,
+        // and the others may report first, so the row is checked once all have.
         Status corrupt;
         bool complete = false;
         rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
           ReceiverRoom& d = r.data;
+          complete = ++d.responses >= d.expected_responses;
+          if (!complete) return OkStatus();
           uint64_t in_row = aux_->ReadRoom(d.aux_row);
           if (in_row != room) {
             corrupt = DataLossError("metadata corruption: aux row " + std::to_string(d.aux_row) +
                                     " holds bootstrap room " + std::to_string(in_row) +
                                     ", expected " + std::to_string(room));
           }
-          complete = ++d.responses >= d.expected_responses;
           return OkStatus();
         }).IgnoreError();
         if (!corrupt.ok()) {
@@ -260,6 +328,9 @@ class DecodeConnectorImpl : public DecodeConnector {
             ++rooms_succeeded_;
             RecordBytes(room);
           }
+        } else {
+          rooms_.Advance(room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
+                         WaitingReason());
         }
         break;
       }
@@ -290,20 +361,22 @@ class DecodeConnectorImpl : public DecodeConnector {
   }
 
   void TellPrefillAbort(uint64_t room, const std::string& reason) {
-    std::shared_ptr<PrefillPeer> peer;
+    std::vector<std::shared_ptr<PrefillPeer>> peers;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
-      peer = r.data.prefill;
+      peers = r.data.prefills;
       return OkStatus();
     }).IgnoreError();
-    if (peer == nullptr) return;
+    if (peers.empty()) return;
     ControlMessage m;
     m.type = ControlType::kAbort;
     m.room = room;
     m.decode_address = engine_address();
     m.status_code = static_cast<uint32_t>(StatusCode::kAborted);
     m.reason = reason;
-    control_->Post([this, peer, text = EncodeControl(m)] {
-      engine_->SendNotification(peer->segment, text, milliseconds(2000)).IgnoreError();
+    control_->Post([this, peers, text = EncodeControl(m)] {
+      for (const auto& peer : peers) {
+        engine_->SendNotification(peer->segment, text, milliseconds(2000)).IgnoreError();
+      }
     });
   }
 
@@ -333,10 +406,14 @@ class DecodeConnectorImpl : public DecodeConnector {
       std::vector<std::shared_ptr<PrefillPeer>> peers;
       {
         std::lock_guard<std::mutex> lock(peers_mu_);
-        for (auto& [addr, p] : peers_) peers.push_back(p);
+        for (auto& [addr, g] : groups_) {
+          for (auto& p : g->peers) {
+            if (std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(p);
+          }
+        }
       }
       for (auto& peer : peers) {
-        auto rooms = rooms_.Select([&](const ReceiverRoom& d) { return d.prefill == peer; });
+        auto rooms = rooms_.Select([&](const ReceiverRoom& d) { return d.uses(peer); });
         if (rooms.empty()) continue;
         ControlMessage hb;
         hb.type = ControlType::kHeartbeat;
@@ -354,8 +431,7 @@ class DecodeConnectorImpl : public DecodeConnector {
         {
           // Later rooms bootstrap afresh.
           std::lock_guard<std::mutex> lock(peers_mu_);
-          auto it = peers_.find(peer->bootstrap_address);
-          if (it != peers_.end() && it->second == peer) peers_.erase(it);
+          groups_.erase(peer->bootstrap_address);
         }
         for (uint64_t room : rooms) {
           FailRoom(room,
@@ -376,7 +452,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   RoomTable<ReceiverRoom> rooms_;
 
   std::mutex peers_mu_;
-  std::map<std::string, std::shared_ptr<PrefillPeer>> peers_;
+  std::map<std::string, std::shared_ptr<PrefillGroup>> groups_;  // by bootstrap address
 
   std::atomic<uint64_t> rooms_succeeded_{0};
   std::atomic<uint64_t> rooms_failed_{0};

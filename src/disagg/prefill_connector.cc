@@ -99,9 +99,10 @@ class PrefillConnectorImpl : public PrefillConnector {
     reg.page_size = pool_->layout().page_size();
     reg.kv_dtype = std::string(DTypeName(pool_->layout().geometry().dtype));
     reg.model = options_.model.empty() ? pool_->layout().geometry().name : options_.model;
-    reg.num_kv_heads = pool_->layout().geometry().attention == AttentionKind::kMla
-                           ? 0
-                           : pool_->layout().geometry().num_kv_heads;
+    const int rank_heads = pool_->layout().heads_per_token();
+    reg.num_kv_heads = pool_->layout().geometry().attention == AttentionKind::kMla ? 0
+                       : options_.total_kv_heads > 0 ? options_.total_kv_heads
+                                                     : rank_heads * options_.tp_size;
     BootstrapClient client(bootstrap_address_);
     RETURN_IF_ERROR(client.RegisterRank(reg).WithContext("registering with bootstrap server " +
                                                          bootstrap_address_));
@@ -422,7 +423,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   void TellDecode(const std::shared_ptr<DecodePeer>& decode, const ControlMessage& m) {
-    if (decode == nullptr || !decode->refused.ok()) return;
+    if (decode == nullptr || decode->segment.value == 0) return;  // never connected
     control_->Post([this, decode, text = EncodeControl(m)] {
       engine_->SendNotification(decode->segment, text, std::chrono::milliseconds(2000))
           .IgnoreError();
@@ -492,13 +493,12 @@ class PrefillConnectorImpl : public PrefillConnector {
           "aux row mismatch: prefill " + std::to_string(aux_->layout().row_bytes()) +
           " bytes, decode " + std::to_string(a.aux_row_bytes));
     }
-    if (peer->refused.ok()) {
-      auto seg = engine_->OpenSegment(a.decode_address);
-      if (seg.ok()) {
-        peer->segment = *seg;
-      } else {
-        peer->refused = seg.status();
-      }
+    // Connect even to a refused decode, so that its rooms hear why instead of timing out.
+    auto seg = engine_->OpenSegment(a.decode_address);
+    if (seg.ok()) {
+      peer->segment = *seg;
+    } else if (peer->refused.ok()) {
+      peer->refused = seg.status();
     }
     if (!peer->refused.ok()) {
       KVF_LOG_WARN("prefill: refusing decode {}: {}", a.decode_address, peer->refused.message());
@@ -527,6 +527,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       TellDecode(decode, f);
     };
     if (!decode->refused.ok()) {
+      refuse(decode->refused);
       FailRoom(m.room, decode->refused);
       return;
     }

@@ -1,0 +1,133 @@
+// Unequal attention TP through real connectors: P prefill ranks (one bootstrap server), D
+// decode ranks, loopback sockets. Each prefill rank holds its share of the KV heads (content
+// keyed by global head); every decode rank must end up with exactly the bytes of its heads.
+#include <gtest/gtest.h>
+
+#include "disagg/kv_pattern.h"
+#include "kvferry/connector.h"
+#include "kvferry/tp_plan.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+
+ModelGeometry Geometry(AttentionKind kind, int rank_heads) {
+  ModelGeometry g;
+  g.name = "hetero";
+  g.attention = kind;
+  g.num_layers = 2;
+  g.hidden_size = 64;
+  g.dtype = DType::kBFloat16;
+  if (kind == AttentionKind::kMla) {
+    g.num_attention_heads = 4;
+    g.kv_lora_rank = 32;
+    g.qk_rope_head_dim = 16;
+    g.num_kv_heads = 1;
+    g.head_dim = 48;
+  } else {
+    g.num_attention_heads = 8;
+    g.num_kv_heads = rank_heads;
+    g.head_dim = 16;
+  }
+  return g;
+}
+
+struct Rank {
+  Rank(const ModelGeometry& g, int page_size, uint64_t seed)
+      : layout(*KvLayout::Create(g, page_size)),
+        pool(std::move(*KvPool::Create(layout, 128))),
+        aux(std::move(*AuxBuffer::Create(*AuxLayout::Create(g.hidden_size, g.dtype), 8))),
+        allocator(128, seed) {}
+  KvLayout layout;
+  std::unique_ptr<KvPool> pool;
+  std::unique_ptr<AuxBuffer> aux;
+  PageAllocator allocator;
+};
+
+int FirstGlobalHead(int heads, int tp, int rank) {
+  return tp <= heads ? rank * (heads / tp) : rank / (tp / heads);
+}
+
+void RunRoom(AttentionKind kind, int heads, int ps, int ds) {
+  SCOPED_TRACE("H=" + std::to_string(heads) + " " + std::to_string(ps) + "->" +
+               std::to_string(ds) + (kind == AttentionKind::kMla ? " MLA" : ""));
+  auto plan = PlanHeadSlices(heads, ps, ds, kind);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  const int page_size = 4;
+  std::vector<std::unique_ptr<Rank>> prefill, decode;
+  std::vector<std::unique_ptr<PrefillConnector>> pconn;
+  std::vector<std::unique_ptr<DecodeConnector>> dconn;
+  std::string bootstrap;
+  for (int r = 0; r < ps; ++r) {
+    prefill.push_back(std::make_unique<Rank>(Geometry(kind, plan->prefill_heads), page_size, 0));
+    PrefillConnectorOptions o;
+    o.tp_rank = r;
+    o.tp_size = ps;
+    o.total_kv_heads = heads;
+    o.start_bootstrap_server = r == 0;
+    if (r > 0) o.bootstrap_address = bootstrap;
+    auto c = PrefillConnector::Create(o, prefill[r]->pool.get(), prefill[r]->aux.get());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    if (r == 0) bootstrap = (*c)->bootstrap_address();
+    pconn.push_back(std::move(*c));
+  }
+  for (int d = 0; d < ds; ++d) {
+    decode.push_back(std::make_unique<Rank>(Geometry(kind, plan->decode_heads), page_size, 7 + d));
+    DecodeConnectorOptions o;
+    o.tp_rank = d;
+    o.tp_size = ds;
+    auto c = DecodeConnector::Create(o, decode[d]->pool.get(), decode[d]->aux.get());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    dconn.push_back(std::move(*c));
+  }
+  const uint64_t room = 777;
+  const int64_t tokens = 45;  // 12 pages, the last one partial
+  const int64_t num_pages = (tokens + page_size - 1) / page_size;
+  std::vector<std::vector<int32_t>> dst_pages(ds);
+  std::vector<int32_t> dst_rows(ds);
+  for (int d = 0; d < ds; ++d) {
+    dst_pages[d] = *decode[d]->allocator.Allocate(static_cast<int32_t>(num_pages));
+    dst_rows[d] = *decode[d]->aux->AllocateRow();
+    ASSERT_TRUE(dconn[d]->CreateReceiver(room, bootstrap, dst_pages[d], dst_rows[d]).ok());
+  }
+  for (int r = 0; r < ps; ++r) {
+    auto src = *prefill[r]->allocator.Allocate(static_cast<int32_t>(num_pages));
+    int32_t row = *prefill[r]->aux->AllocateRow();
+    ASSERT_TRUE(pconn[r]->CreateSender(room, num_pages).ok());
+    auto st = pconn[r]->Wait(room, RoomState::kWaitingForInput, milliseconds(5000));
+    ASSERT_EQ(st->state, RoomState::kWaitingForInput) << "prefill rank " << r << ": "
+                                                      << st->error.ToString();
+    FillTokens(prefill[r]->layout, *prefill[r]->pool, room, src, 0, tokens,
+               kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ps, r));
+    FillAuxRow(prefill[r]->aux->layout(), prefill[r]->aux->Row(row), room);
+    ASSERT_TRUE(pconn[r]->SendChunk(room, 0, std::span(src.data(), 5), std::nullopt).ok());
+    ASSERT_TRUE(pconn[r]->SendChunk(room, 5, std::span(src.data() + 5, num_pages - 5), row).ok());
+  }
+  for (int d = 0; d < ds; ++d) {
+    auto st = dconn[d]->Wait(room, RoomState::kSuccess, milliseconds(10000));
+    ASSERT_EQ(st->state, RoomState::kSuccess) << "decode rank " << d << ": " << st->error.ToString();
+    VerifyResult v = VerifyTokens(decode[d]->layout, *decode[d]->pool, room, dst_pages[d], tokens,
+                                  kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ds, d));
+    EXPECT_EQ(v.pages_mismatched, 0) << "decode rank " << d << ": " << v.first_mismatch;
+    EXPECT_TRUE(VerifyAuxRow(decode[d]->aux->layout(), decode[d]->aux->Row(dst_rows[d]), room).ok());
+  }
+  for (int r = 0; r < ps; ++r) {
+    auto st = pconn[r]->Wait(room, RoomState::kSuccess, milliseconds(5000));
+    EXPECT_EQ(st->state, RoomState::kSuccess) << "prefill rank " << r << ": "
+                                              << st->error.ToString();
+  }
+}
+
+TEST(HeteroTpTest, PrefillTp2ToDecodeTp1) { RunRoom(AttentionKind::kMha, 8, 2, 1); }
+TEST(HeteroTpTest, PrefillTp1ToDecodeTp2) { RunRoom(AttentionKind::kMha, 8, 1, 2); }
+TEST(HeteroTpTest, PrefillTp4ToDecodeTp2) { RunRoom(AttentionKind::kMha, 8, 4, 2); }
+TEST(HeteroTpTest, ReplicatedHeadsTp1ToTp4) { RunRoom(AttentionKind::kMha, 2, 1, 4); }
+TEST(HeteroTpTest, ReplicatedHeadsTp4ToTp1) { RunRoom(AttentionKind::kMha, 2, 4, 1); }
+TEST(HeteroTpTest, MlaTp2ToTp1AndTp1ToTp2) {
+  RunRoom(AttentionKind::kMla, 1, 2, 1);
+  RunRoom(AttentionKind::kMla, 1, 1, 2);
+}
+
+}  // namespace
+}  // namespace kvferry
