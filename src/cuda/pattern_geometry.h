@@ -16,6 +16,7 @@ struct PatternGeometry {
   uint64_t token_bytes = 0;    // heads * head_bytes
   uint64_t page_bytes = 0;     // page_size * token_bytes
   uint64_t buffer_stride = 0;  // bytes between buffer b and b + 1 (num_pages * page_bytes)
+  int head_offset = 0;         // global KV head of local head 0 (a TP rank's share)
 };
 
 }  // namespace kvferry::cuda

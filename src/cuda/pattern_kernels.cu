@@ -31,7 +31,7 @@ __device__ __forceinline__ uint64_t SeedOf(const PatternGeometry& g, uint64_t ro
   const bool mla = g.num_buffers == g.num_layers;
   const int layer = mla ? buffer : (buffer < g.num_layers ? buffer : buffer - g.num_layers);
   const int is_value = mla ? 0 : (buffer >= g.num_layers ? 1 : 0);
-  return pattern::HeadSeed(pattern::BufferSeed(room, layer, is_value), token, head);
+  return pattern::HeadSeed(pattern::BufferSeed(room, layer, is_value), token, g.head_offset + head);
 }
 
 __global__ void FillKernel(PatternGeometry g, uint8_t* pool, const int32_t* pages, uint64_t room,

@@ -14,6 +14,7 @@
 #include "cuda/device_ops.h"
 #include "disagg/kv_pattern.h"
 #include "kvferry/connector.h"
+#include "kvferry/tp_plan.h"
 #include "tools/commands.h"
 
 namespace kvferry::tools {
@@ -47,6 +48,8 @@ struct Instance {
   httplib::Server server;
   std::atomic<bool> stopping{false};
   bool on_gpu = false;
+  int total_kv_heads = 0;  // of the model; this rank holds its share
+  int head_offset = 0;     // global KV head of this rank's local head 0
   cuda::PatternGeometry gpu_geometry;
   std::mutex patterns_mu;
   std::vector<std::unique_ptr<cuda::GpuPattern>> patterns;  // idle GPU fill/verify contexts
@@ -87,7 +90,7 @@ struct Instance {
   // Fills tokens of a request on the CPU or with a GPU kernel.
   Status Fill(uint64_t room, std::span<const int32_t> pages, int64_t first, int64_t n) {
     if (!on_gpu) {
-      FillTokens(*layout, *pool, room, pages, first, n);
+      FillTokens(*layout, *pool, room, pages, first, n, head_offset);
       return OkStatus();
     }
     ASSIGN_OR_RETURN(auto p, TakePattern());
@@ -99,7 +102,7 @@ struct Instance {
   StatusOr<std::pair<int64_t, std::string>> Verify(uint64_t room, std::span<const int32_t> pages,
                                                    int64_t tokens) {
     if (!on_gpu) {
-      VerifyResult v = VerifyTokens(*layout, *pool, room, pages, tokens);
+      VerifyResult v = VerifyTokens(*layout, *pool, room, pages, tokens, head_offset);
       return std::make_pair(v.pages_mismatched, v.first_mismatch);
     }
     ASSIGN_OR_RETURN(auto p, TakePattern());
@@ -111,6 +114,21 @@ struct Instance {
 
   Status Init(bool fragmented) {
     ASSIGN_OR_RETURN(ModelGeometry g, ResolveModel(flags.model, flags.model_config));
+    if (flags.tp_size < 1 || flags.tp_rank < 0 || flags.tp_rank >= flags.tp_size) {
+      return InvalidArgumentError("--tp-rank " + std::to_string(flags.tp_rank) +
+                                  " must be in [0, --tp-size " + std::to_string(flags.tp_size) +
+                                  ")");
+    }
+    // A TP rank's pool holds only its share of the heads (replicated when TP > heads).
+    total_kv_heads = g.attention == AttentionKind::kMla ? 1 : g.num_kv_heads;
+    ASSIGN_OR_RETURN(TpPlan plan, PlanHeadSlices(total_kv_heads, flags.tp_size, flags.tp_size,
+                                                 g.attention));
+    if (g.attention != AttentionKind::kMla) {
+      g.num_kv_heads = plan.prefill_heads;
+      head_offset = flags.tp_size <= total_kv_heads
+                        ? flags.tp_rank * (total_kv_heads / flags.tp_size)
+                        : flags.tp_rank / (flags.tp_size / total_kv_heads);
+    }
     ASSIGN_OR_RETURN(KvLayout l, KvLayout::Create(g, flags.page_size));
     layout = std::make_unique<KvLayout>(l);
     auto pool_bytes = ParseByteSize(flags.pool_size);
@@ -133,6 +151,7 @@ struct Instance {
       gpu_geometry.token_bytes = layout->token_bytes();
       gpu_geometry.page_bytes = layout->page_bytes();
       gpu_geometry.buffer_stride = static_cast<uint64_t>(pages) * layout->page_bytes();
+      gpu_geometry.head_offset = head_offset;
     } else if (flags.device == "cpu") {
       ASSIGN_OR_RETURN(pool, KvPool::Create(*layout, pages));
       ASSIGN_OR_RETURN(aux, AuxBuffer::Create(al, flags.aux_rows));
@@ -174,6 +193,8 @@ struct Instance {
             {"pool_pages", pool->num_pages()},
             {"pool_bytes", pool->size_bytes()},
             {"device", flags.device},
+            {"tp_rank", flags.tp_rank},
+            {"tp_size", flags.tp_size},
             {"gpu", on_gpu ? flags.gpu : -1},
             {"control_address", flags.host + ":" + std::to_string(control_port)}};
   }
@@ -330,8 +351,16 @@ int RunPrefillInstance(const InstanceFlags& flags) {
   PrefillConnectorOptions o;
   o.engine.listen_host = flags.host;
   o.engine.transport = flags.transport;
-  o.engine.name = "prefill-0";
-  o.bootstrap_address = flags.host + ":" + std::to_string(flags.bootstrap_port);
+  o.engine.name = "prefill-tp" + std::to_string(flags.tp_rank);
+  o.tp_rank = flags.tp_rank;
+  o.tp_size = flags.tp_size;
+  o.total_kv_heads = in.total_kv_heads;
+  if (flags.join_bootstrap.empty()) {
+    o.bootstrap_address = flags.host + ":" + std::to_string(flags.bootstrap_port);
+  } else {
+    o.bootstrap_address = flags.join_bootstrap;
+    o.start_bootstrap_server = false;
+  }
   o.bootstrap_timeout = o.transfer_timeout = milliseconds(flags.timeout_ms);
   auto conn = PrefillConnector::Create(o, in.pool.get(), in.aux.get());
   if (!conn.ok()) {
@@ -418,7 +447,9 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   DecodeConnectorOptions o;
   o.engine.listen_host = flags.host;
   o.engine.transport = flags.transport;
-  o.engine.name = "decode-0";
+  o.engine.name = "decode-tp" + std::to_string(flags.tp_rank);
+  o.tp_rank = flags.tp_rank;
+  o.tp_size = flags.tp_size;
   o.bootstrap_timeout = o.waiting_timeout = milliseconds(flags.timeout_ms);
   auto conn = DecodeConnector::Create(o, in.pool.get(), in.aux.get());
   if (!conn.ok()) {
@@ -500,7 +531,13 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
       ->capture_default_str();
   cmd->add_option("--device", f->device, "Where pools live: cpu or cuda")->capture_default_str();
   cmd->add_option("--gpu", f->gpu, "CUDA device for --device cuda")->capture_default_str();
+  cmd->add_option("--tp-rank", f->tp_rank, "Attention TP rank of this instance")
+      ->capture_default_str();
+  cmd->add_option("--tp-size", f->tp_size, "Attention TP size (this rank holds its share of heads)")
+      ->capture_default_str();
   if (prefill) {
+    cmd->add_option("--join-bootstrap", f->join_bootstrap,
+                    "Bootstrap server of prefill rank 0 to register with (ranks > 0)");
     cmd->add_option("--bootstrap-port", f->bootstrap_port, "Bootstrap server port (0 = any)");
     cmd->add_option("--chunk-tokens", f->chunk_tokens, "Tokens per prefill chunk")
         ->capture_default_str();

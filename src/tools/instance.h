@@ -36,6 +36,12 @@ struct InstanceFlags {
   int64_t timeout_ms = 120000;  // bootstrap, waiting and transfer timeouts
   std::string device = "cpu";   // "cpu": host pools; "cuda": pools and aux rows on GPU `gpu`
   int gpu = 0;
+  // Attention tensor parallelism: this instance is rank `tp_rank` of `tp_size` and holds only
+  // its share of the model's KV heads (tp_plan.h). Prefill ranks other than 0 join rank 0's
+  // bootstrap server at `join_bootstrap`.
+  int tp_rank = 0;
+  int tp_size = 1;
+  std::string join_bootstrap;
 };
 
 // Resolves --model / --model-config. Errors name the flag and value.

@@ -19,6 +19,7 @@
 #include "common/env.h"
 #include "cuda/device_memory.h"
 #include "tools/commands.h"
+#include "kvferry/tp_plan.h"
 #include "tools/instance.h"
 #include "tools/stats.h"
 #include "tools/trace.h"
@@ -45,6 +46,9 @@ struct ReplayFlags {
   std::string prefill_address;  // join a running prefill instance (control address)
   std::string decode_address;   // join a running decode instance
   uint64_t seed = 0;
+  int prefill_tp = 1;
+  int decode_tp = 1;
+  std::string kv_path = "direct";
   InstanceFlags instance;
 };
 
@@ -178,7 +182,10 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
     a.insert(a.end(), {"--model", f.model});
   }
   if (prefill) a.insert(a.end(), {"--chunk-tokens", std::to_string(f.chunk_tokens)});
-  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(prefill ? 0 : f.gpu)});
+  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(prefill ? 0 : f.gpu),
+                      "--tp-rank", std::to_string(f.tp_rank), "--tp-size",
+                      std::to_string(f.tp_size)});
+  if (prefill && !f.join_bootstrap.empty()) a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
   return a;
 }
 
@@ -233,36 +240,73 @@ int RunReplay(ReplayFlags flags) {
   }
   if (requests.empty()) return Fail("the workload has no requests");
 
-  // Instances: join running ones or start our own.
-  ChildInstance prefill_child, decode_child;
-  json prefill_info, decode_info;
+  // Instances: join running ones or start our own, one process per attention TP rank.
+  if (flags.prefill_tp < 1 || flags.decode_tp < 1) {
+    return Fail("--prefill-tp and --decode-tp must be >= 1");
+  }
+  if (flags.kv_path != "direct") {
+    return Fail("--kv-path " + flags.kv_path +
+                ": only 'direct' is implemented so far (staging and fused come next)");
+  }
+  {
+    const int heads = model->attention == AttentionKind::kMla ? 1 : model->num_kv_heads;
+    auto plan = PlanHeadSlices(heads, flags.prefill_tp, flags.decode_tp, model->attention);
+    if (!plan.ok()) return Fail(plan.status().message());
+  }
+  std::vector<std::unique_ptr<ChildInstance>> children;
+  std::vector<json> prefill_infos, decode_infos;
   if (!flags.prefill_address.empty() || !flags.decode_address.empty()) {
     if (flags.prefill_address.empty() || flags.decode_address.empty()) {
       return Fail("--prefill and --decode must be given together");
+    }
+    if (flags.prefill_tp != 1 || flags.decode_tp != 1) {
+      return Fail("joining running instances supports one rank per side so far");
     }
     auto p = GetJson(flags.prefill_address, "/info");
     if (!p.ok()) return Fail("--prefill: " + p.status().message());
     auto d = GetJson(flags.decode_address, "/info");
     if (!d.ok()) return Fail("--decode: " + d.status().message());
-    prefill_info = *p;
-    decode_info = *d;
-    if (prefill_info.value("page_size", 0) != decode_info.value("page_size", -1)) {
+    prefill_infos.push_back(*p);
+    decode_infos.push_back(*d);
+    if (p->value("page_size", 0) != d->value("page_size", -1)) {
       return Fail("prefill and decode instances use different page sizes");
     }
   } else {
-    Status s = prefill_child.Start("prefill", InstanceArgs(flags.instance, true));
-    if (!s.ok()) return Fail(s.message());
-    s = decode_child.Start("decode", InstanceArgs(flags.instance, false));
-    if (!s.ok()) return Fail(s.message());
-    prefill_info = prefill_child.info();
-    decode_info = decode_child.info();
+    auto start_rank = [&](bool prefill, int rank, int size, const std::string& join) {
+      InstanceFlags f = flags.instance;
+      f.tp_rank = rank;
+      f.tp_size = size;
+      f.join_bootstrap = join;
+      auto args = InstanceArgs(f, prefill);
+      children.push_back(std::make_unique<ChildInstance>());
+      Status st = children.back()->Start(prefill ? "prefill" : "decode", args);
+      if (!st.ok()) return st;
+      (prefill ? prefill_infos : decode_infos).push_back(children.back()->info());
+      return OkStatus();
+    };
+    for (int r = 0; r < flags.prefill_tp; ++r) {
+      std::string join = r == 0 ? "" : prefill_infos[0]["bootstrap_address"].get<std::string>();
+      if (Status st = start_rank(true, r, flags.prefill_tp, join); !st.ok()) {
+        return Fail(st.message());
+      }
+    }
+    for (int d = 0; d < flags.decode_tp; ++d) {
+      if (Status st = start_rank(false, d, flags.decode_tp, ""); !st.ok()) return Fail(st.message());
+    }
   }
+  const json& prefill_info = prefill_infos[0];
   const int page_size = prefill_info["page_size"];
-  const int64_t pool_pages =
-      std::min(prefill_info["pool_pages"].get<int64_t>(), decode_info["pool_pages"].get<int64_t>());
+  int64_t pool_pages = INT64_MAX;  // a request must fit every rank's pool
+  std::vector<std::string> prefill_ctl, decode_ctl;
+  for (const json& j : prefill_infos) {
+    pool_pages = std::min(pool_pages, j["pool_pages"].get<int64_t>());
+    prefill_ctl.push_back(j["control_address"]);
+  }
+  for (const json& j : decode_infos) {
+    pool_pages = std::min(pool_pages, j["pool_pages"].get<int64_t>());
+    decode_ctl.push_back(j["control_address"]);
+  }
   const std::string bootstrap = prefill_info["bootstrap_address"];
-  const std::string prefill_ctl = prefill_info["control_address"];
-  const std::string decode_ctl = decode_info["control_address"];
 
   std::fprintf(stderr,
                "kvferry replay: %zu requests from %s | model %s, page size %d, %lld pages per "
@@ -286,13 +330,19 @@ int RunReplay(ReplayFlags flags) {
   auto split = [](const std::string& a) {
     return std::make_pair(a.substr(0, a.rfind(':')), std::stoi(a.substr(a.rfind(':') + 1)));
   };
+  const time_t read_timeout = static_cast<time_t>(3 * flags.instance.timeout_ms / 1000 + 10);
+  auto make_clients = [&](const std::vector<std::string>& addresses) {
+    std::vector<std::unique_ptr<httplib::Client>> clients;
+    for (const std::string& a : addresses) {
+      auto [host, port] = split(a);
+      clients.push_back(std::make_unique<httplib::Client>(host, port));
+      clients.back()->set_read_timeout(read_timeout);
+    }
+    return clients;
+  };
   auto worker = [&] {
-    auto [ph, pp] = split(prefill_ctl);
-    auto [dh, dp] = split(decode_ctl);
-    httplib::Client pc(ph, pp), dc(dh, dp);
-    const time_t read_timeout = static_cast<time_t>(3 * flags.instance.timeout_ms / 1000 + 10);
-    pc.set_read_timeout(read_timeout);
-    dc.set_read_timeout(read_timeout);
+    auto prefill_clients = make_clients(prefill_ctl);
+    auto decode_clients = make_clients(decode_ctl);
     while (true) {
       size_t i = next++;
       if (i >= requests.size()) return;
@@ -316,40 +366,71 @@ int RunReplay(ReplayFlags flags) {
       json body = {{"room", room}, {"input_length", r.input_length}};
       json dbody = body;
       dbody["bootstrap_address"] = bootstrap;
-      auto decode_future = std::async(std::launch::async, [&dc, d = dbody.dump()] {
-        return dc.Post("/decode", d, "application/json");
-      });
-      auto pres = pc.Post("/prefill", body.dump(), "application/json");
-      auto dres = decode_future.get();
+      // Every rank of both sides takes part in every request.
+      std::vector<std::future<httplib::Result>> calls;
+      for (auto& c : decode_clients) {
+        calls.push_back(std::async(std::launch::async, [&c, d = dbody.dump()] {
+          return c->Post("/decode", d, "application/json");
+        }));
+      }
+      for (auto& c : prefill_clients) {
+        calls.push_back(std::async(std::launch::async, [&c, p = body.dump()] {
+          return c->Post("/prefill", p, "application/json");
+        }));
+      }
+      std::vector<httplib::Result> results;
+      for (auto& call : calls) results.push_back(call.get());
       budget.Release(pages);
-      json pj = pres ? json::parse(pres->body, nullptr, false) : json();
-      json dj = dres ? json::parse(dres->body, nullptr, false) : json();
-      bool ok = pres && dres && pres->status == 200 && dres->status == 200 &&
-                pj.value("ok", false) && dj.value("ok", false);
-      if ((pres && pres->status == 413) || (dres && dres->status == 413)) {
+      const size_t num_decode = decode_clients.size();
+      bool rejected = false, ok = true;
+      std::string why;
+      std::vector<json> bodies;
+      for (size_t k = 0; k < results.size(); ++k) {
+        const std::string who = (k < num_decode ? "decode rank " + std::to_string(k)
+                                                : "prefill rank " + std::to_string(k - num_decode));
+        const auto& res = results[k];
+        bodies.push_back(res ? json::parse(res->body, nullptr, false) : json());
+        if (res && res->status == 413) rejected = true;
+        if (!res || res->status != 200 || !bodies.back().value("ok", false)) {
+          if (ok) why = !res ? who + " unreachable" : who + ": " + bodies.back().value("error", res->body);
+          ok = false;
+        }
+      }
+      if (rejected) {
         ++totals.rejected;
       } else if (!ok) {
         ++totals.failed;
-        std::string why = !pres ? "prefill instance unreachable"
-                          : !dres ? "decode instance unreachable"
-                          : !pj.value("ok", false) ? "prefill: " + pj.value("error", pres->body)
-                                                   : "decode: " + dj.value("error", dres->body);
         std::lock_guard<std::mutex> lock(errors_mu);
         errors.push_back("request " + std::to_string(i) + " (room " + std::to_string(room) +
                          "): " + why);
       } else {
         totals.tokens += static_cast<uint64_t>(r.input_length);
         totals.pages += static_cast<uint64_t>(pages);
-        totals.pages_verified += dj.value("pages_verified", 0ull);
-        uint64_t mism = dj.value("mismatches", 0ull);
+        // A page counts as verified when every decode rank verified its heads of it.
+        uint64_t verified = static_cast<uint64_t>(pages), mism = 0;
+        double transfer_ms = 0;
+        std::string first;
+        for (size_t k = 0; k < bodies.size(); ++k) {
+          const json& j = bodies[k];
+          if (k < num_decode) {
+            verified = std::min<uint64_t>(verified, j.value("pages_verified", 0ull));
+            uint64_t m = j.value("mismatches", 0ull);
+            if (m > 0 && first.empty()) {
+              first = j.value("first_mismatch", j.value("aux_error", std::string("?")));
+            }
+            mism += m;
+            totals.bytes += j.value("bytes", 0ull);
+          } else {
+            transfer_ms = std::max(transfer_ms, j.value("transfer_ms", 0.0));
+          }
+        }
+        totals.pages_verified += verified;
         totals.mismatches += mism;
-        totals.bytes += dj.value("bytes", 0ull);
-        latency.Add(pj.value("transfer_ms", 0.0));
+        latency.Add(transfer_ms);
         if (mism > 0) {
           std::lock_guard<std::mutex> lock(errors_mu);
           errors.push_back("request " + std::to_string(i) + " (room " + std::to_string(room) +
-                           "): " + std::to_string(mism) + " mismatched pages, first: " +
-                           dj.value("first_mismatch", dj.value("aux_error", std::string("?"))));
+                           "): " + std::to_string(mism) + " mismatched pages, first: " + first);
         }
       }
       finish_one();
@@ -362,11 +443,12 @@ int RunReplay(ReplayFlags flags) {
   progress.Finish();
 
   uint64_t transfer_requests = 0;
-  if (auto st = GetJson(prefill_ctl, "/stats"); st.ok()) {
-    transfer_requests = st->value("transfer_requests", 0ull);
+  for (const std::string& ctl : prefill_ctl) {
+    if (auto st = GetJson(ctl, "/stats"); st.ok()) {
+      transfer_requests += st->value("transfer_requests", 0ull);
+    }
   }
-  prefill_child.Stop();
-  decode_child.Stop();
+  for (auto& child : children) child->Stop();
 
   const double gbps = seconds > 0 ? static_cast<double>(totals.bytes.load()) / seconds / 1e9 : 0;
   json out = {
@@ -389,6 +471,9 @@ int RunReplay(ReplayFlags flags) {
       {"concurrency", flags.concurrency},
       {"transport", flags.instance.transport},
       {"device", flags.instance.device},
+      {"prefill_tp", flags.prefill_tp},
+      {"decode_tp", flags.decode_tp},
+      {"kv_path", flags.kv_path},
       {"trace", source},
   };
   std::vector<std::vector<std::string>> rows = {
@@ -455,6 +540,14 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
   cmd->add_option("--decode", flags->decode_address,
                   "Join a running decode instance (its control host:port)");
   cmd->add_option("--seed", flags->seed, "Seed for rooms and the synthetic workload");
+  cmd->add_option("--prefill-tp", flags->prefill_tp,
+                  "Prefill attention TP size (one process per rank, each with its heads)")
+      ->capture_default_str();
+  cmd->add_option("--decode-tp", flags->decode_tp, "Decode attention TP size")
+      ->capture_default_str();
+  cmd->add_option("--kv-path", flags->kv_path,
+                  "Unequal-TP data path: direct (staging and fused are not implemented yet)")
+      ->capture_default_str();
   cmd->add_option("--device", flags->instance.device,
                   "Pools on cpu, or on cuda (prefill GPU 0, decode GPU 1; verified on the GPU)")
       ->capture_default_str();

@@ -75,6 +75,41 @@ TEST(ReplayTest, MlaSyntheticWithPageSizeOne) {
   std::remove(out.c_str());
 }
 
+// Unequal attention TP: one process per rank, each holding only its share of the KV heads;
+// every decode rank verifies every byte of its own heads (direct-slices path over TCP).
+TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
+  struct Case {
+    const char* config;
+    int prefill_tp, decode_tp;
+  };
+  for (const Case& c : {Case{"tiny-gqa-config.json", 4, 2}, Case{"tiny-gqa-config.json", 2, 4},
+                        Case{"tiny-gqa-config.json", 1, 4}, Case{"tiny-mla-config.json", 4, 2}}) {
+    SCOPED_TRACE(std::string(c.config) + " " + std::to_string(c.prefill_tp) + "->" +
+                 std::to_string(c.decode_tp));
+    std::string out = TempPath("tp.json");
+    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 5 --model-config " +
+                        Config(c.config) + " --page-size 16 --pool-size 64MiB --prefill-tp " +
+                        std::to_string(c.prefill_tp) + " --decode-tp " +
+                        std::to_string(c.decode_tp) + " --json " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    json j = ReadJson(out);
+    EXPECT_EQ(j["requests"], 3);
+    EXPECT_EQ(j["requests_failed"], 0);
+    EXPECT_EQ(j["mismatches"], 0);
+    EXPECT_GT(j["pages"].get<int64_t>(), 0);
+    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    EXPECT_GT(j["transfer_requests"].get<uint64_t>(), 0u);
+    EXPECT_EQ(j["prefill_tp"], c.prefill_tp);
+    EXPECT_EQ(j["decode_tp"], c.decode_tp);
+    std::remove(out.c_str());
+  }
+  // Shapes that cannot work are refused up front with the numbers.
+  auto bad = RunCommand(KvferryBinary() + " replay --synthetic 1 --model-config " +
+                        Config("tiny-gqa-config.json") + " --prefill-tp 3 --decode-tp 2");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("TP 3"), std::string::npos) << bad.output;
+}
+
 TEST(ReplayTest, RequestLargerThanThePoolIsRejectedOthersWait) {
   std::string trace = TempPath("big.jsonl");
   {
