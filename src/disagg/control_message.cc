@@ -33,6 +33,9 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U32(static_cast<uint32_t>(a.num_aux_rows));
       w.U32(static_cast<uint32_t>(a.tp_size));
       w.U32(static_cast<uint32_t>(a.heads_per_token));
+      w.U64(a.staging_base);
+      w.U64(a.staging_bytes);
+      w.U64(a.watermark_addr);
       break;
     }
     case ControlType::kTransferInfo:
@@ -42,13 +45,26 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U32(static_cast<uint32_t>(m.slice.src_head_start));
       w.U32(static_cast<uint32_t>(m.slice.dst_head_start));
       w.U32(static_cast<uint32_t>(m.slice.num_heads));
-      w.U8(static_cast<uint8_t>((m.slice.sends ? 1 : 0) | (m.slice.sends_aux ? 2 : 0)));
+      w.U8(static_cast<uint8_t>((m.slice.sends ? 1 : 0) | (m.slice.sends_aux ? 2 : 0) |
+                                (m.slice.staging ? 4 : 0)));
       w.U32(static_cast<uint32_t>(m.slice.decode_ranks));
       break;
     case ControlType::kAbort:
     case ControlType::kRoomFailed:
       w.U32(m.status_code);
       w.Str(m.reason);
+      break;
+    case ControlType::kStagingRequest:
+    case ControlType::kStagingGrant:
+    case ControlType::kStagingReady:
+      w.U64(static_cast<uint64_t>(m.chunk.first_page));
+      w.U64(static_cast<uint64_t>(m.chunk.num_pages));
+      w.U64(m.chunk.bytes);
+      w.U64(m.chunk.round);
+      w.U64(m.chunk.offset);
+      w.U64(m.chunk.region_id);
+      w.U32(static_cast<uint32_t>(m.chunk.dst_head_start));
+      w.U32(static_cast<uint32_t>(m.chunk.num_heads));
       break;
     case ControlType::kHeartbeat:
     case ControlType::kChunkLanded:
@@ -74,7 +90,7 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
   if (!r.U16(&version)) return bad("");
   if (version != kControlVersion) return bad("version " + std::to_string(version));
   if (!r.U8(&type)) return bad("");
-  if (type < 1 || type > static_cast<uint8_t>(ControlType::kRoomFailed)) {
+  if (type < 1 || type > static_cast<uint8_t>(ControlType::kStagingReady)) {
     return bad("unknown type " + std::to_string(type));
   }
   m.type = static_cast<ControlType>(type);
@@ -101,6 +117,9 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       }
       a.tp_size = static_cast<int32_t>(tp_size);
       a.heads_per_token = static_cast<int32_t>(heads);
+      if (!r.U64(&a.staging_base) || !r.U64(&a.staging_bytes) || !r.U64(&a.watermark_addr)) {
+        return bad("");
+      }
       if (a.tp_size < 1 || a.heads_per_token < 0) return bad("bad TP size or head count");
       a.tp_rank = static_cast<int32_t>(tp);
       a.page_size = static_cast<int32_t>(page_size);
@@ -134,9 +153,10 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       m.slice.num_heads = static_cast<int32_t>(heads);
       m.slice.sends = (flags & 1) != 0;
       m.slice.sends_aux = (flags & 2) != 0;
+      m.slice.staging = (flags & 4) != 0;
       m.slice.decode_ranks = static_cast<int32_t>(ranks);
       if (m.slice.src_head_start < 0 || m.slice.dst_head_start < 0 || m.slice.num_heads < 0 ||
-          m.slice.decode_ranks < 1 || (flags & ~3u) != 0) {
+          m.slice.decode_ranks < 1 || (flags & ~7u) != 0) {
         return bad("bad head slice");
       }
       break;
@@ -145,6 +165,26 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
     case ControlType::kRoomFailed:
       if (!r.U32(&m.status_code) || !r.Str(&m.reason, "reason")) return bad("");
       break;
+    case ControlType::kStagingRequest:
+    case ControlType::kStagingGrant:
+    case ControlType::kStagingReady: {
+      uint64_t first = 0, pages = 0;
+      uint32_t dst = 0, heads = 0;
+      if (!r.U64(&first) || !r.U64(&pages) || !r.U64(&m.chunk.bytes) || !r.U64(&m.chunk.round) ||
+          !r.U64(&m.chunk.offset) || !r.U64(&m.chunk.region_id) || !r.U32(&dst) ||
+          !r.U32(&heads)) {
+        return bad("");
+      }
+      m.chunk.first_page = static_cast<int64_t>(first);
+      m.chunk.num_pages = static_cast<int64_t>(pages);
+      m.chunk.dst_head_start = static_cast<int32_t>(dst);
+      m.chunk.num_heads = static_cast<int32_t>(heads);
+      if (m.chunk.first_page < 0 || m.chunk.num_pages < 0 || m.chunk.dst_head_start < 0 ||
+          m.chunk.num_heads < 0) {
+        return bad("bad staging chunk");
+      }
+      break;
+    }
     case ControlType::kHeartbeat:
     case ControlType::kChunkLanded:
     case ControlType::kRoomDone:

@@ -31,6 +31,9 @@ enum class ControlType : uint8_t {
   kChunkLanded = 5,
   kRoomDone = 6,
   kRoomFailed = 7,
+  kStagingRequest = 8,  // prefill -> decode: a ring region for one chunk's head slice
+  kStagingGrant = 9,    // decode -> prefill: the region (round, offset)
+  kStagingReady = 10,   // prefill -> decode, with the region's WRITE: scatter it
 };
 
 // Decode rank's pool as prefill needs it to address WRITEs.
@@ -47,6 +50,21 @@ struct DecodeKvArgs {
   int32_t num_aux_rows = 0;
   int32_t tp_size = 1;          // decode attention TP size
   int32_t heads_per_token = 0;  // KV heads this decode rank holds (1 for MLA)
+  uint64_t staging_base = 0;    // staging ring (0: none)
+  uint64_t staging_bytes = 0;
+  uint64_t watermark_addr = 0;  // WatermarkCell of the ring
+};
+
+// The staging ring's watermark as decode publishes it for one-sided READs: a reader that sees
+// `check` disagree with (round, offset) caught an update half-way and reads again.
+struct WatermarkCell {
+  uint64_t round = 0;
+  uint64_t offset = 0;
+  uint64_t check = 0;
+  static uint64_t Check(uint64_t round, uint64_t offset) {
+    return (round * 0x9e3779b97f4a7c15ull) ^ offset ^ 0x5a17c0de5a17c0deull;
+  }
+  bool valid() const { return check == Check(round, offset); }
 };
 
 // Which heads of the request a prefill rank sends to this decode rank (see tp_plan.h).
@@ -57,6 +75,19 @@ struct SliceInfo {
   bool sends = true;          // false: a replica that reports done without sending
   bool sends_aux = true;      // this prefill rank also writes the aux row
   int32_t decode_ranks = 1;   // decode ranks this prefill rank serves for the room
+  bool staging = false;       // send through decode's staging ring instead of direct slices
+};
+
+// A staging region of one chunk (kStagingRequest / kStagingGrant / kStagingReady).
+struct StagingChunk {
+  int64_t first_page = 0;
+  int64_t num_pages = 0;
+  uint64_t bytes = 0;
+  uint64_t round = 0;
+  uint64_t offset = 0;
+  uint64_t region_id = 0;
+  int32_t dst_head_start = 0;
+  int32_t num_heads = 0;
 };
 
 struct ControlMessage {
@@ -67,6 +98,7 @@ struct ControlMessage {
   std::vector<int32_t> dst_pages;  // kTransferInfo: decode page per request page
   int32_t aux_row = -1;            // kTransferInfo
   SliceInfo slice;                 // kTransferInfo
+  StagingChunk chunk;              // kStaging*
   uint32_t status_code = 0;        // kRoomFailed
   std::string reason;              // kAbort, kRoomFailed
 };

@@ -1,6 +1,7 @@
 // Decode side of the disaggregation connector: receivers, bootstrap, heartbeats.
 #include <algorithm>
 #include <atomic>
+#include <deque>
 #include <map>
 
 #include "common/checks.h"
@@ -10,7 +11,9 @@
 #include "disagg/task_queue.h"
 #include "kvferry/bootstrap.h"
 #include "kvferry/connector.h"
+#include "kvferry/ring_allocator.h"
 #include "kvferry/tp_plan.h"
+#include "disagg/head_slices.h"
 
 namespace kvferry {
 namespace {
@@ -36,6 +39,7 @@ struct PrefillGroup {
   std::vector<HeadSlice> slices;
   std::vector<std::shared_ptr<PrefillPeer>> peers;  // per slice
   std::vector<int> decode_ranks_of_prefill;         // per slice: decode ranks its rank serves
+  std::vector<bool> staged;                         // per slice: through the staging ring
   int aux_slice = 0;                                // the slice whose rank writes the aux row
 };
 
@@ -75,6 +79,22 @@ class DecodeConnectorImpl : public DecodeConnector {
                                             kAccessRemoteWrite));
     RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), aux_->location(),
                                             kAccessRemoteWrite));
+    if (options_.kv_path != "direct" && options_.kv_path != "staging") {
+      return InvalidArgumentError("kv_path must be direct or staging, got '" + options_.kv_path +
+                                  "'");
+    }
+    if (options_.kv_path == "staging") {
+      if (pool_->location().kind != MemoryKind::kHost) {
+        return UnimplementedError("the staging path serves host pools only so far");
+      }
+      if (options_.staging_bytes == 0) return InvalidArgumentError("staging_bytes must be > 0");
+      staging_.assign(options_.staging_bytes, 0);
+      ring_ = std::make_unique<RingAllocator>(options_.staging_bytes);
+      RETURN_IF_ERROR(engine_->RegisterMemory(staging_.data(), staging_.size(), {},
+                                              kAccessRemoteWrite));
+      RETURN_IF_ERROR(engine_->RegisterMemory(&watermark_, sizeof(watermark_), {},
+                                              kAccessRemoteRead));
+    }
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     timer_ = std::thread([this] { TimerLoop(); });
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
@@ -205,6 +225,11 @@ class DecodeConnectorImpl : public DecodeConnector {
     a.aux_base = reinterpret_cast<uint64_t>(aux_->data());
     a.aux_row_bytes = aux_->layout().row_bytes();
     a.num_aux_rows = aux_->num_rows();
+    if (ring_ != nullptr) {
+      a.staging_base = reinterpret_cast<uint64_t>(staging_.data());
+      a.staging_bytes = staging_.size();
+      a.watermark_addr = reinterpret_cast<uint64_t>(&watermark_);
+    }
     std::vector<std::shared_ptr<PrefillPeer>> peers;
     std::map<int, std::shared_ptr<PrefillPeer>> by_rank;
     for (const HeadSlice& slice : slices) {
@@ -223,6 +248,10 @@ class DecodeConnectorImpl : public DecodeConnector {
       peers.push_back(peer);
       group->decode_ranks_of_prefill.push_back(
           static_cast<int>(plan.ForPrefillRank(slice.prefill_rank).size()));
+      const bool whole = slice.src_head_start == 0 && slice.dst_head_start == 0 &&
+                         slice.num_heads == plan.prefill_heads &&
+                         slice.num_heads == plan.decode_heads;
+      group->staged.push_back(ring_ != nullptr && !whole && slice.sends);
     }
     group->aux_slice = 0;
     for (size_t i = 0; i < slices.size(); ++i) {
@@ -272,6 +301,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       info.slice.sends = slice.sends;
       info.slice.sends_aux = static_cast<int>(i) == g.aux_slice;
       info.slice.decode_ranks = g.decode_ranks_of_prefill[i];
+      info.slice.staging = g.staged[i];
       Status sent = engine_->SendNotification(g.peers[i]->segment, EncodeControl(info),
                                               options_.bootstrap_timeout);
       if (!sent.ok()) {
@@ -334,6 +364,15 @@ class DecodeConnectorImpl : public DecodeConnector {
         }
         break;
       }
+      case ControlType::kStagingRequest:
+        // Allocation may wait for ring space: off the connection's thread.
+        control_->Post([this, m = *m, from = n.peer_address] { GrantStaging(m, from); });
+        break;
+      case ControlType::kStagingReady:
+        // Inline: the writer's batch completes only after this returns, so a chunk is in the
+        // pages before prefill can report the room done.
+        ScatterStaged(*m);
+        break;
       case ControlType::kRoomFailed:
         FailRoom(room,
                  Status(StatusCodeFromInt(m->status_code),
@@ -344,6 +383,86 @@ class DecodeConnectorImpl : public DecodeConnector {
         KVF_LOG_WARN("decode: unexpected control message type {} from {}",
                      static_cast<int>(m->type), n.peer_address);
     }
+  }
+
+  // Places one chunk slice in the staging ring and tells the writer where.
+  void GrantStaging(const ControlMessage& m, const std::string& from) {
+    std::shared_ptr<PrefillPeer> peer;
+    rooms_.With(m.room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+      for (const auto& p : r.data.prefills) {
+        if (p->engine_address == from) peer = p;
+      }
+      return OkStatus();
+    }).IgnoreError();
+    if (peer == nullptr) return;
+    const auto deadline = Clock::now() + options_.waiting_timeout;
+    StatusOr<RingRegion> region = ResourceExhaustedError("not tried");
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(staging_mu_);
+        region = ring_->Allocate(m.chunk.bytes);
+        if (region.ok()) live_regions_.push_back({*region, false});
+      }
+      if (region.ok() || region.status().code() != StatusCode::kResourceExhausted ||
+          Clock::now() > deadline) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    if (!region.ok()) {
+      FailRoom(m.room, region.status().WithContext("staging ring"), /*tell_prefill=*/true);
+      return;
+    }
+    ControlMessage grant;
+    grant.type = ControlType::kStagingGrant;
+    grant.room = m.room;
+    grant.decode_address = engine_address();
+    grant.chunk = m.chunk;
+    grant.chunk.round = region->round;
+    grant.chunk.offset = region->offset;
+    grant.chunk.region_id = region->id;
+    Status sent = engine_->SendNotification(peer->segment, EncodeControl(grant),
+                                            options_.waiting_timeout);
+    if (!sent.ok()) FailRoom(m.room, sent.WithContext("staging grant"), true);
+  }
+
+  // Scatters a written staging region into the room's pages and frees what is consumed.
+  void ScatterStaged(const ControlMessage& m) {
+    Status s = rooms_.With(m.room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+      if (IsFinal(r.status.state)) return OkStatus();
+      const int64_t page_size = pool_->layout().page_size();
+      if (m.chunk.offset + m.chunk.bytes > staging_.size()) {
+        return OutOfRangeError("staging region beyond the ring");
+      }
+      return ScatterHeads(*pool_, r.data.dst_pages, m.chunk.first_page * page_size,
+                          m.chunk.num_pages * page_size, m.chunk.dst_head_start,
+                          m.chunk.num_heads,
+                          std::span<const uint8_t>(staging_.data() + m.chunk.offset,
+                                                   m.chunk.bytes));
+    });
+    {
+      std::lock_guard<std::mutex> lock(staging_mu_);
+      for (auto& live : live_regions_) {
+        if (live.first.id == m.chunk.region_id) live.second = true;
+      }
+      while (!live_regions_.empty() && live_regions_.front().second) {
+        ring_->Free(live_regions_.front().first).IgnoreError();
+        live_regions_.pop_front();
+      }
+      Watermark w = ring_->watermark();
+      watermark_.check = 0;  // readers mid-update see an invalid cell and read again
+      std::atomic_thread_fence(std::memory_order_release);
+      watermark_.round = w.round;
+      watermark_.offset = w.offset;
+      std::atomic_thread_fence(std::memory_order_release);
+      watermark_.check = WatermarkCell::Check(w.round, w.offset);
+    }
+    if (!s.ok() && s.code() != StatusCode::kNotFound) {
+      FailRoom(m.room, s.WithContext("scattering a staged chunk"), true);
+      return;
+    }
+    rooms_.Advance(m.room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
+                   WaitingReason());
   }
 
   void RecordBytes(uint64_t room) {
@@ -453,6 +572,14 @@ class DecodeConnectorImpl : public DecodeConnector {
 
   std::mutex peers_mu_;
   std::map<std::string, std::shared_ptr<PrefillGroup>> groups_;  // by bootstrap address
+
+  // Staging ring (kv_path "staging"): bytes, allocator, live regions in allocation order with
+  // a consumed flag, and the watermark cell writers READ before writing.
+  std::vector<uint8_t> staging_;
+  std::unique_ptr<RingAllocator> ring_;
+  std::mutex staging_mu_;
+  std::deque<std::pair<RingRegion, bool>> live_regions_;
+  alignas(64) WatermarkCell watermark_{0, 0, WatermarkCell::Check(0, 0)};
 
   std::atomic<uint64_t> rooms_succeeded_{0};
   std::atomic<uint64_t> rooms_failed_{0};

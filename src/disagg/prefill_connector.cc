@@ -6,6 +6,8 @@
 #include "common/checks.h"
 #include "common/logging.h"
 #include "disagg/control_message.h"
+#include "disagg/head_slices.h"
+#include "kvferry/ring_allocator.h"
 #include "disagg/room_table.h"
 #include "disagg/task_queue.h"
 #include "kvferry/bootstrap.h"
@@ -33,6 +35,7 @@ struct Destination {
   int outstanding_batches = 0;
   bool finishing = false;  // its done notice (with the aux row when it carries it) is on its way
   bool done = false;
+  std::map<int64_t, std::vector<int32_t>> staged_chunks;  // first page -> source pages, awaiting a grant
 };
 
 struct SenderRoom {
@@ -121,6 +124,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     // callbacks then post into closed queues and are dropped.
     engine_->SetNotificationHandler(nullptr);
     control_->Close();
+    staging_->Close();
     completion_->Close();
     engine_.reset();
   }
@@ -160,8 +164,9 @@ class PrefillConnectorImpl : public PrefillConnector {
     struct Work {
       size_t dest = 0;
       std::vector<TransferRequest> requests;
-      bool finishing = false;   // the batch carries the done notice
+      bool finishing = false;    // the batch carries the done notice
       bool notify_only = false;  // no data: the done notice goes on its own
+      bool staged = false;       // the chunk waits for a staging region instead
     };
     std::vector<Work> work;
     const bool last = aux_row.has_value();
@@ -208,7 +213,12 @@ class PrefillConnectorImpl : public PrefillConnector {
         Destination& dest = d.destinations[k];
         Work w;
         w.dest = k;
-        if (dest.slice.sends) {
+        if (dest.slice.sends && dest.slice.staging) {
+          // Counted as in flight until its staging WRITE lands, so the done notice waits.
+          dest.staged_chunks[first_page].assign(src_pages.begin(), src_pages.end());
+          ++dest.outstanding_batches;
+          w.staged = true;
+        } else if (dest.slice.sends) {
           AppendChunkRequests(dest, first_page, src_pages, &w.requests);
         }
         if (last && !dest.finishing && dest.outstanding_batches == 0) {
@@ -219,7 +229,7 @@ class PrefillConnectorImpl : public PrefillConnector {
           w.notify_only = w.requests.empty();
         }
         if (!w.requests.empty()) ++dest.outstanding_batches;
-        if (!w.requests.empty() || w.notify_only) work.push_back(std::move(w));
+        if (!w.requests.empty() || w.notify_only || w.staged) work.push_back(std::move(w));
       }
       d.next_page += static_cast<int64_t>(src_pages.size());
       return OkStatus();
@@ -230,7 +240,12 @@ class PrefillConnectorImpl : public PrefillConnector {
       ControlMessage note;
       note.room = room;
       note.type = w.finishing ? ControlType::kRoomDone : ControlType::kChunkLanded;
-      if (w.notify_only) {
+      if (w.staged) {
+        RequestStaging(room, w.dest, first_page, static_cast<int64_t>(src_pages.size()));
+        if (!w.requests.empty() || w.finishing) {
+          Submit(room, w.dest, std::move(w.requests), EncodeControl(note), w.finishing);
+        }
+      } else if (w.notify_only) {
         NotifyDone(room, w.dest);
       } else {
         Submit(room, w.dest, std::move(w.requests), EncodeControl(note), w.finishing);
@@ -320,7 +335,8 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
-              std::string notification, bool finishing) {
+              std::string notification, bool finishing,
+              std::shared_ptr<void> keepalive = nullptr) {
     uint64_t bytes = 0;
     for (const auto& r : requests) bytes += r.length_bytes;
     transfer_requests_ += requests.size();
@@ -328,8 +344,9 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
-    o.on_complete = [this, room, dest, finishing](BatchId id, const BatchStatus& status) {
-      completion_->Post([this, room, dest, finishing, id, status] {
+    o.on_complete = [this, room, dest, finishing, keepalive](BatchId id,
+                                                             const BatchStatus& status) {
+      completion_->Post([this, room, dest, finishing, id, status, keepalive] {
         engine_->ReleaseBatch(id).IgnoreError();
         OnBatchDone(room, dest, finishing, status);
       });
@@ -342,6 +359,96 @@ class PrefillConnectorImpl : public PrefillConnector {
       completion_->Post(
           [this, room, dest, finishing, failed] { OnBatchDone(room, dest, finishing, failed); });
     }
+  }
+
+  // Asks the destination's decode rank for a staging region for one chunk's head slice.
+  void RequestStaging(uint64_t room, size_t dest, int64_t first_page, int64_t num_pages) {
+    std::shared_ptr<DecodePeer> decode;
+    ControlMessage m;
+    m.type = ControlType::kStagingRequest;
+    m.room = room;
+    rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+      const Destination& d = r.data.destinations[dest];
+      decode = d.decode;
+      const int heads = d.slice.num_heads > 0 ? d.slice.num_heads : pool_->layout().heads_per_token();
+      m.chunk.first_page = first_page;
+      m.chunk.num_pages = num_pages;
+      m.chunk.bytes = StagingBytes(pool_->layout(), num_pages * pool_->layout().page_size(), heads);
+      m.chunk.dst_head_start = d.slice.dst_head_start;
+      m.chunk.num_heads = heads;
+      return OkStatus();
+    }).IgnoreError();
+    if (decode == nullptr) return;
+    control_->Post([this, room, decode, text = EncodeControl(m)] {
+      Status s = engine_->SendNotification(decode->segment, text, options_.transfer_timeout);
+      if (!s.ok()) FailRoom(room, s.WithContext("requesting a staging region"));
+    });
+  }
+
+  // Runs on the control queue: waits until the ring's watermark frees the region, gathers the
+  // chunk's head slice, and writes it in one request with the ready notice.
+  void WriteStaged(const ControlMessage& grant, const std::string& from) {
+    std::shared_ptr<DecodePeer> decode;
+    std::vector<int32_t> pages;
+    size_t dest = 0;
+    int src_head_start = 0;
+    Status found = rooms_.With(grant.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+      for (size_t k = 0; k < r.data.destinations.size(); ++k) {
+        Destination& d = r.data.destinations[k];
+        if (d.decode->args.decode_address != from) continue;
+        auto it = d.staged_chunks.find(grant.chunk.first_page);
+        if (it == d.staged_chunks.end()) break;
+        pages = std::move(it->second);
+        d.staged_chunks.erase(it);
+        decode = d.decode;
+        dest = k;
+        src_head_start = d.slice.src_head_start;
+        return OkStatus();
+      }
+      return NotFoundError("no staged chunk at page " + std::to_string(grant.chunk.first_page));
+    });
+    if (!found.ok()) return;
+    const DecodeKvArgs& a = decode->args;
+    RingRegion region{grant.chunk.round, grant.chunk.offset, grant.chunk.bytes,
+                      grant.chunk.region_id};
+    if (grant.chunk.offset + grant.chunk.bytes > a.staging_bytes) {
+      FailRoom(grant.room, OutOfRangeError("staging grant beyond decode's ring"));
+      return;
+    }
+    // Writer gate: the round before this region's must have been consumed at these offsets.
+    const auto deadline = std::chrono::steady_clock::now() + options_.transfer_timeout;
+    while (true) {
+      WatermarkCell cell;
+      TransferRequest read{TransferOp::kRead, &cell, decode->segment, a.watermark_addr,
+                           sizeof(cell)};
+      Status s = TransferSync(*engine_, std::span(&read, 1));
+      ++transfer_requests_;
+      if (!s.ok()) {
+        FailRoom(grant.room, s.WithContext("reading the staging watermark"));
+        return;
+      }
+      if (cell.valid() && RingAllocator::CanWrite(region, {cell.round, cell.offset})) break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        FailRoom(grant.room, DeadlineExceededError("staging region never freed by decode"));
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    auto buffer = std::make_shared<std::vector<uint8_t>>(grant.chunk.bytes);
+    Status g = GatherHeads(*pool_, pages, 0, grant.chunk.num_pages * pool_->layout().page_size(),
+                           src_head_start, grant.chunk.num_heads, *buffer);
+    if (!g.ok()) {
+      FailRoom(grant.room, g.WithContext("gathering a chunk for staging"));
+      return;
+    }
+    ControlMessage ready;
+    ready.type = ControlType::kStagingReady;
+    ready.room = grant.room;
+    ready.chunk = grant.chunk;
+    Submit(grant.room, dest,
+           {{TransferOp::kWrite, buffer->data(), decode->segment,
+             a.staging_base + grant.chunk.offset, grant.chunk.bytes}},
+           EncodeControl(ready), false, buffer);
   }
 
   // A destination that receives no data this time (a replica, or no aux row to carry):
@@ -448,6 +555,10 @@ class PrefillConnectorImpl : public PrefillConnector {
       switch (msg.type) {
         case ControlType::kRegisterDecode: HandleRegister(msg); break;
         case ControlType::kTransferInfo: HandleTransferInfo(msg); break;
+        case ControlType::kStagingGrant:
+          // Its watermark wait may block: never behind other control work.
+          staging_->Post([this, msg] { WriteStaged(msg, msg.decode_address); });
+          break;
         case ControlType::kAbort:
           FailRoom(msg.room, AbortedError("aborted by decode: " + msg.reason));
           {
@@ -655,6 +766,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   // Declared before engine_ so they outlive the engine's callbacks (see the destructor).
   std::unique_ptr<TaskQueue> control_ = std::make_unique<TaskQueue>(1);
   std::unique_ptr<TaskQueue> completion_ = std::make_unique<TaskQueue>(1);
+  std::unique_ptr<TaskQueue> staging_ = std::make_unique<TaskQueue>(4);  // staged chunk writes
   std::unique_ptr<TransferEngine> engine_;
   RoomTable<SenderRoom> rooms_;
 

@@ -450,6 +450,13 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   o.engine.name = "decode-tp" + std::to_string(flags.tp_rank);
   o.tp_rank = flags.tp_rank;
   o.tp_size = flags.tp_size;
+  o.kv_path = flags.kv_path;
+  auto staging = ParseByteSize(flags.staging_size);
+  if (!staging.ok()) {
+    std::fprintf(stderr, "kvferry decode: --staging-size: %s\n", staging.status().message().c_str());
+    return 2;
+  }
+  o.staging_bytes = *staging;
   o.bootstrap_timeout = o.waiting_timeout = milliseconds(flags.timeout_ms);
   auto conn = DecodeConnector::Create(o, in.pool.get(), in.aux.get());
   if (!conn.ok()) {
@@ -535,6 +542,11 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
       ->capture_default_str();
   cmd->add_option("--tp-size", f->tp_size, "Attention TP size (this rank holds its share of heads)")
       ->capture_default_str();
+  if (!prefill) {
+    cmd->add_option("--kv-path", f->kv_path, "Unequal TP: direct or staging")->capture_default_str();
+    cmd->add_option("--staging-size", f->staging_size, "Staging ring bytes for --kv-path staging")
+        ->capture_default_str();
+  }
   if (prefill) {
     cmd->add_option("--join-bootstrap", f->join_bootstrap,
                     "Bootstrap server of prefill rank 0 to register with (ranks > 0)");

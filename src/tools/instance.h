@@ -42,6 +42,9 @@ struct InstanceFlags {
   int tp_rank = 0;
   int tp_size = 1;
   std::string join_bootstrap;
+  // Decode, unequal TP: "direct" or "staging" (through a host staging ring of staging_size).
+  std::string kv_path = "direct";
+  std::string staging_size = "256MiB";
 };
 
 // Resolves --model / --model-config. Errors name the flag and value.

@@ -186,6 +186,7 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
                       "--tp-rank", std::to_string(f.tp_rank), "--tp-size",
                       std::to_string(f.tp_size)});
   if (prefill && !f.join_bootstrap.empty()) a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
+  if (!prefill) a.insert(a.end(), {"--kv-path", f.kv_path, "--staging-size", f.staging_size});
   return a;
 }
 
@@ -244,10 +245,11 @@ int RunReplay(ReplayFlags flags) {
   if (flags.prefill_tp < 1 || flags.decode_tp < 1) {
     return Fail("--prefill-tp and --decode-tp must be >= 1");
   }
-  if (flags.kv_path != "direct") {
+  if (flags.kv_path != "direct" && flags.kv_path != "staging") {
     return Fail("--kv-path " + flags.kv_path +
-                ": only 'direct' is implemented so far (staging and fused come next)");
+                ": must be direct or staging (fused is not implemented yet)");
   }
+  flags.instance.kv_path = flags.kv_path;
   {
     const int heads = model->attention == AttentionKind::kMla ? 1 : model->num_kv_heads;
     auto plan = PlanHeadSlices(heads, flags.prefill_tp, flags.decode_tp, model->attention);
@@ -545,8 +547,11 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
       ->capture_default_str();
   cmd->add_option("--decode-tp", flags->decode_tp, "Decode attention TP size")
       ->capture_default_str();
+  cmd->add_option("--staging-size", flags->instance.staging_size,
+                  "Decode staging ring bytes for --kv-path staging")
+      ->capture_default_str();
   cmd->add_option("--kv-path", flags->kv_path,
-                  "Unequal-TP data path: direct (staging and fused are not implemented yet)")
+                  "Unequal-TP data path: direct or staging (fused is not implemented yet)")
       ->capture_default_str();
   cmd->add_option("--device", flags->instance.device,
                   "Pools on cpu, or on cuda (prefill GPU 0, decode GPU 1; verified on the GPU)")

@@ -49,11 +49,15 @@ int FirstGlobalHead(int heads, int tp, int rank) {
   return tp <= heads ? rank * (heads / tp) : rank / (tp / heads);
 }
 
-void RunRoom(AttentionKind kind, int heads, int ps, int ds) {
+// Returns the engine requests all prefill ranks issued.
+uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::string& kv_path = "direct",
+                 uint64_t staging_bytes = 1 << 20, int rooms = 1,
+                 const std::string& expect_failure = "") {
   SCOPED_TRACE("H=" + std::to_string(heads) + " " + std::to_string(ps) + "->" +
                std::to_string(ds) + (kind == AttentionKind::kMla ? " MLA" : ""));
   auto plan = PlanHeadSlices(heads, ps, ds, kind);
-  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_TRUE(plan.ok()) << plan.status().ToString();
+  if (!plan.ok()) return 0;
   const int page_size = 4;
   std::vector<std::unique_ptr<Rank>> prefill, decode;
   std::vector<std::unique_ptr<PrefillConnector>> pconn;
@@ -68,7 +72,8 @@ void RunRoom(AttentionKind kind, int heads, int ps, int ds) {
     o.start_bootstrap_server = r == 0;
     if (r > 0) o.bootstrap_address = bootstrap;
     auto c = PrefillConnector::Create(o, prefill[r]->pool.get(), prefill[r]->aux.get());
-    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    if (!c.ok()) return 0;
     if (r == 0) bootstrap = (*c)->bootstrap_address();
     pconn.push_back(std::move(*c));
   }
@@ -77,46 +82,64 @@ void RunRoom(AttentionKind kind, int heads, int ps, int ds) {
     DecodeConnectorOptions o;
     o.tp_rank = d;
     o.tp_size = ds;
+    o.kv_path = kv_path;
+    o.staging_bytes = staging_bytes;
     auto c = DecodeConnector::Create(o, decode[d]->pool.get(), decode[d]->aux.get());
-    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    if (!c.ok()) return 0;
     dconn.push_back(std::move(*c));
   }
-  const uint64_t room = 777;
-  const int64_t tokens = 45;  // 12 pages, the last one partial
-  const int64_t num_pages = (tokens + page_size - 1) / page_size;
-  std::vector<std::vector<int32_t>> dst_pages(ds);
-  std::vector<int32_t> dst_rows(ds);
-  for (int d = 0; d < ds; ++d) {
-    dst_pages[d] = *decode[d]->allocator.Allocate(static_cast<int32_t>(num_pages));
-    dst_rows[d] = *decode[d]->aux->AllocateRow();
-    ASSERT_TRUE(dconn[d]->CreateReceiver(room, bootstrap, dst_pages[d], dst_rows[d]).ok());
+  for (int k = 0; k < rooms; ++k) {
+    const uint64_t room = 777 + k;
+    const int64_t tokens = 45;  // 12 pages, the last one partial
+    const int64_t num_pages = (tokens + page_size - 1) / page_size;
+    std::vector<std::vector<int32_t>> dst_pages(ds);
+    std::vector<int32_t> dst_rows(ds);
+    for (int d = 0; d < ds; ++d) {
+      dst_pages[d] = *decode[d]->allocator.Allocate(static_cast<int32_t>(num_pages));
+      dst_rows[d] = *decode[d]->aux->AllocateRow();
+      EXPECT_TRUE(dconn[d]->CreateReceiver(room, bootstrap, dst_pages[d], dst_rows[d]).ok());
+    }
+    for (int r = 0; r < ps; ++r) {
+      auto src = *prefill[r]->allocator.Allocate(static_cast<int32_t>(num_pages));
+      int32_t row = *prefill[r]->aux->AllocateRow();
+      EXPECT_TRUE(pconn[r]->CreateSender(room, num_pages).ok());
+      auto st = pconn[r]->Wait(room, RoomState::kWaitingForInput, milliseconds(5000));
+      // When a failure is expected, decode may already have aborted this rank's room.
+      if (!expect_failure.empty() && st->state == RoomState::kFailed) continue;
+      EXPECT_EQ(st->state, RoomState::kWaitingForInput) << "prefill rank " << r << ": "
+                                                        << st->error.ToString();
+      if (st->state != RoomState::kWaitingForInput) return 0;
+      FillTokens(prefill[r]->layout, *prefill[r]->pool, room, src, 0, tokens,
+                 kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ps, r));
+      FillAuxRow(prefill[r]->aux->layout(), prefill[r]->aux->Row(row), room);
+      EXPECT_TRUE(pconn[r]->SendChunk(room, 0, std::span(src.data(), 5), std::nullopt).ok());
+      EXPECT_TRUE(pconn[r]->SendChunk(room, 5, std::span(src.data() + 5, num_pages - 5), row).ok());
+    }
+    for (int d = 0; d < ds; ++d) {
+      auto st = dconn[d]->Wait(room, RoomState::kSuccess, milliseconds(10000));
+      if (!expect_failure.empty()) {
+        EXPECT_EQ(st->state, RoomState::kFailed);
+        EXPECT_NE(st->error.message().find(expect_failure), std::string::npos)
+            << st->error.ToString();
+        return 0;
+      }
+      EXPECT_EQ(st->state, RoomState::kSuccess) << "decode rank " << d << ": " << st->error.ToString();
+      if (st->state != RoomState::kSuccess) return 0;
+      VerifyResult v = VerifyTokens(decode[d]->layout, *decode[d]->pool, room, dst_pages[d], tokens,
+                                    kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ds, d));
+      EXPECT_EQ(v.pages_mismatched, 0) << "decode rank " << d << ": " << v.first_mismatch;
+      EXPECT_TRUE(VerifyAuxRow(decode[d]->aux->layout(), decode[d]->aux->Row(dst_rows[d]), room).ok());
+    }
+    for (int r = 0; r < ps; ++r) {
+      auto st = pconn[r]->Wait(room, RoomState::kSuccess, milliseconds(5000));
+      EXPECT_EQ(st->state, RoomState::kSuccess) << "prefill rank " << r << ": "
+                                                << st->error.ToString();
+    }
   }
-  for (int r = 0; r < ps; ++r) {
-    auto src = *prefill[r]->allocator.Allocate(static_cast<int32_t>(num_pages));
-    int32_t row = *prefill[r]->aux->AllocateRow();
-    ASSERT_TRUE(pconn[r]->CreateSender(room, num_pages).ok());
-    auto st = pconn[r]->Wait(room, RoomState::kWaitingForInput, milliseconds(5000));
-    ASSERT_EQ(st->state, RoomState::kWaitingForInput) << "prefill rank " << r << ": "
-                                                      << st->error.ToString();
-    FillTokens(prefill[r]->layout, *prefill[r]->pool, room, src, 0, tokens,
-               kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ps, r));
-    FillAuxRow(prefill[r]->aux->layout(), prefill[r]->aux->Row(row), room);
-    ASSERT_TRUE(pconn[r]->SendChunk(room, 0, std::span(src.data(), 5), std::nullopt).ok());
-    ASSERT_TRUE(pconn[r]->SendChunk(room, 5, std::span(src.data() + 5, num_pages - 5), row).ok());
-  }
-  for (int d = 0; d < ds; ++d) {
-    auto st = dconn[d]->Wait(room, RoomState::kSuccess, milliseconds(10000));
-    ASSERT_EQ(st->state, RoomState::kSuccess) << "decode rank " << d << ": " << st->error.ToString();
-    VerifyResult v = VerifyTokens(decode[d]->layout, *decode[d]->pool, room, dst_pages[d], tokens,
-                                  kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ds, d));
-    EXPECT_EQ(v.pages_mismatched, 0) << "decode rank " << d << ": " << v.first_mismatch;
-    EXPECT_TRUE(VerifyAuxRow(decode[d]->aux->layout(), decode[d]->aux->Row(dst_rows[d]), room).ok());
-  }
-  for (int r = 0; r < ps; ++r) {
-    auto st = pconn[r]->Wait(room, RoomState::kSuccess, milliseconds(5000));
-    EXPECT_EQ(st->state, RoomState::kSuccess) << "prefill rank " << r << ": "
-                                              << st->error.ToString();
-  }
+  uint64_t requests = 0;
+  for (auto& c : pconn) requests += c->stats().transfer_requests;
+  return requests;
 }
 
 TEST(HeteroTpTest, PrefillTp2ToDecodeTp1) { RunRoom(AttentionKind::kMha, 8, 2, 1); }
@@ -124,6 +147,23 @@ TEST(HeteroTpTest, PrefillTp1ToDecodeTp2) { RunRoom(AttentionKind::kMha, 8, 1, 2
 TEST(HeteroTpTest, PrefillTp4ToDecodeTp2) { RunRoom(AttentionKind::kMha, 8, 4, 2); }
 TEST(HeteroTpTest, ReplicatedHeadsTp1ToTp4) { RunRoom(AttentionKind::kMha, 2, 1, 4); }
 TEST(HeteroTpTest, ReplicatedHeadsTp4ToTp1) { RunRoom(AttentionKind::kMha, 2, 4, 1); }
+TEST(HeteroTpTest, StagingPathTp2ToTp1AndTp1ToTp2) {
+  // A 64 KiB ring: the 5-page and 7-page chunk slices (10 and 14 KiB per writer) of several
+  // rooms wrap it repeatedly, so the watermark gate is exercised.
+  const uint64_t direct = RunRoom(AttentionKind::kMha, 8, 2, 1, "direct", 0, 6);
+  const uint64_t staged = RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 64 << 10, 6);
+  // Direct: a request per page, token slot and buffer; staging: one WRITE per chunk and writer
+  // (plus watermark READs and the aux row).
+  EXPECT_GT(direct, 0u);
+  EXPECT_LT(staged * 10, direct) << "staged " << staged << ", direct " << direct;
+  RunRoom(AttentionKind::kMha, 8, 1, 2, "staging", 64 << 10, 6);
+  RunRoom(AttentionKind::kMha, 8, 4, 2, "staging", 64 << 10, 3);
+}
+
+TEST(HeteroTpTest, ChunkLargerThanTheStagingRingFailsThatRoom) {
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 4 << 10, 1, "exceeds the whole ring");
+}
+
 TEST(HeteroTpTest, MlaTp2ToTp1AndTp1ToTp2) {
   RunRoom(AttentionKind::kMla, 1, 2, 1);
   RunRoom(AttentionKind::kMla, 1, 1, 2);

@@ -103,6 +103,25 @@ TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
     EXPECT_EQ(j["decode_tp"], c.decode_tp);
     std::remove(out.c_str());
   }
+  // Staging moves the same bytes with far fewer engine requests than direct slices.
+  uint64_t requests[2] = {0, 0};
+  for (int k = 0; k < 2; ++k) {
+    std::string out = TempPath("path.json");
+    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 5 --model-config " +
+                        Config("tiny-gqa-config.json") +
+                        " --page-size 16 --pool-size 64MiB --prefill-tp 2 --decode-tp 1 "
+                        "--staging-size 8MiB --kv-path " + (k == 0 ? "direct" : "staging") +
+                        " --json " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    json j = ReadJson(out);
+    EXPECT_EQ(j["mismatches"], 0);
+    EXPECT_EQ(j["requests_failed"], 0);
+    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    requests[k] = j["transfer_requests"].get<uint64_t>();
+    std::remove(out.c_str());
+  }
+  EXPECT_GE(requests[0], 100 * requests[1]) << "direct " << requests[0] << ", staging "
+                                            << requests[1];
   // Shapes that cannot work are refused up front with the numbers.
   auto bad = RunCommand(KvferryBinary() + " replay --synthetic 1 --model-config " +
                         Config("tiny-gqa-config.json") + " --prefill-tp 3 --decode-tp 2");
