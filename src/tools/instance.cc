@@ -332,15 +332,19 @@ std::unique_ptr<Admission> Admit(Instance& in, const httplib::Request& req, http
   return a;
 }
 
-void InstallSignalExit() {
-  ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // a replay that dies takes its instances along
+// Instances the replay spawns end with it (it passes its pid); ones an operator starts stay up
+// whatever happens to the shell that started them.
+void InstallSignalExit(int exit_with_parent) {
   std::signal(SIGPIPE, SIG_IGN);
+  if (exit_with_parent <= 0) return;
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() != exit_with_parent) ::raise(SIGTERM);  // the parent died before prctl
 }
 
 }  // namespace
 
 int RunPrefillInstance(const InstanceFlags& flags) {
-  InstallSignalExit();
+  InstallSignalExit(flags.exit_with_parent);
   Instance in;
   in.flags = flags;
   Status s = in.Init(/*fragmented=*/false);
@@ -436,7 +440,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
 }
 
 int RunDecodeInstance(const InstanceFlags& flags) {
-  InstallSignalExit();
+  InstallSignalExit(flags.exit_with_parent);
   Instance in;
   in.flags = flags;
   Status s = in.Init(/*fragmented=*/true);
@@ -538,6 +542,9 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
       ->capture_default_str();
   cmd->add_option("--device", f->device, "Where pools live: cpu or cuda")->capture_default_str();
   cmd->add_option("--gpu", f->gpu, "CUDA device for --device cuda")->capture_default_str();
+  cmd->add_option("--exit-with-parent", f->exit_with_parent,
+                  "End when process PID (the replay that started it) ends")
+      ->group("");
   cmd->add_option("--tp-rank", f->tp_rank, "Attention TP rank of this instance")
       ->capture_default_str();
   cmd->add_option("--tp-size", f->tp_size, "Attention TP size (this rank holds its share of heads)")

@@ -45,6 +45,7 @@ struct InstanceFlags {
   // Decode, unequal TP: "direct" or "staging" (through a host staging ring of staging_size).
   std::string kv_path = "direct";
   std::string staging_size = "256MiB";
+  int exit_with_parent = 0;  // pid of the replay that spawned this instance; 0: none
 };
 
 // Resolves --model / --model-config. Errors name the flag and value.

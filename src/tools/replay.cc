@@ -187,6 +187,7 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
                       std::to_string(f.tp_size)});
   if (prefill && !f.join_bootstrap.empty()) a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
   if (!prefill) a.insert(a.end(), {"--kv-path", f.kv_path, "--staging-size", f.staging_size});
+  a.insert(a.end(), {"--exit-with-parent", std::to_string(::getpid())});
   return a;
 }
 
