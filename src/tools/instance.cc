@@ -341,21 +341,29 @@ void InstallSignalExit(int exit_with_parent) {
   if (::getppid() != exit_with_parent) ::raise(SIGTERM);  // the parent died before prctl
 }
 
+// Start-up shared by both roles: signals, pools, and the engine options of this rank. Returns
+// false (after printing why) when the instance cannot start.
+bool StartInstance(const InstanceFlags& flags, const char* role, Instance* in,
+                   EngineOptions* engine) {
+  InstallSignalExit(flags.exit_with_parent);
+  in->flags = flags;
+  Status s = in->Init(/*fragmented=*/std::string(role) == "decode");
+  if (!s.ok()) {
+    std::fprintf(stderr, "kvferry %s: %s\n", role, s.ToString().c_str());
+    return false;
+  }
+  engine->listen_host = flags.host;
+  engine->transport = flags.transport;
+  engine->name = std::string(role) + "-tp" + std::to_string(flags.tp_rank);
+  return true;
+}
+
 }  // namespace
 
 int RunPrefillInstance(const InstanceFlags& flags) {
-  InstallSignalExit(flags.exit_with_parent);
   Instance in;
-  in.flags = flags;
-  Status s = in.Init(/*fragmented=*/false);
-  if (!s.ok()) {
-    std::fprintf(stderr, "kvferry prefill: %s\n", s.ToString().c_str());
-    return 2;
-  }
   PrefillConnectorOptions o;
-  o.engine.listen_host = flags.host;
-  o.engine.transport = flags.transport;
-  o.engine.name = "prefill-tp" + std::to_string(flags.tp_rank);
+  if (!StartInstance(flags, "prefill", &in, &o.engine)) return 2;
   o.tp_rank = flags.tp_rank;
   o.tp_size = flags.tp_size;
   o.total_kv_heads = in.total_kv_heads;
@@ -440,18 +448,9 @@ int RunPrefillInstance(const InstanceFlags& flags) {
 }
 
 int RunDecodeInstance(const InstanceFlags& flags) {
-  InstallSignalExit(flags.exit_with_parent);
   Instance in;
-  in.flags = flags;
-  Status s = in.Init(/*fragmented=*/true);
-  if (!s.ok()) {
-    std::fprintf(stderr, "kvferry decode: %s\n", s.ToString().c_str());
-    return 2;
-  }
   DecodeConnectorOptions o;
-  o.engine.listen_host = flags.host;
-  o.engine.transport = flags.transport;
-  o.engine.name = "decode-tp" + std::to_string(flags.tp_rank);
+  if (!StartInstance(flags, "decode", &in, &o.engine)) return 2;
   o.tp_rank = flags.tp_rank;
   o.tp_size = flags.tp_size;
   o.kv_path = flags.kv_path;
