@@ -25,6 +25,7 @@
 #include <string>
 
 #include "kvferry/aux_buffer.h"
+#include "kvferry/cp_split.h"
 #include "kvferry/engine.h"
 #include "kvferry/kv_pool.h"
 #include "kvferry/room.h"
@@ -46,6 +47,10 @@ struct PrefillConnectorOptions {
   std::string bootstrap_address = "127.0.0.1:0";
   bool start_bootstrap_server = true;
   int tp_rank = 0, tp_size = 1, cp_rank = 0, cp_size = 1, pp_rank = 0, pp_size = 1;
+  // Context parallelism (cp_size > 1): this rank holds and sends only its range of each
+  // request's pages (cp_split.h). With cp_all_ranks_send false, the old behaviour: CP rank 0
+  // sends every page and the other ranks only report success.
+  bool cp_all_ranks_send = true;
   // KV heads of the whole model (the pool holds this rank's share). 0: the pool's heads times
   // tp_size, right unless heads are replicated (TP larger than the head count).
   int total_kv_heads = 0;
@@ -74,12 +79,17 @@ class PrefillConnector {
   virtual Status CreateSender(uint64_t room, int64_t num_pages) = 0;
   // Sends pages [first_page, first_page + src_pages.size()) of the request; `src_pages` are
   // this rank's pool pages holding them. The last chunk passes `aux_row` (a row of this
-  // rank's aux buffer) and must complete the request's pages. Does not block on the network.
+  // rank's aux buffer) and must complete the pages this rank sends: all of them, or with
+  // context parallelism its range (SendRange; the last chunk may then be empty). Does not
+  // block on the network.
   // REQUIRES: the room is WaitingForInput or Transferring (wait for it).
   // Errors: kFailedPrecondition (wrong state; the room's failure when failed),
   // kInvalidArgument/kOutOfRange (pages).
   virtual Status SendChunk(uint64_t room, int64_t first_page, std::span<const int32_t> src_pages,
                            std::optional<int32_t> aux_row) = 0;
+
+  // The pages of a request of `num_pages` this rank sends (everything without CP).
+  virtual PageRange SendRange(int64_t num_pages) const = 0;
 
   virtual StatusOr<RoomStatus> Poll(uint64_t room) const = 0;
   // Blocks until the room reaches `state` or later (or fails) or `timeout` passes.

@@ -184,9 +184,9 @@ class DecodeConnectorImpl : public DecodeConnector {
     ASSIGN_OR_RETURN(PrefillTopology topology, client.WaitForTopology(options_.bootstrap_timeout));
     const KvLayout& layout = pool_->layout();
     RETURN_IF_ERROR(CheckPairing(topology, layout.page_size(), DTypeName(layout.geometry().dtype)));
-    if (topology.cp_size != 1 || topology.pp_size != 1) {
-      return UnimplementedError("prefill CP " + std::to_string(topology.cp_size) + " / PP " +
-                                std::to_string(topology.pp_size) + " is not supported yet");
+    if (topology.pp_size != 1) {
+      return UnimplementedError("prefill PP " + std::to_string(topology.pp_size) +
+                                " is not supported yet");
     }
     const AttentionKind attention = layout.geometry().attention;
     const int total_heads = attention == AttentionKind::kMla
@@ -201,7 +201,15 @@ class DecodeConnectorImpl : public DecodeConnector {
           std::to_string(total_heads) + " heads at decode attention TP " +
           std::to_string(options_.tp_size) + " need " + std::to_string(plan.decode_heads));
     }
-    std::vector<HeadSlice> slices = plan.ForDecodeRank(options_.tp_rank);
+    // Every context-parallel rank sends its share of the pages: one entry per (slice, CP rank).
+    std::vector<HeadSlice> slices;
+    std::vector<int> cp_ranks;
+    for (int cp = 0; cp < topology.cp_size; ++cp) {
+      for (const HeadSlice& slice : plan.ForDecodeRank(options_.tp_rank)) {
+        slices.push_back(slice);
+        cp_ranks.push_back(cp);
+      }
+    }
     if (slices.empty()) {
       return FailedPreconditionError("decode TP rank " + std::to_string(options_.tp_rank) +
                                      " is outside decode attention TP " +
@@ -231,11 +239,12 @@ class DecodeConnectorImpl : public DecodeConnector {
       a.watermark_addr = reinterpret_cast<uint64_t>(&watermark_);
     }
     std::vector<std::shared_ptr<PrefillPeer>> peers;
-    std::map<int, std::shared_ptr<PrefillPeer>> by_rank;
-    for (const HeadSlice& slice : slices) {
-      auto& peer = by_rank[slice.prefill_rank];
+    std::map<std::pair<int, int>, std::shared_ptr<PrefillPeer>> by_rank;  // (tp, cp)
+    for (size_t e = 0; e < slices.size(); ++e) {
+      const HeadSlice& slice = slices[e];
+      auto& peer = by_rank[{slice.prefill_rank, cp_ranks[e]}];
       if (peer == nullptr) {
-        ASSIGN_OR_RETURN(PrefillRankInfo rank, client.GetRank(slice.prefill_rank, 0, 0));
+        ASSIGN_OR_RETURN(PrefillRankInfo rank, client.GetRank(slice.prefill_rank, cp_ranks[e], 0));
         ASSIGN_OR_RETURN(SegmentHandle segment, engine_->OpenSegment(rank.engine_address));
         RETURN_IF_ERROR(
             engine_->SendNotification(segment, EncodeControl(reg), options_.bootstrap_timeout));
@@ -253,9 +262,9 @@ class DecodeConnectorImpl : public DecodeConnector {
                          slice.num_heads == plan.decode_heads;
       group->staged.push_back(ring_ != nullptr && !whole && slice.sends);
     }
-    group->aux_slice = 0;
+    group->aux_slice = 0;  // the first sending slice of CP rank 0 (entries start with CP rank 0)
     for (size_t i = 0; i < slices.size(); ++i) {
-      if (slices[i].sends) {
+      if (slices[i].sends && cp_ranks[i] == 0) {
         group->aux_slice = static_cast<int>(i);
         break;
       }

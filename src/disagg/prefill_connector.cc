@@ -40,6 +40,7 @@ struct Destination {
 
 struct SenderRoom {
   int64_t num_pages = 0;
+  PageRange range;  // the pages this rank sends (its context-parallel share)
   int expected_destinations = 0;  // known from decode's first destination
   std::vector<Destination> destinations;
   int64_t next_page = 0;  // chunks arrive in token order
@@ -139,6 +140,8 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     SenderRoom data;
     data.num_pages = num_pages;
+    data.range = SendRange(num_pages);
+    data.next_page = data.range.first_page;
     RETURN_IF_ERROR(rooms_.Create(room, std::move(data),
                                   Clock::now() + options_.bootstrap_timeout,
                                   "decode sent no destination within bootstrap timeout of " +
@@ -185,15 +188,18 @@ class PrefillConnectorImpl : public PrefillConnector {
         return InvalidArgumentError(where + "chunk starts at page " + std::to_string(first_page) +
                                     ", expected " + std::to_string(d.next_page));
       }
-      if (first_page + static_cast<int64_t>(src_pages.size()) > d.num_pages) {
+      const int64_t end = d.range.first_page + d.range.num_pages;
+      if (first_page + static_cast<int64_t>(src_pages.size()) > end) {
         return OutOfRangeError(where + "chunk ends at page " +
                                std::to_string(first_page + src_pages.size()) +
-                               " past the request's " + std::to_string(d.num_pages) + " pages");
+                               " past the pages this rank sends, [" +
+                               std::to_string(d.range.first_page) + ", " + std::to_string(end) +
+                               ") of " + std::to_string(d.num_pages));
       }
-      if (last && first_page + static_cast<int64_t>(src_pages.size()) != d.num_pages) {
+      if (last && first_page + static_cast<int64_t>(src_pages.size()) != end) {
         return InvalidArgumentError(where + "last chunk ends at page " +
-                                    std::to_string(first_page + src_pages.size()) + " of " +
-                                    std::to_string(d.num_pages));
+                                    std::to_string(first_page + src_pages.size()) + ", not " +
+                                    std::to_string(end));
       }
       for (int32_t p : src_pages) {
         if (p < 0 || p >= pool_->num_pages()) {
@@ -252,6 +258,15 @@ class PrefillConnectorImpl : public PrefillConnector {
       }
     }
     return OkStatus();
+  }
+
+  PageRange SendRange(int64_t num_pages) const override {
+    if (options_.cp_size <= 1) return {0, num_pages};
+    if (!options_.cp_all_ranks_send) {
+      return options_.cp_rank == 0 ? PageRange{0, num_pages} : PageRange{0, 0};
+    }
+    auto range = CpPageRange(num_pages, options_.cp_size, options_.cp_rank);
+    return range.ok() ? *range : PageRange{0, 0};
   }
 
   StatusOr<RoomStatus> Poll(uint64_t room) const override { return rooms_.Get(room); }

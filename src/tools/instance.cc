@@ -366,6 +366,9 @@ int RunPrefillInstance(const InstanceFlags& flags) {
   if (!StartInstance(flags, "prefill", &in, &o.engine)) return 2;
   o.tp_rank = flags.tp_rank;
   o.tp_size = flags.tp_size;
+  o.cp_rank = flags.cp_rank;
+  o.cp_size = flags.cp_size;
+  o.cp_all_ranks_send = !flags.cp_rank0_only;
   o.total_kv_heads = in.total_kv_heads;
   if (flags.join_bootstrap.empty()) {
     o.bootstrap_address = flags.host + ":" + std::to_string(flags.bootstrap_port);
@@ -422,16 +425,24 @@ int RunPrefillInstance(const InstanceFlags& flags) {
     }
     auto start = Clock::now();
     if (Status a = in.WriteAuxRow(*row, room); !a.ok()) return fail(a);
-    for (int64_t first = 0; first < num_pages; first += chunk_pages) {
-      int64_t n = std::min(chunk_pages, num_pages - first);
+    // This rank computes and sends its range of the pages (all of them without context
+    // parallelism); a CP rank with an empty range only reports, with an empty last chunk.
+    const PageRange range = c.SendRange(num_pages);
+    const int64_t end = range.first_page + range.num_pages;
+    for (int64_t first = range.first_page; first < end || (first == end && range.num_pages == 0);
+         first += chunk_pages) {
+      int64_t n = std::min(chunk_pages, end - first);
       int64_t first_token = first * layout.page_size();
       int64_t chunk_tokens = std::min<int64_t>(n * layout.page_size(), tokens - first_token);
       // "Compute" this chunk's KV, then hand it to the sender while the next one computes.
-      if (Status f = in.Fill(room, *pages, first_token, chunk_tokens); !f.ok()) return fail(f);
-      bool last = first + n == num_pages;
+      if (chunk_tokens > 0) {
+        if (Status f = in.Fill(room, *pages, first_token, chunk_tokens); !f.ok()) return fail(f);
+      }
+      bool last = first + n == end;
       Status sent = c.SendChunk(room, first, std::span(pages->data() + first, n),
                                 last ? std::optional<int32_t>(*row) : std::nullopt);
       if (!sent.ok()) return fail(sent);
+      if (range.num_pages == 0) break;
     }
     auto done = c.Wait(room, RoomState::kSuccess, milliseconds(flags.timeout_ms));
     double transfer_ms =
@@ -442,7 +453,11 @@ int RunPrefillInstance(const InstanceFlags& flags) {
                             : done.status());
     }
     c.Release(room).IgnoreError();
-    finish(200, {{"ok", true}, {"room", room}, {"pages", num_pages}, {"transfer_ms", transfer_ms}});
+    finish(200, {{"ok", true},
+                 {"room", room},
+                 {"pages", num_pages},
+                 {"pages_sent", range.num_pages},
+                 {"transfer_ms", transfer_ms}});
   });
   return in.Serve(info);
 }
@@ -554,6 +569,11 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
         ->capture_default_str();
   }
   if (prefill) {
+    cmd->add_option("--cp-rank", f->cp_rank, "Context-parallel rank")->capture_default_str();
+    cmd->add_option("--cp-size", f->cp_size, "Context-parallel size (each rank sends its pages)")
+        ->capture_default_str();
+    cmd->add_flag("--cp-rank0-only", f->cp_rank0_only,
+                  "Old behaviour: CP rank 0 sends every page, the others only report");
     cmd->add_option("--join-bootstrap", f->join_bootstrap,
                     "Bootstrap server of prefill rank 0 to register with (ranks > 0)");
     cmd->add_option("--bootstrap-port", f->bootstrap_port, "Bootstrap server port (0 = any)");

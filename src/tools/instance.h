@@ -46,6 +46,11 @@ struct InstanceFlags {
   std::string kv_path = "direct";
   std::string staging_size = "256MiB";
   int exit_with_parent = 0;  // pid of the replay that spawned this instance; 0: none
+  // Prefill context parallelism: rank cp_rank of cp_size sends its share of each request's
+  // pages (cp_split.h); cp_rank0_only keeps the old behaviour (rank 0 sends everything).
+  int cp_rank = 0;
+  int cp_size = 1;
+  bool cp_rank0_only = false;
 };
 
 // Resolves --model / --model-config. Errors name the flag and value.

@@ -48,6 +48,7 @@ struct ReplayFlags {
   uint64_t seed = 0;
   int prefill_tp = 1;
   int decode_tp = 1;
+  int prefill_cp = 1;
   std::string kv_path = "direct";
   InstanceFlags instance;
 };
@@ -187,6 +188,11 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
                       std::to_string(f.tp_size)});
   if (prefill && !f.join_bootstrap.empty()) a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
   if (!prefill) a.insert(a.end(), {"--kv-path", f.kv_path, "--staging-size", f.staging_size});
+  if (prefill && f.cp_size > 1) {
+    a.insert(a.end(), {"--cp-rank", std::to_string(f.cp_rank), "--cp-size",
+                       std::to_string(f.cp_size)});
+    if (f.cp_rank0_only) a.push_back("--cp-rank0-only");
+  }
   a.insert(a.end(), {"--exit-with-parent", std::to_string(::getpid())});
   return a;
 }
@@ -243,8 +249,11 @@ int RunReplay(ReplayFlags flags) {
   if (requests.empty()) return Fail("the workload has no requests");
 
   // Instances: join running ones or start our own, one process per attention TP rank.
-  if (flags.prefill_tp < 1 || flags.decode_tp < 1) {
-    return Fail("--prefill-tp and --decode-tp must be >= 1");
+  if (flags.prefill_tp < 1 || flags.decode_tp < 1 || flags.prefill_cp < 1) {
+    return Fail("--prefill-tp, --decode-tp and --prefill-cp must be >= 1");
+  }
+  if (flags.prefill_cp > 1 && flags.prefill_tp > 1) {
+    return Fail("--prefill-cp with --prefill-tp > 1 is not supported yet");
   }
   if (flags.kv_path != "direct" && flags.kv_path != "staging") {
     return Fail("--kv-path " + flags.kv_path +
@@ -262,7 +271,7 @@ int RunReplay(ReplayFlags flags) {
     if (flags.prefill_address.empty() || flags.decode_address.empty()) {
       return Fail("--prefill and --decode must be given together");
     }
-    if (flags.prefill_tp != 1 || flags.decode_tp != 1) {
+    if (flags.prefill_tp != 1 || flags.decode_tp != 1 || flags.prefill_cp != 1) {
       return Fail("joining running instances supports one rank per side so far");
     }
     auto p = GetJson(flags.prefill_address, "/info");
@@ -275,10 +284,12 @@ int RunReplay(ReplayFlags flags) {
       return Fail("prefill and decode instances use different page sizes");
     }
   } else {
-    auto start_rank = [&](bool prefill, int rank, int size, const std::string& join) {
+    auto start_rank = [&](bool prefill, int rank, int size, const std::string& join, int cp_rank) {
       InstanceFlags f = flags.instance;
       f.tp_rank = rank;
       f.tp_size = size;
+      f.cp_rank = cp_rank;
+      f.cp_size = prefill ? flags.prefill_cp : 1;
       f.join_bootstrap = join;
       auto args = InstanceArgs(f, prefill);
       children.push_back(std::make_unique<ChildInstance>());
@@ -287,14 +298,21 @@ int RunReplay(ReplayFlags flags) {
       (prefill ? prefill_infos : decode_infos).push_back(children.back()->info());
       return OkStatus();
     };
-    for (int r = 0; r < flags.prefill_tp; ++r) {
-      std::string join = r == 0 ? "" : prefill_infos[0]["bootstrap_address"].get<std::string>();
-      if (Status st = start_rank(true, r, flags.prefill_tp, join); !st.ok()) {
-        return Fail(st.message());
+    // Prefill ranks in (cp, tp) order; rank 0 runs the bootstrap server, the rest join it.
+    for (int cp = 0; cp < flags.prefill_cp; ++cp) {
+      for (int r = 0; r < flags.prefill_tp; ++r) {
+        std::string join = prefill_infos.empty()
+                               ? ""
+                               : prefill_infos[0]["bootstrap_address"].get<std::string>();
+        if (Status st = start_rank(true, r, flags.prefill_tp, join, cp); !st.ok()) {
+          return Fail(st.message());
+        }
       }
     }
     for (int d = 0; d < flags.decode_tp; ++d) {
-      if (Status st = start_rank(false, d, flags.decode_tp, ""); !st.ok()) return Fail(st.message());
+      if (Status st = start_rank(false, d, flags.decode_tp, "", 0); !st.ok()) {
+        return Fail(st.message());
+      }
     }
   }
   const json& prefill_info = prefill_infos[0];
@@ -323,6 +341,7 @@ int RunReplay(ReplayFlags flags) {
   const uint64_t room_base = rng() & ~0xFFFFFFull;  // rooms unique across runs
   PageBudget budget(pool_pages);
   Totals totals;
+  std::vector<std::atomic<uint64_t>> pages_sent_per_cp(static_cast<size_t>(flags.prefill_cp));
   LatencyRecorder latency;
   std::mutex errors_mu;
   std::vector<std::string> errors;
@@ -425,6 +444,9 @@ int RunReplay(ReplayFlags flags) {
             totals.bytes += j.value("bytes", 0ull);
           } else {
             transfer_ms = std::max(transfer_ms, j.value("transfer_ms", 0.0));
+            // Prefill ranks are in (cp, tp) order.
+            const size_t cp = (k - num_decode) / static_cast<size_t>(flags.prefill_tp);
+            pages_sent_per_cp[cp] += j.value("pages_sent", 0ull);
           }
         }
         totals.pages_verified += verified;
@@ -477,6 +499,12 @@ int RunReplay(ReplayFlags flags) {
       {"prefill_tp", flags.prefill_tp},
       {"decode_tp", flags.decode_tp},
       {"kv_path", flags.kv_path},
+      {"prefill_cp", flags.prefill_cp},
+      {"pages_sent_per_cp_rank", [&] {
+         json list = json::array();
+         for (auto& p : pages_sent_per_cp) list.push_back(p.load());
+         return list;
+       }()},
       {"trace", source},
   };
   std::vector<std::vector<std::string>> rows = {
@@ -548,6 +576,11 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
       ->capture_default_str();
   cmd->add_option("--decode-tp", flags->decode_tp, "Decode attention TP size")
       ->capture_default_str();
+  cmd->add_option("--prefill-cp", flags->prefill_cp,
+                  "Prefill context-parallel size: each CP rank (a process) sends its pages")
+      ->capture_default_str();
+  cmd->add_flag("--cp-rank0-only", flags->instance.cp_rank0_only,
+                "Old behaviour: CP rank 0 sends every page, the others only report");
   cmd->add_option("--staging-size", flags->instance.staging_size,
                   "Decode staging ring bytes for --kv-path staging")
       ->capture_default_str();

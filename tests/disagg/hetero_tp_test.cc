@@ -171,3 +171,73 @@ TEST(HeteroTpTest, MlaTp2ToTp1AndTp1ToTp2) {
 
 }  // namespace
 }  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// Context parallelism: C prefill CP ranks, each holding (and filling) only its range of the
+// request's pages; decode must get every page. With all_send false only CP rank 0 sends.
+void RunCp(int cp, int64_t tokens, bool all_send) {
+  SCOPED_TRACE("CP " + std::to_string(cp) + " tokens " + std::to_string(tokens) +
+               (all_send ? "" : " rank-0-only"));
+  const int page_size = 4;
+  const ModelGeometry g = Geometry(AttentionKind::kMha, 4);
+  std::vector<std::unique_ptr<Rank>> prefill;
+  std::vector<std::unique_ptr<PrefillConnector>> pconn;
+  std::string bootstrap;
+  for (int c = 0; c < cp; ++c) {
+    prefill.push_back(std::make_unique<Rank>(g, page_size, 0));
+    PrefillConnectorOptions o;
+    o.cp_rank = c;
+    o.cp_size = cp;
+    o.cp_all_ranks_send = all_send;
+    o.start_bootstrap_server = c == 0;
+    if (c > 0) o.bootstrap_address = bootstrap;
+    auto conn = PrefillConnector::Create(o, prefill[c]->pool.get(), prefill[c]->aux.get());
+    ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+    if (c == 0) bootstrap = (*conn)->bootstrap_address();
+    pconn.push_back(std::move(*conn));
+  }
+  Rank decode(g, page_size, 3);
+  auto dconn = DecodeConnector::Create({}, decode.pool.get(), decode.aux.get());
+  ASSERT_TRUE(dconn.ok()) << dconn.status().ToString();
+  const uint64_t room = 4000 + cp;
+  const int64_t num_pages = (tokens + page_size - 1) / page_size;
+  auto dst = *decode.allocator.Allocate(static_cast<int32_t>(num_pages));
+  int32_t dst_row = *decode.aux->AllocateRow();
+  ASSERT_TRUE((*dconn)->CreateReceiver(room, bootstrap, dst, dst_row).ok());
+  int64_t sent = 0;
+  for (int c = 0; c < cp; ++c) {
+    const PageRange range = pconn[c]->SendRange(num_pages);
+    sent += range.num_pages;
+    // This rank's pages sit at their request positions; the others are absent (-1).
+    std::vector<int32_t> pages(num_pages, -1);
+    auto local = *prefill[c]->allocator.Allocate(static_cast<int32_t>(std::max<int64_t>(1, range.num_pages)));
+    for (int64_t i = 0; i < range.num_pages; ++i) pages[range.first_page + i] = local[i];
+    FillTokens(prefill[c]->layout, *prefill[c]->pool, room, pages, 0, tokens);
+    int32_t row = *prefill[c]->aux->AllocateRow();
+    FillAuxRow(prefill[c]->aux->layout(), prefill[c]->aux->Row(row), room);
+    ASSERT_TRUE(pconn[c]->CreateSender(room, num_pages).ok());
+    ASSERT_EQ(pconn[c]->Wait(room, RoomState::kWaitingForInput, milliseconds(5000))->state,
+              RoomState::kWaitingForInput);
+    Status s = pconn[c]->SendChunk(room, range.first_page,
+                                   std::span(pages.data() + range.first_page, range.num_pages), row);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  EXPECT_EQ(sent, num_pages);
+  auto st = (*dconn)->Wait(room, RoomState::kSuccess, milliseconds(10000));
+  ASSERT_EQ(st->state, RoomState::kSuccess) << st->error.ToString();
+  VerifyResult v = VerifyTokens(decode.layout, *decode.pool, room, dst, tokens);
+  EXPECT_EQ(v.pages_mismatched, 0) << v.first_mismatch;
+  EXPECT_TRUE(VerifyAuxRow(decode.aux->layout(), decode.aux->Row(dst_row), room).ok());
+}
+
+TEST(ContextParallelTest, EveryCpRankSendsItsRange) {
+  for (int cp : {2, 3, 4}) RunCp(cp, 45, true);
+  RunCp(4, 7, true);  // 2 pages over 4 ranks: two ranks hold none and only report
+}
+
+TEST(ContextParallelTest, RankZeroOnlyKeepsTheOldBehaviour) { RunCp(3, 45, false); }
+
+}  // namespace
+}  // namespace kvferry

@@ -129,6 +129,41 @@ TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
   EXPECT_NE(bad.output.find("TP 3"), std::string::npos) << bad.output;
 }
 
+// Context parallelism: each prefill CP rank (a process) holds and sends only its balanced range
+// of every request's pages; with --cp-rank0-only, rank 0 sends everything.
+TEST(ReplayTest, EveryContextParallelRankSendsItsPages) {
+  for (int cp : {2, 3, 4}) {
+    for (bool rank0_only : {false, true}) {
+      if (rank0_only && cp != 3) continue;
+      SCOPED_TRACE("CP " + std::to_string(cp) + (rank0_only ? " rank0-only" : ""));
+      std::string out = TempPath("cp.json");
+      auto r = RunCommand(KvferryBinary() + " replay --synthetic 4 --seed 3 --model-config " +
+                          Config("tiny-gqa-config.json") + " --pool-size 64MiB --prefill-cp " +
+                          std::to_string(cp) + (rank0_only ? " --cp-rank0-only" : "") +
+                          " --json " + out);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      json j = ReadJson(out);
+      EXPECT_EQ(j["requests_failed"], 0);
+      EXPECT_EQ(j["mismatches"], 0);
+      EXPECT_EQ(j["pages_verified"], j["pages"]);
+      ASSERT_EQ(j["pages_sent_per_cp_rank"].size(), static_cast<size_t>(cp));
+      uint64_t total = 0, smallest = UINT64_MAX, largest = 0;
+      for (const auto& p : j["pages_sent_per_cp_rank"]) {
+        total += p.get<uint64_t>();
+        smallest = std::min<uint64_t>(smallest, p.get<uint64_t>());
+        largest = std::max<uint64_t>(largest, p.get<uint64_t>());
+      }
+      EXPECT_EQ(total, j["pages"].get<uint64_t>());
+      if (rank0_only) {
+        EXPECT_EQ(j["pages_sent_per_cp_rank"][0].get<uint64_t>(), total);
+      } else {
+        EXPECT_LE(largest - smallest, 4u);  // at most one page per request apart
+      }
+      std::remove(out.c_str());
+    }
+  }
+}
+
 TEST(ReplayTest, RequestLargerThanThePoolIsRejectedOthersWait) {
   std::string trace = TempPath("big.jsonl");
   {
