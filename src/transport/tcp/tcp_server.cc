@@ -116,8 +116,25 @@ void TcpServer::Serve(Connection* connection) {
   bool greeted = false;
   std::string close_reason;
   std::vector<uint8_t> body;
+  // Acknowledgements of successful WRITEs wait here while more requests are already queued in
+  // the socket, then leave in one send: small WRITEs otherwise cost one send() each.
+  // Replies keep their order: everything queued goes out before any other reply.
+  constexpr size_t kMaxQueuedAcks = 64;
+  std::vector<wire::HeaderBytes> queued_acks;
+  auto flush_acks = [&]() -> bool {
+    if (queued_acks.empty()) return true;
+    asio::error_code wec;
+    asio::write(socket, asio::buffer(queued_acks.data(), queued_acks.size() * sizeof(queued_acks[0])),
+                wec);
+    queued_acks.clear();
+    return !wec;
+  };
   while (close_reason.empty()) {
     asio::error_code ec;
+    if (!queued_acks.empty() &&
+        (queued_acks.size() >= kMaxQueuedAcks || socket.available(ec) == 0 || ec)) {
+      if (!flush_acks()) break;
+    }
     auto header = ReadHeader(socket, options_.max_body_bytes, ec);
     if (ec) break;  // peer closed or connection reset: nothing to report
     if (!header.ok()) {
@@ -125,6 +142,7 @@ void TcpServer::Serve(Connection* connection) {
       break;
     }
     const wire::FrameHeader& h = *header;
+    if (h.type != wire::FrameType::kWrite && !flush_acks()) break;
     if (!greeted && h.type != wire::FrameType::kHello) {
       close_reason = std::string("first frame is ") + std::string(wire::FrameTypeName(h.type)) +
                      ", not HELLO";
@@ -159,14 +177,14 @@ void TcpServer::Serve(Connection* connection) {
         auto pin = registry_->PinRange(h.addr, h.length, kAccessRemoteWrite);
         if (!pin.ok()) {
           Discard(socket, h.length, ec);
-          if (ec) break;
+          if (ec || !flush_acks()) break;
           io = WriteReply(socket, wire::FrameType::kWriteAck, h.request_id,
                           pin.status().WithContext("WRITE refused"));
           break;
         }
         if (pin->region().kind != MemoryKind::kHost) {
           Discard(socket, h.length, ec);
-          if (ec) break;
+          if (ec || !flush_acks()) break;
           io = WriteReply(socket, wire::FrameType::kWriteAck, h.request_id,
                           UnimplementedError("WRITE into device memory over TCP is not "
                                              "supported by this build"));
@@ -174,7 +192,10 @@ void TcpServer::Serve(Connection* connection) {
         }
         asio::read(socket, asio::buffer(reinterpret_cast<void*>(h.addr), h.length), ec);
         if (ec) break;
-        io = WriteReply(socket, wire::FrameType::kWriteAck, h.request_id, OkStatus());
+        wire::FrameHeader ack;
+        ack.type = wire::FrameType::kWriteAck;
+        ack.request_id = h.request_id;
+        queued_acks.push_back(wire::EncodeFrameHeader(ack));
         break;
       }
       case wire::FrameType::kRead: {
@@ -219,6 +240,7 @@ void TcpServer::Serve(Connection* connection) {
     }
     if (ec || !io.ok()) break;
   }
+  flush_acks();  // WRITEs that landed before the connection closes are still acknowledged
   if (!close_reason.empty()) {
     KVF_LOG_WARN("closing connection from {} ({}): {}", peer_endpoint,
                  peer.name.empty() ? "no handshake" : peer.name, close_reason);
