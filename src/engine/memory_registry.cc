@@ -102,15 +102,6 @@ bool MemoryRegistry::Lookup(uint64_t addr, uint64_t length, Span* out) const {
   return true;
 }
 
-StatusOr<RegionDescriptor> MemoryRegistry::Find(uint64_t addr, uint64_t length) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = regions_.upper_bound(addr);
-  if (it == regions_.begin() || !std::prev(it)->second->region.Contains(addr, length)) {
-    return NotFoundError("range " + RangeText(addr, length) + " is not registered");
-  }
-  return std::prev(it)->second->region;
-}
-
 std::vector<RegionDescriptor> MemoryRegistry::Regions() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<RegionDescriptor> out;

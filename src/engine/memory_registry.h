@@ -64,8 +64,6 @@ class MemoryRegistry {
   };
   // True when [addr, addr + length) lies inside one registered region; fills `out`.
   bool Lookup(uint64_t addr, uint64_t length, Span* out) const;
-  // Finds the region holding [addr, addr + length) (local lookups; no access check).
-  StatusOr<RegionDescriptor> Find(uint64_t addr, uint64_t length) const;
 
   std::vector<RegionDescriptor> Regions() const;
 

@@ -405,17 +405,16 @@ int RunPrefillInstance(const InstanceFlags& flags) {
     const int64_t tokens = admitted->tokens, num_pages = admitted->num_pages;
     const std::vector<int32_t>* pages = &admitted->pages;
     const int32_t* row = &admitted->row;
-    auto finish = [&](int code, json out) { Reply(res, code, out); };
     Status created = c.CreateSender(room, num_pages);
     if (!created.ok()) {
-      return finish(HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
+      return Reply(res, HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
     }
     auto fail = [&](const Status& why) {
       c.Abort(room, why.message()).IgnoreError();
       auto st = c.Poll(room);
       std::string reason = st.ok() && !st->error.ok() ? st->error.ToString() : why.ToString();
       c.Release(room).IgnoreError();
-      finish(500, {{"ok", false}, {"error", reason}});
+      Reply(res, 500, {{"ok", false}, {"error", reason}});
     };
     auto ready = c.Wait(room, RoomState::kWaitingForInput, milliseconds(flags.timeout_ms));
     if (!ready.ok() || ready->state != RoomState::kWaitingForInput) {
@@ -453,7 +452,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
                             : done.status());
     }
     c.Release(room).IgnoreError();
-    finish(200, {{"ok", true},
+    Reply(res, 200, {{"ok", true},
                  {"room", room},
                  {"pages", num_pages},
                  {"pages_sent", range.num_pages},
@@ -508,10 +507,9 @@ int RunDecodeInstance(const InstanceFlags& flags) {
     const std::vector<int32_t>* pages = &admitted->pages;
     const int32_t* row = &admitted->row;
     const std::string bootstrap = admitted->body["bootstrap_address"].get<std::string>();
-    auto finish = [&](int code, json out) { Reply(res, code, out); };
     Status created = c.CreateReceiver(room, bootstrap, *pages, *row);
     if (!created.ok()) {
-      return finish(HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
+      return Reply(res, HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
     }
     auto done = c.Wait(room, RoomState::kSuccess, milliseconds(2 * flags.timeout_ms));
     if (!done.ok() || done->state != RoomState::kSuccess) {
@@ -519,12 +517,12 @@ int RunDecodeInstance(const InstanceFlags& flags) {
       auto st = c.Poll(room);
       std::string reason = st.ok() && !st->error.ok() ? st->error.ToString() : "room did not finish";
       c.Release(room).IgnoreError();
-      return finish(500, {{"ok", false}, {"error", reason}});
+      return Reply(res, 500, {{"ok", false}, {"error", reason}});
     }
     auto v = in.Verify(room, *pages, tokens);
     Status aux_ok = in.CheckAuxRow(*row, room);
     c.Release(room).IgnoreError();
-    if (!v.ok()) return finish(500, {{"ok", false}, {"error", v.status().ToString()}});
+    if (!v.ok()) return Reply(res, 500, {{"ok", false}, {"error", v.status().ToString()}});
     const int64_t pages_mismatched = v->first;
     int64_t mismatched_pages = std::min<int64_t>(num_pages, pages_mismatched);
     json out = {{"ok", true},
@@ -536,7 +534,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
                               in.aux->layout().row_bytes()}};
     if (pages_mismatched > 0) out["first_mismatch"] = v->second;
     if (!aux_ok.ok()) out["aux_error"] = aux_ok.ToString();
-    finish(200, out);
+    Reply(res, 200, out);
   });
   return in.Serve(info);
 }

@@ -16,11 +16,13 @@
 #include <random>
 #include <thread>
 
+#include "common/checks.h"
 #include "common/env.h"
 #include "cuda/device_memory.h"
 #include "tools/commands.h"
 #include "kvferry/tp_plan.h"
 #include "tools/instance.h"
+#include "transport/tcp/tcp_common.h"
 #include "tools/stats.h"
 #include "tools/trace.h"
 
@@ -52,6 +54,14 @@ struct ReplayFlags {
   std::string kv_path = "direct";
   InstanceFlags instance;
 };
+
+// An HTTP client for an instance's control "host:port". Errors: kInvalidArgument naming it.
+StatusOr<std::unique_ptr<httplib::Client>> ControlClient(const std::string& address) {
+  std::string host;
+  uint16_t port = 0;
+  RETURN_IF_ERROR(tcp::ParseAddress(address, &host, &port));
+  return std::make_unique<httplib::Client>(host, port);
+}
 
 // A child instance process started by the replay.
 class ChildInstance {
@@ -103,10 +113,10 @@ class ChildInstance {
   void Stop() {
     if (pid_ <= 0) return;
     if (info_.contains("control_address")) {
-      std::string addr = info_["control_address"];
-      httplib::Client c(addr.substr(0, addr.rfind(':')), std::stoi(addr.substr(addr.rfind(':') + 1)));
-      c.set_connection_timeout(2);
-      c.Post("/shutdown");
+      if (auto c = ControlClient(info_["control_address"]); c.ok()) {
+        (*c)->set_connection_timeout(2);
+        (*c)->Post("/shutdown");
+      }
     }
     for (int i = 0; i < 100; ++i) {
       int status = 0;
@@ -127,11 +137,9 @@ class ChildInstance {
 };
 
 StatusOr<json> GetJson(const std::string& address, const std::string& path) {
-  size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return InvalidArgumentError("address '" + address + "' is not host:port");
-  httplib::Client c(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
-  c.set_connection_timeout(5);
-  auto res = c.Get(path.c_str());
+  ASSIGN_OR_RETURN(auto c, ControlClient(address));
+  c->set_connection_timeout(5);
+  auto res = c->Get(path.c_str());
   if (!res) return UnavailableError("cannot reach instance at " + address);
   json j = json::parse(res->body, nullptr, false);
   if (j.is_discarded()) return InternalError(address + path + " returned no JSON");
@@ -328,6 +336,13 @@ int RunReplay(ReplayFlags flags) {
     decode_ctl.push_back(j["control_address"]);
   }
   const std::string bootstrap = prefill_info["bootstrap_address"];
+  for (const auto* list : {&prefill_ctl, &decode_ctl}) {
+    for (const std::string& a : *list) {
+      if (auto c = ControlClient(a); !c.ok()) {
+        return Fail("instance control address: " + c.status().message());
+      }
+    }
+  }
 
   std::fprintf(stderr,
                "kvferry replay: %zu requests from %s | model %s, page size %d, %lld pages per "
@@ -349,15 +364,11 @@ int RunReplay(ReplayFlags flags) {
   std::atomic<size_t> next{0};
   const auto start = Clock::now();
 
-  auto split = [](const std::string& a) {
-    return std::make_pair(a.substr(0, a.rfind(':')), std::stoi(a.substr(a.rfind(':') + 1)));
-  };
   const time_t read_timeout = static_cast<time_t>(3 * flags.instance.timeout_ms / 1000 + 10);
   auto make_clients = [&](const std::vector<std::string>& addresses) {
     std::vector<std::unique_ptr<httplib::Client>> clients;
     for (const std::string& a : addresses) {
-      auto [host, port] = split(a);
-      clients.push_back(std::make_unique<httplib::Client>(host, port));
+      clients.push_back(std::move(*ControlClient(a)));  // validated below, before any worker
       clients.back()->set_read_timeout(read_timeout);
     }
     return clients;
