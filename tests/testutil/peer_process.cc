@@ -8,6 +8,7 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -110,11 +111,21 @@ void PeerProcess::Kill() {
 }
 
 void PeerProcess::Stop() {
-  if (pid_ > 0) ::kill(pid_, SIGSTOP);
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGSTOP);
+  // kill() only queues the signal: the child may still run (and answer a
+  // request) until it is next scheduled. Wait until it has really stopped.
+  int status = 0;
+  while (::waitpid(pid_, &status, WUNTRACED) < 0 && errno == EINTR) {
+  }
 }
 
 void PeerProcess::Continue() {
-  if (pid_ > 0) ::kill(pid_, SIGCONT);
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGCONT);
+  int status = 0;
+  while (::waitpid(pid_, &status, WCONTINUED) < 0 && errno == EINTR) {
+  }
 }
 
 }  // namespace kvferry::testutil
