@@ -29,6 +29,7 @@
 #include "kvferry/engine.h"
 #include "kvferry/kv_pool.h"
 #include "kvferry/room.h"
+#include "kvferry/state_pool.h"
 
 namespace kvferry {
 
@@ -55,6 +56,10 @@ struct PrefillConnectorOptions {
   // tp_size, right unless heads are replicated (TP larger than the head count).
   int total_kv_heads = 0;
   std::string model;  // informational, published via bootstrap
+  // Hybrid models: this rank's linear-attention state pool (caller-owned, outlives the
+  // connector; its TP share must match tp_size). Each room then names its state slot in
+  // CreateSender, and the slot's state travels with the room's last chunk. Null: no state.
+  StatePool* state_pool = nullptr;
   // How long a sender waits for decode's destination before failing. Default 60 s.
   std::chrono::milliseconds bootstrap_timeout{60000};
   // Deadline of each chunk's transfer batch. Default 60 s.
@@ -74,9 +79,14 @@ class PrefillConnector {
   virtual std::string bootstrap_address() const = 0;
   virtual std::string engine_address() const = 0;
 
-  // Starts a room for a request of `num_pages` pages. Errors: kAlreadyExists (duplicate room
-  // id: only this request is refused), kInvalidArgument.
-  virtual Status CreateSender(uint64_t room, int64_t num_pages) = 0;
+  // Starts a room for a request of `num_pages` pages whose linear-attention state (hybrid
+  // models) sits in `state_slot` of options.state_pool (-1 without a state pool). The slot must
+  // hold the final state when the last chunk is sent. Errors: kAlreadyExists (duplicate room
+  // id: only this request is refused), kInvalidArgument, kOutOfRange (state slot).
+  virtual Status CreateSender(uint64_t room, int64_t num_pages, int32_t state_slot) = 0;
+  Status CreateSender(uint64_t room, int64_t num_pages) {
+    return CreateSender(room, num_pages, -1);
+  }
   // Sends pages [first_page, first_page + src_pages.size()) of the request; `src_pages` are
   // this rank's pool pages holding them. The last chunk passes `aux_row` (a row of this
   // rank's aux buffer) and must complete the pages this rank sends: all of them, or with
@@ -126,6 +136,9 @@ struct DecodeConnectorOptions {
   // Staging ring bytes (host memory) for kv_path "staging". A chunk slice larger than the ring
   // fails that room only. Default 256 MiB.
   uint64_t staging_bytes = 256ull << 20;
+  // Hybrid models: this rank's linear-attention state pool (caller-owned); each room names
+  // the slot its state lands in (CreateReceiver). Null: no state.
+  StatePool* state_pool = nullptr;
 };
 
 class DecodeConnector {
@@ -136,11 +149,17 @@ class DecodeConnector {
 
   virtual std::string engine_address() const = 0;
 
-  // Starts receiving a request into `dst_pages` (decode pool pages in token order) and
-  // `aux_row`. Bootstrapping runs in the background. Errors: kAlreadyExists (duplicate
-  // room), kInvalidArgument/kOutOfRange (pages, row).
+  // Starts receiving a request into `dst_pages` (decode pool pages in token order), `aux_row`
+  // and, for hybrid models, `state_slot` of options.state_pool (-1 without a state pool).
+  // Bootstrapping runs in the background. Errors: kAlreadyExists (duplicate room),
+  // kInvalidArgument/kOutOfRange (pages, row, slot).
   virtual Status CreateReceiver(uint64_t room, const std::string& bootstrap_address,
-                                std::span<const int32_t> dst_pages, int32_t aux_row) = 0;
+                                std::span<const int32_t> dst_pages, int32_t aux_row,
+                                int32_t state_slot) = 0;
+  Status CreateReceiver(uint64_t room, const std::string& bootstrap_address,
+                        std::span<const int32_t> dst_pages, int32_t aux_row) {
+    return CreateReceiver(room, bootstrap_address, dst_pages, aux_row, -1);
+  }
   virtual StatusOr<RoomStatus> Poll(uint64_t room) const = 0;
   virtual StatusOr<RoomStatus> Wait(uint64_t room, RoomState state,
                                     std::chrono::milliseconds timeout) = 0;

@@ -57,14 +57,58 @@ struct ModelGeometry {
   int hidden_size = 0;             // model width, elements (sizes the hidden state in aux rows)
   DType dtype = DType::kBFloat16;  // KV cache element type
 
+  // Hybrid models (Qwen3-Next, Qwen3.5): besides the full-attention layers above, which keep
+  // paged KV (num_layers counts only them), num_linear_layers linear-attention (Gated DeltaNet)
+  // layers keep one fixed-size state per request instead of pages: a convolution state
+  // [conv_dim, linear_conv_kernel_dim - 1] in `dtype` with
+  //   conv_dim = 2 * linear_num_key_heads * linear_key_head_dim
+  //              + linear_num_value_heads * linear_value_head_dim,
+  // and a recurrent state [linear_num_value_heads, linear_value_head_dim, linear_key_head_dim]
+  // in linear_state_dtype (SGLang's MambaPool keeps it in float32 by default). Model layer l
+  // (0-based) is full attention iff (l + 1) % full_attention_interval == 0. All zero for
+  // models without linear attention.
+  int num_linear_layers = 0;
+  int full_attention_interval = 0;
+  int linear_num_key_heads = 0;
+  int linear_num_value_heads = 0;
+  int linear_key_head_dim = 0;
+  int linear_value_head_dim = 0;
+  int linear_conv_kernel_dim = 0;
+  DType linear_state_dtype = DType::kFloat32;
+
+  bool hybrid() const { return num_linear_layers > 0; }
+  // Every layer of the model: full attention and linear attention.
+  int num_model_layers() const { return num_layers + num_linear_layers; }
+  // Channels of the convolution state (see above); 0 when not hybrid.
+  int linear_conv_dim() const {
+    return 2 * linear_num_key_heads * linear_key_head_dim +
+           linear_num_value_heads * linear_value_head_dim;
+  }
+  // Where model layer `layer` keeps its cache: linear = false: attention layer `index` (its KV
+  // buffers); linear = true: linear-attention layer `index` (its state buffers).
+  // REQUIRES 0 <= layer < num_model_layers().
+  struct LayerRef {
+    bool linear = false;
+    int index = 0;
+  };
+  LayerRef ModelLayer(int layer) const {
+    if (!hybrid()) return {false, layer};
+    const int full_before = (layer + 1) / full_attention_interval;  // full layers in [0, layer]
+    if ((layer + 1) % full_attention_interval == 0) return {false, full_before - 1};
+    return {true, layer - full_before};
+  }
+  // State bytes of one request over all linear-attention layers (whole model, no TP split).
+  uint64_t StateBytesPerRequest() const;
+
   // KV bytes one token occupies over all layers:
   //   MHA: 2 * num_layers * num_kv_heads * head_dim * DTypeSize(dtype)
   //   MLA: num_layers * (kv_lora_rank + qk_rope_head_dim) * DTypeSize(dtype)
   uint64_t KvBytesPerToken() const;
 };
 
-// Hard-coded geometries of real GQA and MLA models (bf16 cache): llama-3.1-8b, llama-3.1-70b,
-// qwen3-8b, qwen3-32b, qwen3-235b-a22b, deepseek-v3. The returned vector lives forever.
+// Hard-coded geometries of real models (bf16 cache): GQA llama-3.1-8b, llama-3.1-70b,
+// qwen3-8b, qwen3-32b, qwen3-235b-a22b; MLA deepseek-v3; hybrid qwen3-next-80b-a3b and
+// qwen3.5-397b-a17b. The returned vector lives forever.
 const std::vector<ModelGeometry>& ModelPresets();
 
 // Returns the preset named exactly `name`. Errors: kNotFound listing the known names.
@@ -75,7 +119,12 @@ StatusOr<ModelGeometry> FindModelPreset(std::string_view name);
 //   num_key_value_heads (default num_attention_heads),
 //   head_dim (default hidden_size / num_attention_heads, which must divide evenly),
 //   kv_lora_rank + qk_rope_head_dim present => MLA,
-//   torch_dtype (or the newer "dtype"; default bfloat16).
+//   torch_dtype (or the newer "dtype"; default bfloat16),
+//   hybrid linear attention when linear_num_value_heads is present: linear_num_key_heads,
+//   linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim (all required then),
+//   the layer pattern from layer_types ("linear_attention" / "full_attention", periodic) or
+//   full_attention_interval, and mamba_ssm_dtype (default float32) for the recurrent state.
+// A multimodal config whose model lives under "text_config" is read from there.
 // Errors: kInvalidArgument naming the missing or invalid field (not JSON, a field of the wrong
 // type, zero or negative sizes, head_dim not an integer, attention heads not a multiple of KV
 // heads).

@@ -5,7 +5,7 @@
 namespace kvferry {
 namespace {
 constexpr uint32_t kControlMagic = 0x4346564Bu;  // "KVFC"
-constexpr uint16_t kControlVersion = 1;
+constexpr uint16_t kControlVersion = 2;
 constexpr uint32_t kMaxControlString = 4096;
 constexpr uint32_t kMaxBuffers = 1u << 16;
 }  // namespace
@@ -36,6 +36,12 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U64(a.staging_base);
       w.U64(a.staging_bytes);
       w.U64(a.watermark_addr);
+      w.U32(static_cast<uint32_t>(a.state_bases.size()));
+      for (size_t i = 0; i < a.state_bases.size(); ++i) {
+        w.U64(a.state_bases[i]);
+        w.U64(i < a.state_slot_bytes.size() ? a.state_slot_bytes[i] : 0);
+      }
+      w.U32(static_cast<uint32_t>(a.num_state_slots));
       break;
     }
     case ControlType::kTransferInfo:
@@ -48,6 +54,12 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U8(static_cast<uint8_t>((m.slice.sends ? 1 : 0) | (m.slice.sends_aux ? 2 : 0) |
                                 (m.slice.staging ? 4 : 0)));
       w.U32(static_cast<uint32_t>(m.slice.decode_ranks));
+      w.U32(static_cast<uint32_t>(m.state_slot));
+      w.U8(m.slice.sends_state ? 1 : 0);
+      w.U32(static_cast<uint32_t>(m.slice.state_src_part));
+      w.U32(static_cast<uint32_t>(m.slice.state_src_parts));
+      w.U32(static_cast<uint32_t>(m.slice.state_dst_part));
+      w.U32(static_cast<uint32_t>(m.slice.state_dst_parts));
       break;
     case ControlType::kAbort:
     case ControlType::kRoomFailed:
@@ -120,6 +132,18 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       if (!r.U64(&a.staging_base) || !r.U64(&a.staging_bytes) || !r.U64(&a.watermark_addr)) {
         return bad("");
       }
+      uint32_t num_state = 0, state_slots = 0;
+      if (!r.U32(&num_state)) return bad("");
+      if (num_state > kMaxBuffers) return bad(std::to_string(num_state) + " state buffers");
+      if (!r.Fits(num_state, 16, "state buffers")) return bad("");
+      a.state_bases.resize(num_state);
+      a.state_slot_bytes.resize(num_state);
+      for (uint32_t i = 0; i < num_state; ++i) {
+        if (!r.U64(&a.state_bases[i]) || !r.U64(&a.state_slot_bytes[i])) return bad("");
+      }
+      if (!r.U32(&state_slots)) return bad("");
+      a.num_state_slots = static_cast<int32_t>(state_slots);
+      if (a.num_state_slots < 0) return bad("negative state slot count");
       if (a.tp_size < 1 || a.heads_per_token < 0) return bad("bad TP size or head count");
       a.tp_rank = static_cast<int32_t>(tp);
       a.page_size = static_cast<int32_t>(page_size);
@@ -158,6 +182,24 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       if (m.slice.src_head_start < 0 || m.slice.dst_head_start < 0 || m.slice.num_heads < 0 ||
           m.slice.decode_ranks < 1 || (flags & ~7u) != 0) {
         return bad("bad head slice");
+      }
+      uint32_t slot = 0, sp = 0, sps = 0, dp = 0, dps = 0;
+      uint8_t sends_state = 0;
+      if (!r.U32(&slot) || !r.U8(&sends_state) || !r.U32(&sp) || !r.U32(&sps) || !r.U32(&dp) ||
+          !r.U32(&dps)) {
+        return bad("");
+      }
+      m.state_slot = static_cast<int32_t>(slot);
+      m.slice.sends_state = sends_state == 1;
+      m.slice.state_src_part = static_cast<int32_t>(sp);
+      m.slice.state_src_parts = static_cast<int32_t>(sps);
+      m.slice.state_dst_part = static_cast<int32_t>(dp);
+      m.slice.state_dst_parts = static_cast<int32_t>(dps);
+      if (sends_state > 1 || m.state_slot < -1 || m.slice.state_src_parts < 1 ||
+          m.slice.state_dst_parts < 1 || m.slice.state_src_part < 0 ||
+          m.slice.state_src_part >= m.slice.state_src_parts || m.slice.state_dst_part < 0 ||
+          m.slice.state_dst_part >= m.slice.state_dst_parts) {
+        return bad("bad state slice");
       }
       break;
     }

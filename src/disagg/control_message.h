@@ -53,6 +53,11 @@ struct DecodeKvArgs {
   uint64_t staging_base = 0;    // staging ring (0: none)
   uint64_t staging_bytes = 0;
   uint64_t watermark_addr = 0;  // WatermarkCell of the ring
+  // Linear-attention state pool (hybrid models; empty when none): per state buffer, the
+  // address of slot 0 and the bytes of one slot of this decode rank's share.
+  std::vector<uint64_t> state_bases;
+  std::vector<uint64_t> state_slot_bytes;
+  int32_t num_state_slots = 0;
 };
 
 // The staging ring's watermark as decode publishes it for one-sided READs: a reader that sees
@@ -76,6 +81,12 @@ struct SliceInfo {
   bool sends_aux = true;      // this prefill rank also writes the aux row
   int32_t decode_ranks = 1;   // decode ranks this prefill rank serves for the room
   bool staging = false;       // send through decode's staging ring instead of direct slices
+  // Linear-attention state (hybrid models), split along its TP dimension: the prefill rank
+  // sends part src_part of src_parts of its slot into part dst_part of dst_parts of decode's
+  // (Ps > Ds: its whole share at part r mod (Ps/Ds); Ps < Ds: part d mod (Ds/Ps) of its own).
+  bool sends_state = false;
+  int32_t state_src_part = 0, state_src_parts = 1;
+  int32_t state_dst_part = 0, state_dst_parts = 1;
 };
 
 // A staging region of one chunk (kStagingRequest / kStagingGrant / kStagingReady).
@@ -97,6 +108,7 @@ struct ControlMessage {
   DecodeKvArgs kv_args;            // kRegisterDecode
   std::vector<int32_t> dst_pages;  // kTransferInfo: decode page per request page
   int32_t aux_row = -1;            // kTransferInfo
+  int32_t state_slot = -1;         // kTransferInfo: decode's state slot (-1: none)
   SliceInfo slice;                 // kTransferInfo
   StagingChunk chunk;              // kStaging*
   uint32_t status_code = 0;        // kRoomFailed

@@ -40,6 +40,7 @@ struct PrefillGroup {
   std::vector<std::shared_ptr<PrefillPeer>> peers;  // per slice
   std::vector<int> decode_ranks_of_prefill;         // per slice: decode ranks its rank serves
   std::vector<bool> staged;                         // per slice: through the staging ring
+  std::vector<SliceInfo> state;                     // per slice: its linear-attention state part
   int aux_slice = 0;                                // the slice whose rank writes the aux row
 };
 
@@ -48,6 +49,7 @@ struct ReceiverRoom {
   std::vector<std::shared_ptr<PrefillPeer>> prefills;  // every rank taking part
   std::vector<int32_t> dst_pages;
   int32_t aux_row = -1;
+  int32_t state_slot = -1;
   int expected_responses = 1;  // prefill ranks that must report done
   int responses = 0;
 
@@ -79,6 +81,15 @@ class DecodeConnectorImpl : public DecodeConnector {
                                             kAccessRemoteWrite));
     RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), aux_->location(),
                                             kAccessRemoteWrite));
+    if (StatePool* state = options_.state_pool; state != nullptr) {
+      if (state->layout().tp_size() != options_.tp_size) {
+        return InvalidArgumentError("state pool holds the share of TP " +
+                                    std::to_string(state->layout().tp_size()) +
+                                    ", connector runs at TP " + std::to_string(options_.tp_size));
+      }
+      RETURN_IF_ERROR(engine_->RegisterMemory(state->data(), state->size_bytes(),
+                                              state->location(), kAccessRemoteWrite));
+    }
     if (options_.kv_path != "direct" && options_.kv_path != "staging") {
       return InvalidArgumentError("kv_path must be direct or staging, got '" + options_.kv_path +
                                   "'");
@@ -118,7 +129,8 @@ class DecodeConnectorImpl : public DecodeConnector {
   std::string engine_address() const override { return engine_->LocalDescriptor().Address(); }
 
   Status CreateReceiver(uint64_t room, const std::string& bootstrap_address,
-                        std::span<const int32_t> dst_pages, int32_t aux_row) override {
+                        std::span<const int32_t> dst_pages, int32_t aux_row,
+                        int32_t state_slot) override {
     std::string where = "room " + std::to_string(room) + ": ";
     if (dst_pages.empty()) return InvalidArgumentError(where + "no destination pages");
     for (int32_t p : dst_pages) {
@@ -131,7 +143,18 @@ class DecodeConnectorImpl : public DecodeConnector {
       return OutOfRangeError(where + "aux row " + std::to_string(aux_row) + " outside " +
                              std::to_string(aux_->num_rows()) + " rows");
     }
+    const StatePool* state = options_.state_pool;
+    if (state == nullptr && state_slot != -1) {
+      return InvalidArgumentError(where + "state slot " + std::to_string(state_slot) +
+                                  " given, but the connector has no state pool");
+    }
+    if (state != nullptr && (state_slot < 0 || state_slot >= state->num_slots())) {
+      return OutOfRangeError(where + "state slot " + std::to_string(state_slot) +
+                             " outside the state pool of " + std::to_string(state->num_slots()) +
+                             " slots");
+    }
     ReceiverRoom data;
+    data.state_slot = state_slot;
     data.bootstrap_address = bootstrap_address;
     data.dst_pages.assign(dst_pages.begin(), dst_pages.end());
     data.aux_row = aux_row;
@@ -233,6 +256,13 @@ class DecodeConnectorImpl : public DecodeConnector {
     a.aux_base = reinterpret_cast<uint64_t>(aux_->data());
     a.aux_row_bytes = aux_->layout().row_bytes();
     a.num_aux_rows = aux_->num_rows();
+    if (const StatePool* state = options_.state_pool; state != nullptr) {
+      for (int b = 0; b < state->layout().num_buffers(); ++b) {
+        a.state_bases.push_back(reinterpret_cast<uint64_t>(state->BufferBase(b)));
+        a.state_slot_bytes.push_back(state->layout().slot_bytes(b));
+      }
+      a.num_state_slots = state->num_slots();
+    }
     if (ring_ != nullptr) {
       a.staging_base = reinterpret_cast<uint64_t>(staging_.data());
       a.staging_bytes = staging_.size();
@@ -261,6 +291,7 @@ class DecodeConnectorImpl : public DecodeConnector {
                          slice.num_heads == plan.prefill_heads &&
                          slice.num_heads == plan.decode_heads;
       group->staged.push_back(ring_ != nullptr && !whole && slice.sends);
+      group->state.push_back(StateSlice(topology.tp_size, slice.prefill_rank, cp_ranks[e]));
     }
     group->aux_slice = 0;  // the first sending slice of CP rank 0 (entries start with CP rank 0)
     for (size_t i = 0; i < slices.size(); ++i) {
@@ -273,6 +304,24 @@ class DecodeConnectorImpl : public DecodeConnector {
     group->peers = std::move(peers);
     group->ready = true;
     return group;
+  }
+
+  // Which part of prefill rank `prefill_rank`'s state this rank takes, split along the state's
+  // TP dimension: with Ps > Ds each prefill rank's whole share lands at part r mod (Ps/Ds);
+  // with Ps < Ds this rank takes part d mod (Ds/Ps) of its prefill rank's share. Only CP rank 0
+  // sends state (it is per request, not per token).
+  SliceInfo StateSlice(int prefill_tp, int prefill_rank, int cp_rank) const {
+    SliceInfo s;
+    s.sends_state = options_.state_pool != nullptr && cp_rank == 0;
+    const int decode_tp = options_.tp_size;
+    if (prefill_tp > decode_tp) {
+      s.state_dst_parts = prefill_tp / decode_tp;
+      s.state_dst_part = prefill_rank % s.state_dst_parts;
+    } else if (prefill_tp < decode_tp) {
+      s.state_src_parts = decode_tp / prefill_tp;
+      s.state_src_part = options_.tp_rank % s.state_src_parts;
+    }
+    return s;
   }
 
   // Runs on the bootstrap queue.
@@ -311,6 +360,12 @@ class DecodeConnectorImpl : public DecodeConnector {
       info.slice.sends_aux = static_cast<int>(i) == g.aux_slice;
       info.slice.decode_ranks = g.decode_ranks_of_prefill[i];
       info.slice.staging = g.staged[i];
+      info.state_slot = copy.state_slot;
+      info.slice.sends_state = g.state[i].sends_state;
+      info.slice.state_src_part = g.state[i].state_src_part;
+      info.slice.state_src_parts = g.state[i].state_src_parts;
+      info.slice.state_dst_part = g.state[i].state_dst_part;
+      info.slice.state_dst_parts = g.state[i].state_dst_parts;
       Status sent = engine_->SendNotification(g.peers[i]->segment, EncodeControl(info),
                                               options_.bootstrap_timeout);
       if (!sent.ok()) {

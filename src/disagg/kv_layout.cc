@@ -66,6 +66,18 @@ uint64_t ModelGeometry::KvBytesPerToken() const {
          static_cast<uint64_t>(std::max(head_dim, 0)) * elem;
 }
 
+uint64_t ModelGeometry::StateBytesPerRequest() const {
+  if (!hybrid()) return 0;
+  const uint64_t conv = static_cast<uint64_t>(linear_conv_dim()) *
+                        static_cast<uint64_t>(std::max(linear_conv_kernel_dim - 1, 0)) *
+                        DTypeSize(dtype);
+  const uint64_t recurrent = static_cast<uint64_t>(linear_num_value_heads) *
+                             static_cast<uint64_t>(linear_value_head_dim) *
+                             static_cast<uint64_t>(linear_key_head_dim) *
+                             DTypeSize(linear_state_dtype);
+  return static_cast<uint64_t>(num_linear_layers) * (conv + recurrent);
+}
+
 namespace {
 
 ModelGeometry Gqa(std::string name, int layers, int heads, int kv_heads, int head_dim,
@@ -98,6 +110,23 @@ ModelGeometry Mla(std::string name, int layers, int heads, int kv_lora_rank, int
   return g;
 }
 
+// A hybrid model: `layers` in all, every `interval`-th one full attention (GQA), the others
+// Gated DeltaNet linear attention with a per-request state.
+ModelGeometry Hybrid(std::string name, int layers, int interval, int heads, int kv_heads,
+                     int head_dim, int hidden_size, int linear_key_heads, int linear_value_heads,
+                     int linear_head_dim, int conv_kernel) {
+  ModelGeometry g = Gqa(std::move(name), layers / interval, heads, kv_heads, head_dim, hidden_size);
+  g.num_linear_layers = layers - layers / interval;
+  g.full_attention_interval = interval;
+  g.linear_num_key_heads = linear_key_heads;
+  g.linear_num_value_heads = linear_value_heads;
+  g.linear_key_head_dim = linear_head_dim;
+  g.linear_value_head_dim = linear_head_dim;
+  g.linear_conv_kernel_dim = conv_kernel;
+  g.linear_state_dtype = DType::kFloat32;
+  return g;
+}
+
 }  // namespace
 
 const std::vector<ModelGeometry>& ModelPresets() {
@@ -109,6 +138,8 @@ const std::vector<ModelGeometry>& ModelPresets() {
       Gqa("qwen3-32b", 64, 64, 8, 128, 5120),  // head_dim explicit: 5120 / 64 would be 80
       Gqa("qwen3-235b-a22b", 94, 64, 4, 128, 4096),
       Mla("deepseek-v3", 61, 128, 512, 64, 7168),
+      Hybrid("qwen3-next-80b-a3b", 48, 4, 16, 2, 256, 2048, 16, 32, 128, 4),
+      Hybrid("qwen3.5-397b-a17b", 60, 4, 32, 2, 256, 4096, 16, 64, 128, 4),
   };
   return *presets;
 }
@@ -174,11 +205,79 @@ bool HasValue(const Json& config, const char* field) {
 
 }  // namespace
 
+// Reads the hybrid (linear-attention) fields into `g`, whose num_layers still counts every
+// layer; afterwards it counts the full-attention layers only.
+Status ParseLinearAttention(const Json& config, ModelGeometry& g) {
+  ASSIGN_OR_RETURN(g.linear_num_value_heads, GetPositiveInt(config, "linear_num_value_heads"));
+  ASSIGN_OR_RETURN(g.linear_num_key_heads, GetPositiveInt(config, "linear_num_key_heads"));
+  ASSIGN_OR_RETURN(g.linear_key_head_dim, GetPositiveInt(config, "linear_key_head_dim"));
+  ASSIGN_OR_RETURN(g.linear_value_head_dim, GetPositiveInt(config, "linear_value_head_dim"));
+  ASSIGN_OR_RETURN(g.linear_conv_kernel_dim, GetPositiveInt(config, "linear_conv_kernel_dim"));
+  if (g.linear_conv_kernel_dim < 2) {
+    return InvalidArgumentError("config field 'linear_conv_kernel_dim' must be >= 2, got " +
+                                std::to_string(g.linear_conv_kernel_dim));
+  }
+  int interval = 0;
+  if (HasValue(config, "layer_types")) {
+    const Json& types = config["layer_types"];
+    if (!types.is_array() || types.size() != static_cast<size_t>(g.num_layers)) {
+      return InvalidArgumentError("config field 'layer_types' must list num_hidden_layers (" +
+                                  std::to_string(g.num_layers) + ") layer types");
+    }
+    for (size_t i = 0; i < types.size(); ++i) {
+      if (!types[i].is_string() || (types[i] != "full_attention" && types[i] != "linear_attention")) {
+        return InvalidArgumentError("config field 'layer_types'[" + std::to_string(i) +
+                                    "] is not \"full_attention\" or \"linear_attention\": " +
+                                    types[i].dump());
+      }
+      if (interval == 0 && types[i] == "full_attention") interval = static_cast<int>(i) + 1;
+    }
+    if (interval == 0) {
+      return InvalidArgumentError("config field 'layer_types' has no full_attention layer");
+    }
+    for (size_t i = 0; i < types.size(); ++i) {
+      const bool full = (i + 1) % static_cast<size_t>(interval) == 0;
+      if ((types[i] == "full_attention") != full) {
+        return InvalidArgumentError(
+            "config field 'layer_types' is not periodic (every " + std::to_string(interval) +
+            "th layer full attention): layer " + std::to_string(i) + " is " +
+            types[i].get<std::string>());
+      }
+    }
+  } else {
+    ASSIGN_OR_RETURN(interval, GetPositiveInt(config, "full_attention_interval"));
+  }
+  if (interval > g.num_layers) {
+    return InvalidArgumentError("full-attention interval " + std::to_string(interval) +
+                                " leaves no full-attention layer among " +
+                                std::to_string(g.num_layers));
+  }
+  g.full_attention_interval = interval;
+  const int full = g.num_layers / interval;
+  g.num_linear_layers = g.num_layers - full;
+  g.num_layers = full;
+  g.linear_state_dtype = DType::kFloat32;
+  if (HasValue(config, "mamba_ssm_dtype")) {
+    const Json& value = config["mamba_ssm_dtype"];
+    if (!value.is_string()) {
+      return InvalidArgumentError("config field 'mamba_ssm_dtype' is not a string: " + value.dump());
+    }
+    StatusOr<DType> dtype = ParseDType(value.get<std::string>());
+    if (!dtype.ok()) return dtype.status().WithContext("config field 'mamba_ssm_dtype'");
+    g.linear_state_dtype = *dtype;
+  }
+  return OkStatus();
+}
+
 StatusOr<ModelGeometry> ParseHfConfig(std::string_view json_text, std::string name) {
-  Json config = Json::parse(json_text.begin(), json_text.end(), /*cb=*/nullptr,
-                            /*allow_exceptions=*/false);
-  if (config.is_discarded()) return InvalidArgumentError("config is not valid JSON");
-  if (!config.is_object()) return InvalidArgumentError("config is not a JSON object");
+  Json root = Json::parse(json_text.begin(), json_text.end(), /*cb=*/nullptr,
+                          /*allow_exceptions=*/false);
+  if (root.is_discarded()) return InvalidArgumentError("config is not valid JSON");
+  if (!root.is_object()) return InvalidArgumentError("config is not a JSON object");
+  // Multimodal configs (Qwen3.5) keep the language model's fields under "text_config".
+  const bool nested = !HasValue(root, "num_hidden_layers") && root.contains("text_config") &&
+                      root["text_config"].is_object();
+  const Json& config = nested ? root["text_config"] : root;
 
   ModelGeometry g;
   g.name = std::move(name);
@@ -187,9 +286,11 @@ StatusOr<ModelGeometry> ParseHfConfig(std::string_view json_text, std::string na
   ASSIGN_OR_RETURN(g.hidden_size, GetPositiveInt(config, "hidden_size"));
 
   // transformers >= 4.56 writes "dtype"; older configs "torch_dtype".
-  const char* dtype_field = HasValue(config, "torch_dtype") ? "torch_dtype" : "dtype";
-  if (HasValue(config, dtype_field)) {
-    const Json& value = config[dtype_field];
+  const Json& dtype_source =
+      HasValue(config, "torch_dtype") || HasValue(config, "dtype") ? config : root;
+  const char* dtype_field = HasValue(dtype_source, "torch_dtype") ? "torch_dtype" : "dtype";
+  if (HasValue(dtype_source, dtype_field)) {
+    const Json& value = dtype_source[dtype_field];
     if (!value.is_string()) {
       return InvalidArgumentError(std::string("config field '") + dtype_field +
                                   "' is not a string: " + value.dump());
@@ -229,6 +330,7 @@ StatusOr<ModelGeometry> ParseHfConfig(std::string_view json_text, std::string na
     }
     g.head_dim = g.hidden_size / g.num_attention_heads;
   }
+  if (HasValue(config, "linear_num_value_heads")) RETURN_IF_ERROR(ParseLinearAttention(config, g));
   return g;
 }
 

@@ -175,6 +175,81 @@ VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t r
 }
 
 namespace {
+// State buffers are keyed apart from KV buffers of the same layer index.
+constexpr int kStateLayerBase = 1 << 20;
+inline uint64_t StateRowSeed(const StateLayout& layout, int buffer, uint64_t room, int64_t row) {
+  return HeadSeed(BufferSeed(room, kStateLayerBase + layout.BufferLayer(buffer),
+                             layout.BufferIsRecurrent(buffer) ? 1 : 0),
+                  -1, static_cast<int>(row));
+}
+}  // namespace
+
+void FillStateBuffer(const StateLayout& layout, int buffer, uint8_t* slot_data, uint64_t room,
+                     int tp_rank) {
+  const uint64_t row_bytes = layout.row_bytes(buffer);
+  const int rows = layout.rows(buffer);
+  for (int r = 0; r < rows; ++r) {
+    WritePattern(slot_data + r * row_bytes,
+                 StateRowSeed(layout, buffer, room, static_cast<int64_t>(tp_rank) * rows + r),
+                 row_bytes);
+  }
+}
+
+VerifyResult VerifyStateBuffer(const StateLayout& layout, int buffer, const uint8_t* slot_data,
+                               uint64_t room, int tp_rank) {
+  VerifyResult result;
+  result.pages_checked = 1;
+  const uint64_t row_bytes = layout.row_bytes(buffer);
+  const int rows = layout.rows(buffer);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t global = static_cast<int64_t>(tp_rank) * rows + r;
+    const uint64_t seed = StateRowSeed(layout, buffer, room, global);
+    const uint8_t* src = slot_data + r * row_bytes;
+    if (DiffPattern(src, seed, row_bytes) == 0) continue;
+    uint8_t expected = 0, actual = 0;
+    const uint64_t at = FirstDiffByte(src, seed, row_bytes, &expected, &actual);
+    char text[256];
+    std::snprintf(text, sizeof(text),
+                  "room %" PRIu64 " state buffer %d (linear layer %d %s) row %" PRId64
+                  " byte %" PRIu64 ": expected 0x%02x, got 0x%02x",
+                  room, buffer, layout.BufferLayer(buffer),
+                  layout.BufferIsRecurrent(buffer) ? "recurrent" : "conv", global, at, expected,
+                  actual);
+    result.pages_mismatched = 1;
+    result.first_mismatch = text;
+    break;
+  }
+  return result;
+}
+
+void FillStateSlot(const StateLayout& layout, StatePool& pool, int32_t slot, uint64_t room,
+                   int tp_rank) {
+  if (slot < 0 || slot >= pool.num_slots()) return;
+  for (int b = 0; b < layout.num_buffers(); ++b) {
+    FillStateBuffer(layout, b, pool.SlotAddress(b, slot), room, tp_rank);
+  }
+}
+
+VerifyResult VerifyStateSlot(const StateLayout& layout, const StatePool& pool, int32_t slot,
+                             uint64_t room, int tp_rank) {
+  VerifyResult result;
+  if (slot < 0 || slot >= pool.num_slots()) {
+    result.pages_checked = result.pages_mismatched = layout.num_buffers();
+    result.first_mismatch = "room " + std::to_string(room) + ": state slot " +
+                            std::to_string(slot) + " outside the pool of " +
+                            std::to_string(pool.num_slots());
+    return result;
+  }
+  for (int b = 0; b < layout.num_buffers(); ++b) {
+    VerifyResult one = VerifyStateBuffer(layout, b, pool.SlotAddress(b, slot), room, tp_rank);
+    result.pages_checked += one.pages_checked;
+    result.pages_mismatched += one.pages_mismatched;
+    if (result.first_mismatch.empty()) result.first_mismatch = std::move(one.first_mismatch);
+  }
+  return result;
+}
+
+namespace {
 
 inline bool IsRoomField(const AuxLayout& layout, const AuxField& field) {
   return field.size_bytes != 0 && field.offset_bytes == layout.room_offset();

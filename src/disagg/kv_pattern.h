@@ -22,6 +22,7 @@
 #include "kvferry/aux_buffer.h"
 #include "kvferry/kv_layout.h"
 #include "kvferry/kv_pool.h"
+#include "kvferry/state_pool.h"
 #include "kvferry/status.h"
 
 namespace kvferry {
@@ -59,6 +60,22 @@ struct VerifyResult {
 // REQUIRES pool.layout() equals `layout`.
 VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t room,
                           std::span<const int32_t> pages, int64_t num_tokens, int head_offset = 0);
+
+// Linear-attention state (hybrid models): row g (global, over all TP ranks) of buffer b of
+// request `room` holds bytes derived from (room, linear layer, conv or recurrent, g) only, so
+// ranks of different TP sizes agree. `slot_data(b)` is the slot's first byte in buffer b,
+// host memory; this rank's local row 0 is global row tp_rank * layout.rows(b).
+void FillStateSlot(const StateLayout& layout, StatePool& pool, int32_t slot, uint64_t room,
+                   int tp_rank);
+// Checks every byte of a slot written by FillStateSlot. pages_checked / pages_mismatched count
+// buffers; first_mismatch names room, layer, kind, row and byte.
+VerifyResult VerifyStateSlot(const StateLayout& layout, const StatePool& pool, int32_t slot,
+                             uint64_t room, int tp_rank);
+// The same on one buffer's slot copied elsewhere (GPU pools verify a host copy).
+void FillStateBuffer(const StateLayout& layout, int buffer, uint8_t* slot_data, uint64_t room,
+                     int tp_rank);
+VerifyResult VerifyStateBuffer(const StateLayout& layout, int buffer, const uint8_t* slot_data,
+                               uint64_t room, int tp_rank);
 
 // Writes a row derived from `room`: every field gets room-derived bytes, the bootstrap_room
 // field holds `room`, padding is zeroed. REQUIRES row points at layout.row_bytes() bytes.

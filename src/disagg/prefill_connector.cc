@@ -31,6 +31,7 @@ struct Destination {
   std::shared_ptr<DecodePeer> decode;
   std::vector<int32_t> dst_pages;
   int32_t dst_aux_row = -1;
+  int32_t dst_state_slot = -1;
   SliceInfo slice;
   int outstanding_batches = 0;
   bool finishing = false;  // its done notice (with the aux row when it carries it) is on its way
@@ -46,6 +47,7 @@ struct SenderRoom {
   int64_t next_page = 0;  // chunks arrive in token order
   bool last_submitted = false;
   int32_t src_aux_row = -1;
+  int32_t src_state_slot = -1;  // linear-attention state (hybrid models), -1: none
 
   bool all_arrived() const {
     return expected_destinations > 0 &&
@@ -76,6 +78,15 @@ class PrefillConnectorImpl : public PrefillConnector {
                                             kAccessRemoteRead));
     RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), aux_->location(),
                                             kAccessRemoteRead));
+    if (StatePool* state = options_.state_pool; state != nullptr) {
+      if (state->layout().tp_size() != options_.tp_size) {
+        return InvalidArgumentError("state pool holds the share of TP " +
+                                    std::to_string(state->layout().tp_size()) +
+                                    ", connector runs at TP " + std::to_string(options_.tp_size));
+      }
+      RETURN_IF_ERROR(engine_->RegisterMemory(state->data(), state->size_bytes(),
+                                              state->location(), kAccessRemoteRead));
+    }
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     if (options_.start_bootstrap_server) {
       BootstrapServerOptions bs;
@@ -133,12 +144,14 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::string bootstrap_address() const override { return bootstrap_address_; }
   std::string engine_address() const override { return engine_->LocalDescriptor().Address(); }
 
-  Status CreateSender(uint64_t room, int64_t num_pages) override {
+  Status CreateSender(uint64_t room, int64_t num_pages, int32_t state_slot) override {
     if (num_pages <= 0) {
       return InvalidArgumentError("room " + std::to_string(room) + ": request of " +
                                   std::to_string(num_pages) + " pages");
     }
+    RETURN_IF_ERROR(CheckStateSlot(room, state_slot));
     SenderRoom data;
+    data.src_state_slot = state_slot;
     data.num_pages = num_pages;
     data.range = SendRange(num_pages);
     data.next_page = data.range.first_page;
@@ -227,6 +240,8 @@ class PrefillConnectorImpl : public PrefillConnector {
         } else if (dest.slice.sends) {
           AppendChunkRequests(dest, first_page, src_pages, &w.requests);
         }
+        // The state is final once the last chunk ran: it rides with that chunk's KV.
+        if (last) AppendStateRequests(d, dest, AllStateBuffers(), &w.requests);
         if (last && !dest.finishing && dest.outstanding_batches == 0) {
           // Nothing else in flight to this rank: the aux row and the done notice ride now.
           dest.finishing = true;
@@ -295,6 +310,50 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
  private:
+  Status CheckStateSlot(uint64_t room, int32_t slot) const {
+    const StatePool* state = options_.state_pool;
+    if (state == nullptr) {
+      if (slot == -1) return OkStatus();
+      return InvalidArgumentError("room " + std::to_string(room) + ": state slot " +
+                                  std::to_string(slot) + " given, but the connector has no state pool");
+    }
+    if (slot < 0 || slot >= state->num_slots()) {
+      return OutOfRangeError("room " + std::to_string(room) + ": state slot " +
+                             std::to_string(slot) + " outside the state pool of " +
+                             std::to_string(state->num_slots()) + " slots");
+    }
+    return OkStatus();
+  }
+
+  // The linear-attention state of `buffers` (state buffer indices) for one destination: this
+  // rank's part of its slot into decode's part of the destination slot (see SliceInfo).
+  void AppendStateRequests(const SenderRoom& room, const Destination& dest,
+                           std::span<const int> buffers, std::vector<TransferRequest>* out) const {
+    const StatePool* state = options_.state_pool;
+    if (state == nullptr || room.src_state_slot < 0 || !dest.slice.sends_state) return;
+    const DecodeKvArgs& a = dest.decode->args;
+    for (int b : buffers) {
+      const uint64_t length = state->layout().slot_bytes(b) / dest.slice.state_src_parts;
+      const uint64_t src_offset = length * dest.slice.state_src_part;
+      const uint64_t dst_offset =
+          a.state_slot_bytes[b] / dest.slice.state_dst_parts * dest.slice.state_dst_part;
+      out->push_back({TransferOp::kWrite,
+                      const_cast<uint8_t*>(state->SlotAddress(b, room.src_state_slot)) + src_offset,
+                      dest.decode->segment,
+                      a.state_bases[b] + static_cast<uint64_t>(dest.dst_state_slot) *
+                                             a.state_slot_bytes[b] + dst_offset,
+                      length});
+    }
+  }
+
+  std::vector<int> AllStateBuffers() const {
+    std::vector<int> all;
+    if (options_.state_pool != nullptr) {
+      for (int b = 0; b < options_.state_pool->layout().num_buffers(); ++b) all.push_back(b);
+    }
+    return all;
+  }
+
   TransferRequest AuxRequest(const SenderRoom& room, const Destination& dest) const {
     const DecodeKvArgs& a = dest.decode->args;
     return {TransferOp::kWrite, aux_->Row(room.src_aux_row), dest.decode->segment,
@@ -619,6 +678,7 @@ class PrefillConnectorImpl : public PrefillConnector {
           "aux row mismatch: prefill " + std::to_string(aux_->layout().row_bytes()) +
           " bytes, decode " + std::to_string(a.aux_row_bytes));
     }
+    if (peer->refused.ok()) peer->refused = CheckStatePairing(a);
     // Connect even to a refused decode, so that its rooms hear why instead of timing out.
     auto seg = engine_->OpenSegment(a.decode_address);
     if (seg.ok()) {
@@ -631,6 +691,29 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     std::lock_guard<std::mutex> lock(decodes_mu_);
     decodes_[a.decode_address] = std::move(peer);
+  }
+
+  // Both sides keep the same linear-attention state (or none), each its TP share of it.
+  Status CheckStatePairing(const DecodeKvArgs& a) const {
+    const StatePool* state = options_.state_pool;
+    const size_t ours = state == nullptr ? 0 : state->layout().num_buffers();
+    if (a.state_bases.size() != ours || a.state_slot_bytes.size() != ours) {
+      return FailedPreconditionError(
+          "linear-attention state mismatch: prefill has " + std::to_string(ours) +
+          " state buffers, decode " + std::to_string(a.state_bases.size()));
+    }
+    for (size_t b = 0; b < ours; ++b) {
+      const uint64_t p_total = state->layout().slot_bytes(static_cast<int>(b)) * options_.tp_size;
+      const uint64_t d_total = a.state_slot_bytes[b] * static_cast<uint64_t>(a.tp_size);
+      if (p_total != d_total) {
+        return FailedPreconditionError(
+            "linear-attention state buffer " + std::to_string(b) + " mismatch: prefill TP " +
+            std::to_string(options_.tp_size) + " x " +
+            std::to_string(state->layout().slot_bytes(static_cast<int>(b))) + " bytes, decode TP " +
+            std::to_string(a.tp_size) + " x " + std::to_string(a.state_slot_bytes[b]) + " bytes");
+      }
+    }
+    return OkStatus();
   }
 
   void HandleTransferInfo(const ControlMessage& m) {
@@ -671,6 +754,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       dest.decode = decode;
       dest.dst_pages = m.dst_pages;
       dest.dst_aux_row = m.aux_row;
+      dest.dst_state_slot = m.state_slot;
       dest.slice = m.slice;
       d.destinations.push_back(std::move(dest));
       all_arrived = d.all_arrived();
@@ -719,6 +803,25 @@ class PrefillConnectorImpl : public PrefillConnector {
     if (m.slice.sends_aux && (m.aux_row < 0 || m.aux_row >= decode.args.num_aux_rows)) {
       return OutOfRangeError("decode aux row " + std::to_string(m.aux_row) + " outside " +
                              std::to_string(decode.args.num_aux_rows));
+    }
+    if (m.slice.sends_state && options_.state_pool != nullptr) {
+      if (m.state_slot < 0 || m.state_slot >= decode.args.num_state_slots) {
+        return OutOfRangeError("decode state slot " + std::to_string(m.state_slot) + " outside " +
+                               std::to_string(decode.args.num_state_slots));
+      }
+      for (size_t b = 0; b < decode.args.state_slot_bytes.size(); ++b) {
+        const uint64_t ours = options_.state_pool->layout().slot_bytes(static_cast<int>(b));
+        if (ours % m.slice.state_src_parts != 0 ||
+            decode.args.state_slot_bytes[b] % m.slice.state_dst_parts != 0 ||
+            ours / m.slice.state_src_parts !=
+                decode.args.state_slot_bytes[b] / m.slice.state_dst_parts) {
+          return InvalidArgumentError("state slice " + std::to_string(m.slice.state_src_part) +
+                                      "/" + std::to_string(m.slice.state_src_parts) + " -> " +
+                                      std::to_string(m.slice.state_dst_part) + "/" +
+                                      std::to_string(m.slice.state_dst_parts) +
+                                      " does not fit state buffer " + std::to_string(b));
+        }
+      }
     }
     const int heads = pool_->layout().heads_per_token();
     const int dst_heads = decode.args.heads_per_token > 0 ? decode.args.heads_per_token : heads;

@@ -43,6 +43,10 @@ struct Instance {
   std::unique_ptr<KvPool> pool;
   std::unique_ptr<AuxBuffer> aux;
   std::unique_ptr<PageAllocator> allocator;
+  // Hybrid models: linear-attention state slots, handed out one per request.
+  std::unique_ptr<StateLayout> state_layout;
+  std::unique_ptr<StatePool> state;
+  std::unique_ptr<PageAllocator> state_slots;
   std::mutex aux_mu;
   std::condition_variable aux_freed;
   httplib::Server server;
@@ -86,6 +90,34 @@ struct Instance {
     std::vector<uint8_t> host(aux->layout().row_bytes());
     RETURN_IF_ERROR(cuda::CopyToHost(host.data(), aux->Row(row), host.size()));
     return VerifyAuxRow(aux->layout(), host.data(), room);
+  }
+  // Writes / checks a request's linear-attention state (through host copies for GPU pools).
+  Status FillState(int32_t slot, uint64_t room) {
+    if (state == nullptr) return OkStatus();
+    if (!on_gpu) {
+      FillStateSlot(*state_layout, *state, slot, room, flags.tp_rank);
+      return OkStatus();
+    }
+    for (int b = 0; b < state_layout->num_buffers(); ++b) {
+      std::vector<uint8_t> host(state_layout->slot_bytes(b));
+      FillStateBuffer(*state_layout, b, host.data(), room, flags.tp_rank);
+      RETURN_IF_ERROR(cuda::CopyToDevice(state->SlotAddress(b, slot), host.data(), host.size()));
+    }
+    return OkStatus();
+  }
+  StatusOr<VerifyResult> VerifyState(int32_t slot, uint64_t room) {
+    if (state == nullptr) return VerifyResult{};
+    if (!on_gpu) return VerifyStateSlot(*state_layout, *state, slot, room, flags.tp_rank);
+    VerifyResult all;
+    for (int b = 0; b < state_layout->num_buffers(); ++b) {
+      std::vector<uint8_t> host(state_layout->slot_bytes(b));
+      RETURN_IF_ERROR(cuda::CopyToHost(host.data(), state->SlotAddress(b, slot), host.size()));
+      VerifyResult one = VerifyStateBuffer(*state_layout, b, host.data(), room, flags.tp_rank);
+      all.pages_checked += one.pages_checked;
+      all.pages_mismatched += one.pages_mismatched;
+      if (all.first_mismatch.empty()) all.first_mismatch = std::move(one.first_mismatch);
+    }
+    return all;
   }
   // Fills tokens of a request on the CPU or with a GPU kernel.
   Status Fill(uint64_t room, std::span<const int32_t> pages, int64_t first, int64_t n) {
@@ -137,6 +169,19 @@ struct Instance {
     if (pages < 1) {
       return InvalidArgumentError("--pool-size " + flags.pool_size + " holds no page of " +
                                   FormatBytes(layout->bytes_per_page_all_buffers()));
+    }
+    if (g.hybrid()) {
+      ASSIGN_OR_RETURN(StateLayout sl, StateLayout::Create(g, flags.tp_size));
+      state_layout = std::make_unique<StateLayout>(sl);
+      if (flags.state_slots < 1) {
+        return InvalidArgumentError("--state-slots must be >= 1 for hybrid model " + g.name);
+      }
+      if (flags.device == "cuda") {
+        ASSIGN_OR_RETURN(state, StatePool::CreateOnDevice(sl, flags.state_slots, flags.gpu));
+      } else {
+        ASSIGN_OR_RETURN(state, StatePool::Create(sl, flags.state_slots));
+      }
+      state_slots = std::make_unique<PageAllocator>(flags.state_slots);
     }
     ASSIGN_OR_RETURN(AuxLayout al, AuxLayout::Create(g.hidden_size > 0 ? g.hidden_size : 1, g.dtype));
     if (flags.device == "cuda") {
@@ -192,6 +237,8 @@ struct Instance {
             {"page_bytes_all_buffers", layout->bytes_per_page_all_buffers()},
             {"pool_pages", pool->num_pages()},
             {"pool_bytes", pool->size_bytes()},
+            {"state_slots", state ? state->num_slots() : 0},
+            {"state_bytes_per_slot", state ? state_layout->bytes_per_slot_all_buffers() : 0},
             {"device", flags.device},
             {"tp_rank", flags.tp_rank},
             {"tp_size", flags.tp_size},
@@ -291,9 +338,11 @@ struct Admission {
   int64_t num_pages = 0;
   std::vector<int32_t> pages;
   int32_t row = -1;
+  int32_t state_slot = -1;  // hybrid models
   json body;
   ~Admission() {
     if (row >= 0) in->FreeRow(row);
+    if (state_slot >= 0) in->state_slots->Free(std::span(&state_slot, 1)).IgnoreError();
     if (!pages.empty()) in->allocator->Free(pages).IgnoreError();
   }
 };
@@ -329,6 +378,14 @@ std::unique_ptr<Admission> Admit(Instance& in, const httplib::Request& req, http
     return nullptr;
   }
   a->row = *row;
+  if (in.state_slots != nullptr) {
+    auto slot = in.state_slots->AllocateWait(1, milliseconds(in.flags.timeout_ms));
+    if (!slot.ok()) {
+      Reply(res, 504, {{"ok", false}, {"error", slot.status().WithContext("state slot").ToString()}});
+      return nullptr;
+    }
+    a->state_slot = (*slot)[0];
+  }
   return a;
 }
 
@@ -364,6 +421,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
   Instance in;
   PrefillConnectorOptions o;
   if (!StartInstance(flags, "prefill", &in, &o.engine)) return 2;
+  o.state_pool = in.state.get();
   o.tp_rank = flags.tp_rank;
   o.tp_size = flags.tp_size;
   o.cp_rank = flags.cp_rank;
@@ -405,7 +463,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
     const int64_t tokens = admitted->tokens, num_pages = admitted->num_pages;
     const std::vector<int32_t>* pages = &admitted->pages;
     const int32_t* row = &admitted->row;
-    Status created = c.CreateSender(room, num_pages);
+    Status created = c.CreateSender(room, num_pages, admitted->state_slot);
     if (!created.ok()) {
       return Reply(res, HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
     }
@@ -424,6 +482,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
     }
     auto start = Clock::now();
     if (Status a = in.WriteAuxRow(*row, room); !a.ok()) return fail(a);
+    if (Status st = in.FillState(admitted->state_slot, room); !st.ok()) return fail(st);
     // This rank computes and sends its range of the pages (all of them without context
     // parallelism); a CP rank with an empty range only reports, with an empty last chunk.
     const PageRange range = c.SendRange(num_pages);
@@ -465,6 +524,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   Instance in;
   DecodeConnectorOptions o;
   if (!StartInstance(flags, "decode", &in, &o.engine)) return 2;
+  o.state_pool = in.state.get();
   o.tp_rank = flags.tp_rank;
   o.tp_size = flags.tp_size;
   o.kv_path = flags.kv_path;
@@ -507,7 +567,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
     const std::vector<int32_t>* pages = &admitted->pages;
     const int32_t* row = &admitted->row;
     const std::string bootstrap = admitted->body["bootstrap_address"].get<std::string>();
-    Status created = c.CreateReceiver(room, bootstrap, *pages, *row);
+    Status created = c.CreateReceiver(room, bootstrap, *pages, *row, admitted->state_slot);
     if (!created.ok()) {
       return Reply(res, HttpCode(created), {{"ok", false}, {"error", created.ToString()}});
     }
@@ -521,19 +581,27 @@ int RunDecodeInstance(const InstanceFlags& flags) {
     }
     auto v = in.Verify(room, *pages, tokens);
     Status aux_ok = in.CheckAuxRow(*row, room);
+    auto state_v = in.VerifyState(admitted->state_slot, room);
     c.Release(room).IgnoreError();
     if (!v.ok()) return Reply(res, 500, {{"ok", false}, {"error", v.status().ToString()}});
+    if (!state_v.ok()) {
+      return Reply(res, 500, {{"ok", false}, {"error", state_v.status().ToString()}});
+    }
     const int64_t pages_mismatched = v->first;
     int64_t mismatched_pages = std::min<int64_t>(num_pages, pages_mismatched);
     json out = {{"ok", true},
                 {"room", room},
                 {"pages", num_pages},
                 {"pages_verified", num_pages - mismatched_pages},
-                {"mismatches", pages_mismatched + (aux_ok.ok() ? 0 : 1)},
+                {"mismatches", pages_mismatched + (aux_ok.ok() ? 0 : 1) + state_v->pages_mismatched},
                 {"bytes", num_pages * layout.bytes_per_page_all_buffers() +
                               in.aux->layout().row_bytes()}};
     if (pages_mismatched > 0) out["first_mismatch"] = v->second;
     if (!aux_ok.ok()) out["aux_error"] = aux_ok.ToString();
+    if (!state_v->ok()) out["state_error"] = state_v->first_mismatch;
+    if (in.state != nullptr) {
+      out["bytes"] = out["bytes"].get<uint64_t>() + in.state_layout->bytes_per_slot_all_buffers();
+    }
     Reply(res, 200, out);
   });
   return in.Serve(info);
@@ -550,6 +618,9 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
   cmd->add_option("--host", f->host, "Address to listen on")->capture_default_str();
   cmd->add_option("--control-port", f->control_port, "HTTP control port (0 = any)");
   cmd->add_option("--aux-rows", f->aux_rows, "Aux (metadata) rows")->capture_default_str();
+  cmd->add_option("--state-slots", f->state_slots,
+                  "Hybrid models: linear-attention state slots (requests in flight)")
+      ->capture_default_str();
   cmd->add_option("--timeout-ms", f->timeout_ms, "Bootstrap/waiting/transfer timeout")
       ->capture_default_str();
   cmd->add_option("--device", f->device, "Where pools live: cpu or cuda")->capture_default_str();

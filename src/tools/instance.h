@@ -33,6 +33,7 @@ struct InstanceFlags {
   int bootstrap_port = 0;  // prefill only
   int64_t chunk_tokens = 8192;  // prefill: tokens per prefill chunk (chunked prefill)
   int aux_rows = 1024;
+  int state_slots = 8;  // hybrid models: linear-attention state slots (one per request in flight)
   int64_t timeout_ms = 120000;  // bootstrap, waiting and transfer timeouts
   std::string device = "cpu";   // "cpu": host pools; "cuda": pools and aux rows on GPU `gpu`
   int gpu = 0;

@@ -184,7 +184,8 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
   std::vector<std::string> a = {"--page-size", std::to_string(f.page_size), "--pool-size",
                                 f.pool_size, "--transport", f.transport, "--host", f.host,
                                 "--timeout-ms", std::to_string(f.timeout_ms), "--aux-rows",
-                                std::to_string(f.aux_rows)};
+                                std::to_string(f.aux_rows), "--state-slots",
+                                std::to_string(f.state_slots)};
   if (!f.model_config.empty()) {
     a.insert(a.end(), {"--model-config", f.model_config});
   } else {
@@ -222,6 +223,7 @@ int RunReplay(ReplayFlags flags) {
   if (flags.concurrency < 1) return Fail("--concurrency must be >= 1");
   if (flags.time_scale < 0) return Fail("--time-scale must be >= 0");
   flags.instance.aux_rows = std::max(flags.instance.aux_rows, 2 * flags.concurrency);
+  flags.instance.state_slots = std::max(flags.instance.state_slots, flags.concurrency + 1);
   if (flags.instance.device == "cuda") {
     // Prefill on GPU 0, decode on GPU 1 (or GPU 0 when there is only one).
     Status one = cuda::CheckDevice(0);
@@ -449,7 +451,7 @@ int RunReplay(ReplayFlags flags) {
             verified = std::min<uint64_t>(verified, j.value("pages_verified", 0ull));
             uint64_t m = j.value("mismatches", 0ull);
             if (m > 0 && first.empty()) {
-              first = j.value("first_mismatch", j.value("aux_error", std::string("?")));
+              first = j.value("first_mismatch", j.value("aux_error", j.value("state_error", std::string("?"))));
             }
             mism += m;
             totals.bytes += j.value("bytes", 0ull);

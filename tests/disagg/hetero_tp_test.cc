@@ -12,6 +12,10 @@ namespace {
 
 using std::chrono::milliseconds;
 
+// Hybrid runs add a linear-attention state (3 linear layers per full-attention layer) to the
+// MHA geometry: conv_dim 2*4*8 + 8*8 = 128 channels, 8 value heads of 8x8 fp32.
+bool g_hybrid = false;
+
 ModelGeometry Geometry(AttentionKind kind, int rank_heads) {
   ModelGeometry g;
   g.name = "hetero";
@@ -30,19 +34,35 @@ ModelGeometry Geometry(AttentionKind kind, int rank_heads) {
     g.num_kv_heads = rank_heads;
     g.head_dim = 16;
   }
+  if (g_hybrid) {
+    g.num_linear_layers = 6;
+    g.full_attention_interval = 4;
+    g.linear_num_key_heads = 4;
+    g.linear_num_value_heads = 8;
+    g.linear_key_head_dim = 8;
+    g.linear_value_head_dim = 8;
+    g.linear_conv_kernel_dim = 4;
+  }
   return g;
 }
 
 struct Rank {
-  Rank(const ModelGeometry& g, int page_size, uint64_t seed)
+  Rank(const ModelGeometry& g, int page_size, uint64_t seed, int tp = 1)
       : layout(*KvLayout::Create(g, page_size)),
         pool(std::move(*KvPool::Create(layout, 128))),
         aux(std::move(*AuxBuffer::Create(*AuxLayout::Create(g.hidden_size, g.dtype), 8))),
-        allocator(128, seed) {}
+        allocator(128, seed) {
+    if (g.hybrid()) {
+      auto sl = StateLayout::Create(g, tp);
+      EXPECT_TRUE(sl.ok()) << sl.status().ToString();
+      state = std::move(*StatePool::Create(*sl, 4));
+    }
+  }
   KvLayout layout;
   std::unique_ptr<KvPool> pool;
   std::unique_ptr<AuxBuffer> aux;
   PageAllocator allocator;
+  std::unique_ptr<StatePool> state;  // hybrid only
 };
 
 int FirstGlobalHead(int heads, int tp, int rank) {
@@ -64,8 +84,9 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
   std::vector<std::unique_ptr<DecodeConnector>> dconn;
   std::string bootstrap;
   for (int r = 0; r < ps; ++r) {
-    prefill.push_back(std::make_unique<Rank>(Geometry(kind, plan->prefill_heads), page_size, 0));
+    prefill.push_back(std::make_unique<Rank>(Geometry(kind, plan->prefill_heads), page_size, 0, ps));
     PrefillConnectorOptions o;
+    o.state_pool = prefill[r]->state.get();
     o.tp_rank = r;
     o.tp_size = ps;
     o.total_kv_heads = heads;
@@ -78,8 +99,9 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
     pconn.push_back(std::move(*c));
   }
   for (int d = 0; d < ds; ++d) {
-    decode.push_back(std::make_unique<Rank>(Geometry(kind, plan->decode_heads), page_size, 7 + d));
+    decode.push_back(std::make_unique<Rank>(Geometry(kind, plan->decode_heads), page_size, 7 + d, ds));
     DecodeConnectorOptions o;
+    o.state_pool = decode[d]->state.get();
     o.tp_rank = d;
     o.tp_size = ds;
     o.kv_path = kv_path;
@@ -98,12 +120,15 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
     for (int d = 0; d < ds; ++d) {
       dst_pages[d] = *decode[d]->allocator.Allocate(static_cast<int32_t>(num_pages));
       dst_rows[d] = *decode[d]->aux->AllocateRow();
-      EXPECT_TRUE(dconn[d]->CreateReceiver(room, bootstrap, dst_pages[d], dst_rows[d]).ok());
+      EXPECT_TRUE(dconn[d]->CreateReceiver(room, bootstrap, dst_pages[d], dst_rows[d],
+                                           g_hybrid ? (k + d) % 4 : -1).ok());
     }
     for (int r = 0; r < ps; ++r) {
       auto src = *prefill[r]->allocator.Allocate(static_cast<int32_t>(num_pages));
       int32_t row = *prefill[r]->aux->AllocateRow();
-      EXPECT_TRUE(pconn[r]->CreateSender(room, num_pages).ok());
+      const int32_t slot = g_hybrid ? (k + 1) % 4 : -1;
+      if (g_hybrid) FillStateSlot(prefill[r]->state->layout(), *prefill[r]->state, slot, room, r);
+      EXPECT_TRUE(pconn[r]->CreateSender(room, num_pages, slot).ok());
       auto st = pconn[r]->Wait(room, RoomState::kWaitingForInput, milliseconds(5000));
       // When a failure is expected, decode may already have aborted this rank's room.
       if (!expect_failure.empty() && st->state == RoomState::kFailed) continue;
@@ -130,6 +155,12 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
                                     kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ds, d));
       EXPECT_EQ(v.pages_mismatched, 0) << "decode rank " << d << ": " << v.first_mismatch;
       EXPECT_TRUE(VerifyAuxRow(decode[d]->aux->layout(), decode[d]->aux->Row(dst_rows[d]), room).ok());
+      if (g_hybrid) {
+        VerifyResult sv = VerifyStateSlot(decode[d]->state->layout(), *decode[d]->state,
+                                          (k + d) % 4, room, d);
+        EXPECT_EQ(sv.pages_checked, 12);
+        EXPECT_EQ(sv.pages_mismatched, 0) << "decode rank " << d << ": " << sv.first_mismatch;
+      }
     }
     for (int r = 0; r < ps; ++r) {
       auto st = pconn[r]->Wait(room, RoomState::kSuccess, milliseconds(5000));
@@ -162,6 +193,19 @@ TEST(HeteroTpTest, StagingPathTp2ToTp1AndTp1ToTp2) {
 
 TEST(HeteroTpTest, ChunkLargerThanTheStagingRingFailsThatRoom) {
   RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 4 << 10, 1, "exceeds the whole ring");
+}
+
+// Hybrid state travels with the last chunk, split along its TP dimension; the KV heads (2)
+// are replicated at TP 4, but every prefill rank holds a different share of the state.
+TEST(HybridStateTest, EqualAndUnequalTp) {
+  g_hybrid = true;
+  RunRoom(AttentionKind::kMha, 8, 1, 1, "direct", 0, 2);
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "direct", 0, 2);
+  RunRoom(AttentionKind::kMha, 8, 1, 2, "direct", 0, 2);
+  RunRoom(AttentionKind::kMha, 2, 4, 1, "direct", 0, 1);
+  RunRoom(AttentionKind::kMha, 2, 1, 4, "direct", 0, 1);
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 64 << 10, 2);
+  g_hybrid = false;
 }
 
 TEST(HeteroTpTest, MlaTp2ToTp1AndTp1ToTp2) {

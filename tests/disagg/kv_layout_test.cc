@@ -1,5 +1,10 @@
 #include "kvferry/kv_layout.h"
 
+#include <cstring>
+
+#include "disagg/kv_pattern.h"
+#include "kvferry/state_pool.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -46,6 +51,7 @@ TEST(ModelPresetsTest, KnownBytesPerToken) {
   const std::map<std::string, uint64_t> expected = {
       {"llama-3.1-8b", 131072}, {"llama-3.1-70b", 327680},   {"qwen3-8b", 147456},
       {"qwen3-32b", 262144},    {"qwen3-235b-a22b", 192512}, {"deepseek-v3", 70272},
+      {"qwen3-next-80b-a3b", 24576}, {"qwen3.5-397b-a17b", 30720},  // full-attention layers only
   };
   ASSERT_EQ(ModelPresets().size(), expected.size());
   for (const auto& [name, bytes] : expected) {
@@ -70,18 +76,29 @@ TEST(ModelPresetsTest, MatchSharedModelsJson) {
   for (const nlohmann::json& m : models["models"]) {
     const std::string name = m["name"].get<std::string>();
     const std::string attention = m["attention"].get<std::string>();
-    if (attention == "hybrid") continue;  // not presets yet
     StatusOr<ModelGeometry> g = FindModelPreset(name);
     ASSERT_TRUE(g.ok()) << "models.json lists " << name << " but there is no preset";
     EXPECT_EQ(g->KvBytesPerToken(), m["kv_bytes_per_token"].get<uint64_t>()) << name;
-    EXPECT_EQ(g->num_layers, m["num_hidden_layers"].get<int>()) << name;
+    EXPECT_EQ(g->num_model_layers(), m["num_hidden_layers"].get<int>()) << name;
+    if (attention == "hybrid") {
+      EXPECT_TRUE(g->hybrid()) << name;
+      EXPECT_EQ(g->StateBytesPerRequest(), m["state_bytes_per_request"].get<uint64_t>()) << name;
+      const auto& st = m["state_per_linear_layer"];
+      EXPECT_EQ(g->linear_conv_dim(), st["conv"]["shape"][0].get<int>()) << name;
+      EXPECT_EQ(g->linear_conv_kernel_dim - 1, st["conv"]["shape"][1].get<int>()) << name;
+      EXPECT_EQ(g->linear_num_value_heads, st["recurrent"]["shape"][0].get<int>()) << name;
+      // Every fourth layer ("3,7,11,...") is full attention.
+      EXPECT_EQ(g->num_layers * 4, g->num_model_layers()) << name;
+    } else {
+      EXPECT_FALSE(g->hybrid()) << name;
+    }
     EXPECT_EQ(g->hidden_size, m["hidden_size"].get<int>()) << name;
     EXPECT_EQ(g->num_attention_heads, m["num_attention_heads"].get<int>()) << name;
     if (attention == "mla") {
       EXPECT_EQ(g->attention, AttentionKind::kMla) << name;
       EXPECT_EQ(g->kv_lora_rank, m["kv_lora_rank"].get<int>()) << name;
       EXPECT_EQ(g->qk_rope_head_dim, m["qk_rope_head_dim"].get<int>()) << name;
-    } else {
+    } else {  // GQA and the full-attention layers of hybrid models
       EXPECT_EQ(g->attention, AttentionKind::kMha) << name;
       EXPECT_EQ(g->num_kv_heads, m["num_key_value_heads"].get<int>()) << name;
       EXPECT_EQ(g->head_dim, m["head_dim"].get<int>()) << name;
@@ -310,6 +327,141 @@ TEST(CoalescePageRunsTest, Cases) {
             (std::vector<PageRun>{{10, 0, 3}, {40, 3, 2}, {5, 5, 1}, {4, 6, 1}, {20, 7, 1}}));
   // Unequal sizes: empty by contract.
   EXPECT_TRUE(Runs({1, 2}, {1}).empty());
+}
+
+}  // namespace
+}  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+TEST(HybridGeometryTest, ModelLayersMapToAttentionOrLinearLayers) {
+  const ModelGeometry g = *FindModelPreset("qwen3-next-80b-a3b");
+  EXPECT_EQ(g.num_layers, 12);
+  EXPECT_EQ(g.num_linear_layers, 36);
+  EXPECT_EQ(g.KvBytesPerToken(), 24576u);
+  EXPECT_EQ(g.StateBytesPerRequest(), 77266944u);
+  struct Want {
+    int layer;
+    bool linear;
+    int index;
+  };
+  for (const Want& w : {Want{0, true, 0}, Want{2, true, 2}, Want{3, false, 0}, Want{4, true, 3},
+                        Want{7, false, 1}, Want{46, true, 35}, Want{47, false, 11}}) {
+    auto ref = g.ModelLayer(w.layer);
+    EXPECT_EQ(ref.linear, w.linear) << "layer " << w.layer;
+    EXPECT_EQ(ref.index, w.index) << "layer " << w.layer;
+  }
+  // Every attention and every linear index is reached exactly once.
+  std::vector<int> full(g.num_layers), linear(g.num_linear_layers);
+  for (int l = 0; l < g.num_model_layers(); ++l) {
+    auto ref = g.ModelLayer(l);
+    ++(ref.linear ? linear : full)[ref.index];
+  }
+  for (int n : full) EXPECT_EQ(n, 1);
+  for (int n : linear) EXPECT_EQ(n, 1);
+  const ModelGeometry llama = *FindModelPreset("llama-3.1-8b");
+  EXPECT_FALSE(llama.ModelLayer(5).linear);
+  EXPECT_EQ(llama.ModelLayer(5).index, 5);
+  EXPECT_EQ(llama.StateBytesPerRequest(), 0u);
+}
+
+TEST(HybridGeometryTest, HfConfigWithIntervalLayerTypesOrTextConfig) {
+  const std::string interval = R"({"num_hidden_layers": 48, "num_attention_heads": 16,
+      "num_key_value_heads": 2, "head_dim": 256, "hidden_size": 2048,
+      "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+      "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+      "torch_dtype": "bfloat16"})";
+  auto g = ParseHfConfig(interval, "next");
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ(g->num_layers, 12);
+  EXPECT_EQ(g->num_linear_layers, 36);
+  EXPECT_EQ(g->StateBytesPerRequest(), FindModelPreset("qwen3-next-80b-a3b")->StateBytesPerRequest());
+
+  std::string types = "[";
+  for (int l = 0; l < 8; ++l) {
+    types += std::string(l ? "," : "") + ((l + 1) % 4 == 0 ? "\"full_attention\"" : "\"linear_attention\"");
+  }
+  types += "]";
+  const std::string nested = R"({"dtype": "bfloat16", "text_config": {"num_hidden_layers": 8,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256,
+      "layer_types": )" + types + R"(, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+      "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+      "mamba_ssm_dtype": "bfloat16"}})";
+  g = ParseHfConfig(nested, "nested");
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ(g->num_layers, 2);
+  EXPECT_EQ(g->num_linear_layers, 6);
+  EXPECT_EQ(g->full_attention_interval, 4);
+  EXPECT_EQ(g->linear_state_dtype, DType::kBFloat16);
+
+  std::string bad = nested;
+  bad.replace(bad.find("\"linear_attention\""), 18, "\"full_attention\"");
+  g = ParseHfConfig(bad, "bad");
+  EXPECT_EQ(g.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(g.status().message().find("layer_types"), std::string::npos) << g.status().ToString();
+
+  std::string missing = interval;
+  missing.replace(missing.find("\"linear_conv_kernel_dim\": 4,"), 28, "");
+  g = ParseHfConfig(missing, "missing");
+  EXPECT_NE(g.status().message().find("linear_conv_kernel_dim"), std::string::npos)
+      << g.status().ToString();
+}
+
+TEST(StateLayoutTest, TpSharesSplitRows) {
+  const ModelGeometry g = *FindModelPreset("qwen3-next-80b-a3b");
+  auto whole = StateLayout::Create(g, 1);
+  ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+  EXPECT_EQ(whole->num_buffers(), 72);
+  EXPECT_EQ(whole->rows(0), 8192);
+  EXPECT_EQ(whole->row_bytes(0), 6u);  // 3 bf16
+  EXPECT_EQ(whole->rows(36), 32);
+  EXPECT_EQ(whole->row_bytes(36), 128u * 128u * 4u);
+  EXPECT_EQ(whole->bytes_per_slot_all_buffers(), g.StateBytesPerRequest());
+  auto half = StateLayout::Create(g, 2);
+  ASSERT_TRUE(half.ok());
+  EXPECT_EQ(half->rows(0), 4096);
+  EXPECT_EQ(half->rows(40), 16);
+  EXPECT_EQ(half->bytes_per_slot_all_buffers() * 2, g.StateBytesPerRequest());
+  auto three = StateLayout::Create(g, 3);
+  EXPECT_EQ(three.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(three.status().message().find("8192"), std::string::npos) << three.status().ToString();
+  EXPECT_EQ(StateLayout::Create(*FindModelPreset("llama-3.1-8b"), 1).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(StatePoolTest, SlotsAreDisjointAndPatternsAgreeAcrossTpShares) {
+  const ModelGeometry g = *FindModelPreset("qwen3-next-80b-a3b");
+  auto l1 = *StateLayout::Create(g, 1);
+  auto l2 = *StateLayout::Create(g, 2);
+  auto pool1 = StatePool::Create(l1, 2);
+  ASSERT_TRUE(pool1.ok()) << pool1.status().ToString();
+  EXPECT_EQ((*pool1)->size_bytes(), 2 * g.StateBytesPerRequest());
+  // Buffers tile the pool in order, each [slot][slot_bytes].
+  uint64_t offset = 0;
+  for (int b = 0; b < l1.num_buffers(); ++b) {
+    ASSERT_EQ(static_cast<uint64_t>((*pool1)->BufferBase(b) - (*pool1)->data()), offset) << b;
+    EXPECT_EQ((*pool1)->SlotAddress(b, 1) - (*pool1)->SlotAddress(b, 0),
+              static_cast<ptrdiff_t>(l1.slot_bytes(b)));
+    offset += 2 * l1.slot_bytes(b);
+  }
+  EXPECT_EQ(offset, (*pool1)->size_bytes());
+  auto pool2 = std::move(*StatePool::Create(l2, 1));
+  FillStateSlot(l1, **pool1, 1, 42, 0);
+  EXPECT_TRUE(VerifyStateSlot(l1, **pool1, 1, 42, 0).ok());
+  EXPECT_FALSE(VerifyStateSlot(l1, **pool1, 0, 42, 0).ok());  // slot 0 never written
+  // TP rank 1 of 2 holds the second half of every buffer's rows.
+  FillStateSlot(l2, *pool2, 0, 42, 1);
+  for (int b : {0, 36, 71}) {
+    const uint64_t half = l2.slot_bytes(b);
+    EXPECT_EQ(std::memcmp(pool2->SlotAddress(b, 0), (*pool1)->SlotAddress(b, 1) + half, half), 0) << b;
+  }
+  // One flipped byte is found and named.
+  (*pool1)->SlotAddress(40, 1)[5] ^= 1;
+  VerifyResult v = VerifyStateSlot(l1, **pool1, 1, 42, 0);
+  EXPECT_EQ(v.pages_mismatched, 1);
+  EXPECT_NE(v.first_mismatch.find("(linear layer 4 recurrent) row 0 byte 5"), std::string::npos)
+      << v.first_mismatch;
 }
 
 }  // namespace

@@ -129,6 +129,28 @@ TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
   EXPECT_NE(bad.output.find("TP 3"), std::string::npos) << bad.output;
 }
 
+// Hybrid models: each request's linear-attention state (a slot per request on both sides)
+// travels with its last chunk, split along its TP dimension, and is verified byte for byte.
+TEST(ReplayTest, HybridStateAtEqualAndUnequalTp) {
+  // tiny-hybrid-config.json: 6 linear layers x (512 conv rows x 3 bf16 + 8 heads x 32 x 32 fp32).
+  const uint64_t state_bytes = 6 * (512 * 3 * 2 + 8 * 32 * 32 * 4);
+  for (auto [ptp, dtp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
+    SCOPED_TRACE(std::to_string(ptp) + "->" + std::to_string(dtp));
+    std::string out = TempPath("hybrid.json");
+    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 9 --model-config " +
+                        Config("tiny-hybrid-config.json") + " --pool-size 64MiB --prefill-tp " +
+                        std::to_string(ptp) + " --decode-tp " + std::to_string(dtp) +
+                        " --json " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    json j = ReadJson(out);
+    EXPECT_EQ(j["requests_failed"], 0);
+    EXPECT_EQ(j["mismatches"], 0);
+    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    EXPECT_GE(j["bytes"].get<uint64_t>(), 3 * state_bytes);
+    std::remove(out.c_str());
+  }
+}
+
 // Context parallelism: each prefill CP rank (a process) holds and sends only its balanced range
 // of every request's pages; with --cp-rank0-only, rank 0 sends everything.
 TEST(ReplayTest, EveryContextParallelRankSendsItsPages) {

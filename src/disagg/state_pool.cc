@@ -1,0 +1,92 @@
+#include "kvferry/state_pool.h"
+
+#include <sys/mman.h>
+
+#include <limits>
+
+#include "common/checks.h"
+#include "cuda/device_memory.h"
+
+namespace kvferry {
+
+StatusOr<StateLayout> StateLayout::Create(const ModelGeometry& geometry, int tp_size) {
+  const std::string what = "model '" + geometry.name + "': ";
+  if (!geometry.hybrid()) return InvalidArgumentError(what + "has no linear-attention layers");
+  if (tp_size < 1) return InvalidArgumentError("TP size must be >= 1, got " + std::to_string(tp_size));
+  if (geometry.linear_num_value_heads < 1 || geometry.linear_num_key_heads < 1 ||
+      geometry.linear_key_head_dim < 1 || geometry.linear_value_head_dim < 1 ||
+      geometry.linear_conv_kernel_dim < 2) {
+    return InvalidArgumentError(what + "incomplete linear-attention geometry");
+  }
+  const int conv_dim = geometry.linear_conv_dim();
+  if (conv_dim % tp_size != 0 || geometry.linear_num_value_heads % tp_size != 0) {
+    return InvalidArgumentError(
+        what + "TP " + std::to_string(tp_size) + " does not divide the linear-attention state: " +
+        "conv_dim " + std::to_string(conv_dim) + ", linear_num_value_heads " +
+        std::to_string(geometry.linear_num_value_heads));
+  }
+  StateLayout l;
+  l.geometry_ = geometry;
+  l.tp_size_ = tp_size;
+  l.conv_rows_ = conv_dim / tp_size;
+  l.conv_row_bytes_ =
+      static_cast<uint64_t>(geometry.linear_conv_kernel_dim - 1) * DTypeSize(geometry.dtype);
+  l.recurrent_rows_ = geometry.linear_num_value_heads / tp_size;
+  l.recurrent_row_bytes_ = static_cast<uint64_t>(geometry.linear_value_head_dim) *
+                           static_cast<uint64_t>(geometry.linear_key_head_dim) *
+                           DTypeSize(geometry.linear_state_dtype);
+  return l;
+}
+
+namespace {
+StatusOr<uint64_t> PoolBytes(const StateLayout& layout, int32_t num_slots) {
+  if (num_slots < 1) {
+    return InvalidArgumentError("a state pool needs at least one slot, got " +
+                                std::to_string(num_slots));
+  }
+  const uint64_t per_slot = layout.bytes_per_slot_all_buffers();
+  if (per_slot == 0 ||
+      per_slot > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(num_slots)) {
+    return InvalidArgumentError("state pool size overflows: " + std::to_string(num_slots) +
+                                " slots of " + std::to_string(per_slot) + " bytes");
+  }
+  return per_slot * static_cast<uint64_t>(num_slots);
+}
+}  // namespace
+
+StatusOr<std::unique_ptr<StatePool>> StatePool::Create(const StateLayout& layout,
+                                                       int32_t num_slots) {
+  ASSIGN_OR_RETURN(uint64_t size_bytes, PoolBytes(layout, num_slots));
+  void* data = mmap(nullptr, static_cast<size_t>(size_bytes), PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (data == MAP_FAILED) {
+    return ResourceExhaustedError("cannot map " + std::to_string(size_bytes) +
+                                  " bytes for a state pool of " + std::to_string(num_slots) +
+                                  " slots");
+  }
+  return std::unique_ptr<StatePool>(
+      new StatePool(layout, num_slots, static_cast<uint8_t*>(data), size_bytes));
+}
+
+StatusOr<std::unique_ptr<StatePool>> StatePool::CreateOnDevice(const StateLayout& layout,
+                                                               int32_t num_slots, int device) {
+  ASSIGN_OR_RETURN(uint64_t size_bytes, PoolBytes(layout, num_slots));
+  auto memory = cuda::DeviceAllocation::Create(device, size_bytes);
+  if (!memory.ok()) {
+    return memory.status().WithContext("state pool on CUDA device " + std::to_string(device));
+  }
+  std::unique_ptr<StatePool> pool(new StatePool(layout, num_slots, (*memory)->data(), size_bytes));
+  pool->location_ = MemoryLocation{MemoryKind::kCuda, device};
+  pool->device_memory_ = std::move(*memory);
+  return pool;
+}
+
+StatePool::StatePool(const StateLayout& layout, int32_t num_slots, uint8_t* data,
+                     uint64_t size_bytes)
+    : layout_(layout), num_slots_(num_slots), data_(data), size_bytes_(size_bytes) {}
+
+StatePool::~StatePool() {
+  if (device_memory_ == nullptr) munmap(data_, static_cast<size_t>(size_bytes_));
+}
+
+}  // namespace kvferry
