@@ -23,6 +23,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kvferry/aux_buffer.h"
 #include "kvferry/cp_split.h"
@@ -97,6 +98,34 @@ class PrefillConnector {
   // kInvalidArgument/kOutOfRange (pages).
   virtual Status SendChunk(uint64_t room, int64_t first_page, std::span<const int32_t> src_pages,
                            std::optional<int32_t> aux_row) = 0;
+
+  // Layerwise transfer: a prefill forward pass over chunks of one or more rooms. Registers
+  // the chunks exactly as SendChunk would (same checks, same errors, in token order per room)
+  // but moves nothing yet; each model layer's pages (and, on a room's last chunk, its
+  // linear-attention state) leave when MarkLayerReady says the layer has run, so transfers
+  // overlap the layers still computing. Layers are sent in layer order: layer l leaves once
+  // layers 0..l are all marked, in one engine batch per decode rank for every room of the
+  // pass. The aux row and done notice follow after the last layer landed. A pass not fully
+  // marked within transfer_timeout fails its rooms ("layer L ... never marked ready").
+  // Staging destinations (unequal TP, kv_path staging) send the chunk once all layers are
+  // marked. Returns the pass id. Does not block on the network.
+  struct LayerwiseChunk {
+    uint64_t room = 0;
+    int64_t first_page = 0;
+    std::vector<int32_t> src_pages;
+    std::optional<int32_t> aux_row;  // set on the room's last chunk
+  };
+  virtual StatusOr<uint64_t> BeginLayerwisePass(std::span<const LayerwiseChunk> chunks) = 0;
+  // Model layer `layer` (0 <= layer < geometry.num_model_layers(), counting full- and
+  // linear-attention layers) of `pass` has written its KV. Never blocks on the network.
+  // Errors: kNotFound (unknown or finished pass), kOutOfRange (layer), kAlreadyExists
+  // (marked twice).
+  virtual Status MarkLayerReady(uint64_t pass, int layer) = 0;
+  // As MarkLayerReady, once `cuda_event` (a cudaEvent_t recorded on the compute stream after
+  // the layer wrote its KV; it must outlive the wait) has completed; the caller's thread does
+  // not wait. Errors: as MarkLayerReady, plus "no CUDA device" / kUnimplemented without CUDA;
+  // an event that fails fails the pass's rooms.
+  virtual Status MarkLayerReadyOnEvent(uint64_t pass, int layer, void* cuda_event) = 0;
 
   // The pages of a request of `num_pages` this rank sends (everything without CP).
   virtual PageRange SendRange(int64_t num_pages) const = 0;

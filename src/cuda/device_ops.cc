@@ -27,6 +27,13 @@ Status MemsetDevice(void* dst, int value, uint64_t bytes) {
   return OkStatus();
 }
 
+StatusOr<bool> EventCompleted(void* event) {
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (e == cudaSuccess) return true;
+  if (e == cudaErrorNotReady) return false;
+  return InternalError(std::string("cudaEventQuery failed: ") + cudaGetErrorName(e));
+}
+
 namespace {
 
 class GpuPatternImpl : public GpuPattern {

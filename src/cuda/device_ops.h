@@ -15,6 +15,9 @@ namespace kvferry::cuda {
 Status CopyToDevice(void* dst, const void* src, uint64_t bytes);
 Status CopyToHost(void* dst, const void* src, uint64_t bytes);
 Status MemsetDevice(void* dst, int value, uint64_t bytes);
+// Whether the work before a recorded cudaEvent_t has finished (cudaEventQuery): true, false
+// (still running), or the error the event reports.
+StatusOr<bool> EventCompleted(void* event);
 
 // Fills and verifies replay content in a GPU pool with kernels (same bytes as kv_pattern.h).
 // One per thread: it owns a stream and scratch buffers on `device`.

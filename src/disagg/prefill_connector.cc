@@ -5,6 +5,8 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "cuda/device_memory.h"
+#include "cuda/device_ops.h"
 #include "disagg/control_message.h"
 #include "disagg/head_slices.h"
 #include "kvferry/ring_allocator.h"
@@ -132,10 +134,17 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     timer_cv_.notify_all();
     if (timer_.joinable()) timer_.join();
+    {
+      std::lock_guard<std::mutex> lock(events_mu_);
+      events_stopping_ = true;
+    }
+    events_cv_.notify_all();
+    if (event_thread_.joinable()) event_thread_.join();
     // Queues close while the engine still lives (their tasks use it); the engine's final
     // callbacks then post into closed queues and are dropped.
     engine_->SetNotificationHandler(nullptr);
     control_->Close();
+    layers_->Close();
     staging_->Close();
     completion_->Close();
     engine_.reset();
@@ -188,42 +197,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     const bool last = aux_row.has_value();
     Status s = rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
       SenderRoom& d = r.data;
-      std::string where = "room " + std::to_string(room) + ": ";
-      if (r.status.state == RoomState::kFailed) {
-        return FailedPreconditionError(where + "failed: " + r.status.error.message());
-      }
-      if (r.status.state == RoomState::kBootstrapping || !d.all_arrived()) {
-        return FailedPreconditionError(where + "decode destination not known yet "
-                                               "(wait for WaitingForInput)");
-      }
-      if (d.last_submitted) return FailedPreconditionError(where + "last chunk already sent");
-      if (first_page != d.next_page) {
-        return InvalidArgumentError(where + "chunk starts at page " + std::to_string(first_page) +
-                                    ", expected " + std::to_string(d.next_page));
-      }
-      const int64_t end = d.range.first_page + d.range.num_pages;
-      if (first_page + static_cast<int64_t>(src_pages.size()) > end) {
-        return OutOfRangeError(where + "chunk ends at page " +
-                               std::to_string(first_page + src_pages.size()) +
-                               " past the pages this rank sends, [" +
-                               std::to_string(d.range.first_page) + ", " + std::to_string(end) +
-                               ") of " + std::to_string(d.num_pages));
-      }
-      if (last && first_page + static_cast<int64_t>(src_pages.size()) != end) {
-        return InvalidArgumentError(where + "last chunk ends at page " +
-                                    std::to_string(first_page + src_pages.size()) + ", not " +
-                                    std::to_string(end));
-      }
-      for (int32_t p : src_pages) {
-        if (p < 0 || p >= pool_->num_pages()) {
-          return OutOfRangeError(where + "source page " + std::to_string(p) +
-                                 " outside the pool of " + std::to_string(pool_->num_pages()));
-        }
-      }
-      if (last && (*aux_row < 0 || *aux_row >= aux_->num_rows())) {
-        return OutOfRangeError(where + "aux row " + std::to_string(*aux_row) + " outside " +
-                               std::to_string(aux_->num_rows()) + " rows");
-      }
+      RETURN_IF_ERROR(CheckChunk(r, room, first_page, src_pages, aux_row));
       if (last) {
         d.last_submitted = true;
         d.src_aux_row = *aux_row;
@@ -272,6 +246,126 @@ class PrefillConnectorImpl : public PrefillConnector {
         Submit(room, w.dest, std::move(w.requests), EncodeControl(note), w.finishing);
       }
     }
+    return OkStatus();
+  }
+
+  StatusOr<uint64_t> BeginLayerwisePass(std::span<const LayerwiseChunk> chunks) override {
+    if (chunks.empty()) return InvalidArgumentError("layerwise pass with no chunks");
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) {
+        if (chunks[j].room == chunks[i].room) {
+          return InvalidArgumentError("room " + std::to_string(chunks[i].room) +
+                                      " appears twice in one layerwise pass");
+        }
+      }
+    }
+    // Check every chunk before taking any, so a refused pass changes nothing.
+    for (const LayerwiseChunk& c : chunks) {
+      RETURN_IF_ERROR(rooms_.With(c.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+        return CheckChunk(r, c.room, c.first_page, c.src_pages, c.aux_row);
+      }));
+    }
+    auto pass = std::make_shared<LayerPass>();
+    pass->marked.assign(pool_->layout().geometry().num_model_layers(), false);
+    pass->deadline = Clock::now() + options_.transfer_timeout;
+    for (const LayerwiseChunk& c : chunks) {
+      pass->rooms.push_back(c.room);
+      Status taken = rooms_.With(c.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+        RETURN_IF_ERROR(CheckChunk(r, c.room, c.first_page, c.src_pages, c.aux_row));
+        SenderRoom& d = r.data;
+        const bool last = c.aux_row.has_value();
+        if (last) {
+          d.last_submitted = true;
+          d.src_aux_row = *c.aux_row;
+        }
+        for (size_t k = 0; k < d.destinations.size(); ++k) {
+          Destination& dest = d.destinations[k];
+          PassTarget t;
+          t.room = c.room;
+          t.dest = k;
+          t.first_page = c.first_page;
+          t.src_pages = c.src_pages;
+          t.last = last;
+          t.staged = dest.slice.sends && dest.slice.staging;
+          t.sends = dest.slice.sends && !t.staged;
+          if (t.staged) {
+            dest.staged_chunks[c.first_page] = c.src_pages;
+            ++dest.outstanding_batches;  // its staging WRITE
+          }
+          ++dest.outstanding_batches;  // the pass itself: released after the last layer
+          pass->targets.push_back(std::move(t));
+        }
+        d.next_page += static_cast<int64_t>(c.src_pages.size());
+        return OkStatus();
+      });
+      if (!taken.ok()) {
+        FailRoom(c.room, taken);
+        continue;
+      }
+      rooms_.Advance(c.room, RoomState::kTransferring);
+    }
+    std::lock_guard<std::mutex> lock(passes_mu_);
+    pass->id = next_pass_id_++;
+    passes_[pass->id] = pass;
+    return pass->id;
+  }
+
+  Status MarkLayerReady(uint64_t pass_id, int layer) override {
+    std::lock_guard<std::mutex> lock(passes_mu_);
+    auto it = passes_.find(pass_id);
+    if (it == passes_.end()) {
+      return NotFoundError("layerwise pass " + std::to_string(pass_id) +
+                           " is unknown or already finished");
+    }
+    LayerPass& pass = *it->second;
+    const int layers = static_cast<int>(pass.marked.size());
+    if (layer < 0 || layer >= layers) {
+      return OutOfRangeError("layer " + std::to_string(layer) + " outside the model's " +
+                             std::to_string(layers) + " layers");
+    }
+    if (pass.marked[layer]) {
+      return AlreadyExistsError("layer " + std::to_string(layer) + " of layerwise pass " +
+                                std::to_string(pass_id) + " already marked ready");
+    }
+    pass.marked[layer] = true;
+    std::vector<int> ready;
+    while (pass.next_layer < layers && pass.marked[pass.next_layer]) ready.push_back(pass.next_layer++);
+    if (ready.empty()) return OkStatus();  // an earlier layer is still computing
+    const bool finished = pass.next_layer == layers;
+    std::shared_ptr<LayerPass> keep = it->second;
+    if (finished) passes_.erase(it);
+    // Posted under the lock: the layer queue sees layers in order whoever marked them.
+    layers_->Post([this, keep, ready, finished] {
+      for (int l : ready) SubmitLayer(*keep, l);
+      if (finished) FinishPass(*keep);
+    });
+    return OkStatus();
+  }
+
+  Status MarkLayerReadyOnEvent(uint64_t pass_id, int layer, void* cuda_event) override {
+    if (cuda_event == nullptr) return InvalidArgumentError("null CUDA event");
+    {
+      std::lock_guard<std::mutex> lock(passes_mu_);
+      auto it = passes_.find(pass_id);
+      if (it == passes_.end()) {
+        return NotFoundError("layerwise pass " + std::to_string(pass_id) +
+                             " is unknown or already finished");
+      }
+      const int layers = static_cast<int>(it->second->marked.size());
+      if (layer < 0 || layer >= layers) {
+        return OutOfRangeError("layer " + std::to_string(layer) + " outside the model's " +
+                               std::to_string(layers) + " layers");
+      }
+    }
+    RETURN_IF_ERROR(cuda::CheckDevice(0));  // "no CUDA device" on machines without one
+    ASSIGN_OR_RETURN(bool done, cuda::EventCompleted(cuda_event));
+    if (done) return MarkLayerReady(pass_id, layer);
+    {
+      std::lock_guard<std::mutex> lock(events_mu_);
+      events_.push_back({pass_id, layer, cuda_event});
+      if (!event_thread_.joinable()) event_thread_ = std::thread([this] { EventLoop(); });
+    }
+    events_cv_.notify_one();
     return OkStatus();
   }
 
@@ -354,6 +448,50 @@ class PrefillConnectorImpl : public PrefillConnector {
     return all;
   }
 
+  // The checks SendChunk and BeginLayerwisePass make before a chunk is accepted.
+  Status CheckChunk(RoomTable<SenderRoom>::Room& r, uint64_t room, int64_t first_page,
+                    std::span<const int32_t> src_pages, std::optional<int32_t> aux_row) const {
+    const SenderRoom& d = r.data;
+    const bool last = aux_row.has_value();
+    std::string where = "room " + std::to_string(room) + ": ";
+    if (r.status.state == RoomState::kFailed) {
+      return FailedPreconditionError(where + "failed: " + r.status.error.message());
+    }
+    if (r.status.state == RoomState::kBootstrapping || !d.all_arrived()) {
+      return FailedPreconditionError(where + "decode destination not known yet "
+                                             "(wait for WaitingForInput)");
+    }
+    if (d.last_submitted) return FailedPreconditionError(where + "last chunk already sent");
+    if (first_page != d.next_page) {
+      return InvalidArgumentError(where + "chunk starts at page " + std::to_string(first_page) +
+                                  ", expected " + std::to_string(d.next_page));
+    }
+    const int64_t end = d.range.first_page + d.range.num_pages;
+    if (first_page + static_cast<int64_t>(src_pages.size()) > end) {
+      return OutOfRangeError(where + "chunk ends at page " +
+                             std::to_string(first_page + src_pages.size()) +
+                             " past the pages this rank sends, [" +
+                             std::to_string(d.range.first_page) + ", " + std::to_string(end) +
+                             ") of " + std::to_string(d.num_pages));
+    }
+    if (last && first_page + static_cast<int64_t>(src_pages.size()) != end) {
+      return InvalidArgumentError(where + "last chunk ends at page " +
+                                  std::to_string(first_page + src_pages.size()) + ", not " +
+                                  std::to_string(end));
+    }
+    for (int32_t p : src_pages) {
+      if (p < 0 || p >= pool_->num_pages()) {
+        return OutOfRangeError(where + "source page " + std::to_string(p) +
+                               " outside the pool of " + std::to_string(pool_->num_pages()));
+      }
+    }
+    if (last && (*aux_row < 0 || *aux_row >= aux_->num_rows())) {
+      return OutOfRangeError(where + "aux row " + std::to_string(*aux_row) + " outside " +
+                             std::to_string(aux_->num_rows()) + " rows");
+    }
+    return OkStatus();
+  }
+
   TransferRequest AuxRequest(const SenderRoom& room, const Destination& dest) const {
     const DecodeKvArgs& a = dest.decode->args;
     return {TransferOp::kWrite, aux_->Row(room.src_aux_row), dest.decode->segment,
@@ -364,10 +502,16 @@ class PrefillConnectorImpl : public PrefillConnector {
   // Requests moving this chunk's pages to one destination: page runs coalesced into one block
   // per layer buffer when the destination takes whole tokens; otherwise one request per page,
   // token slot and buffer for the head slice (the "direct slices" path of unequal TP).
+  // `buffers`: the layer buffers to send (empty: all of them).
   void AppendChunkRequests(const Destination& dest, int64_t first_page,
-                           std::span<const int32_t> src_pages,
-                           std::vector<TransferRequest>* out) const {
+                           std::span<const int32_t> src_pages, std::vector<TransferRequest>* out,
+                           std::span<const int> buffers = {}) const {
     const KvLayout& l = pool_->layout();
+    std::vector<int> all;
+    if (buffers.empty()) {
+      for (int b = 0; b < l.num_buffers(); ++b) all.push_back(b);
+      buffers = all;
+    }
     const DecodeKvArgs& a = dest.decode->args;
     std::span<const int32_t> dst(dest.dst_pages.data() + first_page, src_pages.size());
     const int src_heads = l.heads_per_token();
@@ -378,7 +522,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     if (whole) {
       const uint64_t page_bytes = l.page_bytes();
       for (const PageRun& run : CoalescePageRuns(src_pages, dst)) {
-        for (int b = 0; b < l.num_buffers(); ++b) {
+        for (int b : buffers) {
           out->push_back({TransferOp::kWrite,
                           pool_->PageAddress(b, static_cast<int32_t>(run.src_page)),
                           dest.decode->segment,
@@ -392,7 +536,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     const uint64_t dst_token_bytes = static_cast<uint64_t>(dst_heads) * head_bytes;
     const uint64_t length = static_cast<uint64_t>(heads) * head_bytes;
     for (size_t i = 0; i < src_pages.size(); ++i) {
-      for (int b = 0; b < l.num_buffers(); ++b) {
+      for (int b : buffers) {
         const uint8_t* src_page = pool_->PageAddress(b, src_pages[i]);
         const uint64_t dst_page =
             a.buffer_bases[b] + static_cast<uint64_t>(dst[i]) * a.page_bytes;
@@ -585,6 +729,174 @@ class PrefillConnectorImpl : public PrefillConnector {
       NotifyDone(room, dest);
     }
     if (all_done && rooms_.Advance(room, RoomState::kSuccess)) ++rooms_succeeded_;
+  }
+
+  // One (room, destination) of a layerwise pass.
+  struct PassTarget {
+    uint64_t room = 0;
+    size_t dest = 0;
+    int64_t first_page = 0;
+    std::vector<int32_t> src_pages;
+    bool last = false;    // the room's last chunk: its state leaves with the linear layers
+    bool sends = false;   // sends KV pages directly (not a replica, not staged)
+    bool staged = false;  // goes through decode's staging ring once every layer is marked
+  };
+  struct LayerPass {
+    uint64_t id = 0;
+    std::vector<PassTarget> targets;
+    std::vector<uint64_t> rooms;
+    std::vector<bool> marked;  // per model layer; guarded by passes_mu_
+    int next_layer = 0;        // first layer not yet handed to the layer queue
+    Clock::time_point deadline;
+  };
+
+  // Runs on the layer queue: one engine batch per decode rank with this layer's pages (or,
+  // for a linear-attention layer of a room's last chunk, its state) for every room.
+  void SubmitLayer(const LayerPass& pass, int layer) {
+    const ModelGeometry& g = pool_->layout().geometry();
+    const ModelGeometry::LayerRef ref = g.ModelLayer(layer);
+    std::vector<int> buffers;
+    if (!ref.linear) {
+      buffers.push_back(ref.index);
+      if (g.attention == AttentionKind::kMha) buffers.push_back(g.num_layers + ref.index);
+    } else {
+      buffers = {ref.index, g.num_linear_layers + ref.index};  // conv, recurrent
+    }
+    struct Group {
+      std::shared_ptr<DecodePeer> decode;
+      std::vector<TransferRequest> requests;
+      std::vector<std::pair<uint64_t, size_t>> credits;  // (room, destination)
+    };
+    std::vector<Group> groups;
+    for (const PassTarget& t : pass.targets) {
+      if (ref.linear ? !t.last : !t.sends) continue;
+      std::vector<TransferRequest> requests;
+      std::shared_ptr<DecodePeer> decode;
+      Status s = rooms_.With(t.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+        if (r.status.state == RoomState::kFailed) return CancelledError("room failed");
+        Destination& dest = r.data.destinations[t.dest];
+        if (ref.linear) {
+          AppendStateRequests(r.data, dest, buffers, &requests);
+        } else {
+          AppendChunkRequests(dest, t.first_page, t.src_pages, &requests, buffers);
+        }
+        if (!requests.empty()) ++dest.outstanding_batches;
+        decode = dest.decode;
+        return OkStatus();
+      });
+      if (!s.ok() || requests.empty()) continue;
+      auto g_it = std::find_if(groups.begin(), groups.end(),
+                               [&](const Group& x) { return x.decode == decode; });
+      if (g_it == groups.end()) {
+        groups.push_back(Group{decode, {}, {}});
+        g_it = groups.end() - 1;
+      }
+      g_it->requests.insert(g_it->requests.end(), requests.begin(), requests.end());
+      g_it->credits.emplace_back(t.room, t.dest);
+    }
+    for (Group& group : groups) SubmitCredited(std::move(group.requests), std::move(group.credits));
+  }
+
+  // Runs on the layer queue after the last layer: staged chunks go now, and each target's
+  // hold on its destination is released (its aux row and done notice follow its last batch).
+  void FinishPass(const LayerPass& pass) {
+    for (const PassTarget& t : pass.targets) {
+      if (t.staged) {
+        RequestStaging(t.room, t.dest, t.first_page, static_cast<int64_t>(t.src_pages.size()));
+      }
+    }
+    BatchStatus ok;
+    ok.state = TransferState::kCompleted;
+    for (const PassTarget& t : pass.targets) {
+      completion_->Post([this, room = t.room, dest = t.dest, ok] { OnBatchDone(room, dest, false, ok); });
+    }
+  }
+
+  // A batch whose completion counts once for each (room, destination) it carries.
+  void SubmitCredited(std::vector<TransferRequest> requests,
+                      std::vector<std::pair<uint64_t, size_t>> credits) {
+    uint64_t bytes = 0;
+    for (const auto& r : requests) bytes += r.length_bytes;
+    transfer_requests_ += requests.size();
+    bytes_ += bytes;
+    auto shared = std::make_shared<std::vector<std::pair<uint64_t, size_t>>>(std::move(credits));
+    BatchOptions o;
+    o.deadline = options_.transfer_timeout;
+    o.on_complete = [this, shared](BatchId id, const BatchStatus& status) {
+      completion_->Post([this, shared, id, status] {
+        engine_->ReleaseBatch(id).IgnoreError();
+        for (const auto& [room, dest] : *shared) OnBatchDone(room, dest, false, status);
+      });
+    };
+    auto id = engine_->SubmitBatch(requests, o);
+    if (!id.ok()) {
+      BatchStatus failed;
+      failed.state = TransferState::kFailed;
+      failed.error = id.status();
+      completion_->Post([this, shared, failed] {
+        for (const auto& [room, dest] : *shared) OnBatchDone(room, dest, false, failed);
+      });
+    }
+  }
+
+  // Polls CUDA events of layers marked by MarkLayerReadyOnEvent.
+  void EventLoop() {
+    std::unique_lock<std::mutex> lock(events_mu_);
+    while (!events_stopping_) {
+      if (events_.empty()) {
+        events_cv_.wait(lock, [&] { return events_stopping_ || !events_.empty(); });
+        continue;
+      }
+      auto pending = std::move(events_);
+      events_.clear();
+      lock.unlock();
+      std::vector<PendingEvent> still;
+      for (const PendingEvent& e : pending) {
+        StatusOr<bool> done = cuda::EventCompleted(e.event);
+        if (!done.ok()) {
+          FailPass(e.pass, done.status().WithContext("layer " + std::to_string(e.layer) +
+                                                     " ready event"));
+        } else if (*done) {
+          MarkLayerReady(e.pass, e.layer).IgnoreError();
+        } else {
+          still.push_back(e);
+        }
+      }
+      if (!still.empty()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      lock.lock();
+      events_.insert(events_.end(), still.begin(), still.end());
+    }
+  }
+
+  // Fails every room of a pass that has not finished and forgets the pass.
+  void FailPass(uint64_t pass_id, const Status& why) {
+    std::shared_ptr<LayerPass> pass;
+    {
+      std::lock_guard<std::mutex> lock(passes_mu_);
+      auto it = passes_.find(pass_id);
+      if (it == passes_.end()) return;
+      pass = it->second;
+      passes_.erase(it);
+    }
+    for (uint64_t room : pass->rooms) FailRoom(room, why);
+  }
+
+  // Passes whose layers were not all marked in time fail their rooms (TimerLoop).
+  void ExpirePasses(Clock::time_point now) {
+    std::vector<std::pair<uint64_t, Status>> expired;
+    {
+      std::lock_guard<std::mutex> lock(passes_mu_);
+      for (auto& [id, pass] : passes_) {
+        if (now < pass->deadline) continue;
+        const int missing = pass->next_layer;
+        expired.emplace_back(
+            id, DeadlineExceededError("layerwise pass " + std::to_string(id) + ": layer " +
+                                      std::to_string(missing) +
+                                      " was never marked ready within transfer timeout of " +
+                                      std::to_string(options_.transfer_timeout.count()) + " ms"));
+      }
+    }
+    for (auto& [id, why] : expired) FailPass(id, why);
   }
 
   void FailRoom(uint64_t room, const Status& why) {
@@ -844,6 +1156,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       lock.unlock();
       auto now = Clock::now();
       rooms_.ExpireDeadlines(now);
+      ExpirePasses(now);
       {
         std::lock_guard<std::mutex> plock(pending_mu_);
         for (auto it = pending_.begin(); it != pending_.end();) {
@@ -885,6 +1198,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::unique_ptr<TaskQueue> control_ = std::make_unique<TaskQueue>(1);
   std::unique_ptr<TaskQueue> completion_ = std::make_unique<TaskQueue>(1);
   std::unique_ptr<TaskQueue> staging_ = std::make_unique<TaskQueue>(4);  // staged chunk writes
+  std::unique_ptr<TaskQueue> layers_ = std::make_unique<TaskQueue>(1);   // layerwise submits
   std::unique_ptr<TransferEngine> engine_;
   RoomTable<SenderRoom> rooms_;
 
@@ -892,6 +1206,20 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::map<std::string, std::shared_ptr<DecodePeer>> decodes_;
   std::mutex pending_mu_;
   std::map<uint64_t, std::vector<Pending>> pending_;  // destinations that came before the room
+
+  struct PendingEvent {
+    uint64_t pass;
+    int layer;
+    void* event;
+  };
+  std::mutex passes_mu_;
+  std::map<uint64_t, std::shared_ptr<LayerPass>> passes_;
+  uint64_t next_pass_id_ = 1;
+  std::mutex events_mu_;
+  std::condition_variable events_cv_;
+  std::vector<PendingEvent> events_;
+  bool events_stopping_ = false;
+  std::thread event_thread_;
 
   std::atomic<uint64_t> transfer_requests_{0};
   std::atomic<uint64_t> bytes_{0};

@@ -3,10 +3,12 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <thread>
 
 #include "disagg/control_message.h"
 #include "disagg/kv_pattern.h"
+#include "cuda/device_memory.h"
 
 namespace kvferry {
 namespace {
@@ -285,6 +287,132 @@ TEST(ControlMessageTest, RoundTripAndTruncation) {
   std::string bad = EncodeControl(m);
   bad[0] = 'X';
   EXPECT_NE(DecodeControl(bad).status().message().find("magic"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// Layerwise passes: layer order, batching of several rooms, deadlines and refused calls.
+class LayerwiseConnectorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefill_ = std::make_unique<Side>(TinyGeometry(), 4, 256, 0);
+    decode_ = std::make_unique<Side>(TinyGeometry(), 4, 256, 99);
+    PrefillConnectorOptions po;
+    po.transfer_timeout = milliseconds(400);
+    auto p = PrefillConnector::Create(po, prefill_->pool.get(), prefill_->aux.get());
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    prefill_conn_ = std::move(*p);
+    auto d = DecodeConnector::Create({}, decode_->pool.get(), decode_->aux.get());
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    decode_conn_ = std::move(*d);
+  }
+
+  // Pairs a room of `tokens` tokens and fills its KV and aux row; returns the pass chunk
+  // carrying all of it (a last chunk).
+  PrefillConnector::LayerwiseChunk Prepare(uint64_t room, int64_t tokens) {
+    const int64_t pages = prefill_->layout.NumPages(tokens);
+    PrefillConnector::LayerwiseChunk c;
+    c.room = room;
+    c.src_pages = *prefill_->allocator.Allocate(static_cast<int32_t>(pages));
+    dst_[room] = *decode_->allocator.Allocate(static_cast<int32_t>(pages));
+    int32_t src_row = *prefill_->aux->AllocateRow();
+    rows_[room] = *decode_->aux->AllocateRow();
+    EXPECT_TRUE(decode_conn_->CreateReceiver(room, prefill_conn_->bootstrap_address(), dst_[room],
+                                             rows_[room]).ok());
+    EXPECT_TRUE(prefill_conn_->CreateSender(room, pages).ok());
+    EXPECT_EQ(prefill_conn_->Wait(room, RoomState::kWaitingForInput, milliseconds(5000))->state,
+              RoomState::kWaitingForInput);
+    FillTokens(prefill_->layout, *prefill_->pool, room, c.src_pages, 0, tokens);
+    FillAuxRow(prefill_->aux->layout(), prefill_->aux->Row(src_row), room);
+    c.aux_row = src_row;
+    return c;
+  }
+
+  void ExpectLanded(uint64_t room, int64_t tokens) {
+    auto st = decode_conn_->Wait(room, RoomState::kSuccess, milliseconds(5000));
+    ASSERT_EQ(st->state, RoomState::kSuccess) << st->error.ToString();
+    VerifyResult v = VerifyTokens(decode_->layout, *decode_->pool, room, dst_[room], tokens);
+    EXPECT_TRUE(v.ok()) << v.first_mismatch;
+    EXPECT_TRUE(VerifyAuxRow(decode_->aux->layout(), decode_->aux->Row(rows_[room]), room).ok());
+  }
+
+  std::unique_ptr<Side> prefill_, decode_;
+  std::unique_ptr<PrefillConnector> prefill_conn_;
+  std::unique_ptr<DecodeConnector> decode_conn_;
+  std::map<uint64_t, std::vector<int32_t>> dst_;
+  std::map<uint64_t, int32_t> rows_;
+};
+
+TEST_F(LayerwiseConnectorTest, LayersLeaveInOrderForEveryRoomOfThePass) {
+  std::vector<PrefillConnector::LayerwiseChunk> chunks = {Prepare(1, 37), Prepare(2, 9),
+                                                          Prepare(3, 64)};
+  auto pass = prefill_conn_->BeginLayerwisePass(chunks);
+  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+  // Layers 2 and 1 are ready but layer 0 is still "computing": nothing may leave yet.
+  ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 2).ok());
+  ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 1).ok());
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_EQ(prefill_conn_->stats().transfer_requests, 0u);
+  EXPECT_EQ(decode_conn_->Poll(1)->state, RoomState::kWaitingForInput);
+  ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 0).ok());
+  for (uint64_t room : {1, 2, 3}) ExpectLanded(room, room == 1 ? 37 : room == 2 ? 9 : 64);
+  // One batch per layer and decode rank for all three rooms: K and V of each layer per
+  // page run per room, plus the aux rows.
+  EXPECT_GT(prefill_conn_->stats().transfer_requests, 3u * 2u * 3u);
+  EXPECT_EQ(prefill_conn_->MarkLayerReady(*pass, 0).code(), StatusCode::kNotFound);
+}
+
+TEST_F(LayerwiseConnectorTest, LayerNeverMarkedFailsTheRoomsAfterTheDeadline) {
+  auto chunk = Prepare(7, 20);
+  auto pass = prefill_conn_->BeginLayerwisePass(std::span(&chunk, 1));
+  ASSERT_TRUE(pass.ok());
+  ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 0).ok());
+  ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 2).ok());
+  auto st = prefill_conn_->Wait(7, RoomState::kSuccess, milliseconds(3000));
+  EXPECT_EQ(st->state, RoomState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded) << st->error.ToString();
+  EXPECT_NE(st->error.message().find("layer 1 was never marked ready"), std::string::npos)
+      << st->error.ToString();
+  // Decode hears why instead of timing out on its own.
+  auto dst = decode_conn_->Wait(7, RoomState::kSuccess, milliseconds(3000));
+  EXPECT_EQ(dst->state, RoomState::kFailed);
+  EXPECT_NE(dst->error.message().find("never marked ready"), std::string::npos)
+      << dst->error.ToString();
+  EXPECT_EQ(prefill_conn_->MarkLayerReady(*pass, 1).code(), StatusCode::kNotFound);
+}
+
+TEST_F(LayerwiseConnectorTest, BadCallsAreRefusedAndChangeNothing) {
+  auto chunk = Prepare(9, 12);
+  auto bad = chunk;
+  bad.first_page = 1;  // must start at page 0
+  auto twice = std::vector{chunk, chunk};
+  EXPECT_EQ(prefill_conn_->BeginLayerwisePass(std::span(&bad, 1)).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill_conn_->BeginLayerwisePass(twice).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill_conn_->BeginLayerwisePass({}).status().code(), StatusCode::kInvalidArgument);
+  auto pass = prefill_conn_->BeginLayerwisePass(std::span(&chunk, 1));  // still accepted
+  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+  EXPECT_EQ(prefill_conn_->MarkLayerReady(*pass, 3).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(prefill_conn_->MarkLayerReady(*pass, -1).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(prefill_conn_->MarkLayerReady(*pass + 100, 0).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 1).ok());
+  EXPECT_EQ(prefill_conn_->MarkLayerReady(*pass, 1).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(prefill_conn_->MarkLayerReadyOnEvent(*pass, 0, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  if (!cuda::CheckDevice(0).ok()) {  // without a GPU the event path says so
+    int not_an_event = 0;
+    Status on_event = prefill_conn_->MarkLayerReadyOnEvent(*pass, 0, &not_an_event);
+    EXPECT_FALSE(on_event.ok());
+    EXPECT_NE(on_event.message().find("CUDA"), std::string::npos) << on_event.ToString();
+  }
+  ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 0).ok());
+  ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 2).ok());
+  ExpectLanded(9, 12);
 }
 
 }  // namespace

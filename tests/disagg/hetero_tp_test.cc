@@ -15,6 +15,25 @@ using std::chrono::milliseconds;
 // Hybrid runs add a linear-attention state (3 linear layers per full-attention layer) to the
 // MHA geometry: conv_dim 2*4*8 + 8*8 = 128 channels, 8 value heads of 8x8 fp32.
 bool g_hybrid = false;
+// Layerwise runs send each chunk as a layerwise pass: the first chunk's layers are marked in
+// reverse order (they must still leave in layer order), the last chunk's in order.
+bool g_layerwise = false;
+
+void SendLayerwise(PrefillConnector& c, uint64_t room, int64_t first_page,
+                   std::vector<int32_t> pages, std::optional<int32_t> aux_row, int layers,
+                   bool reverse) {
+  PrefillConnector::LayerwiseChunk chunk;
+  chunk.room = room;
+  chunk.first_page = first_page;
+  chunk.src_pages = std::move(pages);
+  chunk.aux_row = aux_row;
+  auto pass = c.BeginLayerwisePass(std::span(&chunk, 1));
+  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+  for (int k = 0; k < layers; ++k) {
+    Status s = c.MarkLayerReady(*pass, reverse ? layers - 1 - k : k);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+}
 
 ModelGeometry Geometry(AttentionKind kind, int rank_heads) {
   ModelGeometry g;
@@ -138,6 +157,12 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
       FillTokens(prefill[r]->layout, *prefill[r]->pool, room, src, 0, tokens,
                  kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ps, r));
       FillAuxRow(prefill[r]->aux->layout(), prefill[r]->aux->Row(row), room);
+      if (g_layerwise) {
+        const int layers = prefill[r]->layout.geometry().num_model_layers();
+        SendLayerwise(*pconn[r], room, 0, {src.begin(), src.begin() + 5}, std::nullopt, layers, true);
+        SendLayerwise(*pconn[r], room, 5, {src.begin() + 5, src.end()}, row, layers, false);
+        continue;
+      }
       EXPECT_TRUE(pconn[r]->SendChunk(room, 0, std::span(src.data(), 5), std::nullopt).ok());
       EXPECT_TRUE(pconn[r]->SendChunk(room, 5, std::span(src.data() + 5, num_pages - 5), row).ok());
     }
@@ -206,6 +231,24 @@ TEST(HybridStateTest, EqualAndUnequalTp) {
   RunRoom(AttentionKind::kMha, 2, 1, 4, "direct", 0, 1);
   RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 64 << 10, 2);
   g_hybrid = false;
+}
+
+// Layerwise passes land the same bytes as whole chunks: GQA, MLA and hybrid, equal and
+// unequal TP, direct and staging paths.
+TEST(LayerwiseTest, SameBytesAsChunkedSends) {
+  g_layerwise = true;
+  RunRoom(AttentionKind::kMha, 8, 1, 1, "direct", 0, 2);
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "direct", 0, 2);
+  RunRoom(AttentionKind::kMha, 8, 1, 2, "direct", 0, 1);
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 64 << 10, 2);
+  RunRoom(AttentionKind::kMla, 1, 1, 1, "direct", 0, 2);
+  RunRoom(AttentionKind::kMla, 1, 2, 1, "direct", 0, 1);
+  g_hybrid = true;
+  RunRoom(AttentionKind::kMha, 8, 1, 1, "direct", 0, 2);
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "direct", 0, 1);
+  RunRoom(AttentionKind::kMha, 8, 1, 2, "direct", 0, 1);
+  g_hybrid = false;
+  g_layerwise = false;
 }
 
 TEST(HeteroTpTest, MlaTp2ToTp1AndTp1ToTp2) {
