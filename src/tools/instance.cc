@@ -481,6 +481,9 @@ int RunPrefillInstance(const InstanceFlags& flags) {
                              : ready.status());
     }
     auto start = Clock::now();
+    const int model_layers = layout.geometry().num_model_layers();
+    const auto layer_compute = std::chrono::microseconds(flags.compute_us_per_layer);
+    Clock::time_point compute_end = start;
     if (Status a = in.WriteAuxRow(*row, room); !a.ok()) return fail(a);
     if (Status st = in.FillState(admitted->state_slot, room); !st.ok()) return fail(st);
     // This rank computes and sends its range of the pages (all of them without context
@@ -497,14 +500,38 @@ int RunPrefillInstance(const InstanceFlags& flags) {
         if (Status f = in.Fill(room, *pages, first_token, chunk_tokens); !f.ok()) return fail(f);
       }
       bool last = first + n == end;
-      Status sent = c.SendChunk(room, first, std::span(pages->data() + first, n),
-                                last ? std::optional<int32_t>(*row) : std::nullopt);
-      if (!sent.ok()) return fail(sent);
+      const std::optional<int32_t> aux = last ? std::optional<int32_t>(*row) : std::nullopt;
+      // Simulated compute: layer after layer; sleeps run against absolute times so they do
+      // not drift.
+      auto layer_done = Clock::now();
+      if (flags.layerwise) {
+        PrefillConnector::LayerwiseChunk chunk;
+        chunk.room = room;
+        chunk.first_page = first;
+        chunk.src_pages.assign(pages->begin() + first, pages->begin() + first + n);
+        chunk.aux_row = aux;
+        auto pass = c.BeginLayerwisePass(std::span(&chunk, 1));
+        if (!pass.ok()) return fail(pass.status());
+        for (int l = 0; l < model_layers; ++l) {
+          layer_done += layer_compute;
+          if (layer_compute.count() > 0) std::this_thread::sleep_until(layer_done);
+          if (Status m = c.MarkLayerReady(*pass, l); !m.ok()) return fail(m);
+        }
+      } else {
+        layer_done += layer_compute * model_layers;
+        if (layer_compute.count() > 0) std::this_thread::sleep_until(layer_done);
+        Status sent = c.SendChunk(room, first, std::span(pages->data() + first, n), aux);
+        if (!sent.ok()) return fail(sent);
+      }
+      compute_end = Clock::now();
       if (range.num_pages == 0) break;
     }
     auto done = c.Wait(room, RoomState::kSuccess, milliseconds(flags.timeout_ms));
-    double transfer_ms =
-        std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    const auto success = Clock::now();
+    double transfer_ms = std::chrono::duration<double, std::milli>(success - start).count();
+    // The tail: from the last layer ready (end of compute) to the room's success.
+    double tail_ms = std::chrono::duration<double, std::milli>(success - compute_end).count();
+    double compute_ms = std::chrono::duration<double, std::milli>(compute_end - start).count();
     if (!done.ok() || done->state != RoomState::kSuccess) {
       return fail(done.ok() ? (done->error.ok() ? DeadlineExceededError("transfer timed out")
                                                 : done->error)
@@ -515,7 +542,10 @@ int RunPrefillInstance(const InstanceFlags& flags) {
                  {"room", room},
                  {"pages", num_pages},
                  {"pages_sent", range.num_pages},
-                 {"transfer_ms", transfer_ms}});
+                 {"transfer_ms", transfer_ms},
+                 {"compute_ms", compute_ms},
+                 {"tail_ms", tail_ms},
+                 {"layers", model_layers}});
   });
   return in.Serve(info);
 }
@@ -579,6 +609,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
       c.Release(room).IgnoreError();
       return Reply(res, 500, {{"ok", false}, {"error", reason}});
     }
+    const auto verify_start = Clock::now();
     auto v = in.Verify(room, *pages, tokens);
     Status aux_ok = in.CheckAuxRow(*row, room);
     auto state_v = in.VerifyState(admitted->state_slot, room);
@@ -593,6 +624,8 @@ int RunDecodeInstance(const InstanceFlags& flags) {
                 {"room", room},
                 {"pages", num_pages},
                 {"pages_verified", num_pages - mismatched_pages},
+                {"verify_ms", std::chrono::duration<double, std::milli>(Clock::now() - verify_start)
+                                  .count()},
                 {"mismatches", pages_mismatched + (aux_ok.ok() ? 0 : 1) + state_v->pages_mismatched},
                 {"bytes", num_pages * layout.bytes_per_page_all_buffers() +
                               in.aux->layout().row_bytes()}};
@@ -648,6 +681,11 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
     cmd->add_option("--bootstrap-port", f->bootstrap_port, "Bootstrap server port (0 = any)");
     cmd->add_option("--chunk-tokens", f->chunk_tokens, "Tokens per prefill chunk")
         ->capture_default_str();
+    cmd->add_option("--compute-us-per-layer", f->compute_us_per_layer,
+                    "Simulated prefill compute per model layer (microseconds)")
+        ->capture_default_str();
+    cmd->add_flag("--layerwise", f->layerwise,
+                  "Mark each layer ready as it finishes (layerwise transfer)");
   }
 }
 }  // namespace

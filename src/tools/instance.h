@@ -52,6 +52,11 @@ struct InstanceFlags {
   int cp_rank = 0;
   int cp_size = 1;
   bool cp_rank0_only = false;
+  // Prefill: simulated compute per model layer (a sleep), before each chunk's KV is handed
+  // over; with `layerwise` every layer is marked ready as it "finishes" (BeginLayerwisePass /
+  // MarkLayerReady) instead of sending the chunk after its last layer.
+  int64_t compute_us_per_layer = 0;
+  bool layerwise = false;
 };
 
 // Resolves --model / --model-config. Errors name the flag and value.

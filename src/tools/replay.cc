@@ -191,7 +191,11 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
   } else {
     a.insert(a.end(), {"--model", f.model});
   }
-  if (prefill) a.insert(a.end(), {"--chunk-tokens", std::to_string(f.chunk_tokens)});
+  if (prefill) {
+    a.insert(a.end(), {"--chunk-tokens", std::to_string(f.chunk_tokens), "--compute-us-per-layer",
+                       std::to_string(f.compute_us_per_layer)});
+    if (f.layerwise) a.push_back("--layerwise");
+  }
   a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(prefill ? 0 : f.gpu),
                       "--tp-rank", std::to_string(f.tp_rank), "--tp-size",
                       std::to_string(f.tp_size)});
@@ -222,6 +226,7 @@ int RunReplay(ReplayFlags flags) {
   if (!pool_bytes.ok()) return Fail("--pool-size: " + pool_bytes.status().message());
   if (flags.concurrency < 1) return Fail("--concurrency must be >= 1");
   if (flags.time_scale < 0) return Fail("--time-scale must be >= 0");
+  if (flags.instance.compute_us_per_layer < 0) return Fail("--compute-us-per-layer must be >= 0");
   flags.instance.aux_rows = std::max(flags.instance.aux_rows, 2 * flags.concurrency);
   flags.instance.state_slots = std::max(flags.instance.state_slots, flags.concurrency + 1);
   if (flags.instance.device == "cuda") {
@@ -359,7 +364,7 @@ int RunReplay(ReplayFlags flags) {
   PageBudget budget(pool_pages);
   Totals totals;
   std::vector<std::atomic<uint64_t>> pages_sent_per_cp(static_cast<size_t>(flags.prefill_cp));
-  LatencyRecorder latency;
+  LatencyRecorder latency, tail, ttft, transfer_per_layer;
   std::mutex errors_mu;
   std::vector<std::string> errors;
   ProgressBar progress("replay", requests.size());
@@ -382,10 +387,12 @@ int RunReplay(ReplayFlags flags) {
       size_t i = next++;
       if (i >= requests.size()) return;
       const TraceRequest& r = requests[i];
+      auto arrival = Clock::now();
       if (flags.time_scale > 0) {
         auto due = start + std::chrono::microseconds(
                                static_cast<int64_t>(r.timestamp_ms * 1000.0 / flags.time_scale));
         std::this_thread::sleep_until(due);
+        arrival = due;
       }
       const int64_t pages = (r.input_length + page_size - 1) / page_size;
       auto finish_one = [&] {
@@ -415,6 +422,7 @@ int RunReplay(ReplayFlags flags) {
       }
       std::vector<httplib::Result> results;
       for (auto& call : calls) results.push_back(call.get());
+      const auto answered = Clock::now();
       budget.Release(pages);
       const size_t num_decode = decode_clients.size();
       bool rejected = false, ok = true;
@@ -443,7 +451,7 @@ int RunReplay(ReplayFlags flags) {
         totals.pages += static_cast<uint64_t>(pages);
         // A page counts as verified when every decode rank verified its heads of it.
         uint64_t verified = static_cast<uint64_t>(pages), mism = 0;
-        double transfer_ms = 0;
+        double transfer_ms = 0, tail_ms = 0, verify_ms = 0, per_layer_ms = 0;
         std::string first;
         for (size_t k = 0; k < bodies.size(); ++k) {
           const json& j = bodies[k];
@@ -455,8 +463,14 @@ int RunReplay(ReplayFlags flags) {
             }
             mism += m;
             totals.bytes += j.value("bytes", 0ull);
+            verify_ms = std::max(verify_ms, j.value("verify_ms", 0.0));
           } else {
             transfer_ms = std::max(transfer_ms, j.value("transfer_ms", 0.0));
+            tail_ms = std::max(tail_ms, j.value("tail_ms", 0.0));
+            // Without layerwise transfer the whole transfer runs after compute: its tail over
+            // the layer count is the transfer time of one layer.
+            per_layer_ms = std::max(per_layer_ms, j.value("tail_ms", 0.0) /
+                                                      std::max(1, j.value("layers", 1)));
             // Prefill ranks are in (cp, tp) order.
             const size_t cp = (k - num_decode) / static_cast<size_t>(flags.prefill_tp);
             pages_sent_per_cp[cp] += j.value("pages_sent", 0ull);
@@ -465,6 +479,11 @@ int RunReplay(ReplayFlags flags) {
         totals.pages_verified += verified;
         totals.mismatches += mism;
         latency.Add(transfer_ms);
+        tail.Add(tail_ms);
+        transfer_per_layer.Add(per_layer_ms);
+        // Arrival to decode success: decode answers after verifying, which is not transfer.
+        ttft.Add(std::max(0.0, std::chrono::duration<double, std::milli>(answered - arrival).count() -
+                                   verify_ms));
         if (mism > 0) {
           std::lock_guard<std::mutex> lock(errors_mu);
           errors.push_back("request " + std::to_string(i) + " (room " + std::to_string(room) +
@@ -504,6 +523,11 @@ int RunReplay(ReplayFlags flags) {
        {{"p50", latency.Percentile(50)}, {"p90", latency.Percentile(90)},
         {"p99", latency.Percentile(99)}}},
       {"transfer_requests", transfer_requests},
+      {"layerwise", flags.instance.layerwise},
+      {"compute_us_per_layer", flags.instance.compute_us_per_layer},
+      {"tail_ms", {{"p50", tail.Percentile(50)}, {"p99", tail.Percentile(99)}}},
+      {"ttft_ms", {{"p50", ttft.Percentile(50)}, {"p99", ttft.Percentile(99)}}},
+      {"tail_per_layer_ms", {{"p50", transfer_per_layer.Percentile(50)}}},
       {"model", prefill_info["model"]},
       {"page_size", page_size},
       {"concurrency", flags.concurrency},
@@ -536,6 +560,11 @@ int RunReplay(ReplayFlags flags) {
        Fixed(latency.Percentile(50), 1) + " / " + Fixed(latency.Percentile(90), 1) + " / " +
            Fixed(latency.Percentile(99), 1)},
       {"engine transfer requests", std::to_string(transfer_requests)},
+      {std::string("tail after last layer p50/p99 (ms)") +
+           (flags.instance.layerwise ? ", layerwise" : ""),
+       Fixed(tail.Percentile(50), 2) + " / " + Fixed(tail.Percentile(99), 2)},
+      {"TTFT (arrival to decode success) p50/p99 (ms)",
+       Fixed(ttft.Percentile(50), 1) + " / " + Fixed(ttft.Percentile(99), 1)},
   };
   std::printf("%s", RenderTable(rows).c_str());
   for (size_t i = 0; i < errors.size() && i < 10; ++i) {
@@ -577,6 +606,11 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
   cmd->add_option("--chunk-tokens", flags->instance.chunk_tokens, "Tokens per prefill chunk")
       ->capture_default_str();
   cmd->add_option("--timeout-ms", flags->instance.timeout_ms, "Bootstrap/waiting/transfer timeout")
+      ->capture_default_str();
+  cmd->add_flag("--layerwise", flags->instance.layerwise,
+                "Send each layer's KV as soon as it is computed (layerwise transfer)");
+  cmd->add_option("--compute-us-per-layer", flags->instance.compute_us_per_layer,
+                  "Simulate prefill compute per model layer (a sleep), in microseconds")
       ->capture_default_str();
   cmd->add_option("--json", flags->json_path, "Write the summary as JSON");
   cmd->add_option("--prefill", flags->prefill_address,

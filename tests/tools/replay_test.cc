@@ -151,6 +151,45 @@ TEST(ReplayTest, HybridStateAtEqualAndUnequalTp) {
   }
 }
 
+// Layerwise transfer through real processes: every layer leaves as its simulated compute ends,
+// and decode verifies the same bytes as without --layerwise (the content is keyed by room,
+// layer, token and head only), for GQA, MLA and hybrid at equal and unequal TP.
+TEST(ReplayTest, LayerwiseVerifiesEveryByteAndReportsTails) {
+  struct Case {
+    const char* config;
+    int prefill_tp, decode_tp;
+    const char* kv_path;
+  };
+  for (const Case& c : {Case{"tiny-gqa-config.json", 1, 1, "direct"},
+                        Case{"tiny-gqa-config.json", 2, 1, "staging"},
+                        Case{"tiny-mla-config.json", 1, 2, "direct"},
+                        Case{"tiny-hybrid-config.json", 2, 1, "direct"},
+                        Case{"tiny-hybrid-config.json", 1, 2, "direct"}}) {
+    SCOPED_TRACE(std::string(c.config) + " " + std::to_string(c.prefill_tp) + "->" +
+                 std::to_string(c.decode_tp) + " " + c.kv_path);
+    std::string out = TempPath("layerwise.json");
+    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 11 --model-config " +
+                        Config(c.config) + " --pool-size 64MiB --chunk-tokens 1024 --prefill-tp " +
+                        std::to_string(c.prefill_tp) + " --decode-tp " +
+                        std::to_string(c.decode_tp) + " --kv-path " + c.kv_path +
+                        " --staging-size 8MiB --layerwise --compute-us-per-layer 200 --json " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    json j = ReadJson(out);
+    EXPECT_EQ(j["requests_failed"], 0);
+    EXPECT_EQ(j["mismatches"], 0);
+    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    EXPECT_EQ(j["layerwise"], true);
+    EXPECT_GT(j["tail_ms"]["p50"].get<double>(), 0.0);
+    EXPECT_GE(j["ttft_ms"]["p99"].get<double>(), j["ttft_ms"]["p50"].get<double>());
+    // TTFT includes the simulated compute: 200 us for each model layer of every chunk.
+    EXPECT_GT(j["ttft_ms"]["p50"].get<double>(), 0.2);
+    std::remove(out.c_str());
+  }
+  auto bad = RunCommand(KvferryBinary() + " replay --synthetic 1 --compute-us-per-layer -5");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--compute-us-per-layer"), std::string::npos) << bad.output;
+}
+
 // Context parallelism: each prefill CP rank (a process) holds and sends only its balanced range
 // of every request's pages; with --cp-rank0-only, rank 0 sends everything.
 TEST(ReplayTest, EveryContextParallelRankSendsItsPages) {
