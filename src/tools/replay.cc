@@ -267,9 +267,6 @@ int RunReplay(ReplayFlags flags) {
   if (flags.prefill_tp < 1 || flags.decode_tp < 1 || flags.prefill_cp < 1) {
     return Fail("--prefill-tp, --decode-tp and --prefill-cp must be >= 1");
   }
-  if (flags.prefill_cp > 1 && flags.prefill_tp > 1) {
-    return Fail("--prefill-cp with --prefill-tp > 1 is not supported yet");
-  }
   if (flags.kv_path != "direct" && flags.kv_path != "staging") {
     return Fail("--kv-path " + flags.kv_path +
                 ": must be direct or staging (fused is not implemented yet)");
@@ -472,8 +469,12 @@ int RunReplay(ReplayFlags flags) {
             per_layer_ms = std::max(per_layer_ms, j.value("tail_ms", 0.0) /
                                                       std::max(1, j.value("layers", 1)));
             // Prefill ranks are in (cp, tp) order.
+            // Every TP rank of a CP rank covers the same page range (its heads of it): count
+            // the range once, from TP rank 0.
             const size_t cp = (k - num_decode) / static_cast<size_t>(flags.prefill_tp);
-            pages_sent_per_cp[cp] += j.value("pages_sent", 0ull);
+            if ((k - num_decode) % static_cast<size_t>(flags.prefill_tp) == 0) {
+              pages_sent_per_cp[cp] += j.value("pages_sent", 0ull);
+            }
           }
         }
         totals.pages_verified += verified;

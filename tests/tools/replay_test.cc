@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "testutil/run_command.h"
@@ -147,6 +148,30 @@ TEST(ReplayTest, HybridStateAtEqualAndUnequalTp) {
     EXPECT_EQ(j["mismatches"], 0);
     EXPECT_EQ(j["pages_verified"], j["pages"]);
     EXPECT_GE(j["bytes"].get<uint64_t>(), 3 * state_bytes);
+    std::remove(out.c_str());
+  }
+}
+
+// Context parallelism combined with tensor parallelism: every (CP, TP) prefill rank is a
+// process holding its heads of its page range; hybrid state comes from CP rank 0's TP ranks.
+TEST(ReplayTest, ContextParallelWithTensorParallelism) {
+  for (auto [tp, cp, dtp] : {std::tuple{2, 2, 1}, std::tuple{2, 3, 4}}) {
+    SCOPED_TRACE("TP " + std::to_string(tp) + " CP " + std::to_string(cp) + " -> TP " +
+                 std::to_string(dtp));
+    std::string out = TempPath("cptp.json");
+    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 4 --model-config " +
+                        Config("tiny-hybrid-config.json") + " --pool-size 64MiB --prefill-tp " +
+                        std::to_string(tp) + " --prefill-cp " + std::to_string(cp) +
+                        " --decode-tp " + std::to_string(dtp) + " --json " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    json j = ReadJson(out);
+    EXPECT_EQ(j["requests_failed"], 0);
+    EXPECT_EQ(j["mismatches"], 0);
+    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    ASSERT_EQ(j["pages_sent_per_cp_rank"].size(), static_cast<size_t>(cp));
+    uint64_t total = 0;
+    for (const auto& p : j["pages_sent_per_cp_rank"]) total += p.get<uint64_t>();
+    EXPECT_EQ(total, j["pages"].get<uint64_t>());
     std::remove(out.c_str());
   }
 }
