@@ -64,6 +64,17 @@ StatusOr<std::unique_ptr<StatePool>> StatePool::Create(const StateLayout& layout
                                   " bytes for a state pool of " + std::to_string(num_slots) +
                                   " slots");
   }
+  // Resident from the start, like a serving engine's state pool (see KvPool::Create): the
+  // first transfer into a slot must not pay for faulting it in.
+  madvise(data, static_cast<size_t>(size_bytes), MADV_HUGEPAGE);  // a hint; failure is fine
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(data, static_cast<size_t>(size_bytes), MADV_POPULATE_WRITE) != 0) {
+    munmap(data, static_cast<size_t>(size_bytes));
+    return ResourceExhaustedError("cannot commit " + std::to_string(size_bytes) +
+                                  " bytes for a state pool of " + std::to_string(num_slots) +
+                                  " slots (out of memory?)");
+  }
+#endif
   return std::unique_ptr<StatePool>(
       new StatePool(layout, num_slots, static_cast<uint8_t*>(data), size_bytes));
 }
