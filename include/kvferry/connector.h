@@ -107,8 +107,9 @@ class PrefillConnector {
   // layers 0..l are all marked, in one engine batch per decode rank for every room of the
   // pass. The aux row and done notice follow after the last layer landed. A pass not fully
   // marked within transfer_timeout fails its rooms ("layer L ... never marked ready").
-  // Staging destinations (unequal TP, kv_path staging) send the chunk once all layers are
-  // marked. Returns the pass id. Does not block on the network.
+  // Staging destinations (unequal TP, kv_path staging) stage each layer's head slice on its
+  // own (a ring region per chunk and layer). Returns the pass id. Does not block on the
+  // network.
   struct LayerwiseChunk {
     uint64_t room = 0;
     int64_t first_page = 0;

@@ -77,6 +77,8 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U64(m.chunk.region_id);
       w.U32(static_cast<uint32_t>(m.chunk.dst_head_start));
       w.U32(static_cast<uint32_t>(m.chunk.num_heads));
+      w.U32(static_cast<uint32_t>(m.chunk.first_layer));
+      w.U32(static_cast<uint32_t>(m.chunk.num_layers));
       break;
     case ControlType::kHeartbeat:
     case ControlType::kChunkLanded:
@@ -211,12 +213,15 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
     case ControlType::kStagingGrant:
     case ControlType::kStagingReady: {
       uint64_t first = 0, pages = 0;
-      uint32_t dst = 0, heads = 0;
+      uint32_t dst = 0, heads = 0, first_layer = 0, layers = 0;
       if (!r.U64(&first) || !r.U64(&pages) || !r.U64(&m.chunk.bytes) || !r.U64(&m.chunk.round) ||
           !r.U64(&m.chunk.offset) || !r.U64(&m.chunk.region_id) || !r.U32(&dst) ||
-          !r.U32(&heads)) {
+          !r.U32(&heads) || !r.U32(&first_layer) || !r.U32(&layers)) {
         return bad("");
       }
+      m.chunk.first_layer = static_cast<int32_t>(first_layer);
+      m.chunk.num_layers = static_cast<int32_t>(layers);
+      if (m.chunk.first_layer < 0 || m.chunk.num_layers < 0) return bad("bad staging layers");
       m.chunk.first_page = static_cast<int64_t>(first);
       m.chunk.num_pages = static_cast<int64_t>(pages);
       m.chunk.dst_head_start = static_cast<int32_t>(dst);

@@ -99,6 +99,9 @@ struct StagingChunk {
   uint64_t region_id = 0;
   int32_t dst_head_start = 0;
   int32_t num_heads = 0;
+  // Layerwise: the attention layers [first_layer, first_layer + num_layers) only (0: all).
+  int32_t first_layer = 0;
+  int32_t num_layers = 0;
 };
 
 struct ControlMessage {

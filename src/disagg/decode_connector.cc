@@ -502,7 +502,8 @@ class DecodeConnectorImpl : public DecodeConnector {
                           m.chunk.num_pages * page_size, m.chunk.dst_head_start,
                           m.chunk.num_heads,
                           std::span<const uint8_t>(staging_.data() + m.chunk.offset,
-                                                   m.chunk.bytes));
+                                                   m.chunk.bytes),
+                          m.chunk.first_layer, m.chunk.num_layers);
     });
     {
       std::lock_guard<std::mutex> lock(staging_mu_);

@@ -2,13 +2,36 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace kvferry {
 namespace {
 
+// The buffers of attention layers [first_layer, first_layer + num_layers) in region order.
+std::vector<int> RegionBuffers(const KvLayout& l, int first_layer, int num_layers) {
+  const int layers = l.geometry().num_layers;
+  if (num_layers == 0) {
+    first_layer = 0;
+    num_layers = layers;
+  }
+  std::vector<int> buffers;
+  for (int k = 0; k < num_layers; ++k) buffers.push_back(first_layer + k);
+  if (l.num_buffers() > layers) {  // MHA: the V buffers follow
+    for (int k = 0; k < num_layers; ++k) buffers.push_back(layers + first_layer + k);
+  }
+  return buffers;
+}
+
 Status Check(const KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
-             int64_t num_tokens, int head_start, int num_heads, uint64_t staging_bytes) {
+             int64_t num_tokens, int head_start, int num_heads, uint64_t staging_bytes,
+             int first_layer, int num_layers) {
   const KvLayout& l = pool.layout();
+  if (first_layer < 0 || num_layers < 0 ||
+      first_layer + num_layers > l.geometry().num_layers) {
+    return OutOfRangeError("layers [" + std::to_string(first_layer) + ", +" +
+                           std::to_string(num_layers) + ") outside the pool's " +
+                           std::to_string(l.geometry().num_layers) + " attention layers");
+  }
   if (first_token < 0 || num_tokens < 0) {
     return OutOfRangeError("token range [" + std::to_string(first_token) + ", +" +
                            std::to_string(num_tokens) + ") is negative");
@@ -30,7 +53,7 @@ Status Check(const KvPool& pool, std::span<const int32_t> pages, int64_t first_t
                              std::to_string(pool.num_pages()) + " pages");
     }
   }
-  const uint64_t need = StagingBytes(l, num_tokens, num_heads);
+  const uint64_t need = StagingBytes(l, num_tokens, num_heads, num_layers);
   if (staging_bytes < need) {
     return OutOfRangeError("staging region of " + std::to_string(staging_bytes) +
                            " bytes, need " + std::to_string(need));
@@ -41,33 +64,43 @@ Status Check(const KvPool& pool, std::span<const int32_t> pages, int64_t first_t
 // Calls copy(pool_bytes, staging_offset, length) for every (buffer, token) piece.
 template <typename Pool, typename Copy>
 void ForEachPiece(Pool& pool, std::span<const int32_t> pages, int64_t first_token,
-                  int64_t num_tokens, int head_start, int num_heads, Copy copy) {
+                  int64_t num_tokens, int head_start, int num_heads, int first_layer,
+                  int num_layers, Copy copy) {
   const KvLayout& l = pool.layout();
   const uint64_t piece = static_cast<uint64_t>(num_heads) * l.head_bytes();
-  for (int b = 0; b < l.num_buffers(); ++b) {
+  const std::vector<int> buffers = RegionBuffers(l, first_layer, num_layers);
+  for (size_t j = 0; j < buffers.size(); ++j) {
+    const int b = buffers[j];
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t t = first_token + i;
       auto* slot = pool.PageAddress(b, pages[t / l.page_size()]) +
                    static_cast<uint64_t>(t % l.page_size()) * l.token_bytes() +
                    static_cast<uint64_t>(head_start) * l.head_bytes();
-      copy(slot, (static_cast<uint64_t>(b) * num_tokens + i) * piece, piece);
+      copy(slot, (static_cast<uint64_t>(j) * num_tokens + i) * piece, piece);
     }
   }
 }
 
 }  // namespace
 
-uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads) {
-  return static_cast<uint64_t>(layout.num_buffers()) * static_cast<uint64_t>(num_tokens) *
-         static_cast<uint64_t>(num_heads) * layout.head_bytes();
+uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads,
+                      int num_layers) {
+  const int layers = layout.geometry().num_layers;
+  const uint64_t buffers =
+      num_layers == 0 ? static_cast<uint64_t>(layout.num_buffers())
+                      : static_cast<uint64_t>(num_layers) * (layout.num_buffers() / layers);
+  return buffers * static_cast<uint64_t>(num_tokens) * static_cast<uint64_t>(num_heads) *
+         layout.head_bytes();
 }
 
 Status GatherHeads(const KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
                    int64_t num_tokens, int head_start, int num_heads,
-                   std::span<uint8_t> staging) {
-  Status s = Check(pool, pages, first_token, num_tokens, head_start, num_heads, staging.size());
+                   std::span<uint8_t> staging, int first_layer, int num_layers) {
+  Status s = Check(pool, pages, first_token, num_tokens, head_start, num_heads, staging.size(),
+                   first_layer, num_layers);
   if (!s.ok()) return s;
-  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads,
+  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads, first_layer,
+               num_layers,
                [&](const uint8_t* slot, uint64_t off, uint64_t n) {
                  std::memcpy(staging.data() + off, slot, n);
                });
@@ -76,10 +109,12 @@ Status GatherHeads(const KvPool& pool, std::span<const int32_t> pages, int64_t f
 
 Status ScatterHeads(KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
                     int64_t num_tokens, int head_start, int num_heads,
-                    std::span<const uint8_t> staging) {
-  Status s = Check(pool, pages, first_token, num_tokens, head_start, num_heads, staging.size());
+                    std::span<const uint8_t> staging, int first_layer, int num_layers) {
+  Status s = Check(pool, pages, first_token, num_tokens, head_start, num_heads, staging.size(),
+                   first_layer, num_layers);
   if (!s.ok()) return s;
-  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads,
+  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads, first_layer,
+               num_layers,
                [&](uint8_t* slot, uint64_t off, uint64_t n) {
                  std::memcpy(slot, staging.data() + off, n);
                });

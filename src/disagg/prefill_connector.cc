@@ -38,7 +38,9 @@ struct Destination {
   int outstanding_batches = 0;
   bool finishing = false;  // its done notice (with the aux row when it carries it) is on its way
   bool done = false;
-  std::map<int64_t, std::vector<int32_t>> staged_chunks;  // first page -> source pages, awaiting a grant
+  // (first page, first attention layer) -> source pages of a chunk awaiting a staging grant
+  // (layer 0 with every layer when not layerwise).
+  std::map<std::pair<int64_t, int32_t>, std::vector<int32_t>> staged_chunks;
 };
 
 struct SenderRoom {
@@ -208,7 +210,7 @@ class PrefillConnectorImpl : public PrefillConnector {
         w.dest = k;
         if (dest.slice.sends && dest.slice.staging) {
           // Counted as in flight until its staging WRITE lands, so the done notice waits.
-          dest.staged_chunks[first_page].assign(src_pages.begin(), src_pages.end());
+          dest.staged_chunks[{first_page, 0}].assign(src_pages.begin(), src_pages.end());
           ++dest.outstanding_batches;
           w.staged = true;
         } else if (dest.slice.sends) {
@@ -288,10 +290,6 @@ class PrefillConnectorImpl : public PrefillConnector {
           t.last = last;
           t.staged = dest.slice.sends && dest.slice.staging;
           t.sends = dest.slice.sends && !t.staged;
-          if (t.staged) {
-            dest.staged_chunks[c.first_page] = c.src_pages;
-            ++dest.outstanding_batches;  // its staging WRITE
-          }
           ++dest.outstanding_batches;  // the pass itself: released after the last layer
           pass->targets.push_back(std::move(t));
         }
@@ -580,7 +578,10 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // Asks the destination's decode rank for a staging region for one chunk's head slice.
-  void RequestStaging(uint64_t room, size_t dest, int64_t first_page, int64_t num_pages) {
+  // Layerwise passes stage attention layers [first_layer, first_layer + num_layers) only
+  // (num_layers 0: every layer).
+  void RequestStaging(uint64_t room, size_t dest, int64_t first_page, int64_t num_pages,
+                      int first_layer = 0, int num_layers = 0) {
     std::shared_ptr<DecodePeer> decode;
     ControlMessage m;
     m.type = ControlType::kStagingRequest;
@@ -591,7 +592,10 @@ class PrefillConnectorImpl : public PrefillConnector {
       const int heads = d.slice.num_heads > 0 ? d.slice.num_heads : pool_->layout().heads_per_token();
       m.chunk.first_page = first_page;
       m.chunk.num_pages = num_pages;
-      m.chunk.bytes = StagingBytes(pool_->layout(), num_pages * pool_->layout().page_size(), heads);
+      m.chunk.bytes = StagingBytes(pool_->layout(), num_pages * pool_->layout().page_size(), heads,
+                                   num_layers);
+      m.chunk.first_layer = first_layer;
+      m.chunk.num_layers = num_layers;
       m.chunk.dst_head_start = d.slice.dst_head_start;
       m.chunk.num_heads = heads;
       return OkStatus();
@@ -614,7 +618,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       for (size_t k = 0; k < r.data.destinations.size(); ++k) {
         Destination& d = r.data.destinations[k];
         if (d.decode->args.decode_address != from) continue;
-        auto it = d.staged_chunks.find(grant.chunk.first_page);
+        auto it = d.staged_chunks.find({grant.chunk.first_page, grant.chunk.first_layer});
         if (it == d.staged_chunks.end()) break;
         pages = std::move(it->second);
         d.staged_chunks.erase(it);
@@ -654,7 +658,8 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     auto buffer = std::make_shared<std::vector<uint8_t>>(grant.chunk.bytes);
     Status g = GatherHeads(*pool_, pages, 0, grant.chunk.num_pages * pool_->layout().page_size(),
-                           src_head_start, grant.chunk.num_heads, *buffer);
+                           src_head_start, grant.chunk.num_heads, *buffer,
+                           grant.chunk.first_layer, grant.chunk.num_layers);
     if (!g.ok()) {
       FailRoom(grant.room, g.WithContext("gathering a chunk for staging"));
       return;
@@ -768,7 +773,18 @@ class PrefillConnectorImpl : public PrefillConnector {
       std::vector<std::pair<uint64_t, size_t>> credits;  // (room, destination)
     };
     std::vector<Group> groups;
+    std::vector<const PassTarget*> staged;  // their layer goes through decode's staging ring
     for (const PassTarget& t : pass.targets) {
+      if (t.staged && !ref.linear) {
+        Status s = rooms_.With(t.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+          if (r.status.state == RoomState::kFailed) return CancelledError("room failed");
+          Destination& dest = r.data.destinations[t.dest];
+          dest.staged_chunks[{t.first_page, ref.index}] = t.src_pages;
+          ++dest.outstanding_batches;  // its staging WRITE
+          return OkStatus();
+        });
+        if (s.ok()) staged.push_back(&t);
+      }
       if (ref.linear ? !t.last : !t.sends) continue;
       std::vector<TransferRequest> requests;
       std::shared_ptr<DecodePeer> decode;
@@ -795,16 +811,15 @@ class PrefillConnectorImpl : public PrefillConnector {
       g_it->credits.emplace_back(t.room, t.dest);
     }
     for (Group& group : groups) SubmitCredited(std::move(group.requests), std::move(group.credits));
+    for (const PassTarget* t : staged) {
+      RequestStaging(t->room, t->dest, t->first_page, static_cast<int64_t>(t->src_pages.size()),
+                     ref.index, 1);
+    }
   }
 
-  // Runs on the layer queue after the last layer: staged chunks go now, and each target's
-  // hold on its destination is released (its aux row and done notice follow its last batch).
+  // Runs on the layer queue after the last layer: each target's hold on its destination is
+  // released (its aux row and done notice follow its last batch).
   void FinishPass(const LayerPass& pass) {
-    for (const PassTarget& t : pass.targets) {
-      if (t.staged) {
-        RequestStaging(t.room, t.dest, t.first_page, static_cast<int64_t>(t.src_pages.size()));
-      }
-    }
     BatchStatus ok;
     ok.state = TransferState::kCompleted;
     for (const PassTarget& t : pass.targets) {

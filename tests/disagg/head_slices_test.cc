@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "disagg/kv_pattern.h"
@@ -105,6 +107,45 @@ TEST(HeadSlicesTest, BadRangesAreRefusedAndNothingIsCopied) {
   std::vector<uint8_t> small(StagingBytes(l, 8, 2) - 1);
   EXPECT_EQ(ScatterHeads(*pool, pages, 0, 8, 0, 2, small).code(), StatusCode::kOutOfRange);
   EXPECT_EQ(staging[0], 0xEE);
+}
+
+}  // namespace
+}  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// Layerwise staging moves one attention layer's slice at a time: staging every layer on its
+// own gives the same pool as staging them all at once, and a layer's region holds only its K
+// and V (smaller by the layer count), touching no other layer.
+TEST(HeadSlicesTest, LayerRangesStageOneLayerAtATime) {
+  const KvLayout src_layout = *KvLayout::Create(Geometry(4), 4);
+  const KvLayout dst_layout = *KvLayout::Create(Geometry(2), 4);
+  auto src = std::move(*KvPool::Create(src_layout, 16));
+  auto all = std::move(*KvPool::Create(dst_layout, 16));
+  auto layered = std::move(*KvPool::Create(dst_layout, 16));
+  std::vector<int32_t> pages = {3, 9, 4, 0, 12, 1, 7, 5, 2, 8};
+  const int64_t tokens = 37;
+  FillTokens(src_layout, *src, 5, pages, 0, tokens);
+  std::vector<uint8_t> whole(StagingBytes(src_layout, tokens, 2));
+  ASSERT_TRUE(GatherHeads(*src, pages, 0, tokens, 2, 2, whole).ok());
+  ASSERT_TRUE(ScatterHeads(*all, pages, 0, tokens, 0, 2, whole).ok());
+  const uint64_t one = StagingBytes(src_layout, tokens, 2, 1);
+  EXPECT_EQ(one * 3, whole.size());
+  for (int layer = 2; layer >= 0; --layer) {
+    std::vector<uint8_t> region(one);
+    ASSERT_TRUE(GatherHeads(*src, pages, 0, tokens, 2, 2, region, layer, 1).ok());
+    ASSERT_TRUE(ScatterHeads(*layered, pages, 0, tokens, 0, 2, region, layer, 1).ok());
+    if (layer == 1) {
+      // Layers 1 and 2 are in, layer 0 not yet: its K buffer is still zero.
+      const uint8_t* k0 = layered->BufferBase(0);
+      EXPECT_TRUE(std::all_of(k0, k0 + 16 * dst_layout.page_bytes(), [](uint8_t b) { return b == 0; }));
+    }
+  }
+  EXPECT_EQ(std::memcmp(all->data(), layered->data(), all->size_bytes()), 0);
+  std::vector<uint8_t> region(one);
+  EXPECT_EQ(GatherHeads(*src, pages, 0, tokens, 2, 2, region, 3, 1).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(GatherHeads(*src, pages, 0, tokens, 2, 2, region, 2, 2).code(), StatusCode::kOutOfRange);
 }
 
 }  // namespace
