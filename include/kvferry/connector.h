@@ -109,7 +109,9 @@ class PrefillConnector {
   // marked within transfer_timeout fails its rooms ("layer L ... never marked ready").
   // Staging destinations (unequal TP, kv_path staging) stage each layer's head slice on its
   // own (a ring region per chunk and layer). Returns the pass id. Does not block on the
-  // network.
+  // network. All rooms of a pass bound for one decode rank share each layer's engine batch, so
+  // a failed batch fails each of them. A room that fails between BeginLayerwisePass's check
+  // and its registration (a concurrent abort) is failed; the others go on.
   struct LayerwiseChunk {
     uint64_t room = 0;
     int64_t first_page = 0;
@@ -123,8 +125,9 @@ class PrefillConnector {
   // (marked twice).
   virtual Status MarkLayerReady(uint64_t pass, int layer) = 0;
   // As MarkLayerReady, once `cuda_event` (a cudaEvent_t recorded on the compute stream after
-  // the layer wrote its KV; it must outlive the wait) has completed; the caller's thread does
-  // not wait. Errors: as MarkLayerReady, plus "no CUDA device" / kUnimplemented without CUDA;
+  // the layer wrote its KV) has completed; the caller's thread does not wait. The event must
+  // stay valid until the pass is finished (all its rooms final, or every layer marked); the
+  // connector stops polling events of a failed or expired pass. Errors: as MarkLayerReady, plus "no CUDA device" / kUnimplemented without CUDA;
   // an event that fails fails the pass's rooms.
   virtual Status MarkLayerReadyOnEvent(uint64_t pass, int layer, void* cuda_event) = 0;
 

@@ -118,4 +118,60 @@ StatusOr<std::unique_ptr<GpuPattern>> GpuPattern::Create(int device) {
   return std::unique_ptr<GpuPattern>(std::move(p));
 }
 
+namespace {
+
+class ComputeStreamImpl : public ComputeStream {
+ public:
+  explicit ComputeStreamImpl(int device) : device_(device) {}
+  ~ComputeStreamImpl() override {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status Init(int max_events) {
+    if (max_events < 1) return InvalidArgumentError("a compute stream needs at least one event");
+    RETURN_IF_ERROR(CheckDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    events_.resize(static_cast<size_t>(max_events), nullptr);
+    for (cudaEvent_t& e : events_) {
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    return OkStatus();
+  }
+
+  StatusOr<void*> Spin(int64_t microseconds) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (microseconds > 0) {
+      CUDA_RETURN_IF_ERROR(LaunchSpin(static_cast<uint64_t>(microseconds) * 1000, stream_));
+    }
+    cudaEvent_t e = events_[next_];
+    next_ = (next_ + 1) % events_.size();
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(e, stream_));
+    return static_cast<void*>(e);
+  }
+
+  Status Synchronize() override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return OkStatus();
+  }
+
+ private:
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<cudaEvent_t> events_;
+  size_t next_ = 0;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int device, int max_events) {
+  auto s = std::make_unique<ComputeStreamImpl>(device);
+  RETURN_IF_ERROR(s->Init(max_events));
+  return std::unique_ptr<ComputeStream>(std::move(s));
+}
+
 }  // namespace kvferry::cuda

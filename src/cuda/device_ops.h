@@ -35,4 +35,18 @@ class GpuPattern {
                                    std::span<const int32_t> pages, int64_t num_tokens) = 0;
 };
 
+// Simulated prefill compute on a GPU (replays): each Spin enqueues a kernel that busy-waits
+// on this object's stream and returns a cudaEvent_t recorded after it, for
+// PrefillConnector::MarkLayerReadyOnEvent. Events are owned here, up to `max_events` of them,
+// handed out round-robin: an event is reused `max_events` Spin calls later, so keep at most
+// that many in flight (Synchronize between chunks). One per thread.
+class ComputeStream {
+ public:
+  static StatusOr<std::unique_ptr<ComputeStream>> Create(int device, int max_events);
+  virtual ~ComputeStream() = default;
+  virtual StatusOr<void*> Spin(int64_t microseconds) = 0;
+  // Blocks until everything enqueued so far has run.
+  virtual Status Synchronize() = 0;
+};
+
 }  // namespace kvferry::cuda

@@ -110,4 +110,23 @@ cudaError_t LaunchVerifyTokens(const PatternGeometry& g, const uint8_t* pool,
   return cudaGetLastError();
 }
 
+namespace {
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void SpinKernel(uint64_t nanoseconds) {
+  const uint64_t start = GlobalTimerNs();
+  while (GlobalTimerNs() - start < nanoseconds) {
+  }
+}
+}  // namespace
+
+cudaError_t LaunchSpin(uint64_t nanoseconds, cudaStream_t stream) {
+  SpinKernel<<<1, 1, 0, stream>>>(nanoseconds);
+  return cudaGetLastError();
+}
+
 }  // namespace kvferry::cuda

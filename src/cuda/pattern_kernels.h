@@ -23,4 +23,8 @@ cudaError_t LaunchVerifyTokens(const PatternGeometry& g, const uint8_t* pool,
                                const int32_t* pages, int64_t num_pages, uint64_t room,
                                int64_t num_tokens, uint8_t* flags, cudaStream_t stream);
 
+// Simulated prefill compute for replays: one thread busy-waits `nanoseconds` of GPU time
+// (%globaltimer), so work recorded after it on `stream` completes that much later.
+cudaError_t LaunchSpin(uint64_t nanoseconds, cudaStream_t stream);
+
 }  // namespace kvferry::cuda

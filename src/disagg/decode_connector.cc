@@ -490,8 +490,51 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (!sent.ok()) FailRoom(m.room, sent.WithContext("staging grant"), true);
   }
 
+  // Marks a granted region consumed, frees the consumed prefix of the ring in FIFO order and
+  // publishes the new watermark.
+  void ReleaseRegion(uint64_t region_id) {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    for (auto& live : live_regions_) {
+      if (live.first.id == region_id) live.second = true;
+    }
+    while (!live_regions_.empty() && live_regions_.front().second) {
+      ring_->Free(live_regions_.front().first).IgnoreError();
+      live_regions_.pop_front();
+    }
+    Watermark w = ring_->watermark();
+    watermark_.check = 0;  // readers mid-update see an invalid cell and read again
+    std::atomic_thread_fence(std::memory_order_release);
+    watermark_.round = w.round;
+    watermark_.offset = w.offset;
+    std::atomic_thread_fence(std::memory_order_release);
+    watermark_.check = WatermarkCell::Check(w.round, w.offset);
+  }
+
   // Scatters a written staging region into the room's pages and frees what is consumed.
   void ScatterStaged(const ControlMessage& m) {
+    if (ring_ == nullptr) {
+      KVF_LOG_WARN("decode: staging notice for room {} without a staging ring", m.room);
+      return;
+    }
+    bool granted = false;
+    {
+      // Only a region this rank granted, exactly as granted, is scattered.
+      std::lock_guard<std::mutex> lock(staging_mu_);
+      for (const auto& live : live_regions_) {
+        if (live.first.id == m.chunk.region_id) {
+          granted = !live.second && live.first.offset == m.chunk.offset &&
+                    live.first.length == m.chunk.bytes;
+        }
+      }
+    }
+    if (!granted) {
+      ReleaseRegion(m.chunk.region_id);  // a mismatched region must not block the ring
+      FailRoom(m.room, InvalidArgumentError("staging notice names region " +
+                                            std::to_string(m.chunk.region_id) +
+                                            " that was not granted as described"),
+               true);
+      return;
+    }
     Status s = rooms_.With(m.room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       if (IsFinal(r.status.state)) return OkStatus();
       const int64_t page_size = pool_->layout().page_size();
@@ -505,23 +548,7 @@ class DecodeConnectorImpl : public DecodeConnector {
                                                    m.chunk.bytes),
                           m.chunk.first_layer, m.chunk.num_layers);
     });
-    {
-      std::lock_guard<std::mutex> lock(staging_mu_);
-      for (auto& live : live_regions_) {
-        if (live.first.id == m.chunk.region_id) live.second = true;
-      }
-      while (!live_regions_.empty() && live_regions_.front().second) {
-        ring_->Free(live_regions_.front().first).IgnoreError();
-        live_regions_.pop_front();
-      }
-      Watermark w = ring_->watermark();
-      watermark_.check = 0;  // readers mid-update see an invalid cell and read again
-      std::atomic_thread_fence(std::memory_order_release);
-      watermark_.round = w.round;
-      watermark_.offset = w.offset;
-      std::atomic_thread_fence(std::memory_order_release);
-      watermark_.check = WatermarkCell::Check(w.round, w.offset);
-    }
+    ReleaseRegion(m.chunk.region_id);
     if (!s.ok() && s.code() != StatusCode::kNotFound) {
       FailRoom(m.room, s.WithContext("scattering a staged chunk"), true);
       return;

@@ -27,7 +27,7 @@ Status Check(const KvPool& pool, std::span<const int32_t> pages, int64_t first_t
              int first_layer, int num_layers) {
   const KvLayout& l = pool.layout();
   if (first_layer < 0 || num_layers < 0 ||
-      first_layer + num_layers > l.geometry().num_layers) {
+      static_cast<int64_t>(first_layer) + num_layers > l.geometry().num_layers) {
     return OutOfRangeError("layers [" + std::to_string(first_layer) + ", +" +
                            std::to_string(num_layers) + ") outside the pool's " +
                            std::to_string(l.geometry().num_layers) + " attention layers");

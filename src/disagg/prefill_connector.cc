@@ -170,8 +170,9 @@ class PrefillConnectorImpl : public PrefillConnector {
                                   Clock::now() + options_.bootstrap_timeout,
                                   "decode sent no destination within bootstrap timeout of " +
                                       std::to_string(options_.bootstrap_timeout.count()) + " ms"));
-    // Decode may have been faster than us.
+    // Decode may have been faster than us: its destination, or even its abort, came first.
     std::vector<Pending> early;
+    std::optional<std::string> aborted;
     {
       std::lock_guard<std::mutex> lock(pending_mu_);
       auto it = pending_.find(room);
@@ -179,6 +180,15 @@ class PrefillConnectorImpl : public PrefillConnector {
         early = std::move(it->second);
         pending_.erase(it);
       }
+      auto a = aborted_early_.find(room);
+      if (a != aborted_early_.end()) {
+        aborted = a->second.first;
+        aborted_early_.erase(a);
+      }
+    }
+    if (aborted) {
+      FailRoom(room, AbortedError("aborted by decode: " + *aborted));
+      return OkStatus();
     }
     for (Pending& p : early) {
       control_->Post([this, m = std::move(p.message)] { HandleTransferInfo(m); });
@@ -353,6 +363,10 @@ class PrefillConnectorImpl : public PrefillConnector {
       if (layer < 0 || layer >= layers) {
         return OutOfRangeError("layer " + std::to_string(layer) + " outside the model's " +
                                std::to_string(layers) + " layers");
+      }
+      if (it->second->marked[layer]) {
+        return AlreadyExistsError("layer " + std::to_string(layer) + " of layerwise pass " +
+                                  std::to_string(pass_id) + " already marked ready");
       }
     }
     RETURN_IF_ERROR(cuda::CheckDevice(0));  // "no CUDA device" on machines without one
@@ -613,8 +627,9 @@ class PrefillConnectorImpl : public PrefillConnector {
     std::shared_ptr<DecodePeer> decode;
     std::vector<int32_t> pages;
     size_t dest = 0;
-    int src_head_start = 0;
+    int src_head_start = 0, slice_heads = 0;
     Status found = rooms_.With(grant.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+      if (IsFinal(r.status.state)) return CancelledError("room final");
       for (size_t k = 0; k < r.data.destinations.size(); ++k) {
         Destination& d = r.data.destinations[k];
         if (d.decode->args.decode_address != from) continue;
@@ -625,11 +640,30 @@ class PrefillConnectorImpl : public PrefillConnector {
         decode = d.decode;
         dest = k;
         src_head_start = d.slice.src_head_start;
+        slice_heads = d.slice.num_heads > 0 ? d.slice.num_heads : pool_->layout().heads_per_token();
         return OkStatus();
       }
-      return NotFoundError("no staged chunk at page " + std::to_string(grant.chunk.first_page));
+      return NotFoundError("no staged chunk at page " + std::to_string(grant.chunk.first_page) +
+                           ", layer " + std::to_string(grant.chunk.first_layer));
     });
+    if (found.code() == StatusCode::kNotFound) {
+      FailRoom(grant.room, found.WithContext("staging grant from " + from));
+      return;
+    }
     if (!found.ok()) return;
+    // The grant must describe exactly the region this rank asked for.
+    const int64_t tokens =
+        static_cast<int64_t>(pages.size()) * pool_->layout().page_size();
+    const int layers = pool_->layout().geometry().num_layers;
+    if (grant.chunk.num_pages != static_cast<int64_t>(pages.size()) ||
+        grant.chunk.num_heads != slice_heads || grant.chunk.num_layers > layers ||
+        static_cast<int64_t>(grant.chunk.first_layer) + grant.chunk.num_layers > layers ||
+        grant.chunk.bytes != StagingBytes(pool_->layout(), tokens, slice_heads,
+                                          grant.chunk.num_layers)) {
+      FailRoom(grant.room, InvalidArgumentError("staging grant from " + from +
+                                                " does not match the chunk requested"));
+      return;
+    }
     const DecodeKvArgs& a = decode->args;
     RingRegion region{grant.chunk.round, grant.chunk.offset, grant.chunk.bytes,
                       grant.chunk.region_id};
@@ -867,6 +901,11 @@ class PrefillConnectorImpl : public PrefillConnector {
       lock.unlock();
       std::vector<PendingEvent> still;
       for (const PendingEvent& e : pending) {
+        {
+          // A pass that failed or expired no longer needs (or may keep) its events.
+          std::lock_guard<std::mutex> plock(passes_mu_);
+          if (passes_.find(e.pass) == passes_.end()) continue;
+        }
         StatusOr<bool> done = cuda::EventCompleted(e.event);
         if (!done.ok()) {
           FailPass(e.pass, done.status().WithContext("layer " + std::to_string(e.layer) +
@@ -961,7 +1000,14 @@ class PrefillConnectorImpl : public PrefillConnector {
           staging_->Post([this, msg] { WriteStaged(msg, msg.decode_address); });
           break;
         case ControlType::kAbort:
-          FailRoom(msg.room, AbortedError("aborted by decode: " + msg.reason));
+          if (rooms_.Get(msg.room).ok()) {
+            FailRoom(msg.room, AbortedError("aborted by decode: " + msg.reason));
+          } else {
+            // The sender is not created yet: it fails as soon as it is, instead of waiting out
+            // its bootstrap timeout for a destination that will not come.
+            std::lock_guard<std::mutex> lock(pending_mu_);
+            aborted_early_[msg.room] = {msg.reason, Clock::now()};
+          }
           {
             std::lock_guard<std::mutex> lock(pending_mu_);
             pending_.erase(msg.room);
@@ -1178,6 +1224,10 @@ class PrefillConnectorImpl : public PrefillConnector {
           it = now - it->second.front().arrived > options_.bootstrap_timeout ? pending_.erase(it)
                                                                                : std::next(it);
         }
+        for (auto it = aborted_early_.begin(); it != aborted_early_.end();) {
+          it = now - it->second.second > options_.bootstrap_timeout ? aborted_early_.erase(it)
+                                                                      : std::next(it);
+        }
       }
       std::vector<std::shared_ptr<DecodePeer>> silent;
       {
@@ -1221,6 +1271,8 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::map<std::string, std::shared_ptr<DecodePeer>> decodes_;
   std::mutex pending_mu_;
   std::map<uint64_t, std::vector<Pending>> pending_;  // destinations that came before the room
+  // Aborts that came before the room (reason, arrival), kept for a bootstrap timeout.
+  std::map<uint64_t, std::pair<std::string, Clock::time_point>> aborted_early_;
 
   struct PendingEvent {
     uint64_t pass;

@@ -484,6 +484,14 @@ int RunPrefillInstance(const InstanceFlags& flags) {
     const int model_layers = layout.geometry().num_model_layers();
     const auto layer_compute = std::chrono::microseconds(flags.compute_us_per_layer);
     Clock::time_point compute_end = start;
+    // On a GPU the simulated compute is a spin kernel per layer, and layers are marked ready
+    // by the CUDA event recorded after each (MarkLayerReadyOnEvent); on the CPU, a sleep.
+    std::unique_ptr<cuda::ComputeStream> gpu_compute;
+    if (in.on_gpu && layer_compute.count() > 0) {
+      auto cs = cuda::ComputeStream::Create(flags.gpu, 2 * model_layers);
+      if (!cs.ok()) return fail(cs.status());
+      gpu_compute = std::move(*cs);
+    }
     if (Status a = in.WriteAuxRow(*row, room); !a.ok()) return fail(a);
     if (Status st = in.FillState(admitted->state_slot, room); !st.ok()) return fail(st);
     // This rank computes and sends its range of the pages (all of them without context
@@ -513,17 +521,34 @@ int RunPrefillInstance(const InstanceFlags& flags) {
         auto pass = c.BeginLayerwisePass(std::span(&chunk, 1));
         if (!pass.ok()) return fail(pass.status());
         for (int l = 0; l < model_layers; ++l) {
+          if (gpu_compute != nullptr) {
+            auto event = gpu_compute->Spin(layer_compute.count());
+            if (!event.ok()) return fail(event.status());
+            if (Status m = c.MarkLayerReadyOnEvent(*pass, l, *event); !m.ok()) return fail(m);
+            continue;
+          }
           layer_done += layer_compute;
           if (layer_compute.count() > 0) std::this_thread::sleep_until(layer_done);
+          if (l == model_layers - 1) compute_end = Clock::now();  // the last layer is ready
           if (Status m = c.MarkLayerReady(*pass, l); !m.ok()) return fail(m);
         }
+        if (gpu_compute != nullptr) {
+          if (Status w = gpu_compute->Synchronize(); !w.ok()) return fail(w);
+          compute_end = Clock::now();
+        }
       } else {
-        layer_done += layer_compute * model_layers;
-        if (layer_compute.count() > 0) std::this_thread::sleep_until(layer_done);
+        if (gpu_compute != nullptr) {
+          auto event = gpu_compute->Spin(layer_compute.count() * model_layers);
+          if (!event.ok()) return fail(event.status());
+          if (Status w = gpu_compute->Synchronize(); !w.ok()) return fail(w);
+        } else {
+          layer_done += layer_compute * model_layers;
+          if (layer_compute.count() > 0) std::this_thread::sleep_until(layer_done);
+        }
+        compute_end = Clock::now();  // the whole chunk is computed: hand it over
         Status sent = c.SendChunk(room, first, std::span(pages->data() + first, n), aux);
         if (!sent.ok()) return fail(sent);
       }
-      compute_end = Clock::now();
       if (range.num_pages == 0) break;
     }
     auto done = c.Wait(room, RoomState::kSuccess, milliseconds(flags.timeout_ms));

@@ -210,6 +210,23 @@ TEST_F(ConnectorTest, PrefillAbortReachesDecode) {
       << st->error.message();
 }
 
+// Decode gives up on a room before prefill even created its sender: the sender fails as soon
+// as it is created, with decode's reason, instead of waiting out its bootstrap timeout.
+TEST_F(ConnectorTest, DecodeAbortBeforeTheSenderExistsFailsItAtOnce) {
+  Start();
+  std::vector<int32_t> dst = {6, 7};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(17, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  ASSERT_EQ(decode_conn_->Wait(17, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  ASSERT_TRUE(decode_conn_->Abort(17, "client went away").ok());
+  std::this_thread::sleep_for(milliseconds(200));  // the abort reaches prefill first
+  ASSERT_TRUE(prefill_conn_->CreateSender(17, 2).ok());
+  auto st = prefill_conn_->Wait(17, RoomState::kSuccess, milliseconds(1000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_NE(st->error.message().find("aborted by decode: client went away"), std::string::npos)
+      << st->error.ToString();
+}
+
 TEST_F(ConnectorTest, WrongRoomInAuxRowIsMetadataCorruption) {
   Start();
   Transfer(21, 40, 100, /*aux_room_override=*/777);
