@@ -8,9 +8,12 @@
 //   buffers [Ll, 2Ll) recurrent state of linear layer j: rows = linear_num_value_heads / tp_size
 //                     heads of linear_value_head_dim x linear_key_head_dim elements of
 //                     linear_state_dtype.
-// Tensor parallelism splits both along dim 0 (rows): TP rank r holds global rows
-// [r * rows, (r + 1) * rows), so one slot of one buffer is a contiguous slot_bytes() block and a
-// TP share of it is a contiguous sub-block.
+// Tensor parallelism splits both along dim 0 (rows), segment by segment: the convolution
+// state's channels are the concatenation [q | k | v] (key_heads * key_dim, key_heads * key_dim,
+// value_heads * value_dim channels), each split across the TP ranks on its own, as the models'
+// sharded conv1d weight loaders do (vLLM mamba_v2_sharded_weight_loader), so TP rank r holds
+// [q_r | k_r | v_r]; the recurrent state is one segment of value heads. Within a segment rank r
+// holds the global rows [r * n, (r + 1) * n), a contiguous block of its slot.
 //
 // Thread-safety: StateLayout is a value type. StatePool's accessors only compute addresses;
 // which slot is written by whom is the caller's business (see PageAllocator for handing slots
@@ -19,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "kvferry/kv_layout.h"
 #include "kvferry/memory.h"
@@ -45,6 +49,15 @@ class StateLayout {
     return buffer >= geometry_.num_linear_layers ? buffer - geometry_.num_linear_layers : buffer;
   }
   bool BufferIsRecurrent(int buffer) const { return buffer >= geometry_.num_linear_layers; }
+  // The TP-split segments of `buffer`'s rows, in slot order, as whole-model row counts:
+  // conv {q, k, v} channels, recurrent {value heads}.
+  std::vector<int> SegmentRows(int buffer) const;
+  // First row of `segment` in a slot of a rank of `tp_size` ranks (a prefix sum of
+  // SegmentRows / tp_size). REQUIRES tp_size divides every segment.
+  int SegmentOffset(int buffer, int segment, int tp_size) const;
+  // Whole-model row of this layout's rank `tp_rank`'s local row `local_row` of `buffer`.
+  int64_t GlobalRow(int buffer, int tp_rank, int local_row) const;
+
   // Rows (dim 0) this rank holds of `buffer`, and bytes per row.
   int rows(int buffer) const { return BufferIsRecurrent(buffer) ? recurrent_rows_ : conv_rows_; }
   uint64_t row_bytes(int buffer) const {

@@ -190,7 +190,7 @@ void FillStateBuffer(const StateLayout& layout, int buffer, uint8_t* slot_data, 
   const int rows = layout.rows(buffer);
   for (int r = 0; r < rows; ++r) {
     WritePattern(slot_data + r * row_bytes,
-                 StateRowSeed(layout, buffer, room, static_cast<int64_t>(tp_rank) * rows + r),
+                 StateRowSeed(layout, buffer, room, layout.GlobalRow(buffer, tp_rank, r)),
                  row_bytes);
   }
 }
@@ -202,7 +202,7 @@ VerifyResult VerifyStateBuffer(const StateLayout& layout, int buffer, const uint
   const uint64_t row_bytes = layout.row_bytes(buffer);
   const int rows = layout.rows(buffer);
   for (int r = 0; r < rows; ++r) {
-    const int64_t global = static_cast<int64_t>(tp_rank) * rows + r;
+    const int64_t global = layout.GlobalRow(buffer, tp_rank, r);
     const uint64_t seed = StateRowSeed(layout, buffer, room, global);
     const uint8_t* src = slot_data + r * row_bytes;
     if (DiffPattern(src, seed, row_bytes) == 0) continue;

@@ -63,8 +63,7 @@ VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t r
 
 // Linear-attention state (hybrid models): row g (global, over all TP ranks) of buffer b of
 // request `room` holds bytes derived from (room, linear layer, conv or recurrent, g) only, so
-// ranks of different TP sizes agree. `slot_data(b)` is the slot's first byte in buffer b,
-// host memory; this rank's local row 0 is global row tp_rank * layout.rows(b).
+// ranks of different TP sizes agree (StateLayout::GlobalRow maps a rank's rows).
 void FillStateSlot(const StateLayout& layout, StatePool& pool, int32_t slot, uint64_t room,
                    int tp_rank);
 // Checks every byte of a slot written by FillStateSlot. pages_checked / pages_mismatched count

@@ -437,19 +437,42 @@ class PrefillConnectorImpl : public PrefillConnector {
                            std::span<const int> buffers, std::vector<TransferRequest>* out) const {
     const StatePool* state = options_.state_pool;
     if (state == nullptr || room.src_state_slot < 0 || !dest.slice.sends_state) return;
-    const DecodeKvArgs& a = dest.decode->args;
     for (int b : buffers) {
-      const uint64_t length = state->layout().slot_bytes(b) / dest.slice.state_src_parts;
-      const uint64_t src_offset = length * dest.slice.state_src_part;
-      const uint64_t dst_offset =
-          a.state_slot_bytes[b] / dest.slice.state_dst_parts * dest.slice.state_dst_part;
-      out->push_back({TransferOp::kWrite,
-                      const_cast<uint8_t*>(state->SlotAddress(b, room.src_state_slot)) + src_offset,
-                      dest.decode->segment,
-                      a.state_bases[b] + static_cast<uint64_t>(dest.dst_state_slot) *
-                                             a.state_slot_bytes[b] + dst_offset,
-                      length});
+      for (const StatePiece& p : StatePieces(dest, b)) {
+        out->push_back({TransferOp::kWrite,
+                        const_cast<uint8_t*>(state->SlotAddress(b, room.src_state_slot)) +
+                            p.src_offset,
+                        dest.decode->segment,
+                        dest.decode->args.state_bases[b] +
+                            static_cast<uint64_t>(dest.dst_state_slot) *
+                                dest.decode->args.state_slot_bytes[b] +
+                            p.dst_offset,
+                        p.length});
+      }
     }
+  }
+
+  // One contiguous block of a slot's state moving to the decode rank: per TP-split segment
+  // (conv q, k, v; recurrent heads), this rank's part of its share into decode's part of its.
+  struct StatePiece {
+    uint64_t src_offset = 0, dst_offset = 0, length = 0;
+  };
+  std::vector<StatePiece> StatePieces(const Destination& dest, int buffer) const {
+    const StateLayout& l = options_.state_pool->layout();
+    const int ps = options_.tp_size, ds = dest.decode->args.tp_size;
+    const uint64_t row = l.row_bytes(buffer);
+    const std::vector<int> segments = l.SegmentRows(buffer);
+    std::vector<StatePiece> pieces;
+    for (size_t s = 0; s < segments.size(); ++s) {
+      const int seg = static_cast<int>(s);
+      const uint64_t rows = static_cast<uint64_t>(segments[s] / ps / dest.slice.state_src_parts);
+      StatePiece p;
+      p.length = rows * row;
+      p.src_offset = l.SegmentOffset(buffer, seg, ps) * row + dest.slice.state_src_part * p.length;
+      p.dst_offset = l.SegmentOffset(buffer, seg, ds) * row + dest.slice.state_dst_part * p.length;
+      pieces.push_back(p);
+    }
+    return pieces;
   }
 
   std::vector<int> AllStateBuffers() const {
@@ -1182,17 +1205,36 @@ class PrefillConnectorImpl : public PrefillConnector {
         return OutOfRangeError("decode state slot " + std::to_string(m.state_slot) + " outside " +
                                std::to_string(decode.args.num_state_slots));
       }
+      // Every segment must split evenly on both sides, and each piece must stay inside both
+      // slots (decode's numbers come from the wire).
+      const StateLayout& l = options_.state_pool->layout();
+      const int ps = options_.tp_size, ds = decode.args.tp_size;
       for (size_t b = 0; b < decode.args.state_slot_bytes.size(); ++b) {
-        const uint64_t ours = options_.state_pool->layout().slot_bytes(static_cast<int>(b));
-        if (ours % m.slice.state_src_parts != 0 ||
-            decode.args.state_slot_bytes[b] % m.slice.state_dst_parts != 0 ||
-            ours / m.slice.state_src_parts !=
-                decode.args.state_slot_bytes[b] / m.slice.state_dst_parts) {
+        const int buffer = static_cast<int>(b);
+        bool fits = true;
+        for (int total : l.SegmentRows(buffer)) {
+          fits = fits && total % ps == 0 && total % ds == 0 &&
+                 (total / ps) % m.slice.state_src_parts == 0 &&
+                 (total / ds) % m.slice.state_dst_parts == 0 &&
+                 total / ps / m.slice.state_src_parts == total / ds / m.slice.state_dst_parts;
+        }
+        if (fits) {
+          Destination probe;
+          probe.decode = std::make_shared<DecodePeer>(decode);
+          probe.slice = m.slice;
+          for (const StatePiece& p : StatePieces(probe, buffer)) {
+            fits = fits && p.src_offset + p.length <= l.slot_bytes(buffer) &&
+                   p.dst_offset + p.length <= decode.args.state_slot_bytes[b];
+          }
+        }
+        if (!fits) {
           return InvalidArgumentError("state slice " + std::to_string(m.slice.state_src_part) +
                                       "/" + std::to_string(m.slice.state_src_parts) + " -> " +
                                       std::to_string(m.slice.state_dst_part) + "/" +
                                       std::to_string(m.slice.state_dst_parts) +
-                                      " does not fit state buffer " + std::to_string(b));
+                                      " does not fit state buffer " + std::to_string(b) +
+                                      " at prefill TP " + std::to_string(ps) + ", decode TP " +
+                                      std::to_string(ds));
         }
       }
     }

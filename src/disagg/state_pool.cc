@@ -19,10 +19,13 @@ StatusOr<StateLayout> StateLayout::Create(const ModelGeometry& geometry, int tp_
     return InvalidArgumentError(what + "incomplete linear-attention geometry");
   }
   const int conv_dim = geometry.linear_conv_dim();
-  if (conv_dim % tp_size != 0 || geometry.linear_num_value_heads % tp_size != 0) {
+  const int qk = geometry.linear_num_key_heads * geometry.linear_key_head_dim;
+  const int v = geometry.linear_num_value_heads * geometry.linear_value_head_dim;
+  if (qk % tp_size != 0 || v % tp_size != 0 || geometry.linear_num_value_heads % tp_size != 0) {
     return InvalidArgumentError(
         what + "TP " + std::to_string(tp_size) + " does not divide the linear-attention state: " +
-        "conv_dim " + std::to_string(conv_dim) + ", linear_num_value_heads " +
+        "conv_dim " + std::to_string(conv_dim) + " (q/k " + std::to_string(qk) + ", v " +
+        std::to_string(v) + " channels), linear_num_value_heads " +
         std::to_string(geometry.linear_num_value_heads));
   }
   StateLayout l;
@@ -36,6 +39,35 @@ StatusOr<StateLayout> StateLayout::Create(const ModelGeometry& geometry, int tp_
                            static_cast<uint64_t>(geometry.linear_key_head_dim) *
                            DTypeSize(geometry.linear_state_dtype);
   return l;
+}
+
+std::vector<int> StateLayout::SegmentRows(int buffer) const {
+  const ModelGeometry& g = geometry_;
+  if (BufferIsRecurrent(buffer)) return {g.linear_num_value_heads};
+  const int qk = g.linear_num_key_heads * g.linear_key_head_dim;
+  return {qk, qk, g.linear_num_value_heads * g.linear_value_head_dim};
+}
+
+int StateLayout::SegmentOffset(int buffer, int segment, int tp_size) const {
+  const std::vector<int> rows = SegmentRows(buffer);
+  int offset = 0;
+  for (int s = 0; s < segment && s < static_cast<int>(rows.size()); ++s) offset += rows[s] / tp_size;
+  return offset;
+}
+
+int64_t StateLayout::GlobalRow(int buffer, int tp_rank, int local_row) const {
+  const std::vector<int> rows = SegmentRows(buffer);
+  int64_t global_start = 0;
+  int local_start = 0;
+  for (int total : rows) {
+    const int share = total / tp_size_;
+    if (local_row < local_start + share) {
+      return global_start + static_cast<int64_t>(tp_rank) * share + (local_row - local_start);
+    }
+    local_start += share;
+    global_start += total;
+  }
+  return global_start + (local_row - local_start);  // past the end: REQUIRES says not reached
 }
 
 namespace {

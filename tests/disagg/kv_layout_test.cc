@@ -450,11 +450,30 @@ TEST(StatePoolTest, SlotsAreDisjointAndPatternsAgreeAcrossTpShares) {
   FillStateSlot(l1, **pool1, 1, 42, 0);
   EXPECT_TRUE(VerifyStateSlot(l1, **pool1, 1, 42, 0).ok());
   EXPECT_FALSE(VerifyStateSlot(l1, **pool1, 0, 42, 0).ok());  // slot 0 never written
-  // TP rank 1 of 2 holds the second half of every buffer's rows.
+  // TP rank 1 of 2 holds the second half of every segment: of the value heads for the
+  // recurrent state, of each of q, k and v for the conv state ([q_1 | k_1 | v_1]).
   FillStateSlot(l2, *pool2, 0, 42, 1);
-  for (int b : {0, 36, 71}) {
+  for (int b : {36, 71}) {
     const uint64_t half = l2.slot_bytes(b);
     EXPECT_EQ(std::memcmp(pool2->SlotAddress(b, 0), (*pool1)->SlotAddress(b, 1) + half, half), 0) << b;
+  }
+  EXPECT_EQ(l1.SegmentRows(0), (std::vector<int>{2048, 2048, 4096}));
+  EXPECT_EQ(l2.SegmentOffset(0, 2, 2), 2048);
+  EXPECT_EQ(l2.GlobalRow(0, 1, 0), 1024);     // q channel 1024
+  EXPECT_EQ(l2.GlobalRow(0, 1, 1024), 3072);  // k channel 1024
+  EXPECT_EQ(l2.GlobalRow(0, 1, 2048), 6144);  // v channel 2048
+  const uint64_t row = l1.row_bytes(0);
+  for (int b : {0, 35}) {
+    int local = 0, global = 0;
+    for (int total : l1.SegmentRows(b)) {
+      const uint64_t n = static_cast<uint64_t>(total / 2) * row;
+      EXPECT_EQ(std::memcmp(pool2->SlotAddress(b, 0) + local * row,
+                            (*pool1)->SlotAddress(b, 1) + (global + total / 2) * row, n),
+                0)
+          << "buffer " << b << " segment at " << global;
+      local += total / 2;
+      global += total;
+    }
   }
   // One flipped byte is found and named.
   (*pool1)->SlotAddress(40, 1)[5] ^= 1;
