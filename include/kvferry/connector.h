@@ -161,13 +161,15 @@ struct DecodeConnectorOptions {
   int heartbeat_max_failures = 3;
   // Threads doing bootstrap work (HTTP queries, connects). Default 4.
   int bootstrap_threads = 4;
-  // Unequal TP: "direct" (one request per page, token slot and buffer of a head slice) or
+  // Unequal TP: "direct" (one request per page, token slot and buffer of a head slice),
   // "staging" (prefill gathers each chunk's slice and writes it in one request into this
-  // rank's staging ring; this rank scatters it into its pages). Equal TP always moves whole
-  // pages.
-  std::string kv_path = "direct";
-  // Staging ring bytes (host memory) for kv_path "staging". A chunk slice larger than the ring
-  // fails that room only. Default 256 MiB.
+  // rank's staging ring; this rank scatters it into its pages), or "auto": staging for host
+  // pools, direct for GPU pools (until the fused NVLink path exists). Equal TP always moves
+  // whole pages.
+  std::string kv_path = "auto";
+  // Staging ring bytes (host memory, allocated when an unequal-TP prefill first needs it). A
+  // chunk slice larger than half the ring is staged in runs of layers; one whose single layer
+  // exceeds the ring fails that room only. Default 256 MiB.
   uint64_t staging_bytes = 256ull << 20;
   // Hybrid models: this rank's linear-attention state pool (caller-owned); each room names
   // the slot its state lands in (CreateReceiver). Null: no state.

@@ -90,22 +90,21 @@ class DecodeConnectorImpl : public DecodeConnector {
       RETURN_IF_ERROR(engine_->RegisterMemory(state->data(), state->size_bytes(),
                                               state->location(), kAccessRemoteWrite));
     }
-    if (options_.kv_path != "direct" && options_.kv_path != "staging") {
-      return InvalidArgumentError("kv_path must be direct or staging, got '" + options_.kv_path +
-                                  "'");
+    if (options_.kv_path != "direct" && options_.kv_path != "staging" &&
+        options_.kv_path != "auto") {
+      return InvalidArgumentError("kv_path must be auto, direct or staging, got '" +
+                                  options_.kv_path + "'");
     }
-    if (options_.kv_path == "staging") {
-      if (pool_->location().kind != MemoryKind::kHost) {
-        return UnimplementedError("the staging path serves host pools only so far");
-      }
-      if (options_.staging_bytes == 0) return InvalidArgumentError("staging_bytes must be > 0");
-      staging_.assign(options_.staging_bytes, 0);
-      ring_ = std::make_unique<RingAllocator>(options_.staging_bytes);
-      RETURN_IF_ERROR(engine_->RegisterMemory(staging_.data(), staging_.size(), {},
-                                              kAccessRemoteWrite));
-      RETURN_IF_ERROR(engine_->RegisterMemory(&watermark_, sizeof(watermark_), {},
-                                              kAccessRemoteRead));
+    const bool host_pool = pool_->location().kind == MemoryKind::kHost;
+    if (options_.kv_path == "staging" && !host_pool) {
+      return UnimplementedError("the staging path serves host pools only so far");
     }
+    if (options_.kv_path != "direct" && options_.staging_bytes == 0) {
+      return InvalidArgumentError("staging_bytes must be > 0");
+    }
+    // auto: staging for host pools; GPU pools take direct slices until the fused NVLink path
+    // exists. The ring is allocated when the first unequal-TP prefill needs it.
+    use_staging_ = options_.kv_path == "staging" || (options_.kv_path == "auto" && host_pool);
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     timer_ = std::thread([this] { TimerLoop(); });
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
@@ -263,7 +262,15 @@ class DecodeConnectorImpl : public DecodeConnector {
       }
       a.num_state_slots = state->num_slots();
     }
-    if (ring_ != nullptr) {
+    auto is_whole = [&](const HeadSlice& slice) {
+      return slice.src_head_start == 0 && slice.dst_head_start == 0 &&
+             slice.num_heads == plan.prefill_heads && slice.num_heads == plan.decode_heads;
+    };
+    bool need_ring = false;
+    for (const HeadSlice& slice : slices) need_ring = need_ring || (!is_whole(slice) && slice.sends);
+    const bool staged_group = use_staging_ && need_ring;
+    if (staged_group) RETURN_IF_ERROR(EnsureStagingRing());
+    if (staged_group) {
       a.staging_base = reinterpret_cast<uint64_t>(staging_.data());
       a.staging_bytes = staging_.size();
       a.watermark_addr = reinterpret_cast<uint64_t>(&watermark_);
@@ -287,10 +294,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       peers.push_back(peer);
       group->decode_ranks_of_prefill.push_back(
           static_cast<int>(plan.ForPrefillRank(slice.prefill_rank).size()));
-      const bool whole = slice.src_head_start == 0 && slice.dst_head_start == 0 &&
-                         slice.num_heads == plan.prefill_heads &&
-                         slice.num_heads == plan.decode_heads;
-      group->staged.push_back(ring_ != nullptr && !whole && slice.sends);
+      group->staged.push_back(staged_group && !is_whole(slice) && slice.sends);
       group->state.push_back(StateSlice(topology.tp_size, slice.prefill_rank, cp_ranks[e]));
     }
     group->aux_slice = 0;  // the first sending slice of CP rank 0 (entries start with CP rank 0)
@@ -322,6 +326,19 @@ class DecodeConnectorImpl : public DecodeConnector {
       s.state_src_part = options_.tp_rank % s.state_src_parts;
     }
     return s;
+  }
+
+  // Allocates and registers the staging ring and its watermark cell once.
+  Status EnsureStagingRing() {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    if (ring_ != nullptr) return OkStatus();
+    staging_.assign(options_.staging_bytes, 0);
+    RETURN_IF_ERROR(engine_->RegisterMemory(staging_.data(), staging_.size(), {},
+                                            kAccessRemoteWrite));
+    RETURN_IF_ERROR(engine_->RegisterMemory(&watermark_, sizeof(watermark_), {},
+                                            kAccessRemoteRead));
+    ring_ = std::make_unique<RingAllocator>(options_.staging_bytes);
+    return OkStatus();
   }
 
   // Runs on the bootstrap queue.
@@ -464,6 +481,10 @@ class DecodeConnectorImpl : public DecodeConnector {
     while (true) {
       {
         std::lock_guard<std::mutex> lock(staging_mu_);
+        if (ring_ == nullptr) {
+          region = FailedPreconditionError("staging requested, but this decode rank has no ring");
+          break;
+        }
         region = ring_->Allocate(m.chunk.bytes);
         if (region.ok()) live_regions_.push_back({*region, false});
       }
@@ -512,14 +533,14 @@ class DecodeConnectorImpl : public DecodeConnector {
 
   // Scatters a written staging region into the room's pages and frees what is consumed.
   void ScatterStaged(const ControlMessage& m) {
-    if (ring_ == nullptr) {
-      KVF_LOG_WARN("decode: staging notice for room {} without a staging ring", m.room);
-      return;
-    }
     bool granted = false;
     {
       // Only a region this rank granted, exactly as granted, is scattered.
       std::lock_guard<std::mutex> lock(staging_mu_);
+      if (ring_ == nullptr) {
+        KVF_LOG_WARN("decode: staging notice for room {} without a staging ring", m.room);
+        return;
+      }
       for (const auto& live : live_regions_) {
         if (live.first.id == m.chunk.region_id) {
           granted = !live.second && live.first.offset == m.chunk.offset &&
@@ -669,6 +690,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   // a consumed flag, and the watermark cell writers READ before writing.
   std::vector<uint8_t> staging_;
   std::unique_ptr<RingAllocator> ring_;
+  bool use_staging_ = false;  // unequal-TP slices go through the staging ring
   std::mutex staging_mu_;
   std::deque<std::pair<RingRegion, bool>> live_regions_;
   alignas(64) WatermarkCell watermark_{0, 0, WatermarkCell::Check(0, 0)};

@@ -204,6 +204,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       bool finishing = false;    // the batch carries the done notice
       bool notify_only = false;  // no data: the done notice goes on its own
       bool staged = false;       // the chunk waits for a staging region instead
+      std::vector<std::pair<int, int>> pieces;  // staged: (first layer, layers) per region
     };
     std::vector<Work> work;
     const bool last = aux_row.has_value();
@@ -220,8 +221,12 @@ class PrefillConnectorImpl : public PrefillConnector {
         w.dest = k;
         if (dest.slice.sends && dest.slice.staging) {
           // Counted as in flight until its staging WRITE lands, so the done notice waits.
-          dest.staged_chunks[{first_page, 0}].assign(src_pages.begin(), src_pages.end());
-          ++dest.outstanding_batches;
+          w.pieces = StagingPieces(dest, static_cast<int64_t>(src_pages.size()));
+          for (const auto& [first_layer, num_layers] : w.pieces) {
+            dest.staged_chunks[{first_page, first_layer}].assign(src_pages.begin(),
+                                                                 src_pages.end());
+            ++dest.outstanding_batches;
+          }
           w.staged = true;
         } else if (dest.slice.sends) {
           AppendChunkRequests(dest, first_page, src_pages, &w.requests);
@@ -248,7 +253,10 @@ class PrefillConnectorImpl : public PrefillConnector {
       note.room = room;
       note.type = w.finishing ? ControlType::kRoomDone : ControlType::kChunkLanded;
       if (w.staged) {
-        RequestStaging(room, w.dest, first_page, static_cast<int64_t>(src_pages.size()));
+        for (const auto& [first_layer, num_layers] : w.pieces) {
+          RequestStaging(room, w.dest, first_page, static_cast<int64_t>(src_pages.size()),
+                         first_layer, num_layers);
+        }
         if (!w.requests.empty() || w.finishing) {
           Submit(room, w.dest, std::move(w.requests), EncodeControl(note), w.finishing);
         }
@@ -615,6 +623,28 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // Asks the destination's decode rank for a staging region for one chunk's head slice.
+  // How a chunk's slice is cut into staging regions: the whole chunk (0, 0) when it fits in
+  // half of decode's ring (so two regions can be in flight), else runs of layers that do. A
+  // chunk whose single layer exceeds the ring goes whole and decode refuses it by name.
+  std::vector<std::pair<int, int>> StagingPieces(const Destination& dest, int64_t num_pages) const {
+    const KvLayout& l = pool_->layout();
+    const int heads = dest.slice.num_heads > 0 ? dest.slice.num_heads : l.heads_per_token();
+    const int64_t tokens = num_pages * l.page_size();
+    const uint64_t half = dest.decode->args.staging_bytes / 2;
+    const uint64_t one_layer = StagingBytes(l, tokens, heads, 1);
+    if (StagingBytes(l, tokens, heads) <= half || one_layer == 0 ||
+        one_layer > dest.decode->args.staging_bytes) {
+      return {{0, 0}};
+    }
+    const int layers = l.geometry().num_layers;
+    const int per_piece = static_cast<int>(std::max<uint64_t>(1, half / one_layer));
+    std::vector<std::pair<int, int>> pieces;
+    for (int first = 0; first < layers; first += per_piece) {
+      pieces.emplace_back(first, std::min(per_piece, layers - first));
+    }
+    return pieces;
+  }
+
   // Layerwise passes stage attention layers [first_layer, first_layer + num_layers) only
   // (num_layers 0: every layer).
   void RequestStaging(uint64_t room, size_t dest, int64_t first_page, int64_t num_pages,

@@ -43,8 +43,9 @@ struct InstanceFlags {
   int tp_rank = 0;
   int tp_size = 1;
   std::string join_bootstrap;
-  // Decode, unequal TP: "direct" or "staging" (through a host staging ring of staging_size).
-  std::string kv_path = "direct";
+  // Decode, unequal TP: "auto", "direct" or "staging" (through a host staging ring of
+  // staging_size).
+  std::string kv_path = "auto";
   std::string staging_size = "256MiB";
   int exit_with_parent = 0;  // pid of the replay that spawned this instance; 0: none
   // Prefill context parallelism: rank cp_rank of cp_size sends its share of each request's

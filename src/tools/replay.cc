@@ -51,7 +51,7 @@ struct ReplayFlags {
   int prefill_tp = 1;
   int decode_tp = 1;
   int prefill_cp = 1;
-  std::string kv_path = "direct";
+  std::string kv_path = "auto";
   InstanceFlags instance;
 };
 
@@ -267,9 +267,9 @@ int RunReplay(ReplayFlags flags) {
   if (flags.prefill_tp < 1 || flags.decode_tp < 1 || flags.prefill_cp < 1) {
     return Fail("--prefill-tp, --decode-tp and --prefill-cp must be >= 1");
   }
-  if (flags.kv_path != "direct" && flags.kv_path != "staging") {
+  if (flags.kv_path != "auto" && flags.kv_path != "direct" && flags.kv_path != "staging") {
     return Fail("--kv-path " + flags.kv_path +
-                ": must be direct or staging (fused is not implemented yet)");
+                ": must be auto, direct or staging (fused is not implemented yet)");
   }
   flags.instance.kv_path = flags.kv_path;
   {
@@ -633,7 +633,8 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
                   "Decode staging ring bytes for --kv-path staging")
       ->capture_default_str();
   cmd->add_option("--kv-path", flags->kv_path,
-                  "Unequal-TP data path: direct or staging (fused is not implemented yet)")
+                  "Unequal-TP data path: auto (staging for host pools, direct for GPU pools), direct or "
+                  "staging (fused is not implemented yet)")
       ->capture_default_str();
   cmd->add_option("--device", flags->instance.device,
                   "Pools on cpu, or on cuda (prefill GPU 0, decode GPU 1; verified on the GPU)")

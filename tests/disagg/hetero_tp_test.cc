@@ -216,6 +216,13 @@ TEST(HeteroTpTest, StagingPathTp2ToTp1AndTp1ToTp2) {
   RunRoom(AttentionKind::kMha, 8, 4, 2, "staging", 64 << 10, 3);
 }
 
+// An 8 KiB ring: both chunks' slices (10 and 14 KiB per writer over 2 layers) exceed the
+// whole ring, so each is staged one layer per region (5 and 7 KiB) instead of failing.
+TEST(HeteroTpTest, ChunkLargerThanTheRingIsStagedInRunsOfLayers) {
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 8 << 10, 3);
+  RunRoom(AttentionKind::kMha, 8, 1, 2, "staging", 8 << 10, 2);
+}
+
 TEST(HeteroTpTest, ChunkLargerThanTheStagingRingFailsThatRoom) {
   RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 4 << 10, 1, "exceeds the whole ring");
 }
