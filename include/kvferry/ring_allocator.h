@@ -4,7 +4,7 @@
 // buffer; decode scatters each region into its pages, then frees it. Regions are handed out in
 // rounds: one that does not fit before the end of the ring starts a new round at offset 0.
 // Frees happen in allocation (FIFO) order. The watermark is (round, offset) of the oldest live
-// region, or the next allocation point when none lives; decode publishes it, and a writer may
+// region, or (current round, capacity) when none lives; decode publishes it, and a writer may
 // fill a region only when CanWrite(region, watermark) says the earlier round's bytes there have
 // been consumed. Allocation never lets live data span more than two rounds, so a region can
 // overlap only bytes of the round just before it.

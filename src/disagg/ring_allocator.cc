@@ -44,7 +44,8 @@ Status RingAllocator::Free(const RingRegion& region) {
 
 Watermark RingAllocator::watermark() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (live_.empty()) return {round_, head_};
+  // Nothing live: every byte of the current round (and all before) has been consumed.
+  if (live_.empty()) return {round_, capacity_};
   return {live_.front().round, live_.front().offset};
 }
 

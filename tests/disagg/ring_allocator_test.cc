@@ -44,7 +44,23 @@ TEST(RingAllocatorTest, FreesAreFifoOnly) {
   EXPECT_TRUE(ring.Free(*a).ok());
   EXPECT_TRUE(ring.Free(*b).ok());
   EXPECT_EQ(ring.Free(*b).code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(ring.watermark(), (Watermark{0, 20}));  // empty: the next allocation point
+  EXPECT_EQ(ring.watermark(), (Watermark{0, 100}));  // empty: the whole round is consumed
+}
+
+// Regression: once the ring is empty, a region of the next round longer than the last round's
+// allocations is writable at once (the watermark used to stop at the last allocation's end,
+// and such a writer waited forever).
+TEST(RingAllocatorTest, EmptyRingLetsALongerRegionOfTheNextRoundWrite) {
+  RingAllocator ring(100);
+  auto a = ring.Allocate(30);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(ring.Free(*a).ok());
+  const Watermark published = ring.watermark();  // what decode publishes after the free
+  auto b = ring.Allocate(80);  // 30 + 80 > 100: round 1 at 0, over a's consumed bytes and more
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->round, 1u);
+  EXPECT_TRUE(RingAllocator::CanWrite(*b, published));
+  EXPECT_TRUE(RingAllocator::CanWrite(*b, ring.watermark()));
 }
 
 TEST(RingAllocatorTest, OversizeFailsOnlyThatRequestAndTwoRoundsBackIsRefused) {
