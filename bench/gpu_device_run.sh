@@ -18,7 +18,11 @@ TRACE=$B/traces/conversation_trace.jsonl
 cat "$OUT/machine.txt"
 step() { echo "=== $*"; }
 step "GPU tests"
-[ "${TESTS:-1}" = 1 ] && timeout 150 "$B/tests/nvlink_gpu_test" 2>&1 | tee "$OUT/gpu_test.log" | grep -E "OK|FAILED|Failure|SKIPPED|PASSED|error" | head -40
+if [ "${TESTS:-1}" = 1 ]; then
+  for t in "$B"/tests/*; do
+    timeout 150 "$t" 2>&1 | tee "$OUT/$(basename "$t").log" | grep -E "OK|FAILED|Failure|SKIPPED|PASSED|error" | head -40
+  done
+fi
 for ps in ${PAGE_SIZES-64 1}; do
   step "replay --device cuda page size $ps"
   timeout ${REPLAY_TIMEOUT:-150} "$B/kvferry" replay --device cuda --trace "$TRACE" --limit ${REPLAY_LIMIT:-500} \
@@ -50,4 +54,23 @@ if [ -n "${BENCH:-1}" ]; then
     --batch-size 1 --threads 1 --duration 2 --json "$OUT/bench_nvlink_latency.json" \
     > "$OUT/bench_nvlink_latency.txt" 2>&1
   tail -8 "$OUT/bench_nvlink_latency.txt"
+fi
+
+if [ -n "${LAYERWISE:-}" ]; then
+  # Layerwise over NVLink: a spin kernel per layer marked by its CUDA event, with and without
+  # --layerwise, Llama-3.1-8B and Qwen3-Next at 4k and 16k tokens (docs/perf/layerwise.md).
+  for model in llama-3.1-8b qwen3-next-80b-a3b; do
+    for tokens in 4096 16384; do
+      trace=$OUT/fixed-$tokens.jsonl
+      python3 -c "
+import json
+for i in range(20): print(json.dumps({'timestamp': 0, 'input_length': $tokens, 'output_length': 1, 'hash_ids': []}))" > "$trace"
+      for lw in "" --layerwise; do
+        step "replay --device cuda $model $tokens ${lw:-sequential}"
+        timeout 120 "$B/kvferry" replay --device cuda --trace "$trace" --model "$model" --concurrency 1 \
+          --pool-size 20GiB --chunk-tokens 16384 --compute-us-per-layer "${LAYER_US:-500}" $lw \
+          --json "$OUT/layerwise_${model}_${tokens}${lw:+_lw}.json" 2>&1 | tail -4
+      done
+    done
+  done
 fi

@@ -2,12 +2,14 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
 #include <vector>
 
 #include "common/checks.h"
 #include "cuda/device_guard.h"
 #include "cuda/device_memory.h"
 #include "cuda/pattern_kernels.h"
+#include "cuda/staging_kernels.h"
 
 namespace kvferry::cuda {
 
@@ -172,6 +174,90 @@ StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int device, int m
   auto s = std::make_unique<ComputeStreamImpl>(device);
   RETURN_IF_ERROR(s->Init(max_events));
   return std::unique_ptr<ComputeStream>(std::move(s));
+}
+
+namespace {
+
+class GpuHeadSlicesImpl : public GpuHeadSlices {
+ public:
+  explicit GpuHeadSlicesImpl(int device) : device_(device) {}
+  ~GpuHeadSlicesImpl() override {
+    cudaSetDevice(device_);
+    if (pages_) cudaFree(pages_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status Init() {
+    RETURN_IF_ERROR(CheckDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    return OkStatus();
+  }
+
+  Status Gather(const PatternGeometry& g, const uint8_t* pool, std::span<const int32_t> pages,
+                int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
+                int first_layer, int num_layers, uint8_t* staging) override {
+    HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
+    RETURN_IF_ERROR(Check(g, pages, r));
+    CUDA_RETURN_IF_ERROR(LaunchGatherHeads(g, pool, pages_, r, staging, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return OkStatus();
+  }
+
+  Status Scatter(const PatternGeometry& g, uint8_t* pool, std::span<const int32_t> pages,
+                 int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
+                 int first_layer, int num_layers, const uint8_t* staging) override {
+    HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
+    RETURN_IF_ERROR(Check(g, pages, r));
+    CUDA_RETURN_IF_ERROR(LaunchScatterHeads(g, pool, pages_, r, staging, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return OkStatus();
+  }
+
+ private:
+  // The same checks as head_slices.cc, then the page table upload.
+  Status Check(const PatternGeometry& g, std::span<const int32_t> pages, const HeadSliceRange& r) {
+    if (r.first_token < 0 || r.num_tokens < 0 || r.head_start < 0 || r.num_heads < 1 ||
+        r.head_start + r.num_heads > g.heads || r.first_layer < 0 || r.num_layers < 0 ||
+        static_cast<int64_t>(r.first_layer) + r.num_layers > g.num_layers) {
+      return OutOfRangeError("head slice or layer range outside the pool");
+    }
+    const int64_t end_page = (r.first_token + r.num_tokens + g.page_size - 1) / g.page_size;
+    if (end_page > static_cast<int64_t>(pages.size())) {
+      return OutOfRangeError("tokens need " + std::to_string(end_page) + " pages, the request lists " +
+                             std::to_string(pages.size()));
+    }
+    const int64_t num_pages = static_cast<int64_t>(g.buffer_stride / g.page_bytes);
+    for (int64_t p = r.first_token / g.page_size; p < end_page; ++p) {
+      if (pages[p] < 0 || pages[p] >= num_pages) {
+        return OutOfRangeError("page index " + std::to_string(pages[p]) + " outside the pool");
+      }
+    }
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    const uint64_t bytes = pages.size() * sizeof(int32_t);
+    if (bytes > pages_capacity_) {
+      if (pages_) cudaFree(pages_);
+      pages_ = nullptr;
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&pages_, bytes));
+      pages_capacity_ = bytes;
+    }
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(pages_, pages.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    return OkStatus();
+  }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  int32_t* pages_ = nullptr;
+  uint64_t pages_capacity_ = 0;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(int device) {
+  auto s = std::make_unique<GpuHeadSlicesImpl>(device);
+  RETURN_IF_ERROR(s->Init());
+  return std::unique_ptr<GpuHeadSlices>(std::move(s));
 }
 
 }  // namespace kvferry::cuda

@@ -35,6 +35,25 @@ class GpuPattern {
                                    std::span<const int32_t> pages, int64_t num_tokens) = 0;
 };
 
+// Heterogeneous-TP staging on the GPU: gathers a head slice of a GPU pool into a staging
+// region in GPU memory, or scatters one back (the same bytes and layout as GatherHeads /
+// ScatterHeads in head_slices.h). Each call waits for its kernel. One per thread: it owns a
+// stream and a page-table buffer on `device`.
+class GpuHeadSlices {
+ public:
+  static StatusOr<std::unique_ptr<GpuHeadSlices>> Create(int device);
+  virtual ~GpuHeadSlices() = default;
+  // `pages`: the request's pages in token order (host memory); `first_token`.. as in
+  // head_slices.h, with attention layers [first_layer, first_layer + num_layers) (0: all).
+  virtual Status Gather(const PatternGeometry& g, const uint8_t* pool,
+                        std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
+                        int head_start, int num_heads, int first_layer, int num_layers,
+                        uint8_t* staging) = 0;
+  virtual Status Scatter(const PatternGeometry& g, uint8_t* pool, std::span<const int32_t> pages,
+                         int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
+                         int first_layer, int num_layers, const uint8_t* staging) = 0;
+};
+
 // Simulated prefill compute on a GPU (replays): each Spin enqueues a kernel that busy-waits
 // on this object's stream and returns a cudaEvent_t recorded after it, for
 // PrefillConnector::MarkLayerReadyOnEvent. Events are owned here, up to `max_events` of them,
