@@ -366,10 +366,11 @@ class EngineImpl : public TransferEngine {
     server_options.describe = [this] { return LocalDescriptor(); };
     server_options.on_notification = [this](Notification n) { Deliver(std::move(n)); };
     ASSIGN_OR_RETURN(server_, tcp::TcpServer::Create(server_options, &registry_));
+    listen_port_ = server_->port();
     if (nvlink_available_) {
       // Serves file descriptors of kvferry-allocated (cuMem) device memory to local peers.
       std::string name = "kvferry-" + std::to_string(::getpid()) + "-" +
-                         std::to_string(server_->port()) + "-" + std::to_string(key_rng_() % 100000);
+                         std::to_string(listen_port_) + "-" + std::to_string(key_rng_() % 100000);
       ASSIGN_OR_RETURN(fd_server_, FdServer::Create(name, [this](uint64_t key) -> StatusOr<int> {
                          for (const auto& r : registry_.Regions()) {
                            if (r.key == key && r.share_type == ShareHandleType::kPosixFd) {
@@ -407,6 +408,9 @@ class EngineImpl : public TransferEngine {
       for (auto& [dev, ch] : p->nvlink) ch->Close();
     }
     for (auto& b : batches) b->ReleaseItems();
+    // The server's connection threads may still answer a describe request (LocalDescriptor)
+    // until its destructor joined them: LocalDescriptor reads listen_port_, never server_
+    // (which reset() nulls first).
     server_.reset();
   }
 
@@ -441,7 +445,7 @@ class EngineImpl : public TransferEngine {
     SegmentDescriptor d;
     d.name = options_.name;
     d.host = options_.listen_host;
-    d.port = server_->port();
+    d.port = listen_port_;
     d.node_id = node_id_;
     d.pid = static_cast<uint32_t>(::getpid());
     d.transports = {"tcp"};
@@ -810,6 +814,7 @@ class EngineImpl : public TransferEngine {
   bool nvlink_available_ = false;
   MemoryRegistry registry_;
   std::unique_ptr<tcp::TcpServer> server_;
+  uint16_t listen_port_ = 0;  // server_'s port, readable while server_ is being destroyed
   std::unique_ptr<FdServer> fd_server_;
 
   std::mutex key_mu_;
