@@ -39,7 +39,10 @@ class WorkOwner {
 struct WorkItem {
   enum class Kind : uint8_t { kWrite, kRead, kNotify, kDescribe };
   // Life of an item inside a transport; only moves forward. kDone is terminal.
-  enum State : uint8_t { kQueued, kSending, kSent, kReceiving, kDone };
+  // kAcked: the peer answered while the sending thread was still inside its write call (the
+  // bytes are in the kernel, but the call has not returned); that thread completes the item
+  // with acked_status once it returns, so nothing frees the item's memory under it.
+  enum State : uint8_t { kQueued, kSending, kSent, kReceiving, kAcked, kDone };
 
   Kind kind = Kind::kWrite;
   uint8_t* local = nullptr;  // kWrite source / kRead destination
@@ -55,6 +58,7 @@ struct WorkItem {
 
   std::atomic<uint8_t> state{kQueued};
   std::atomic<void*> carrier{nullptr};  // transport-private: what is moving the item
+  Status acked_status;                  // transport-private: the answer held while kAcked
 
   // Moves the item to kDone and calls the owner once; later calls do nothing.
   void Complete(const Status& status) {

@@ -178,6 +178,10 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       asio::error_code ec;
       asio::write(*socket_, buffers, ec);
       if (ec) {
+        // Items the peer already answered are this thread's to complete (see kAcked).
+        for (const auto& item : batch) {
+          if (item->state.load() == WorkItem::kAcked) item->Complete(item->acked_status);
+        }
         Fail(UnavailableError("connection to peer " + options_.address + " (lane " +
                               std::to_string(index_) + ") failed while sending: " +
                               ec.message()));
@@ -185,7 +189,10 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       }
       for (const auto& item : batch) {
         uint8_t expected = WorkItem::kSending;
-        item->state.compare_exchange_strong(expected, WorkItem::kSent);
+        if (!item->state.compare_exchange_strong(expected, WorkItem::kSent) &&
+            expected == WorkItem::kAcked) {
+          item->Complete(item->acked_status);  // answered while write() had not returned
+        }
       }
     }
   }
@@ -279,6 +286,13 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         }
       }
       if (item->kind == WorkItem::Kind::kDescribe) item->reply_body = std::move(body);
+      if (header->type != wire::FrameType::kReadData) {
+        // An answer can overtake the sending thread's return from write(): let that thread
+        // complete the item, so its memory is not released while the call still runs.
+        item->acked_status = status;
+        uint8_t expected = WorkItem::kSending;
+        if (item->state.compare_exchange_strong(expected, WorkItem::kAcked)) continue;
+      }
       FinishAfterTransfer(item.get(), status);
     }
   }
@@ -396,7 +410,7 @@ void TcpPeer::Abandon(WorkItem* item, const Status& why) {
       return;
     }
   }
-  if (s == WorkItem::kDone) return;
+  if (s == WorkItem::kDone || s == WorkItem::kAcked) return;  // completes in a moment
   // Bytes are moving: interrupt the lane; its threads complete the item once they stopped.
   auto* lane = static_cast<TcpLane*>(item->carrier.load());
   std::lock_guard<std::mutex> lock(mu_);
