@@ -6,6 +6,7 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "disagg/connector_pools.h"
 #include "disagg/control_message.h"
 #include "disagg/room_table.h"
 #include "disagg/task_queue.h"
@@ -77,19 +78,8 @@ class DecodeConnectorImpl : public DecodeConnector {
     }
     bootstrap_ = std::make_unique<TaskQueue>(options_.bootstrap_threads);
     ASSIGN_OR_RETURN(engine_, TransferEngine::Create(options_.engine));
-    RETURN_IF_ERROR(engine_->RegisterMemory(pool_->data(), pool_->size_bytes(), pool_->location(),
-                                            kAccessRemoteWrite));
-    RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), aux_->location(),
-                                            kAccessRemoteWrite));
-    if (StatePool* state = options_.state_pool; state != nullptr) {
-      if (state->layout().tp_size() != options_.tp_size) {
-        return InvalidArgumentError("state pool holds the share of TP " +
-                                    std::to_string(state->layout().tp_size()) +
-                                    ", connector runs at TP " + std::to_string(options_.tp_size));
-      }
-      RETURN_IF_ERROR(engine_->RegisterMemory(state->data(), state->size_bytes(),
-                                              state->location(), kAccessRemoteWrite));
-    }
+    RETURN_IF_ERROR(RegisterConnectorPools(*engine_, *pool_, *aux_, options_.state_pool,
+                                           options_.tp_size, kAccessRemoteWrite));
     if (options_.kv_path != "direct" && options_.kv_path != "staging" &&
         options_.kv_path != "auto") {
       return InvalidArgumentError("kv_path must be auto, direct or staging, got '" +
@@ -142,16 +132,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       return OutOfRangeError(where + "aux row " + std::to_string(aux_row) + " outside " +
                              std::to_string(aux_->num_rows()) + " rows");
     }
-    const StatePool* state = options_.state_pool;
-    if (state == nullptr && state_slot != -1) {
-      return InvalidArgumentError(where + "state slot " + std::to_string(state_slot) +
-                                  " given, but the connector has no state pool");
-    }
-    if (state != nullptr && (state_slot < 0 || state_slot >= state->num_slots())) {
-      return OutOfRangeError(where + "state slot " + std::to_string(state_slot) +
-                             " outside the state pool of " + std::to_string(state->num_slots()) +
-                             " slots");
-    }
+    RETURN_IF_ERROR(CheckStateSlot(options_.state_pool, room, state_slot));
     ReceiverRoom data;
     data.state_slot = state_slot;
     data.bootstrap_address = bootstrap_address;

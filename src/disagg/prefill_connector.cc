@@ -1,12 +1,14 @@
 // Prefill side of the disaggregation connector: senders, decode registrations, chunk batches.
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <map>
 
 #include "common/checks.h"
 #include "common/logging.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
+#include "disagg/connector_pools.h"
 #include "disagg/control_message.h"
 #include "disagg/head_slices.h"
 #include "kvferry/ring_allocator.h"
@@ -78,19 +80,8 @@ class PrefillConnectorImpl : public PrefillConnector {
       options_.engine.name = "prefill-tp" + std::to_string(options_.tp_rank);
     }
     ASSIGN_OR_RETURN(engine_, TransferEngine::Create(options_.engine));
-    RETURN_IF_ERROR(engine_->RegisterMemory(pool_->data(), pool_->size_bytes(), pool_->location(),
-                                            kAccessRemoteRead));
-    RETURN_IF_ERROR(engine_->RegisterMemory(aux_->data(), aux_->size_bytes(), aux_->location(),
-                                            kAccessRemoteRead));
-    if (StatePool* state = options_.state_pool; state != nullptr) {
-      if (state->layout().tp_size() != options_.tp_size) {
-        return InvalidArgumentError("state pool holds the share of TP " +
-                                    std::to_string(state->layout().tp_size()) +
-                                    ", connector runs at TP " + std::to_string(options_.tp_size));
-      }
-      RETURN_IF_ERROR(engine_->RegisterMemory(state->data(), state->size_bytes(),
-                                              state->location(), kAccessRemoteRead));
-    }
+    RETURN_IF_ERROR(RegisterConnectorPools(*engine_, *pool_, *aux_, options_.state_pool,
+                                           options_.tp_size, kAccessRemoteRead));
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     if (options_.start_bootstrap_server) {
       BootstrapServerOptions bs;
@@ -160,7 +151,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       return InvalidArgumentError("room " + std::to_string(room) + ": request of " +
                                   std::to_string(num_pages) + " pages");
     }
-    RETURN_IF_ERROR(CheckStateSlot(room, state_slot));
+    RETURN_IF_ERROR(CheckStateSlot(options_.state_pool, room, state_slot));
     SenderRoom data;
     data.src_state_slot = state_slot;
     data.num_pages = num_pages;
@@ -328,21 +319,9 @@ class PrefillConnectorImpl : public PrefillConnector {
 
   Status MarkLayerReady(uint64_t pass_id, int layer) override {
     std::lock_guard<std::mutex> lock(passes_mu_);
-    auto it = passes_.find(pass_id);
-    if (it == passes_.end()) {
-      return NotFoundError("layerwise pass " + std::to_string(pass_id) +
-                           " is unknown or already finished");
-    }
+    ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
     LayerPass& pass = *it->second;
     const int layers = static_cast<int>(pass.marked.size());
-    if (layer < 0 || layer >= layers) {
-      return OutOfRangeError("layer " + std::to_string(layer) + " outside the model's " +
-                             std::to_string(layers) + " layers");
-    }
-    if (pass.marked[layer]) {
-      return AlreadyExistsError("layer " + std::to_string(layer) + " of layerwise pass " +
-                                std::to_string(pass_id) + " already marked ready");
-    }
     pass.marked[layer] = true;
     std::vector<int> ready;
     while (pass.next_layer < layers && pass.marked[pass.next_layer]) ready.push_back(pass.next_layer++);
@@ -362,20 +341,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     if (cuda_event == nullptr) return InvalidArgumentError("null CUDA event");
     {
       std::lock_guard<std::mutex> lock(passes_mu_);
-      auto it = passes_.find(pass_id);
-      if (it == passes_.end()) {
-        return NotFoundError("layerwise pass " + std::to_string(pass_id) +
-                             " is unknown or already finished");
-      }
-      const int layers = static_cast<int>(it->second->marked.size());
-      if (layer < 0 || layer >= layers) {
-        return OutOfRangeError("layer " + std::to_string(layer) + " outside the model's " +
-                               std::to_string(layers) + " layers");
-      }
-      if (it->second->marked[layer]) {
-        return AlreadyExistsError("layer " + std::to_string(layer) + " of layerwise pass " +
-                                  std::to_string(pass_id) + " already marked ready");
-      }
+      RETURN_IF_ERROR(FindUnmarkedLocked(pass_id, layer).status());
     }
     RETURN_IF_ERROR(cuda::CheckDevice(0));  // "no CUDA device" on machines without one
     ASSIGN_OR_RETURN(bool done, cuda::EventCompleted(cuda_event));
@@ -424,21 +390,6 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
  private:
-  Status CheckStateSlot(uint64_t room, int32_t slot) const {
-    const StatePool* state = options_.state_pool;
-    if (state == nullptr) {
-      if (slot == -1) return OkStatus();
-      return InvalidArgumentError("room " + std::to_string(room) + ": state slot " +
-                                  std::to_string(slot) + " given, but the connector has no state pool");
-    }
-    if (slot < 0 || slot >= state->num_slots()) {
-      return OutOfRangeError("room " + std::to_string(room) + ": state slot " +
-                             std::to_string(slot) + " outside the state pool of " +
-                             std::to_string(state->num_slots()) + " slots");
-    }
-    return OkStatus();
-  }
-
   // The linear-attention state of `buffers` (state buffer indices) for one destination: this
   // rank's part of its slot into decode's part of the destination slot (see SliceInfo).
   void AppendStateRequests(const SenderRoom& room, const Destination& dest,
@@ -598,6 +549,17 @@ class PrefillConnectorImpl : public PrefillConnector {
   void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
               std::string notification, bool finishing,
               std::shared_ptr<void> keepalive = nullptr) {
+    SubmitThen(std::move(requests), std::move(notification), std::move(keepalive),
+               [this, room, dest, finishing](const BatchStatus& status) {
+                 OnBatchDone(room, dest, finishing, status);
+               });
+  }
+
+  // Submits one engine batch (counted in the stats) and runs `done` with its outcome on the
+  // completion queue, also when the engine refuses it. `keepalive` lives until then.
+  void SubmitThen(std::vector<TransferRequest> requests, std::string notification,
+                  std::shared_ptr<void> keepalive,
+                  std::function<void(const BatchStatus&)> done) {
     uint64_t bytes = 0;
     for (const auto& r : requests) bytes += r.length_bytes;
     transfer_requests_ += requests.size();
@@ -605,11 +567,10 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
-    o.on_complete = [this, room, dest, finishing, keepalive](BatchId id,
-                                                             const BatchStatus& status) {
-      completion_->Post([this, room, dest, finishing, id, status, keepalive] {
+    o.on_complete = [this, done, keepalive](BatchId id, const BatchStatus& status) {
+      completion_->Post([this, done, id, status, keepalive] {
         engine_->ReleaseBatch(id).IgnoreError();
-        OnBatchDone(room, dest, finishing, status);
+        done(status);
       });
     };
     auto id = engine_->SubmitBatch(requests, o);
@@ -617,12 +578,10 @@ class PrefillConnectorImpl : public PrefillConnector {
       BatchStatus failed;
       failed.state = TransferState::kFailed;
       failed.error = id.status();
-      completion_->Post(
-          [this, room, dest, finishing, failed] { OnBatchDone(room, dest, finishing, failed); });
+      completion_->Post([done, failed] { done(failed); });
     }
   }
 
-  // Asks the destination's decode rank for a staging region for one chunk's head slice.
   // How a chunk's slice is cut into staging regions: the whole chunk (0, 0) when it fits in
   // half of decode's ring (so two regions can be in flight), else runs of layers that do. A
   // chunk whose single layer exceeds the ring goes whole and decode refuses it by name.
@@ -645,8 +604,9 @@ class PrefillConnectorImpl : public PrefillConnector {
     return pieces;
   }
 
-  // Layerwise passes stage attention layers [first_layer, first_layer + num_layers) only
-  // (num_layers 0: every layer).
+  // Asks the destination's decode rank for a staging region for one chunk's head slice;
+  // layerwise passes and oversized chunks stage attention layers [first_layer, first_layer +
+  // num_layers) only (num_layers 0: every layer).
   void RequestStaging(uint64_t room, size_t dest, int64_t first_page, int64_t num_pages,
                       int first_layer = 0, int num_layers = 0) {
     std::shared_ptr<DecodePeer> decode;
@@ -841,6 +801,27 @@ class PrefillConnectorImpl : public PrefillConnector {
     int next_layer = 0;        // first layer not yet handed to the layer queue
     Clock::time_point deadline;
   };
+  using PassMap = std::map<uint64_t, std::shared_ptr<LayerPass>>;
+
+  // The live pass `pass_id` if `layer` is one of its model layers and not marked yet.
+  // REQUIRES passes_mu_ held. Errors: kNotFound, kOutOfRange, kAlreadyExists.
+  StatusOr<PassMap::iterator> FindUnmarkedLocked(uint64_t pass_id, int layer) {
+    auto it = passes_.find(pass_id);
+    if (it == passes_.end()) {
+      return NotFoundError("layerwise pass " + std::to_string(pass_id) +
+                           " is unknown or already finished");
+    }
+    const int layers = static_cast<int>(it->second->marked.size());
+    if (layer < 0 || layer >= layers) {
+      return OutOfRangeError("layer " + std::to_string(layer) + " outside the model's " +
+                             std::to_string(layers) + " layers");
+    }
+    if (it->second->marked[layer]) {
+      return AlreadyExistsError("layer " + std::to_string(layer) + " of layerwise pass " +
+                                std::to_string(pass_id) + " already marked ready");
+    }
+    return it;
+  }
 
   // Runs on the layer queue: one engine batch per decode rank with this layer's pages (or,
   // for a linear-attention layer of a room's last chunk, its state) for every room.
@@ -917,28 +898,10 @@ class PrefillConnectorImpl : public PrefillConnector {
   // A batch whose completion counts once for each (room, destination) it carries.
   void SubmitCredited(std::vector<TransferRequest> requests,
                       std::vector<std::pair<uint64_t, size_t>> credits) {
-    uint64_t bytes = 0;
-    for (const auto& r : requests) bytes += r.length_bytes;
-    transfer_requests_ += requests.size();
-    bytes_ += bytes;
-    auto shared = std::make_shared<std::vector<std::pair<uint64_t, size_t>>>(std::move(credits));
-    BatchOptions o;
-    o.deadline = options_.transfer_timeout;
-    o.on_complete = [this, shared](BatchId id, const BatchStatus& status) {
-      completion_->Post([this, shared, id, status] {
-        engine_->ReleaseBatch(id).IgnoreError();
-        for (const auto& [room, dest] : *shared) OnBatchDone(room, dest, false, status);
-      });
-    };
-    auto id = engine_->SubmitBatch(requests, o);
-    if (!id.ok()) {
-      BatchStatus failed;
-      failed.state = TransferState::kFailed;
-      failed.error = id.status();
-      completion_->Post([this, shared, failed] {
-        for (const auto& [room, dest] : *shared) OnBatchDone(room, dest, false, failed);
-      });
-    }
+    SubmitThen(std::move(requests), "", nullptr,
+               [this, credits = std::move(credits)](const BatchStatus& status) {
+                 for (const auto& [room, dest] : credits) OnBatchDone(room, dest, false, status);
+               });
   }
 
   // Polls CUDA events of layers marked by MarkLayerReadyOnEvent.
@@ -1352,7 +1315,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     void* event;
   };
   std::mutex passes_mu_;
-  std::map<uint64_t, std::shared_ptr<LayerPass>> passes_;
+  PassMap passes_;
   uint64_t next_pass_id_ = 1;
   std::mutex events_mu_;
   std::condition_variable events_cv_;

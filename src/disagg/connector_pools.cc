@@ -1,0 +1,35 @@
+#include "disagg/connector_pools.h"
+
+#include <string>
+
+#include "common/checks.h"
+
+namespace kvferry {
+
+Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& aux,
+                              StatePool* state, int tp_size, uint32_t access) {
+  RETURN_IF_ERROR(engine.RegisterMemory(pool.data(), pool.size_bytes(), pool.location(), access));
+  RETURN_IF_ERROR(engine.RegisterMemory(aux.data(), aux.size_bytes(), aux.location(), access));
+  if (state == nullptr) return OkStatus();
+  if (state->layout().tp_size() != tp_size) {
+    return InvalidArgumentError("state pool holds the share of TP " +
+                                std::to_string(state->layout().tp_size()) +
+                                ", connector runs at TP " + std::to_string(tp_size));
+  }
+  return engine.RegisterMemory(state->data(), state->size_bytes(), state->location(), access);
+}
+
+Status CheckStateSlot(const StatePool* state, uint64_t room, int32_t slot) {
+  const std::string where = "room " + std::to_string(room) + ": state slot " + std::to_string(slot);
+  if (state == nullptr) {
+    if (slot == -1) return OkStatus();
+    return InvalidArgumentError(where + " given, but the connector has no state pool");
+  }
+  if (slot < 0 || slot >= state->num_slots()) {
+    return OutOfRangeError(where + " outside the state pool of " +
+                           std::to_string(state->num_slots()) + " slots");
+  }
+  return OkStatus();
+}
+
+}  // namespace kvferry

@@ -1,0 +1,23 @@
+// What the prefill and decode connectors both do with the caller's pools.
+#pragma once
+
+#include <cstdint>
+
+#include "kvferry/aux_buffer.h"
+#include "kvferry/engine.h"
+#include "kvferry/kv_pool.h"
+#include "kvferry/state_pool.h"
+
+namespace kvferry {
+
+// Registers the KV pool, the aux buffer and (when not null) the state pool with `engine` for
+// remote `access`. Errors: kInvalidArgument when the state pool holds another TP size's share
+// than `tp_size`; the engine's registration errors.
+Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& aux,
+                              StatePool* state, int tp_size, uint32_t access);
+
+// A room's state slot: -1 without a state pool, else a slot of it. Errors (naming the room):
+// kInvalidArgument (a slot but no pool), kOutOfRange.
+Status CheckStateSlot(const StatePool* state, uint64_t room, int32_t slot);
+
+}  // namespace kvferry
