@@ -38,12 +38,39 @@ StatusOr<bool> EventCompleted(void* event) {
 
 namespace {
 
+// A request's page table in device memory for the pool kernels, grown as needed and
+// re-uploaded on the owner's stream for each call. The owner frees it with its device current.
+class DevicePageTable {
+ public:
+  Status Upload(std::span<const int32_t> pages, cudaStream_t stream) {
+    const uint64_t bytes = pages.size() * sizeof(int32_t);
+    if (bytes > capacity_) {
+      Free();
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&data_, bytes));
+      capacity_ = bytes;
+    }
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(data_, pages.data(), bytes, cudaMemcpyHostToDevice, stream));
+    return OkStatus();
+  }
+  const int32_t* data() const { return data_; }
+  void Free() {
+    if (data_) cudaFree(data_);
+    data_ = nullptr;
+    capacity_ = 0;
+  }
+
+ private:
+  int32_t* data_ = nullptr;
+  uint64_t capacity_ = 0;
+};
+
 class GpuPatternImpl : public GpuPattern {
  public:
   explicit GpuPatternImpl(int device) : device_(device) {}
   ~GpuPatternImpl() override {
     cudaSetDevice(device_);
-    if (pages_) cudaFree(pages_);
+    pages_.Free();
     if (flags_) cudaFree(flags_);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -58,9 +85,9 @@ class GpuPatternImpl : public GpuPattern {
   Status Fill(const PatternGeometry& g, uint8_t* pool, uint64_t room,
               std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    RETURN_IF_ERROR(UploadPages(pages));
+    RETURN_IF_ERROR(pages_.Upload(pages, stream_));
     CUDA_RETURN_IF_ERROR(
-        LaunchFillTokens(g, pool, pages_, room, first_token, num_tokens, stream_));
+        LaunchFillTokens(g, pool, pages_.data(), room, first_token, num_tokens, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return OkStatus();
   }
@@ -68,7 +95,7 @@ class GpuPatternImpl : public GpuPattern {
   StatusOr<int64_t> Verify(const PatternGeometry& g, const uint8_t* pool, uint64_t room,
                            std::span<const int32_t> pages, int64_t num_tokens) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    RETURN_IF_ERROR(UploadPages(pages));
+    RETURN_IF_ERROR(pages_.Upload(pages, stream_));
     const int64_t num_pages = static_cast<int64_t>(pages.size());
     const uint64_t flag_bytes = static_cast<uint64_t>(g.num_buffers) * num_pages;
     if (flag_bytes > flags_capacity_) {
@@ -79,7 +106,7 @@ class GpuPatternImpl : public GpuPattern {
     }
     CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags_, 0, flag_bytes, stream_));
     CUDA_RETURN_IF_ERROR(
-        LaunchVerifyTokens(g, pool, pages_, num_pages, room, num_tokens, flags_, stream_));
+        LaunchVerifyTokens(g, pool, pages_.data(), num_pages, room, num_tokens, flags_, stream_));
     host_flags_.resize(flag_bytes);
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_flags_.data(), flags_, flag_bytes,
                                          cudaMemcpyDeviceToHost, stream_));
@@ -90,23 +117,9 @@ class GpuPatternImpl : public GpuPattern {
   }
 
  private:
-  Status UploadPages(std::span<const int32_t> pages) {
-    const uint64_t bytes = pages.size() * sizeof(int32_t);
-    if (bytes > pages_capacity_) {
-      if (pages_) cudaFree(pages_);
-      pages_ = nullptr;
-      CUDA_RETURN_IF_ERROR(cudaMalloc(&pages_, bytes));
-      pages_capacity_ = bytes;
-    }
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(pages_, pages.data(), bytes, cudaMemcpyHostToDevice, stream_));
-    return OkStatus();
-  }
-
   int device_;
   cudaStream_t stream_ = nullptr;
-  int32_t* pages_ = nullptr;
-  uint64_t pages_capacity_ = 0;
+  DevicePageTable pages_;
   uint8_t* flags_ = nullptr;
   uint64_t flags_capacity_ = 0;
   std::vector<uint8_t> host_flags_;
@@ -183,7 +196,7 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
   explicit GpuHeadSlicesImpl(int device) : device_(device) {}
   ~GpuHeadSlicesImpl() override {
     cudaSetDevice(device_);
-    if (pages_) cudaFree(pages_);
+    pages_.Free();
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -199,7 +212,7 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
                 int first_layer, int num_layers, uint8_t* staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
     RETURN_IF_ERROR(Check(g, pages, r));
-    CUDA_RETURN_IF_ERROR(LaunchGatherHeads(g, pool, pages_, r, staging, stream_));
+    CUDA_RETURN_IF_ERROR(LaunchGatherHeads(g, pool, pages_.data(), r, staging, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return OkStatus();
   }
@@ -209,7 +222,7 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
                  int first_layer, int num_layers, const uint8_t* staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
     RETURN_IF_ERROR(Check(g, pages, r));
-    CUDA_RETURN_IF_ERROR(LaunchScatterHeads(g, pool, pages_, r, staging, stream_));
+    CUDA_RETURN_IF_ERROR(LaunchScatterHeads(g, pool, pages_.data(), r, staging, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return OkStatus();
   }
@@ -234,22 +247,12 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
       }
     }
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    const uint64_t bytes = pages.size() * sizeof(int32_t);
-    if (bytes > pages_capacity_) {
-      if (pages_) cudaFree(pages_);
-      pages_ = nullptr;
-      CUDA_RETURN_IF_ERROR(cudaMalloc(&pages_, bytes));
-      pages_capacity_ = bytes;
-    }
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(pages_, pages.data(), bytes, cudaMemcpyHostToDevice, stream_));
-    return OkStatus();
+    return pages_.Upload(pages, stream_);
   }
 
   int device_;
   cudaStream_t stream_ = nullptr;
-  int32_t* pages_ = nullptr;
-  uint64_t pages_capacity_ = 0;
+  DevicePageTable pages_;
 };
 
 }  // namespace
