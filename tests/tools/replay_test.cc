@@ -34,6 +34,28 @@ std::string Config(const std::string& name) {
   return testutil::SourceDir() + "/tests/data/" + name;
 }
 
+// Runs `kvferry replay ARGS --json FILE` and returns the JSON summary. A non-zero exit is a
+// test failure (with the command's output) and gives a null object; the file is removed.
+json Replay(const std::string& args) {
+  const std::string out = TempPath("replay.json");
+  auto r = RunCommand(KvferryBinary() + " replay " + args + " --json " + out);
+  if (r.exit_code != 0) {
+    ADD_FAILURE() << "kvferry replay " << args << " exited " << r.exit_code << ":\n" << r.output;
+    std::remove(out.c_str());
+    return json();
+  }
+  json j = ReadJson(out);
+  std::remove(out.c_str());
+  return j;
+}
+
+// No request failed, and every page of every request was verified on every decode rank.
+void ExpectEveryPageVerified(const json& j) {
+  EXPECT_EQ(j["requests_failed"], 0);
+  EXPECT_EQ(j["mismatches"], 0);
+  EXPECT_EQ(j["pages_verified"], j["pages"]);
+}
+
 TEST(ReplayTest, HundredConversationRequestsVerifyEveryByte) {
   std::string trace = testutil::SharedDir() + "/traces/conversation_trace.jsonl";
   if (!std::filesystem::exists(trace)) GTEST_SKIP() << "no " << trace;
@@ -62,22 +84,16 @@ TEST(ReplayTest, HundredConversationRequestsVerifyEveryByte) {
 }
 
 TEST(ReplayTest, MlaSyntheticWithPageSizeOne) {
-  std::string out = TempPath("mla.json");
-  auto r = RunCommand(KvferryBinary() + " replay --synthetic 12 --model-config " +
-                      Config("tiny-mla-config.json") +
-                      " --page-size 1 --pool-size 128MiB --concurrency 3 --chunk-tokens 3000 "
-                      "--json " + out);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  json j = ReadJson(out);
-  EXPECT_EQ(j["requests_failed"], 0);
-  EXPECT_EQ(j["mismatches"], 0);
-  EXPECT_EQ(j["pages_verified"], j["pages"]);
+  json j = Replay("--synthetic 12 --model-config " + Config("tiny-mla-config.json") +
+                  " --page-size 1 --pool-size 128MiB --concurrency 3 --chunk-tokens 3000");
+  ASSERT_FALSE(j.is_null());
+  ExpectEveryPageVerified(j);
   EXPECT_EQ(j["pages"], j["tokens"]);  // page size 1
-  std::remove(out.c_str());
 }
 
 // Unequal attention TP: one process per rank, each holding only its share of the KV heads;
-// every decode rank verifies every byte of its own heads (direct-slices path over TCP).
+// every decode rank verifies every byte of its own heads (the default path, staging on host
+// pools; then direct slices against staging).
 TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
   struct Case {
     const char* config;
@@ -87,39 +103,26 @@ TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
                         Case{"tiny-gqa-config.json", 1, 4}, Case{"tiny-mla-config.json", 4, 2}}) {
     SCOPED_TRACE(std::string(c.config) + " " + std::to_string(c.prefill_tp) + "->" +
                  std::to_string(c.decode_tp));
-    std::string out = TempPath("tp.json");
-    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 5 --model-config " +
-                        Config(c.config) + " --page-size 16 --pool-size 64MiB --prefill-tp " +
-                        std::to_string(c.prefill_tp) + " --decode-tp " +
-                        std::to_string(c.decode_tp) + " --json " + out);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    json j = ReadJson(out);
+    json j = Replay("--synthetic 3 --seed 5 --model-config " + Config(c.config) +
+                    " --page-size 16 --pool-size 64MiB --prefill-tp " +
+                    std::to_string(c.prefill_tp) + " --decode-tp " + std::to_string(c.decode_tp));
+    ASSERT_FALSE(j.is_null());
     EXPECT_EQ(j["requests"], 3);
-    EXPECT_EQ(j["requests_failed"], 0);
-    EXPECT_EQ(j["mismatches"], 0);
+    ExpectEveryPageVerified(j);
     EXPECT_GT(j["pages"].get<int64_t>(), 0);
-    EXPECT_EQ(j["pages_verified"], j["pages"]);
     EXPECT_GT(j["transfer_requests"].get<uint64_t>(), 0u);
     EXPECT_EQ(j["prefill_tp"], c.prefill_tp);
     EXPECT_EQ(j["decode_tp"], c.decode_tp);
-    std::remove(out.c_str());
   }
   // Staging moves the same bytes with far fewer engine requests than direct slices.
   uint64_t requests[2] = {0, 0};
   for (int k = 0; k < 2; ++k) {
-    std::string out = TempPath("path.json");
-    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 5 --model-config " +
-                        Config("tiny-gqa-config.json") +
-                        " --page-size 16 --pool-size 64MiB --prefill-tp 2 --decode-tp 1 "
-                        "--staging-size 8MiB --kv-path " + (k == 0 ? "direct" : "staging") +
-                        " --json " + out);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    json j = ReadJson(out);
-    EXPECT_EQ(j["mismatches"], 0);
-    EXPECT_EQ(j["requests_failed"], 0);
-    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    json j = Replay("--synthetic 3 --seed 5 --model-config " + Config("tiny-gqa-config.json") +
+                    " --page-size 16 --pool-size 64MiB --prefill-tp 2 --decode-tp 1 "
+                    "--staging-size 8MiB --kv-path " + (k == 0 ? "direct" : "staging"));
+    ASSERT_FALSE(j.is_null());
+    ExpectEveryPageVerified(j);
     requests[k] = j["transfer_requests"].get<uint64_t>();
-    std::remove(out.c_str());
   }
   EXPECT_GE(requests[0], 100 * requests[1]) << "direct " << requests[0] << ", staging "
                                             << requests[1];
@@ -137,18 +140,12 @@ TEST(ReplayTest, HybridStateAtEqualAndUnequalTp) {
   const uint64_t state_bytes = 6 * (512 * 3 * 2 + 8 * 32 * 32 * 4);
   for (auto [ptp, dtp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
     SCOPED_TRACE(std::to_string(ptp) + "->" + std::to_string(dtp));
-    std::string out = TempPath("hybrid.json");
-    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 9 --model-config " +
-                        Config("tiny-hybrid-config.json") + " --pool-size 64MiB --prefill-tp " +
-                        std::to_string(ptp) + " --decode-tp " + std::to_string(dtp) +
-                        " --json " + out);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    json j = ReadJson(out);
-    EXPECT_EQ(j["requests_failed"], 0);
-    EXPECT_EQ(j["mismatches"], 0);
-    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    json j = Replay("--synthetic 3 --seed 9 --model-config " + Config("tiny-hybrid-config.json") +
+                    " --pool-size 64MiB --prefill-tp " + std::to_string(ptp) + " --decode-tp " +
+                    std::to_string(dtp));
+    ASSERT_FALSE(j.is_null());
+    ExpectEveryPageVerified(j);
     EXPECT_GE(j["bytes"].get<uint64_t>(), 3 * state_bytes);
-    std::remove(out.c_str());
   }
 }
 
@@ -158,21 +155,15 @@ TEST(ReplayTest, ContextParallelWithTensorParallelism) {
   for (auto [tp, cp, dtp] : {std::tuple{2, 2, 1}, std::tuple{2, 3, 4}}) {
     SCOPED_TRACE("TP " + std::to_string(tp) + " CP " + std::to_string(cp) + " -> TP " +
                  std::to_string(dtp));
-    std::string out = TempPath("cptp.json");
-    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 4 --model-config " +
-                        Config("tiny-hybrid-config.json") + " --pool-size 64MiB --prefill-tp " +
-                        std::to_string(tp) + " --prefill-cp " + std::to_string(cp) +
-                        " --decode-tp " + std::to_string(dtp) + " --json " + out);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    json j = ReadJson(out);
-    EXPECT_EQ(j["requests_failed"], 0);
-    EXPECT_EQ(j["mismatches"], 0);
-    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    json j = Replay("--synthetic 3 --seed 4 --model-config " + Config("tiny-hybrid-config.json") +
+                    " --pool-size 64MiB --prefill-tp " + std::to_string(tp) + " --prefill-cp " +
+                    std::to_string(cp) + " --decode-tp " + std::to_string(dtp));
+    ASSERT_FALSE(j.is_null());
+    ExpectEveryPageVerified(j);
     ASSERT_EQ(j["pages_sent_per_cp_rank"].size(), static_cast<size_t>(cp));
     uint64_t total = 0;
     for (const auto& p : j["pages_sent_per_cp_rank"]) total += p.get<uint64_t>();
     EXPECT_EQ(total, j["pages"].get<uint64_t>());
-    std::remove(out.c_str());
   }
 }
 
@@ -192,23 +183,18 @@ TEST(ReplayTest, LayerwiseVerifiesEveryByteAndReportsTails) {
                         Case{"tiny-hybrid-config.json", 1, 2, "direct"}}) {
     SCOPED_TRACE(std::string(c.config) + " " + std::to_string(c.prefill_tp) + "->" +
                  std::to_string(c.decode_tp) + " " + c.kv_path);
-    std::string out = TempPath("layerwise.json");
-    auto r = RunCommand(KvferryBinary() + " replay --synthetic 3 --seed 11 --model-config " +
-                        Config(c.config) + " --pool-size 64MiB --chunk-tokens 1024 --prefill-tp " +
-                        std::to_string(c.prefill_tp) + " --decode-tp " +
-                        std::to_string(c.decode_tp) + " --kv-path " + c.kv_path +
-                        " --staging-size 8MiB --layerwise --compute-us-per-layer 200 --json " + out);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    json j = ReadJson(out);
-    EXPECT_EQ(j["requests_failed"], 0);
-    EXPECT_EQ(j["mismatches"], 0);
-    EXPECT_EQ(j["pages_verified"], j["pages"]);
+    json j = Replay("--synthetic 3 --seed 11 --model-config " + Config(c.config) +
+                    " --pool-size 64MiB --chunk-tokens 1024 --prefill-tp " +
+                    std::to_string(c.prefill_tp) + " --decode-tp " + std::to_string(c.decode_tp) +
+                    " --kv-path " + c.kv_path +
+                    " --staging-size 8MiB --layerwise --compute-us-per-layer 200");
+    ASSERT_FALSE(j.is_null());
+    ExpectEveryPageVerified(j);
     EXPECT_EQ(j["layerwise"], true);
     EXPECT_GT(j["tail_ms"]["p50"].get<double>(), 0.0);
     EXPECT_GE(j["ttft_ms"]["p99"].get<double>(), j["ttft_ms"]["p50"].get<double>());
     // TTFT includes the simulated compute: 200 us for each model layer of every chunk.
     EXPECT_GT(j["ttft_ms"]["p50"].get<double>(), 0.2);
-    std::remove(out.c_str());
   }
   auto bad = RunCommand(KvferryBinary() + " replay --synthetic 1 --compute-us-per-layer -5");
   EXPECT_NE(bad.exit_code, 0);
@@ -222,16 +208,11 @@ TEST(ReplayTest, EveryContextParallelRankSendsItsPages) {
     for (bool rank0_only : {false, true}) {
       if (rank0_only && cp != 3) continue;
       SCOPED_TRACE("CP " + std::to_string(cp) + (rank0_only ? " rank0-only" : ""));
-      std::string out = TempPath("cp.json");
-      auto r = RunCommand(KvferryBinary() + " replay --synthetic 4 --seed 3 --model-config " +
-                          Config("tiny-gqa-config.json") + " --pool-size 64MiB --prefill-cp " +
-                          std::to_string(cp) + (rank0_only ? " --cp-rank0-only" : "") +
-                          " --json " + out);
-      ASSERT_EQ(r.exit_code, 0) << r.output;
-      json j = ReadJson(out);
-      EXPECT_EQ(j["requests_failed"], 0);
-      EXPECT_EQ(j["mismatches"], 0);
-      EXPECT_EQ(j["pages_verified"], j["pages"]);
+      json j = Replay("--synthetic 4 --seed 3 --model-config " + Config("tiny-gqa-config.json") +
+                      " --pool-size 64MiB --prefill-cp " + std::to_string(cp) +
+                      (rank0_only ? " --cp-rank0-only" : ""));
+      ASSERT_FALSE(j.is_null());
+      ExpectEveryPageVerified(j);
       ASSERT_EQ(j["pages_sent_per_cp_rank"].size(), static_cast<size_t>(cp));
       uint64_t total = 0, smallest = UINT64_MAX, largest = 0;
       for (const auto& p : j["pages_sent_per_cp_rank"]) {
@@ -245,7 +226,6 @@ TEST(ReplayTest, EveryContextParallelRankSendsItsPages) {
       } else {
         EXPECT_LE(largest - smallest, 4u);  // at most one page per request apart
       }
-      std::remove(out.c_str());
     }
   }
 }
