@@ -397,7 +397,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     const StatePool* state = options_.state_pool;
     if (state == nullptr || room.src_state_slot < 0 || !dest.slice.sends_state) return;
     for (int b : buffers) {
-      for (const StatePiece& p : StatePieces(dest, b)) {
+      for (const StatePiece& p : StatePieces(dest.slice, dest.decode->args.tp_size, b)) {
         out->push_back({TransferOp::kWrite,
                         const_cast<uint8_t*>(state->SlotAddress(b, room.src_state_slot)) +
                             p.src_offset,
@@ -416,19 +416,19 @@ class PrefillConnectorImpl : public PrefillConnector {
   struct StatePiece {
     uint64_t src_offset = 0, dst_offset = 0, length = 0;
   };
-  std::vector<StatePiece> StatePieces(const Destination& dest, int buffer) const {
+  std::vector<StatePiece> StatePieces(const SliceInfo& slice, int decode_tp, int buffer) const {
     const StateLayout& l = options_.state_pool->layout();
-    const int ps = options_.tp_size, ds = dest.decode->args.tp_size;
+    const int ps = options_.tp_size, ds = decode_tp;
     const uint64_t row = l.row_bytes(buffer);
     const std::vector<int> segments = l.SegmentRows(buffer);
     std::vector<StatePiece> pieces;
     for (size_t s = 0; s < segments.size(); ++s) {
       const int seg = static_cast<int>(s);
-      const uint64_t rows = static_cast<uint64_t>(segments[s] / ps / dest.slice.state_src_parts);
+      const uint64_t rows = static_cast<uint64_t>(segments[s] / ps / slice.state_src_parts);
       StatePiece p;
       p.length = rows * row;
-      p.src_offset = l.SegmentOffset(buffer, seg, ps) * row + dest.slice.state_src_part * p.length;
-      p.dst_offset = l.SegmentOffset(buffer, seg, ds) * row + dest.slice.state_dst_part * p.length;
+      p.src_offset = l.SegmentOffset(buffer, seg, ps) * row + slice.state_src_part * p.length;
+      p.dst_offset = l.SegmentOffset(buffer, seg, ds) * row + slice.state_dst_part * p.length;
       pieces.push_back(p);
     }
     return pieces;
@@ -1212,10 +1212,7 @@ class PrefillConnectorImpl : public PrefillConnector {
                  total / ps / m.slice.state_src_parts == total / ds / m.slice.state_dst_parts;
         }
         if (fits) {
-          Destination probe;
-          probe.decode = std::make_shared<DecodePeer>(decode);
-          probe.slice = m.slice;
-          for (const StatePiece& p : StatePieces(probe, buffer)) {
+          for (const StatePiece& p : StatePieces(m.slice, ds, buffer)) {
             fits = fits && p.src_offset + p.length <= l.slot_bytes(buffer) &&
                    p.dst_offset + p.length <= decode.args.state_slot_bytes[b];
           }
