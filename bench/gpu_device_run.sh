@@ -31,24 +31,19 @@ for ps in ${PAGE_SIZES-64 1}; do
 done
 
 if [ -n "${BENCH:-1}" ]; then
-  SIZES=2KiB,4KiB,16KiB,64KiB,128KiB,512KiB,1MiB,4MiB,16MiB,64MiB
-  step "bench nvlink (auto: kernel below the copy-engine threshold, copy engine above)"
-  timeout 240 "$B/kvferry" bench --device cuda --transport nvlink --block-size $SIZES \
+  # Small blocks in every batch size, large blocks in batches of 64 (a full sweep of every pair
+  # does not fit one call).
+  step "bench nvlink small blocks (auto path)"
+  timeout 200 "$B/kvferry" bench --device cuda --transport nvlink --block-size 2KiB,4KiB,16KiB,64KiB \
     --batch-size 64,1024,8192 --threads 4 --duration ${BENCH_SECONDS:-0.5} \
-    --json "$OUT/bench_nvlink_auto.json" > "$OUT/bench_nvlink_auto.txt" 2>&1
-  tail -45 "$OUT/bench_nvlink_auto.txt"
-  for mode in kernel engine; do
-    case $mode in
-      kernel) export KVFERRY_NVLINK_CE_THRESHOLD=1TiB ;;  # every block through the copy kernel
-      engine) export KVFERRY_NVLINK_CE_THRESHOLD=1 ;;     # every block through the copy engine
-    esac
-    step "bench nvlink ($mode only)"
-    timeout 200 "$B/kvferry" bench --device cuda --transport nvlink --block-size $SIZES \
-      --batch-size 1024 --threads 4 --duration ${BENCH_SECONDS:-0.5} \
-      --json "$OUT/bench_nvlink_$mode.json" > "$OUT/bench_nvlink_$mode.txt" 2>&1
-    grep -E "^ *[0-9.]+ [KMG]iB +[0-9]+ " "$OUT/bench_nvlink_$mode.txt" | head -12
-  done
-  unset KVFERRY_NVLINK_CE_THRESHOLD
+    --json "$OUT/bench_nvlink_small.json" > "$OUT/bench_nvlink_small.txt" 2>&1
+  tail -25 "$OUT/bench_nvlink_small.txt"
+  step "bench nvlink large blocks (auto path)"
+  timeout 150 "$B/kvferry" bench --device cuda --transport nvlink \
+    --block-size 128KiB,512KiB,1MiB,4MiB,16MiB,64MiB --batch-size 64 --threads 4 \
+    --duration ${BENCH_SECONDS:-0.5} --json "$OUT/bench_nvlink_large.json" \
+    > "$OUT/bench_nvlink_large.txt" 2>&1
+  tail -14 "$OUT/bench_nvlink_large.txt"
   step "bench nvlink latency (one 4 KiB WRITE per batch)"
   timeout 60 "$B/kvferry" bench --device cuda --transport nvlink --block-size 4KiB \
     --batch-size 1 --threads 1 --duration 2 --json "$OUT/bench_nvlink_latency.json" \
@@ -72,5 +67,35 @@ for i in range(20): print(json.dumps({'timestamp': 0, 'input_length': $tokens, '
           --json "$OUT/layerwise_${model}_${tokens}${lw:+_lw}.json" 2>&1 | tail -4
       done
     done
+  done
+fi
+
+if [ -n "${HETERO:-}" ]; then
+  # Unequal TP on GPUs (docs/perf/hetero-tp.md): every rank its own GPU where they fit
+  # (ReplayGpu). Each kv path given in KV_PATHS; 1 1 is the equal-TP reference.
+  for ps in ${HETERO_PAGE_SIZES:-64 1}; do
+    for pd in ${HETERO_PAIRS:-1:1 2:1 1:2 4:2 2:4 1:4}; do
+      for kp in ${KV_PATHS:-direct}; do
+        p=${pd%:*} d=${pd#*:}
+        step "replay --device cuda TP$p->TP$d page size $ps kv-path $kp"
+        timeout ${HETERO_TIMEOUT:-90} "$B/kvferry" replay --device cuda --trace "$TRACE" \
+          --limit ${HETERO_LIMIT:-200} --model ${HETERO_MODEL:-llama-3.1-8b} --page-size "$ps" \
+          --pool-size ${HETERO_POOL:-16GiB} --concurrency 8 --prefill-tp $p --decode-tp $d \
+          --kv-path $kp --json "$OUT/hetero_p${ps}_${p}to${d}_$kp.json" 2>&1 |
+          grep -E "requests failed|mismatches|GB/s|transfer requests|error|Error" | tr '\n' ' '
+        echo
+      done
+    done
+  done
+fi
+if [ -n "${HETERO_MLA:-}" ]; then
+  for pd in 4:2 1:2; do
+    p=${pd%:*} d=${pd#*:}
+    step "replay --device cuda deepseek-v3 (MLA) TP$p->TP$d page size 64"
+    timeout 90 "$B/kvferry" replay --device cuda --trace "$TRACE" --limit 100 --model deepseek-v3 \
+      --page-size 64 --pool-size 16GiB --concurrency 8 --prefill-tp $p --decode-tp $d \
+      --json "$OUT/hetero_mla_${p}to${d}.json" 2>&1 |
+      grep -E "requests failed|mismatches|GB/s|transfer requests|error|Error" | tr '\n' ' '
+    echo
   done
 fi

@@ -18,6 +18,7 @@
 
 #include "common/checks.h"
 #include "common/env.h"
+#include "cuda/baselines.h"
 #include "cuda/device_memory.h"
 #include "tools/commands.h"
 #include "kvferry/tp_plan.h"
@@ -196,7 +197,7 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
                        std::to_string(f.compute_us_per_layer)});
     if (f.layerwise) a.push_back("--layerwise");
   }
-  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(prefill ? 0 : f.gpu),
+  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(f.gpu),
                       "--tp-rank", std::to_string(f.tp_rank), "--tp-size",
                       std::to_string(f.tp_size)});
   if (prefill && !f.join_bootstrap.empty()) a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
@@ -209,6 +210,19 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
   a.insert(a.end(), {"--exit-with-parent", std::to_string(::getpid())});
   return a;
 }
+
+}  // namespace
+
+int ReplayGpu(bool prefill, int index, int prefill_ranks, int decode_ranks, int gpu_count) {
+  if (gpu_count <= 1) return 0;
+  if (prefill_ranks + decode_ranks <= gpu_count) {
+    return prefill ? index : prefill_ranks + index;
+  }
+  const int prefill_gpus = gpu_count / 2;
+  return prefill ? index % prefill_gpus : prefill_gpus + index % (gpu_count - prefill_gpus);
+}
+
+namespace {
 
 std::string Fixed(double v, int digits) {
   char buf[64];
@@ -229,11 +243,11 @@ int RunReplay(ReplayFlags flags) {
   if (flags.instance.compute_us_per_layer < 0) return Fail("--compute-us-per-layer must be >= 0");
   flags.instance.aux_rows = std::max(flags.instance.aux_rows, 2 * flags.concurrency);
   flags.instance.state_slots = std::max(flags.instance.state_slots, flags.concurrency + 1);
+  int gpu_count = 0;
   if (flags.instance.device == "cuda") {
-    // Prefill on GPU 0, decode on GPU 1 (or GPU 0 when there is only one).
     Status one = cuda::CheckDevice(0);
     if (!one.ok()) return Fail("--device cuda: " + one.message());
-    flags.instance.gpu = cuda::CheckDevice(1).ok() ? 1 : 0;
+    gpu_count = cuda::DeviceCount();
   } else if (flags.instance.device != "cpu") {
     return Fail("--device must be cpu or cuda, got '" + flags.instance.device + "'");
   }
@@ -296,8 +310,13 @@ int RunReplay(ReplayFlags flags) {
       return Fail("prefill and decode instances use different page sizes");
     }
   } else {
+    const int prefill_ranks = flags.prefill_tp * flags.prefill_cp;
     auto start_rank = [&](bool prefill, int rank, int size, const std::string& join, int cp_rank) {
       InstanceFlags f = flags.instance;
+      if (gpu_count > 0) {
+        const int index = prefill ? cp_rank * flags.prefill_tp + rank : rank;
+        f.gpu = ReplayGpu(prefill, index, prefill_ranks, flags.decode_tp, gpu_count);
+      }
       f.tp_rank = rank;
       f.tp_size = size;
       f.cp_rank = cp_rank;
