@@ -7,15 +7,15 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kUnroll = 4;
 
-// One warp copies one tile: 32 lanes x 16 bytes per step, kUnroll steps of loads in flight
-// before their stores. Small KV pages (2 KiB) fill a warp exactly once per tile.
-__device__ __forceinline__ void CopyTileWarp(const CopyTile t, int lane) {
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(t.src);
-  uint8_t* dst = reinterpret_cast<uint8_t*>(t.dst);
-  uint64_t len = t.len;
-  if (((t.src ^ t.dst) & 15) == 0) {
+// One warp copies one contiguous block: 32 lanes x 16 bytes per step, kUnroll steps of loads
+// in flight before their stores. Small KV pages (2 KiB) fill a warp exactly once.
+__device__ __forceinline__ void CopyBlockWarp(uint64_t src_addr, uint64_t dst_addr, uint64_t len,
+                                              int lane) {
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(src_addr);
+  uint8_t* dst = reinterpret_cast<uint8_t*>(dst_addr);
+  if (((src_addr ^ dst_addr) & 15) == 0) {
     // Co-aligned: bytes up to the 16-byte boundary, 16-byte vectors, then the tail.
-    uint64_t head = (16 - (t.src & 15)) & 15;
+    uint64_t head = (16 - (src_addr & 15)) & 15;
     if (head > len) head = len;
     if (static_cast<uint64_t>(lane) < head) dst[lane] = src[lane];
     src += head;
@@ -38,6 +38,43 @@ __device__ __forceinline__ void CopyTileWarp(const CopyTile t, int lane) {
     return;
   }
   for (uint64_t i = lane; i < len; i += 32) dst[i] = src[i];
+}
+
+// One warp copies one tile. Strided tiles whose addresses, strides and row length are all
+// multiples of 16 bytes run as one flat sequence of 16-byte vectors (row = vector / per_row),
+// so short rows (a head slice of one token) still keep kUnroll loads in flight per lane.
+__device__ __forceinline__ void CopyTileWarp(const CopyTile t, int lane) {
+  if (t.rows <= 1) {
+    CopyBlockWarp(t.src, t.dst, t.len, lane);
+    return;
+  }
+  if (((t.src | t.dst | t.src_stride | t.dst_stride | t.len) & 15) == 0) {
+    const uint32_t per_row = t.len / 16;
+    const uint32_t total = per_row * t.rows;
+    uint32_t v = lane;
+    for (; v + (kUnroll - 1) * 32 < total; v += kUnroll * 32) {
+      uint4 x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t k = v + u * 32, row = k / per_row, col = k - row * per_row;
+        x[u] = __ldg(reinterpret_cast<const uint4*>(t.src + row * t.src_stride) + col);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t k = v + u * 32, row = k / per_row, col = k - row * per_row;
+        reinterpret_cast<uint4*>(t.dst + row * t.dst_stride)[col] = x[u];
+      }
+    }
+    for (; v < total; v += 32) {
+      const uint32_t row = v / per_row, col = v - row * per_row;
+      reinterpret_cast<uint4*>(t.dst + row * t.dst_stride)[col] =
+          __ldg(reinterpret_cast<const uint4*>(t.src + row * t.src_stride) + col);
+    }
+    return;
+  }
+  for (uint32_t r = 0; r < t.rows; ++r) {
+    CopyBlockWarp(t.src + r * t.src_stride, t.dst + r * t.dst_stride, t.len, lane);
+  }
 }
 
 __global__ void BatchedCopyKernel(const CopyTile* tiles, int n) {
@@ -70,13 +107,6 @@ int GridFor(int num_tiles) {
 }
 
 }  // namespace
-
-void AppendTiles(uint64_t src, uint64_t dst, uint64_t len, std::vector<CopyTile>* out) {
-  for (uint64_t off = 0; off < len; off += kCopyTileBytes) {
-    uint64_t n = len - off < kCopyTileBytes ? len - off : kCopyTileBytes;
-    out->push_back({src + off, dst + off, n});
-  }
-}
 
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream) {
   if (num_tiles <= 0) return cudaSuccess;

@@ -52,7 +52,6 @@ struct Peer {
 class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
  public:
   struct Request {
-    TransferRequest request;
     uint32_t slices_left = 0;
     uint64_t transferred_bytes = 0;
     TransferState state = TransferState::kPending;
@@ -71,7 +70,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   explicit Batch(std::span<const TransferRequest> requests) {
     requests_.resize(requests.size());
-    for (size_t i = 0; i < requests.size(); ++i) requests_[i].request = requests[i];
+    transfer_requests_.assign(requests.begin(), requests.end());
     requests_left_ = requests.size();
   }
 
@@ -81,30 +80,46 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   void BuildItems(SliceBytes slice_bytes) {
     size_t count = 0;
     for (size_t i = 0; i < requests_.size(); ++i) {
-      const uint64_t len = requests_[i].request.length_bytes, slice = slice_bytes(i);
-      count += static_cast<size_t>(len / slice + (len % slice != 0));
+      const TransferRequest& r = transfer_requests_[i];
+      const uint64_t slice = slice_bytes(i);
+      count += static_cast<size_t>(r.num_rows) *
+               static_cast<size_t>(r.length_bytes / slice + (r.length_bytes % slice != 0));
     }
     items_.reset(new WorkItem[count]);
     num_items_ = count;
     size_t k = 0;
     for (size_t i = 0; i < requests_.size(); ++i) {
-      const TransferRequest& r = requests_[i].request;
+      const TransferRequest& r = transfer_requests_[i];
       const uint64_t slice = slice_bytes(i);
-      for (uint64_t offset = 0; offset < r.length_bytes; offset += slice) {
-        WorkItem& item = items_[k++];
-        item.kind = r.op == TransferOp::kWrite ? WorkItem::Kind::kWrite : WorkItem::Kind::kRead;
-        item.local = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.local_addr)) + offset;
-        item.remote_addr = r.remote_addr + offset;
-        item.length = std::min(slice, r.length_bytes - offset);
-        item.request_index = static_cast<uint32_t>(i);
-        item.owner = this;
-        ++requests_[i].slices_left;
+      uint8_t* local = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.local_addr));
+      for (uint32_t row = 0; row < r.num_rows; ++row) {
+        uint8_t* row_local = local + row * r.local_stride;
+        const uint64_t row_remote = r.remote_addr + row * r.remote_stride;
+        for (uint64_t offset = 0; offset < r.length_bytes; offset += slice) {
+          WorkItem& item = items_[k++];
+          item.kind = r.op == TransferOp::kWrite ? WorkItem::Kind::kWrite : WorkItem::Kind::kRead;
+          item.local = row_local + offset;
+          item.remote_addr = row_remote + offset;
+          item.length = std::min(slice, r.length_bytes - offset);
+          item.request_index = static_cast<uint32_t>(i);
+          item.owner = this;
+          ++requests_[i].slices_left;
+        }
       }
     }
   }
 
-  void Start() {
+  // Starts the copies: as one bulk submission when every request goes over one channel that
+  // takes it, otherwise as work items (requests split by slice_bytes(i), see BuildItems).
+  template <typename SliceBytes>
+  void Start(SliceBytes slice_bytes) {
     auto self = shared_from_this();
+    if (std::all_of(channels.begin(), channels.end(),
+                    [&](PeerChannel* c) { return c == channels[0]; })) {
+      BulkSubmission bulk{transfer_requests_, this, self};
+      if (channels[0]->TrySubmitBulk(bulk)) return;
+    }
+    BuildItems(slice_bytes);
     // One submission per channel: most batches go to one peer over one transport.
     std::vector<std::pair<PeerChannel*, std::vector<std::shared_ptr<WorkItem>>>> groups;
     for (size_t k = 0; k < num_items_; ++k) {
@@ -122,6 +137,24 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       groups.back().second.emplace_back(self, &items_[k]);  // aliasing: owns the batch
     }
     for (auto& [channel, items] : groups) channel->SubmitMany(std::move(items));
+  }
+
+  void OnBulkDone(const Status& status) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < requests_.size(); ++i) {
+        Request& r = requests_[i];
+        if (status.ok() && r.error.ok()) {
+          r.transferred_bytes = transfer_requests_[i].total_bytes();
+          transferred_bytes_ += transfer_requests_[i].total_bytes();
+        } else if (r.error.ok()) {
+          r.error = status;
+        }
+        FinishRequestLocked(r);
+      }
+      requests_left_ = 0;
+    }
+    AfterRequestsDone();
   }
 
   void OnWorkDone(WorkItem* item, const Status& status) override {
@@ -273,6 +306,12 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       r.error = status;
     }
     if (--r.slices_left != 0) return false;
+    FinishRequestLocked(r);
+    return --requests_left_ == 0;
+  }
+
+  // Moves a request whose copies all ended to its final state. Holds mu_.
+  void FinishRequestLocked(Request& r) {
     r.state = r.error.ok() ? TransferState::kCompleted
               : r.error.code() == StatusCode::kCancelled ? TransferState::kCancelled
                                                           : TransferState::kFailed;
@@ -282,11 +321,11 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       ++num_failed_;
       if (first_error_.ok()) first_error_ = r.error;
     }
-    return --requests_left_ == 0;
   }
 
   std::unique_ptr<WorkItem[]> items_;
   size_t num_items_ = 0;
+  std::vector<TransferRequest> transfer_requests_;  // as submitted; read by a bulk submission
   std::shared_ptr<WorkItem> notify_item_;  // guarded by mu_
 
   mutable std::mutex mu_;
@@ -554,6 +593,11 @@ class EngineImpl : public TransferEngine {
     // peer and data path are looked up again only when they can differ from the request
     // before (consecutive requests of a batch usually share both).
     auto where = [](size_t i) { return "request " + std::to_string(i) + ": "; };
+    // Strided requests are checked whole against the peer's descriptor here, so that no row
+    // lands when one would leave registered memory (single blocks are checked by the
+    // transport); a miss re-reads the descriptor once (the peer may have registered more).
+    std::vector<size_t> rows_unresolved;
+    const RegionDescriptor* rows_region = nullptr;
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
       const std::shared_ptr<Peer>* peer = nullptr;
@@ -562,7 +606,8 @@ class EngineImpl : public TransferEngine {
         const TransferRequest& r = requests[i];
         if (r.local_addr == nullptr) return InvalidArgumentError(where(i) + "null local address");
         if (r.length_bytes == 0) return InvalidArgumentError(where(i) + "zero length");
-        if (r.remote_addr + r.length_bytes < r.remote_addr) {
+        if (r.num_rows != 1) RETURN_IF_ERROR(CheckRows(r, i));
+        if (r.remote_addr + r.remote_extent() < r.remote_addr) {
           return InvalidArgumentError(where(i) + "remote range wraps the address space");
         }
         if (peer == nullptr || r.segment != peer_segment) {
@@ -578,10 +623,34 @@ class EngineImpl : public TransferEngine {
           }
         }
         batch->peers[i] = peer->get();
+        if (r.num_rows > 1 && !RowsInside(descriptors_[r.segment.value], r, &rows_region)) {
+          rows_unresolved.push_back(i);
+          rows_region = nullptr;
+        }
         if (!options.notification.empty() && r.segment != requests[0].segment) {
           return InvalidArgumentError(
               "a batch with a notification must target one segment (request " +
               std::to_string(i) + " targets another)");
+        }
+      }
+    }
+    if (!rows_unresolved.empty()) {
+      std::map<uint64_t, StatusOr<SegmentDescriptor>> fresh;  // by segment, read once
+      for (size_t i : rows_unresolved) {
+        const TransferRequest& r = requests[i];
+        auto it = fresh.find(r.segment.value);
+        if (it == fresh.end()) it = fresh.emplace(r.segment.value, RefreshSegment(r.segment)).first;
+        const RegionDescriptor* region = nullptr;
+        if (!it->second.ok()) return it->second.status().WithContext(where(i) + "checking rows");
+        if (!RowsInside(*it->second, r, &region)) {
+          char range[80];
+          std::snprintf(range, sizeof(range), "[0x%llx, +%llu)",
+                        static_cast<unsigned long long>(r.remote_addr),
+                        static_cast<unsigned long long>(r.remote_extent()));
+          return FailedPreconditionError(
+              where(i) + std::to_string(r.num_rows) + " rows spanning " + range +
+              " are not inside a registered region of peer " + batch->peers[i]->address +
+              " with remote " + (r.op == TransferOp::kWrite ? "write" : "read") + " access");
         }
       }
     }
@@ -594,10 +663,6 @@ class EngineImpl : public TransferEngine {
     batch->notify_peer = batch->peer_refs[0];
     batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
     batch->deadline = Clock::now() + batch->deadline_ms;
-    batch->BuildItems([&](size_t i) {
-      return batch->channels[i] == batch->peers[i]->tcp.get() ? options_.tcp_slice_bytes
-                                                               : UINT64_MAX;
-    });
     {
       std::lock_guard<std::mutex> lock(batches_mu_);
       batch->id = next_batch_id_++;
@@ -608,7 +673,10 @@ class EngineImpl : public TransferEngine {
       watch_.emplace(batch->deadline, batch);
     }
     watch_cv_.notify_all();
-    batch->Start();
+    batch->Start([&](size_t i) {
+      return batch->channels[i] == batch->peers[i]->tcp.get() ? options_.tcp_slice_bytes
+                                                               : UINT64_MAX;
+    });
     return BatchId{batch->id};
   }
 
@@ -705,20 +773,61 @@ class EngineImpl : public TransferEngine {
     PeerChannel* channel = nullptr;
   };
 
+  // Whether every row of `r` lies in one region of `desc` with the access `r` needs; `last`
+  // caches the region the previous request fell in (same descriptor).
+  static bool RowsInside(const SegmentDescriptor& desc, const TransferRequest& r,
+                         const RegionDescriptor** last) {
+    const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
+    const uint64_t extent = r.remote_extent();
+    if (*last != nullptr && (*last)->Contains(r.remote_addr, extent) &&
+        ((*last)->access & need) == need) {
+      return true;
+    }
+    for (const RegionDescriptor& region : desc.regions) {
+      if (region.Contains(r.remote_addr, extent) && (region.access & need) == need) {
+        *last = &region;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // The shape checks of a strided request (num_rows != 1); rare, so text is built eagerly.
+  static Status CheckRows(const TransferRequest& r, size_t i) {
+    const std::string where = "request " + std::to_string(i) + ": ";
+    if (r.num_rows == 0) return InvalidArgumentError(where + "zero rows");
+    if (r.local_stride < r.length_bytes || r.remote_stride < r.length_bytes) {
+      return InvalidArgumentError(where + "rows overlap: strides " + std::to_string(r.local_stride) +
+                                  " (local) and " + std::to_string(r.remote_stride) +
+                                  " (remote) must be >= the row length " +
+                                  std::to_string(r.length_bytes));
+    }
+    const uint64_t max = UINT64_MAX - r.length_bytes;
+    const uint64_t rows = r.num_rows - 1;
+    if (r.local_stride > max / rows || r.remote_stride > max / rows ||
+        reinterpret_cast<uint64_t>(r.local_addr) + r.local_extent() <
+            reinterpret_cast<uint64_t>(r.local_addr)) {
+      return InvalidArgumentError(where + std::to_string(r.num_rows) + " rows of stride " +
+                                  std::to_string(std::max(r.local_stride, r.remote_stride)) +
+                                  " wrap the address space");
+    }
+    return OkStatus();
+  }
+
   // Picks the data path for one request: NVLink between GPU memory of one node, TCP between
   // host memory; `transport` in the options can force one.
   StatusOr<PeerChannel*> ChooseChannel(const TransferRequest& r, Peer& peer, size_t index,
                                        ChannelCache* cache) {
     const uint64_t addr = reinterpret_cast<uint64_t>(r.local_addr);
-    if (cache->peer == &peer && cache->region.Contains(addr, r.length_bytes)) {
+    if (cache->peer == &peer && cache->region.Contains(addr, r.local_extent())) {
       return cache->channel;
     }
     MemoryRegistry::Span local;
-    const bool registered = registry_.Lookup(addr, r.length_bytes, &local);
+    const bool registered = registry_.Lookup(addr, r.local_extent(), &local);
     const bool local_device = registered && local.kind == MemoryKind::kCuda;
     ASSIGN_OR_RETURN(PeerChannel * channel, ChannelFor(peer, index, local_device, local.device_id));
     cache->peer = &peer;
-    cache->region = registered ? local : MemoryRegistry::Span{addr, r.length_bytes};
+    cache->region = registered ? local : MemoryRegistry::Span{addr, r.local_extent()};
     cache->channel = channel;
     return channel;
   }

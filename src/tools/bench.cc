@@ -162,6 +162,7 @@ Status WriteJson(const std::string& path, const BenchPlan& plan, const Effective
       {"transport", plan.transport},
       {"op", plan.op == TransferOp::kWrite ? "write" : "read"},
       {"threads", plan.num_threads},
+      {"inflight", plan.inflight},
       {"lanes", tcp.lanes},
       {"slice_bytes", tcp.slice_bytes},
       {"duration_s", plan.duration_s},
@@ -218,10 +219,11 @@ int RunBench(const BenchFlags& flags) {
   if (!session.ok()) return Fail(session.status());
 
   std::printf(
-      "kvferry bench: %s, transport %s, %d threads, %d lanes, slice %s, buffer %s, "
+      "kvferry bench: %s, transport %s, %d threads x %d batches in flight, %d lanes, slice %s, "
+      "buffer %s, "
       "target %s%s, %.2f s per configuration\n",
       plan.op == TransferOp::kWrite ? "WRITE" : "READ", plan.transport.c_str(), plan.num_threads,
-      tcp.lanes, FormatBytes(tcp.slice_bytes).c_str(),
+      plan.inflight, tcp.lanes, FormatBytes(tcp.slice_bytes).c_str(),
       FormatBytes((*session)->buffer_bytes()).c_str(), address.c_str(), target ? " (spawned)" : "",
       plan.duration_s);
   std::fflush(stdout);
@@ -286,6 +288,9 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
   cmd->add_option("--batch-size", flags->batch_sizes, "Comma list of requests per batch")
       ->capture_default_str();
   cmd->add_option("--threads", flags->threads, "Submitting threads")->capture_default_str();
+  cmd->add_option("--inflight", flags->inflight,
+                  "Batches each thread keeps in flight (waits for the oldest when full), 1..64")
+      ->capture_default_str();
   cmd->add_option("--duration", flags->duration_s, "Seconds per configuration (fractions allowed)")
       ->capture_default_str();
   cmd->add_option("--lanes", flags->lanes,

@@ -136,6 +136,10 @@ StatusOr<BenchPlan> MakeBenchPlan(const BenchFlags& flags) {
     return FlagError("--threads", "must be in 1..1024, got " + std::to_string(flags.threads));
   }
   plan.num_threads = flags.threads;
+  if (flags.inflight < 1 || flags.inflight > 64) {
+    return FlagError("--inflight", "must be in 1..64, got " + std::to_string(flags.inflight));
+  }
+  plan.inflight = flags.inflight;
   if (!std::isfinite(flags.duration_s) || flags.duration_s <= 0 || flags.duration_s > 86400) {
     return FlagError("--duration", "must be a number of seconds in (0, 86400], got " +
                                        FormatDouble(flags.duration_s));

@@ -33,6 +33,7 @@ struct BenchFlags {
   std::string block_sizes = kDefaultBenchBlockSizes;
   std::string batch_sizes = "32";
   int threads = 4;
+  int inflight = 1;  // batches each thread keeps submitted before waiting for the oldest
   double duration_s = 2.0;
   int lanes = 0;                       // 0: keep the EngineOptions default
   std::string buffer_size;             // empty: derived, see DefaultBenchBufferBytes
@@ -52,6 +53,7 @@ struct BenchPlan {
   std::vector<uint64_t> block_sizes_bytes;  // each > 0, in the order given
   std::vector<size_t> batch_sizes;          // each > 0, in the order given
   int num_threads = 1;
+  int inflight = 1;          // batches in flight per thread, 1..64
   double duration_s = 0;     // per configuration, > 0
   std::optional<int> lanes;  // --lanes when given
   // Size of the local buffer and of the target's registered region. Thread t uses bytes

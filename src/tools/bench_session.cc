@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <cstdio>
 #include <cstring>
 #include <latch>
@@ -79,6 +80,7 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
   std::unique_ptr<BenchSession> session(new BenchSession());
   session->op_ = plan.op;
   session->num_threads_ = plan.num_threads;
+  session->inflight_ = plan.inflight;
   session->address_ = address;
 
   EngineOptions options;
@@ -188,22 +190,24 @@ StatusOr<BenchConfigResult> BenchSession::Run(uint64_t block_bytes, size_t batch
     go.wait();
     uint64_t bytes = 0;
     uint64_t batches = 0;
-    while (!stop.load(std::memory_order_relaxed) && Clock::now() < stop_at) {
-      const Clock::time_point submitted = Clock::now();
-      StatusOr<BatchId> id = engine_->SubmitBatch(requests);
-      if (!id.ok()) {
-        fail(id.status().WithContext("submitting a batch"));
-        break;
-      }
-      StatusOr<BatchStatus> status = engine_->WaitBatch(*id, std::chrono::hours(1));
+    struct Pending {
+      BatchId id;
+      Clock::time_point submitted;
+    };
+    std::deque<Pending> pending;
+    // Waits for the oldest pending batch; false on failure (recorded through fail).
+    auto retire = [&]() {
+      const Pending p = pending.front();
+      pending.pop_front();
+      StatusOr<BatchStatus> status = engine_->WaitBatch(p.id, std::chrono::hours(1));
       while (status.ok() && status->state == TransferState::kPending) {
-        status = engine_->WaitBatch(*id, std::chrono::hours(1));
+        status = engine_->WaitBatch(p.id, std::chrono::hours(1));
       }
       const Clock::time_point completed = Clock::now();
-      engine_->ReleaseBatch(*id).IgnoreError();
+      engine_->ReleaseBatch(p.id).IgnoreError();
       if (!status.ok()) {
         fail(status.status().WithContext("waiting for a batch"));
-        break;
+        return false;
       }
       if (status->state != TransferState::kCompleted) {
         fail(status->error.WithContext("a batch of " + std::to_string(batch_size) + " x " +
@@ -211,11 +215,28 @@ StatusOr<BenchConfigResult> BenchSession::Run(uint64_t block_bytes, size_t batch
                                        std::string(TransferStateName(status->state)) + " (" +
                                        std::to_string(status->num_failed) + " of " +
                                        std::to_string(status->num_requests) + " requests failed)"));
-        break;
+        return false;
       }
-      latency_us.Add(std::chrono::duration<double, std::micro>(completed - submitted).count());
+      latency_us.Add(std::chrono::duration<double, std::micro>(completed - p.submitted).count());
       bytes += batch_size * block_bytes;
       ++batches;
+      return true;
+    };
+    bool ok = true;
+    while (ok && !stop.load(std::memory_order_relaxed) && Clock::now() < stop_at) {
+      const Clock::time_point submitted = Clock::now();
+      StatusOr<BatchId> id = engine_->SubmitBatch(requests);
+      if (!id.ok()) {
+        fail(id.status().WithContext("submitting a batch"));
+        break;
+      }
+      pending.push_back({*id, submitted});
+      if (pending.size() >= static_cast<size_t>(inflight_)) ok = retire();
+    }
+    while (ok && !pending.empty()) ok = retire();
+    for (const Pending& p : pending) {  // after a failure: let the rest finish, then free them
+      (void)engine_->WaitBatch(p.id, std::chrono::hours(1));
+      engine_->ReleaseBatch(p.id).IgnoreError();
     }
     end_per_thread[static_cast<size_t>(t)] = Clock::now();
     bytes_per_thread[static_cast<size_t>(t)] = bytes;

@@ -5,6 +5,9 @@
 // target's region, and loops: submit a batch of `batch_size` requests of `block_bytes` at
 // distinct offsets of its share (wrapping when the share holds fewer blocks), wait until the
 // batch is final, record the batch latency (submit -> complete), until the duration elapsed.
+// With --inflight N a thread keeps N batches submitted (the same blocks: concurrent batches of
+// one thread write the same bytes) and waits for the oldest before submitting the next, as a
+// server with many requests in transfer does.
 // Throughput is all bytes moved over the wall time from the common start to the end of the
 // last batch, in GB/s (1e9 bytes per second, as network figures are quoted).
 //
@@ -76,6 +79,7 @@ class BenchSession {
 
   TransferOp op_ = TransferOp::kWrite;
   int num_threads_ = 1;
+  int inflight_ = 1;
   std::string address_;
   std::unique_ptr<TransferEngine> engine_;
   HostBuffer local_;

@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvferry/engine.h"
 #include "kvferry/memory.h"
 #include "kvferry/segment.h"
 #include "kvferry/status.h"
@@ -34,6 +35,18 @@ class WorkOwner {
   virtual void OnWorkDoneMany(std::span<WorkItem* const> items, const Status& status) {
     for (WorkItem* item : items) OnWorkDone(item, status);
   }
+  // A bulk submission (PeerChannel::TrySubmitBulk) finished: every request of it copied when
+  // `status` is OK, none reported copied otherwise.
+  virtual void OnBulkDone(const Status& status) { (void)status; }
+};
+
+// A whole batch handed to one channel at once, with no WorkItem per request: the submitting
+// thread translates every request and launches the copies itself (the NVLink path for many
+// small blocks). `requests` and what `keepalive` holds stay alive until owner->OnBulkDone.
+struct BulkSubmission {
+  std::span<const TransferRequest> requests;
+  WorkOwner* owner = nullptr;
+  std::shared_ptr<void> keepalive;
 };
 
 struct WorkItem {
@@ -81,6 +94,14 @@ class PeerChannel {
   // Queues several items at once (one lock and one wake-up where the transport allows).
   virtual void SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) {
     for (auto& item : items) Submit(std::move(item));
+  }
+  // Takes every request of `bulk` and later calls bulk.owner->OnBulkDone exactly once (true),
+  // or takes none and starts nothing (false: the caller submits WorkItems instead). Channels
+  // without a bulk path, and channels that cannot take this one now (a range they have not
+  // mapped yet, no table space left), return false. Never blocks on the device.
+  virtual bool TrySubmitBulk(BulkSubmission& bulk) {
+    (void)bulk;
+    return false;
   }
   // Completes `item` early with `why` (see the contract above).
   virtual void Abandon(WorkItem* item, const Status& why) = 0;

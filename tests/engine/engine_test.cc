@@ -192,6 +192,77 @@ TEST_F(EngineTest, WriteOutsideRegisteredMemoryFailsAndTouchesNothing) {
   ASSERT_TRUE(Write(src.data(), rw(0), 100).ok());
 }
 
+// Strided requests: rows of a head slice between two token layouts (as unequal TP moves
+// them), WRITE then READ back, every byte checked, and the bytes between rows untouched.
+TEST_F(EngineTest, StridedRowsLandAtTheirStridesAndNothingBetween) {
+  constexpr uint32_t kRows = 300;
+  constexpr uint64_t kLen = 96, kLocalStride = 256, kRemoteStride = 160;
+  std::vector<uint8_t> src(kRows * kLocalStride);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + 3);
+  TransferRequest w{TransferOp::kWrite, src.data() + 32, segment_, rw(1000), kLen, kRows,
+                    kLocalStride, kRemoteStride};
+  BatchOptions o;
+  auto id = engine_->SubmitBatch(std::span(&w, 1), o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  auto st = engine_->WaitBatch(*id, milliseconds(10000));
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->state, TransferState::kCompleted) << st->error.ToString();
+  EXPECT_EQ(st->transferred_bytes, kRows * kLen);
+  ASSERT_TRUE(engine_->ReleaseBatch(*id).ok());
+  std::vector<uint8_t> back(kRows * kRemoteStride);
+  ASSERT_TRUE(Read(back.data(), rw(1000), back.size()).ok());
+  for (uint32_t r = 0; r < kRows; ++r) {
+    for (uint64_t b = 0; b < kRemoteStride; ++b) {
+      const uint8_t want = b < kLen ? src[32 + r * kLocalStride + b]
+                                    : PeerPatternByte(1000 + r * kRemoteStride + b);
+      ASSERT_EQ(back[r * kRemoteStride + b], want) << "row " << r << " byte " << b;
+    }
+  }
+  // READ the rows back into a strided local buffer.
+  std::vector<uint8_t> dst(kRows * kLocalStride, 0xEE);
+  TransferRequest rd{TransferOp::kRead, dst.data(), segment_, rw(1000), kLen, kRows,
+                     kLocalStride, kRemoteStride};
+  ASSERT_TRUE(TransferSync(*engine_, std::span(&rd, 1)).ok());
+  for (uint32_t r = 0; r < kRows; ++r) {
+    for (uint64_t b = 0; b < kLocalStride; ++b) {
+      const uint8_t want = b < kLen ? src[32 + r * kLocalStride + b] : 0xEE;
+      ASSERT_EQ(dst[r * kLocalStride + b], want) << "row " << r << " byte " << b;
+    }
+  }
+}
+
+TEST_F(EngineTest, StridedRequestsOutsideMemoryOrOverlappingAreRefused) {
+  std::vector<uint8_t> src(1 << 20);
+  // The last rows end past the region: refused before any row moves.
+  TransferRequest past{TransferOp::kWrite, src.data(), segment_, rw(kRegionBytes - 4096), 64, 64,
+                       64, 128};
+  Status s = TransferSync(*engine_, std::span(&past, 1));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("not inside a registered region"), std::string::npos) << s.message();
+  std::vector<uint8_t> back(4096);
+  ASSERT_TRUE(Read(back.data(), rw(kRegionBytes - 4096), 4096).ok());
+  for (size_t i = 0; i < back.size(); ++i) {
+    ASSERT_EQ(back[i], PeerPatternByte(kRegionBytes - 4096 + i)) << "byte " << i << " changed";
+  }
+  // Rows inside the read-only region: refused for WRITE.
+  TransferRequest ro{TransferOp::kWrite, src.data(), segment_, peer_->info().ro_base, 64, 4, 64,
+                     64};
+  s = TransferSync(*engine_, std::span(&ro, 1));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  TransferRequest overlap{TransferOp::kWrite, src.data(), segment_, rw(0), 64, 4, 32, 64};
+  auto id = engine_->SubmitBatch(std::span(&overlap, 1));
+  EXPECT_EQ(id.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(id.status().message().find("rows overlap"), std::string::npos)
+      << id.status().message();
+  TransferRequest no_rows{TransferOp::kWrite, src.data(), segment_, rw(0), 64, 0, 64, 64};
+  EXPECT_EQ(engine_->SubmitBatch(std::span(&no_rows, 1)).status().code(),
+            StatusCode::kInvalidArgument);
+  TransferRequest wraps{TransferOp::kWrite, src.data(), segment_, rw(0), 64, 3,
+                        64, UINT64_MAX / 2};
+  EXPECT_EQ(engine_->SubmitBatch(std::span(&wraps, 1)).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_F(EngineTest, NotificationArrivesAfterTheBatchLanded) {
   const uint64_t len = 24ull << 20;
   std::vector<uint8_t> src(len);

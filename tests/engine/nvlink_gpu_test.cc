@@ -252,6 +252,70 @@ TEST_F(NvlinkGpuTest, ManySmallBlocksInOneBatch) {
   }
 }
 
+// Strided requests (rows of a head slice at two token strides) of random shapes, 16-byte
+// aligned and not, many per batch (the submitting thread's bulk path) and one per batch;
+// WRITE then READ back into a strided local buffer; a host mirror of the peer's region says
+// what every byte must be, the bytes between rows included.
+TEST_F(NvlinkGpuTest, StridedRowsOfRandomShapesVerifiedByteForByte) {
+  std::mt19937_64 rng(23);
+  const uint64_t span = 8ull << 20;  // the part of the peer's cuMem region this test writes
+  std::vector<uint8_t> src(span), mirror(span), got(span);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  for (uint64_t i = 0; i < span; ++i) mirror[i] = Pattern(i);
+  ASSERT_EQ(cudaMemcpy(local_, src.data(), span, cudaMemcpyHostToDevice), cudaSuccess);
+  for (int round = 0; round < 12; ++round) {
+    std::vector<TransferRequest> reqs;
+    const int count = round % 3 == 0 ? 1 : 200;
+    // Requests of one batch write disjoint remote slabs, so the mirror is order-free.
+    const uint64_t slab = span / static_cast<uint64_t>(count);
+    for (int i = 0; i < count; ++i) {
+      const bool aligned = rng() % 2 == 0;
+      uint64_t len = 16 * (1 + rng() % 64);  // a few heads of one token
+      if (!aligned) len += 1 + rng() % 15;
+      const uint64_t remote_stride = len + (aligned ? 16 : 1) * (rng() % 40);
+      const uint64_t local_stride = len + (aligned ? 16 : 3) * (rng() % 40);
+      const uint64_t max_stride = std::max(remote_stride, local_stride);
+      const uint32_t rows = static_cast<uint32_t>(
+          std::max<uint64_t>(1, std::min<uint64_t>(1 + rng() % 300, (slab - 64) / max_stride)));
+      const uint64_t dst_off = slab * i + (aligned ? 0 : rng() % 7);
+      const uint64_t src_off = (rng() % (span / 2)) & (aligned ? ~uint64_t{15} : ~uint64_t{0});
+      if (src_off + (rows - 1) * local_stride + len > span) continue;
+      reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + src_off, segment_,
+                      peer_.vmm_base + dst_off, len, rows, local_stride, remote_stride});
+      for (uint32_t r = 0; r < rows; ++r) {
+        std::memcpy(mirror.data() + dst_off + r * remote_stride,
+                    src.data() + src_off + r * local_stride, len);
+      }
+    }
+    Status w = TransferSync(*engine_, reqs);
+    ASSERT_TRUE(w.ok()) << "round " << round << ": " << w.ToString();
+    ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, span).ok());
+    ASSERT_EQ(cudaMemcpy(got.data(), back_, span, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (uint64_t b = 0; b < span; ++b) {
+      ASSERT_EQ(got[b], mirror[b]) << "round " << round << " byte " << b;
+    }
+  }
+  // READ direction: rows of the peer's region into a strided local buffer.
+  ASSERT_EQ(cudaMemset(back_, 0xEE, span), cudaSuccess);
+  TransferRequest rd{TransferOp::kRead, back_, segment_, peer_.vmm_base + 48, 80, 1000, 208, 96};
+  ASSERT_TRUE(TransferSync(*engine_, std::span(&rd, 1)).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, 1000 * 208, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint32_t r = 0; r < 1000; ++r) {
+    for (uint64_t b = 0; b < 208; ++b) {
+      const uint8_t want = b < 80 ? mirror[48 + r * 96 + b] : 0xEE;
+      ASSERT_EQ(got[r * 208 + b], want) << "row " << r << " byte " << b;
+    }
+  }
+  // A strided request whose last row leaves the registered region is refused, nothing lands.
+  TransferRequest past{TransferOp::kWrite, local_, segment_, peer_.vmm_base + kRegionBytes - 4096,
+                       64, 64, 64, 128};
+  Status s = TransferSync(*engine_, std::span(&past, 1));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base + kRegionBytes - 4096, 4096).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int i = 0; i < 4096; ++i) ASSERT_EQ(got[i], Pattern(kRegionBytes - 4096 + i)) << i;
+}
+
 TEST_F(NvlinkGpuTest, RangeOutsideRegisteredMemoryIsRefused) {
   // Past the end of the cuMem region, and the 4 KiB before the registered part of the
   // cudaMalloc allocation (mapped by the peer, but not registered).

@@ -9,12 +9,14 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 
 #include "common/checks.h"
 #include "common/logging.h"
 #include "cuda/copy_kernels.h"
 #include "cuda/cuda_driver.h"
+#include "cuda/device_guard.h"
 #include "cuda/device_memory.h"
 #include "transport/nvlink/fd_passing.h"
 #include "transport/nvlink/launch_plan.h"
@@ -24,6 +26,11 @@ namespace {
 
 constexpr int kTableSlots = 8;
 constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (1.5 MiB of table) per launch
+// Bulk submissions (TrySubmitBulk): launched by the submitting thread on one of a few streams,
+// so several submitting threads build and launch their tables in parallel.
+constexpr int kBulkStreams = 4;
+constexpr int kBulkSlots = 16;
+constexpr size_t kBulkSlotTiles = 16 << 10;  // 16Ki tiles (384 KiB of table) per slot
 
 std::string CudaError(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorName(e);
@@ -41,6 +48,16 @@ class NvlinkChannel : public PeerChannel {
       CUDA_RETURN_IF_ERROR(cudaMallocHost(&slots_[i].host, kSlotTiles * sizeof(cuda::CopyTile)));
       CUDA_RETURN_IF_ERROR(cudaMalloc(&slots_[i].device, kSlotTiles * sizeof(cuda::CopyTile)));
     }
+    for (cudaStream_t& st : bulk_streams_) {
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    }
+    for (int i = 0; i < kBulkSlots; ++i) {
+      CUDA_RETURN_IF_ERROR(
+          cudaMallocHost(&bulk_slots_[i].host, kBulkSlotTiles * sizeof(cuda::CopyTile)));
+      CUDA_RETURN_IF_ERROR(
+          cudaMalloc(&bulk_slots_[i].device, kBulkSlotTiles * sizeof(cuda::CopyTile)));
+      bulk_free_slots_.push_back(i);
+    }
     thread_ = std::thread([this] { ProgressLoop(); });
     return OkStatus();
   }
@@ -52,9 +69,17 @@ class NvlinkChannel : public PeerChannel {
       if (s.host) cudaFreeHost(s.host);
       if (s.device) cudaFree(s.device);
     }
+    for (auto& s : bulk_slots_) {
+      if (s.host) cudaFreeHost(s.host);
+      if (s.device) cudaFree(s.device);
+    }
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : bulk_free_events_) cudaEventDestroy(e);
     imports_.clear();
     if (stream_) cudaStreamDestroy(stream_);
+    for (cudaStream_t st : bulk_streams_) {
+      if (st) cudaStreamDestroy(st);
+    }
   }
 
   void Submit(std::shared_ptr<WorkItem> item) override {
@@ -76,6 +101,24 @@ class NvlinkChannel : public PeerChannel {
     for (auto& item : items) {
       item->Complete(UnavailableError("NVLink channel to " + options_.peer.name + " is closed"));
     }
+  }
+
+  bool TrySubmitBulk(BulkSubmission& bulk) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return false;
+      ++bulk_submitting_;  // the progress thread stays until this submission is handed over
+    }
+    BulkFlight flight;
+    const bool taken = LaunchBulk(bulk, &flight);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --bulk_submitting_;
+      if (taken) bulk_new_.push_back(std::move(flight));
+      queued_.store(true, std::memory_order_release);
+    }
+    cv_.notify_one();
+    return taken;
   }
 
   void Abandon(WorkItem* item, const Status& why) override {
@@ -108,13 +151,158 @@ class NvlinkChannel : public PeerChannel {
     std::vector<std::shared_ptr<WorkItem>> items;
     std::vector<int> slots;
   };
+  // One bulk submission on the GPU: done when `event` completed (null: already synchronized).
+  struct BulkFlight {
+    cudaEvent_t event = nullptr;
+    std::vector<int> slots;  // bulk_slots_ indices
+    Status status;           // a launch error, reported once the stream is past it
+    WorkOwner* owner = nullptr;
+    std::shared_ptr<void> keepalive;
+  };
+  // The mapping of the peer region the last request fell in (bulk translation).
+  struct MappedRegion {
+    const RegionDescriptor* region = nullptr;
+    uint8_t* base = nullptr;
+  };
+
+  // Local pointer for [remote, remote + length) of the peer, or null when the range is not in
+  // a GPU region with `need` access that this channel has already mapped. REQUIRES map_mu_
+  // held (shared is enough).
+  uint8_t* MapMapped(uint64_t remote, uint64_t length, uint32_t need, MappedRegion* c) const {
+    if (c->region == nullptr || !c->region->Contains(remote, length)) {
+      c->region = FindRegion(remote, length);
+      if (c->region == nullptr || c->region->kind != MemoryKind::kCuda) return nullptr;
+      auto it = imports_.find(c->region->key);
+      if (it == imports_.end()) return nullptr;
+      c->base = it->second->base();
+    }
+    if ((c->region->access & need) != need) return nullptr;
+    return c->base + c->region->alloc_offset + (remote - c->region->base);
+  }
+
+  // The submitting thread's half of TrySubmitBulk: translates every request into tiles (in the
+  // launch parameters, or in bulk table slots), then launches on a bulk stream and records
+  // the event. Returns false with nothing launched when a request needs the item path (a
+  // range not mapped yet or refused, a copy-engine block, no free slot).
+  bool LaunchBulk(BulkSubmission& bulk, BulkFlight* flight) {
+    const std::span<const TransferRequest> requests = bulk.requests;
+    size_t num_tiles = 0;
+    std::shared_lock<std::shared_mutex> map_lock(map_mu_);
+    MappedRegion cache;
+    for (const TransferRequest& r : requests) {
+      const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
+      if (r.length_bytes >= options_.copy_engine_threshold_bytes ||
+          MapMapped(r.remote_addr, r.remote_extent(), need, &cache) == nullptr) {
+        return false;
+      }
+      num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
+    }
+    const bool inline_table = num_tiles <= static_cast<size_t>(cuda::kInlineTiles);
+    const size_t slots_needed = inline_table ? 0 : (num_tiles + kBulkSlotTiles - 1) / kBulkSlotTiles;
+    cudaEvent_t event = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(bulk_mu_);
+      if (bulk_free_slots_.size() < slots_needed) return false;
+      flight->slots.assign(bulk_free_slots_.end() - static_cast<ptrdiff_t>(slots_needed),
+                           bulk_free_slots_.end());
+      bulk_free_slots_.resize(bulk_free_slots_.size() - slots_needed);
+      if (!bulk_free_events_.empty()) {
+        event = bulk_free_events_.back();
+        bulk_free_events_.pop_back();
+      }
+    }
+    cuda::InlineTiles inline_tiles;
+    size_t slot_index = 0, in_slot = 0;
+    cuda::CopyTile* out = inline_table ? inline_tiles.tiles
+                                       : static_cast<cuda::CopyTile*>(
+                                             bulk_slots_[flight->slots[0]].host);
+    auto emit = [&](const cuda::CopyTile& tile) {
+      if (!inline_table && in_slot == kBulkSlotTiles) {
+        out = static_cast<cuda::CopyTile*>(bulk_slots_[flight->slots[++slot_index]].host);
+        in_slot = 0;
+      }
+      out[in_slot++] = tile;
+    };
+    for (const TransferRequest& r : requests) {
+      const bool write = r.op == TransferOp::kWrite;
+      const uint64_t local = reinterpret_cast<uint64_t>(r.local_addr);
+      const uint64_t remote = reinterpret_cast<uint64_t>(
+          MapMapped(r.remote_addr, r.remote_extent(),
+                    write ? kAccessRemoteWrite : kAccessRemoteRead, &cache));
+      if (write) {
+        cuda::ForEachTile(local, remote, r.length_bytes, r.num_rows, r.local_stride,
+                          r.remote_stride, emit);
+      } else {
+        cuda::ForEachTile(remote, local, r.length_bytes, r.num_rows, r.remote_stride,
+                          r.local_stride, emit);
+      }
+    }
+    map_lock.unlock();
+
+    cuda::DeviceGuard device(options_.local_device);
+    cudaStream_t stream =
+        bulk_streams_[next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) % kBulkStreams];
+    cudaError_t e = cudaSuccess;
+    if (inline_table) {
+      e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(num_tiles), stream);
+    } else {
+      for (size_t k = 0; k < flight->slots.size() && e == cudaSuccess; ++k) {
+        const Slot& slot = bulk_slots_[flight->slots[k]];
+        const size_t n = std::min(kBulkSlotTiles, num_tiles - k * kBulkSlotTiles);
+        e = cudaMemcpyAsync(slot.device, slot.host, n * sizeof(cuda::CopyTile),
+                            cudaMemcpyHostToDevice, stream);
+        if (e == cudaSuccess) {
+          e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(slot.device),
+                                      static_cast<int>(n), stream);
+        }
+      }
+    }
+    if (e != cudaSuccess) flight->status = InternalError(CudaError("bulk copy launch", e));
+    if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
+      // No event to poll: wait here so that no copy outlives the report.
+      if (flight->status.ok()) flight->status = InternalError("bulk copy: cudaEventRecord failed");
+      cudaStreamSynchronize(stream);
+      if (event != nullptr) {
+        std::lock_guard<std::mutex> lock(bulk_mu_);
+        bulk_free_events_.push_back(event);
+      }
+      event = nullptr;
+    }
+    flight->event = event;
+    flight->owner = bulk.owner;
+    flight->keepalive = std::move(bulk.keepalive);
+    return true;
+  }
+
+  // Completes the bulk flights whose copies finished (any order: they run on several streams).
+  void PollBulk() {
+    for (size_t i = 0; i < bulk_inflight_.size();) {
+      BulkFlight& f = bulk_inflight_[i];
+      cudaError_t e = f.event == nullptr ? cudaSuccess : cudaEventQuery(f.event);
+      if (e == cudaErrorNotReady) {
+        ++i;
+        continue;
+      }
+      if (e != cudaSuccess && f.status.ok()) f.status = InternalError(CudaError("NVLink copy", e));
+      BulkFlight done = std::move(f);
+      bulk_inflight_[i] = std::move(bulk_inflight_.back());
+      bulk_inflight_.pop_back();
+      {
+        std::lock_guard<std::mutex> lock(bulk_mu_);
+        bulk_free_slots_.insert(bulk_free_slots_.end(), done.slots.begin(), done.slots.end());
+        if (done.event != nullptr) bulk_free_events_.push_back(done.event);
+      }
+      done.owner->OnBulkDone(done.status);
+    }
+  }
 
   void ProgressLoop() {
     cudaSetDevice(options_.local_device);
     std::vector<std::shared_ptr<WorkItem>> batch;
     while (true) {
       batch.clear();
-      if (inflight_.empty()) {
+      if (inflight_.empty() && bulk_inflight_.empty()) {
         // Spin a little before sleeping: a futex wake-up costs more than a small transfer.
         auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
         while (!queued_.load(std::memory_order_acquire) &&
@@ -123,11 +311,13 @@ class NvlinkChannel : public PeerChannel {
       }
       {
         std::unique_lock<std::mutex> lock(mu_);
-        if (queue_.empty() && inflight_.empty()) {
-          cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+        if (queue_.empty() && inflight_.empty() && bulk_inflight_.empty()) {
+          cv_.wait(lock, [&] { return closed_ || !queue_.empty() || !bulk_new_.empty(); });
         }
         queued_.store(false, std::memory_order_relaxed);
-        if (closed_ && inflight_.empty()) {
+        for (auto& f : bulk_new_) bulk_inflight_.push_back(std::move(f));
+        bulk_new_.clear();
+        if (closed_ && inflight_.empty() && bulk_inflight_.empty() && bulk_submitting_ == 0) {
           for (auto& item : queue_) batch.push_back(std::move(item));
           queue_.clear();
           lock.unlock();
@@ -141,7 +331,8 @@ class NvlinkChannel : public PeerChannel {
       }
       if (!batch.empty()) Dispatch(batch);
       PollFlights(/*block=*/false);
-      if (!inflight_.empty()) std::this_thread::yield();
+      PollBulk();
+      if (!inflight_.empty() || !bulk_inflight_.empty()) std::this_thread::yield();
     }
   }
 
@@ -216,6 +407,7 @@ class NvlinkChannel : public PeerChannel {
     if (region == nullptr && options_.refresh) {
       auto fresh = options_.refresh();
       if (fresh.ok()) {
+        std::unique_lock<std::shared_mutex> map_lock(map_mu_);
         options_.peer = std::move(*fresh);
         last_region_ = nullptr;  // pointed into the old descriptor
       }
@@ -253,6 +445,7 @@ class NvlinkChannel : public PeerChannel {
         // the thread's last error, which the next launch check would report: clear it.
         if (cudaDeviceEnablePeerAccess(region->device_id, 0) != cudaSuccess) cudaGetLastError();
       }
+      std::unique_lock<std::shared_mutex> map_lock(map_mu_);
       it = imports_.emplace(region->key, std::move(*imported)).first;
     }
     last_region_ = region;
@@ -272,7 +465,10 @@ class NvlinkChannel : public PeerChannel {
     // engine copies. Then cut the work into launches of at most one table slot each.
     std::vector<std::shared_ptr<WorkItem>> accepted;
     std::vector<size_t> item_tiles;
-    std::vector<cuda::CopyTile> engine_copy;  // per accepted item; len 0 when tiled
+    struct EngineCopy {
+      uint64_t src = 0, dst = 0, len = 0;  // len 0: the item went into tiles
+    };
+    std::vector<EngineCopy> engine_copy;  // per accepted item
     tiles_.clear();
     for (auto& item : batch) {
       uint8_t expected = WorkItem::kQueued;
@@ -309,7 +505,7 @@ class NvlinkChannel : public PeerChannel {
       // Copy-engine blocks of the items this launch completes (and any before them).
       const size_t last_item = plan.items.empty() ? next_engine_item : plan.items.back() + 1;
       for (; next_engine_item < last_item; ++next_engine_item) {
-        const cuda::CopyTile& c = engine_copy[next_engine_item];
+        const EngineCopy& c = engine_copy[next_engine_item];
         if (c.len == 0) continue;
         cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(c.dst),
                                         reinterpret_cast<const void*>(c.src), c.len,
@@ -365,10 +561,22 @@ class NvlinkChannel : public PeerChannel {
   const RegionDescriptor* last_region_ = nullptr;  // progress thread: last translated region
   uint8_t* last_base_ = nullptr;                   // its mapping
   std::atomic<bool> queued_{false};                // items waiting in queue_
+  // options_.peer and imports_: written by the progress thread under an exclusive lock, read
+  // by bulk submitters under a shared one (the progress thread reads without it).
+  mutable std::shared_mutex map_mu_;
+  cudaStream_t bulk_streams_[kBulkStreams] = {};
+  std::atomic<uint32_t> next_bulk_stream_{0};
+  Slot bulk_slots_[kBulkSlots];
+  std::mutex bulk_mu_;                        // guards the two free lists below
+  std::vector<int> bulk_free_slots_;
+  std::vector<cudaEvent_t> bulk_free_events_;
+  std::vector<BulkFlight> bulk_inflight_;     // progress thread only
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<WorkItem>> queue_;
+  std::vector<BulkFlight> bulk_new_;  // launched bulk submissions not yet polled
+  int bulk_submitting_ = 0;           // TrySubmitBulk calls between their two locks
   bool closed_ = false;
   std::thread thread_;
 };
