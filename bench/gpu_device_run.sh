@@ -30,14 +30,16 @@ for ps in ${PAGE_SIZES-64 1}; do
     --json "$OUT/replay_cuda_p$ps.json" 2>&1 | tail -16 | tee "$OUT/replay_cuda_p$ps.txt"
 done
 
-if [ -n "${BENCH:-1}" ]; then
+if [ -n "${BENCH-1}" ]; then
   # Small blocks in every batch size, large blocks in batches of 64 (a full sweep of every pair
   # does not fit one call).
-  step "bench nvlink small blocks (auto path)"
-  timeout 200 "$B/kvferry" bench --device cuda --transport nvlink --block-size 2KiB,4KiB,16KiB,64KiB \
-    --batch-size 64,1024,8192 --threads 4 --duration ${BENCH_SECONDS:-0.5} \
-    --json "$OUT/bench_nvlink_small.json" > "$OUT/bench_nvlink_small.txt" 2>&1
-  tail -25 "$OUT/bench_nvlink_small.txt"
+  for inflight in ${INFLIGHT:-1 4}; do
+    step "bench nvlink small blocks, $inflight batches in flight per thread"
+    timeout 200 "$B/kvferry" bench --device cuda --transport nvlink --block-size 2KiB,4KiB,16KiB,64KiB \
+      --batch-size 64,1024,8192 --threads 4 --inflight $inflight --duration ${BENCH_SECONDS:-0.5} \
+      --json "$OUT/bench_nvlink_small_if$inflight.json" > "$OUT/bench_nvlink_small_if$inflight.txt" 2>&1
+    grep -E "^ *[0-9.]+ [KMG]iB +[0-9]+ |cudaMemcpy|rror" "$OUT/bench_nvlink_small_if$inflight.txt"
+  done
   step "bench nvlink large blocks (auto path)"
   timeout 150 "$B/kvferry" bench --device cuda --transport nvlink \
     --block-size 128KiB,512KiB,1MiB,4MiB,16MiB,64MiB --batch-size 64 --threads 4 \

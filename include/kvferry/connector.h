@@ -163,9 +163,11 @@ struct DecodeConnectorOptions {
   int bootstrap_threads = 4;
   // Unequal TP: "direct" (one request per page, token slot and buffer of a head slice),
   // "staging" (prefill gathers each chunk's slice and writes it in one request into this
-  // rank's staging ring; this rank scatters it into its pages), or "auto": staging for host
-  // pools, direct for GPU pools (until the fused NVLink path exists). Equal TP always moves
-  // whole pages.
+  // rank's staging ring; this rank scatters it into its pages), "fused" (one strided request
+  // per page run and buffer, a row per token: over NVLink the copy kernel writes the slices
+  // straight into this rank's pages in one pass, with no staging memory; over TCP each row
+  // still travels as its own block, as with direct), or "auto": fused for GPU pools, staging
+  // for host pools. Equal TP always moves whole pages.
   std::string kv_path = "auto";
   // Staging ring bytes (host memory, allocated when an unequal-TP prefill first needs it). A
   // chunk slice larger than half the ring is staged in runs of layers; one whose single layer

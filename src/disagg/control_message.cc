@@ -52,7 +52,7 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U32(static_cast<uint32_t>(m.slice.dst_head_start));
       w.U32(static_cast<uint32_t>(m.slice.num_heads));
       w.U8(static_cast<uint8_t>((m.slice.sends ? 1 : 0) | (m.slice.sends_aux ? 2 : 0) |
-                                (m.slice.staging ? 4 : 0)));
+                                (m.slice.staging ? 4 : 0) | (m.slice.fused ? 8 : 0)));
       w.U32(static_cast<uint32_t>(m.slice.decode_ranks));
       w.U32(static_cast<uint32_t>(m.state_slot));
       w.U8(m.slice.sends_state ? 1 : 0);
@@ -180,9 +180,10 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       m.slice.sends = (flags & 1) != 0;
       m.slice.sends_aux = (flags & 2) != 0;
       m.slice.staging = (flags & 4) != 0;
+      m.slice.fused = (flags & 8) != 0;
       m.slice.decode_ranks = static_cast<int32_t>(ranks);
       if (m.slice.src_head_start < 0 || m.slice.dst_head_start < 0 || m.slice.num_heads < 0 ||
-          m.slice.decode_ranks < 1 || (flags & ~7u) != 0) {
+          m.slice.decode_ranks < 1 || (flags & ~15u) != 0 || (m.slice.staging && m.slice.fused)) {
         return bad("bad head slice");
       }
       uint32_t slot = 0, sp = 0, sps = 0, dp = 0, dps = 0;

@@ -81,6 +81,7 @@ struct SliceInfo {
   bool sends_aux = true;      // this prefill rank also writes the aux row
   int32_t decode_ranks = 1;   // decode ranks this prefill rank serves for the room
   bool staging = false;       // send through decode's staging ring instead of direct slices
+  bool fused = false;         // send each page run's slice as one strided request (NVLink)
   // Linear-attention state (hybrid models), split along its TP dimension: the prefill rank
   // sends part src_part of src_parts of its slot into part dst_part of dst_parts of decode's
   // (Ps > Ds: its whole share at part r mod (Ps/Ds); Ps < Ds: part d mod (Ds/Ps) of its own).

@@ -81,20 +81,21 @@ class DecodeConnectorImpl : public DecodeConnector {
     RETURN_IF_ERROR(RegisterConnectorPools(*engine_, *pool_, *aux_, options_.state_pool,
                                            options_.tp_size, kAccessRemoteWrite));
     if (options_.kv_path != "direct" && options_.kv_path != "staging" &&
-        options_.kv_path != "auto") {
-      return InvalidArgumentError("kv_path must be auto, direct or staging, got '" +
+        options_.kv_path != "fused" && options_.kv_path != "auto") {
+      return InvalidArgumentError("kv_path must be auto, direct, staging or fused, got '" +
                                   options_.kv_path + "'");
     }
     const bool host_pool = pool_->location().kind == MemoryKind::kHost;
     if (options_.kv_path == "staging" && !host_pool) {
       return UnimplementedError("the staging path serves host pools only so far");
     }
-    if (options_.kv_path != "direct" && options_.staging_bytes == 0) {
+    // auto: staging for host pools, fused for GPU pools. The ring is allocated when the first
+    // unequal-TP prefill needs it.
+    use_staging_ = options_.kv_path == "staging" || (options_.kv_path == "auto" && host_pool);
+    use_fused_ = options_.kv_path == "fused" || (options_.kv_path == "auto" && !host_pool);
+    if (use_staging_ && options_.staging_bytes == 0) {
       return InvalidArgumentError("staging_bytes must be > 0");
     }
-    // auto: staging for host pools; GPU pools take direct slices until the fused NVLink path
-    // exists. The ring is allocated when the first unequal-TP prefill needs it.
-    use_staging_ = options_.kv_path == "staging" || (options_.kv_path == "auto" && host_pool);
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     timer_ = std::thread([this] { TimerLoop(); });
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
@@ -358,6 +359,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       info.slice.sends_aux = static_cast<int>(i) == g.aux_slice;
       info.slice.decode_ranks = g.decode_ranks_of_prefill[i];
       info.slice.staging = g.staged[i];
+      info.slice.fused = use_fused_ && !g.staged[i];
       info.state_slot = copy.state_slot;
       info.slice.sends_state = g.state[i].sends_state;
       info.slice.state_src_part = g.state[i].state_src_part;
@@ -672,6 +674,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   std::vector<uint8_t> staging_;
   std::unique_ptr<RingAllocator> ring_;
   bool use_staging_ = false;  // unequal-TP slices go through the staging ring
+  bool use_fused_ = false;    // unequal-TP slices go as strided requests (GPU pools)
   std::mutex staging_mu_;
   std::deque<std::pair<RingRegion, bool>> live_regions_;
   alignas(64) WatermarkCell watermark_{0, 0, WatermarkCell::Check(0, 0)};

@@ -495,7 +495,8 @@ class PrefillConnectorImpl : public PrefillConnector {
 
   // Requests moving this chunk's pages to one destination: page runs coalesced into one block
   // per layer buffer when the destination takes whole tokens; otherwise one request per page,
-  // token slot and buffer for the head slice (the "direct slices" path of unequal TP).
+  // token slot and buffer for the head slice (the "direct slices" path of unequal TP), or with
+  // a fused slice one strided request per page run and buffer.
   // `buffers`: the layer buffers to send (empty: all of them).
   void AppendChunkRequests(const Destination& dest, int64_t first_page,
                            std::span<const int32_t> src_pages, std::vector<TransferRequest>* out,
@@ -529,6 +530,25 @@ class PrefillConnectorImpl : public PrefillConnector {
     const uint64_t head_bytes = l.head_bytes();
     const uint64_t dst_token_bytes = static_cast<uint64_t>(dst_heads) * head_bytes;
     const uint64_t length = static_cast<uint64_t>(heads) * head_bytes;
+    if (dest.slice.fused) {
+      // One strided request per page run and buffer, a row per token: pages of a run are
+      // contiguous on both sides (page_bytes = page_size x token bytes), so its token rows
+      // continue at the same strides across page boundaries.
+      for (const PageRun& run : CoalescePageRuns(src_pages, dst)) {
+        for (int b : buffers) {
+          out->push_back(
+              {TransferOp::kWrite,
+               pool_->PageAddress(b, static_cast<int32_t>(run.src_page)) +
+                   dest.slice.src_head_start * head_bytes,
+               dest.decode->segment,
+               a.buffer_bases[b] + static_cast<uint64_t>(run.dst_page) * a.page_bytes +
+                   dest.slice.dst_head_start * head_bytes,
+               length, static_cast<uint32_t>(run.num_pages * l.page_size()), l.token_bytes(),
+               dst_token_bytes});
+        }
+      }
+      return;
+    }
     for (size_t i = 0; i < src_pages.size(); ++i) {
       for (int b : buffers) {
         const uint8_t* src_page = pool_->PageAddress(b, src_pages[i]);

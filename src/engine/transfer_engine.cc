@@ -53,6 +53,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
  public:
   struct Request {
     uint32_t slices_left = 0;
+    bool bulk = false;  // handed to its channel in a bulk submission
     uint64_t transferred_bytes = 0;
     TransferState state = TransferState::kPending;
     Status error;
@@ -74,12 +75,13 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     requests_left_ = requests.size();
   }
 
-  // Splits request i into slices of at most slice_bytes(i) (TCP spreads slices over lanes;
-  // other transports take whole requests).
+  // Splits each request not taken in bulk into slices of at most slice_bytes(i) (TCP spreads
+  // slices over lanes; other transports take whole requests), a row at a time.
   template <typename SliceBytes>
   void BuildItems(SliceBytes slice_bytes) {
     size_t count = 0;
     for (size_t i = 0; i < requests_.size(); ++i) {
+      if (requests_[i].bulk) continue;
       const TransferRequest& r = transfer_requests_[i];
       const uint64_t slice = slice_bytes(i);
       count += static_cast<size_t>(r.num_rows) *
@@ -89,6 +91,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     num_items_ = count;
     size_t k = 0;
     for (size_t i = 0; i < requests_.size(); ++i) {
+      if (requests_[i].bulk) continue;
       const TransferRequest& r = transfer_requests_[i];
       const uint64_t slice = slice_bytes(i);
       uint8_t* local = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.local_addr));
@@ -109,15 +112,39 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     }
   }
 
-  // Starts the copies: as one bulk submission when every request goes over one channel that
-  // takes it, otherwise as work items (requests split by slice_bytes(i), see BuildItems).
+  // Starts the copies. The requests of each channel go to it as one bulk submission when it
+  // takes them (a batch on one channel is handed over as it stands, without a copy); the
+  // rest become work items (BuildItems), one SubmitMany per channel.
   template <typename SliceBytes>
   void Start(SliceBytes slice_bytes) {
     auto self = shared_from_this();
-    if (std::all_of(channels.begin(), channels.end(),
-                    [&](PeerChannel* c) { return c == channels[0]; })) {
-      BulkSubmission bulk{transfer_requests_, this, self};
-      if (channels[0]->TrySubmitBulk(bulk)) return;
+    std::vector<PeerChannel*> distinct;
+    for (PeerChannel* c : channels) {
+      if (distinct.empty() || (distinct.back() != c &&
+                               std::find(distinct.begin(), distinct.end(), c) == distinct.end())) {
+        distinct.push_back(c);
+      }
+    }
+    if (distinct.size() == 1) {
+      BulkSubmission bulk{transfer_requests_, this, self, kWholeBatch};
+      for (Request& r : requests_) r.bulk = true;
+      if (distinct[0]->TrySubmitBulk(bulk)) return;
+      for (Request& r : requests_) r.bulk = false;
+    } else {
+      bulk_groups_.resize(distinct.size());
+      for (size_t g = 0; g < distinct.size(); ++g) {
+        BulkGroup& group = bulk_groups_[g];
+        for (size_t i = 0; i < channels.size(); ++i) {
+          if (channels[i] != distinct[g]) continue;
+          group.requests.push_back(transfer_requests_[i]);
+          group.index.push_back(static_cast<uint32_t>(i));
+        }
+        for (uint32_t i : group.index) requests_[i].bulk = true;
+        BulkSubmission bulk{group.requests, this, self, static_cast<uint32_t>(g)};
+        if (distinct[g]->TrySubmitBulk(bulk)) continue;
+        for (uint32_t i : group.index) requests_[i].bulk = false;
+        group = BulkGroup();
+      }
     }
     BuildItems(slice_bytes);
     // One submission per channel: most batches go to one peer over one transport.
@@ -139,10 +166,11 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     for (auto& [channel, items] : groups) channel->SubmitMany(std::move(items));
   }
 
-  void OnBulkDone(const Status& status) override {
+  void OnBulkDone(const Status& status, uint32_t tag) override {
+    bool all_requests_done = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < requests_.size(); ++i) {
+      auto apply = [&](size_t i) {
         Request& r = requests_[i];
         if (status.ok() && r.error.ok()) {
           r.transferred_bytes = transfer_requests_[i].total_bytes();
@@ -151,10 +179,15 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
           r.error = status;
         }
         FinishRequestLocked(r);
+        all_requests_done = --requests_left_ == 0;
+      };
+      if (tag == kWholeBatch) {
+        for (size_t i = 0; i < requests_.size(); ++i) apply(i);
+      } else {
+        for (uint32_t i : bulk_groups_[tag].index) apply(i);
       }
-      requests_left_ = 0;
     }
-    AfterRequestsDone();
+    if (all_requests_done) AfterRequestsDone();
   }
 
   void OnWorkDone(WorkItem* item, const Status& status) override {
@@ -326,6 +359,14 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::unique_ptr<WorkItem[]> items_;
   size_t num_items_ = 0;
   std::vector<TransferRequest> transfer_requests_;  // as submitted; read by a bulk submission
+  // A batch spanning several channels: each channel's requests, and their indices in the
+  // batch, for its bulk submission (tag = index here).
+  struct BulkGroup {
+    std::vector<TransferRequest> requests;
+    std::vector<uint32_t> index;
+  };
+  static constexpr uint32_t kWholeBatch = UINT32_MAX;
+  std::vector<BulkGroup> bulk_groups_;
   std::shared_ptr<WorkItem> notify_item_;  // guarded by mu_
 
   mutable std::mutex mu_;
@@ -668,15 +709,16 @@ class EngineImpl : public TransferEngine {
       batch->id = next_batch_id_++;
       batches_[batch->id] = batch;
     }
+    // Started before the deadline watcher can see it: Abandon reads the items Start builds.
+    batch->Start([&](size_t i) {
+      return batch->channels[i] == batch->peers[i]->tcp.get() ? options_.tcp_slice_bytes
+                                                               : UINT64_MAX;
+    });
     {
       std::lock_guard<std::mutex> lock(watch_mu_);
       watch_.emplace(batch->deadline, batch);
     }
     watch_cv_.notify_all();
-    batch->Start([&](size_t i) {
-      return batch->channels[i] == batch->peers[i]->tcp.get() ? options_.tcp_slice_bytes
-                                                               : UINT64_MAX;
-    });
     return BatchId{batch->id};
   }
 

@@ -691,7 +691,7 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
   cmd->add_option("--tp-size", f->tp_size, "Attention TP size (this rank holds its share of heads)")
       ->capture_default_str();
   if (!prefill) {
-    cmd->add_option("--kv-path", f->kv_path, "Unequal TP: auto, direct or staging")->capture_default_str();
+    cmd->add_option("--kv-path", f->kv_path, "Unequal TP: auto, direct, staging or fused")->capture_default_str();
     cmd->add_option("--staging-size", f->staging_size, "Staging ring bytes for --kv-path staging")
         ->capture_default_str();
   }

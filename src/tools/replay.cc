@@ -281,9 +281,9 @@ int RunReplay(ReplayFlags flags) {
   if (flags.prefill_tp < 1 || flags.decode_tp < 1 || flags.prefill_cp < 1) {
     return Fail("--prefill-tp, --decode-tp and --prefill-cp must be >= 1");
   }
-  if (flags.kv_path != "auto" && flags.kv_path != "direct" && flags.kv_path != "staging") {
-    return Fail("--kv-path " + flags.kv_path +
-                ": must be auto, direct or staging (fused is not implemented yet)");
+  if (flags.kv_path != "auto" && flags.kv_path != "direct" && flags.kv_path != "staging" &&
+      flags.kv_path != "fused") {
+    return Fail("--kv-path " + flags.kv_path + ": must be auto, direct, staging or fused");
   }
   flags.instance.kv_path = flags.kv_path;
   {
@@ -652,11 +652,12 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
                   "Decode staging ring bytes for --kv-path staging")
       ->capture_default_str();
   cmd->add_option("--kv-path", flags->kv_path,
-                  "Unequal-TP data path: auto (staging for host pools, direct for GPU pools), direct or "
-                  "staging (fused is not implemented yet)")
+                  "Unequal-TP data path: auto (staging for host pools, fused for GPU pools), direct, "
+                  "staging or fused")
       ->capture_default_str();
   cmd->add_option("--device", flags->instance.device,
-                  "Pools on cpu, or on cuda (prefill GPU 0, decode GPU 1; verified on the GPU)")
+                  "Pools on cpu, or on cuda (each rank its own GPU where they fit, see ReplayGpu; "
+                  "verified on the GPU)")
       ->capture_default_str();
   cmd->callback([run, flags] { *run = [flags] { return RunReplay(*flags); }; });
 }

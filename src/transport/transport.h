@@ -36,8 +36,11 @@ class WorkOwner {
     for (WorkItem* item : items) OnWorkDone(item, status);
   }
   // A bulk submission (PeerChannel::TrySubmitBulk) finished: every request of it copied when
-  // `status` is OK, none reported copied otherwise.
-  virtual void OnBulkDone(const Status& status) { (void)status; }
+  // `status` is OK, none reported copied otherwise. `tag` is the submission's.
+  virtual void OnBulkDone(const Status& status, uint32_t tag) {
+    (void)status;
+    (void)tag;
+  }
 };
 
 // A whole batch handed to one channel at once, with no WorkItem per request: the submitting
@@ -47,6 +50,7 @@ struct BulkSubmission {
   std::span<const TransferRequest> requests;
   WorkOwner* owner = nullptr;
   std::shared_ptr<void> keepalive;
+  uint32_t tag = 0;  // handed back to OnBulkDone
 };
 
 struct WorkItem {

@@ -221,6 +221,24 @@ TEST(HeteroTpTest, StagingPathTp2ToTp1AndTp1ToTp2) {
   RunRoom(AttentionKind::kMha, 8, 4, 2, "staging", 64 << 10, 3);
 }
 
+// Fused: one strided request per page run and buffer (a row per token). Over TCP its rows
+// still travel one by one, so the bytes are checked here and the single kernel pass on GPUs.
+TEST(HeteroTpTest, FusedPathStridedRequestsLandTheSameBytes) {
+  const uint64_t direct = RunRoom(AttentionKind::kMha, 8, 2, 1, "direct", 0, 3);
+  const uint64_t fused = RunRoom(AttentionKind::kMha, 8, 2, 1, "fused", 0, 3);
+  EXPECT_GT(fused, 0u);
+  EXPECT_LT(fused * 3, direct) << "fused " << fused << ", direct " << direct;
+  RunRoom(AttentionKind::kMha, 8, 1, 2, "fused", 0, 3);
+  RunRoom(AttentionKind::kMha, 8, 4, 2, "fused", 0, 2);
+  RunRoom(AttentionKind::kMha, 2, 1, 4, "fused", 0, 2);
+  g_layerwise = true;
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "fused", 0, 2);
+  g_layerwise = false;
+  g_hybrid = true;
+  RunRoom(AttentionKind::kMha, 8, 1, 2, "fused", 0, 1);
+  g_hybrid = false;
+}
+
 // An 8 KiB ring: both chunks' slices (10 and 14 KiB per writer over 2 layers) exceed the
 // whole ring, so each is staged one layer per region (5 and 7 KiB) instead of failing.
 TEST(HeteroTpTest, ChunkLargerThanTheRingIsStagedInRunsOfLayers) {

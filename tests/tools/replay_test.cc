@@ -126,6 +126,13 @@ TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
   }
   EXPECT_GE(requests[0], 100 * requests[1]) << "direct " << requests[0] << ", staging "
                                             << requests[1];
+  // Fused: the same bytes as strided requests, one per page run and buffer.
+  json fused = Replay("--synthetic 3 --seed 5 --model-config " + Config("tiny-gqa-config.json") +
+                      " --page-size 16 --pool-size 64MiB --prefill-tp 2 --decode-tp 1 "
+                      "--kv-path fused");
+  ASSERT_FALSE(fused.is_null());
+  ExpectEveryPageVerified(fused);
+  EXPECT_GE(requests[0], 10 * fused["transfer_requests"].get<uint64_t>());
   // Shapes that cannot work are refused up front with the numbers.
   auto bad = RunCommand(KvferryBinary() + " replay --synthetic 1 --model-config " +
                         Config("tiny-gqa-config.json") + " --prefill-tp 3 --decode-tp 2");

@@ -158,6 +158,7 @@ class NvlinkChannel : public PeerChannel {
     Status status;           // a launch error, reported once the stream is past it
     WorkOwner* owner = nullptr;
     std::shared_ptr<void> keepalive;
+    uint32_t tag = 0;
   };
   // The mapping of the peer region the last request fell in (bulk translation).
   struct MappedRegion {
@@ -271,6 +272,7 @@ class NvlinkChannel : public PeerChannel {
     }
     flight->event = event;
     flight->owner = bulk.owner;
+    flight->tag = bulk.tag;
     flight->keepalive = std::move(bulk.keepalive);
     return true;
   }
@@ -293,7 +295,7 @@ class NvlinkChannel : public PeerChannel {
         bulk_free_slots_.insert(bulk_free_slots_.end(), done.slots.begin(), done.slots.end());
         if (done.event != nullptr) bulk_free_events_.push_back(done.event);
       }
-      done.owner->OnBulkDone(done.status);
+      done.owner->OnBulkDone(done.status, done.tag);
     }
   }
 
