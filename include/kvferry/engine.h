@@ -127,7 +127,10 @@ struct BatchId {
 };
 
 struct BatchOptions {
-  // Deadline from submission; zero uses EngineOptions::default_deadline.
+  // Deadline from submission; zero uses EngineOptions::default_deadline. A WRITE that failed
+  // (deadline, cancel, peer stalled) may still have landed in part, and parts already in the
+  // peer's socket buffer may land after the failure is reported: do not reuse its destination
+  // until the peer confirms otherwise.
   std::chrono::milliseconds deadline{0};
   // When non-empty, delivered to the peer after every request of the batch completed.
   // REQUIRES: every request of such a batch targets the same segment.

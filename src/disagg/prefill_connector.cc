@@ -498,6 +498,26 @@ class PrefillConnectorImpl : public PrefillConnector {
   // token slot and buffer for the head slice (the "direct slices" path of unequal TP), or with
   // a fused slice one strided request per page run and buffer.
   // `buffers`: the layer buffers to send (empty: all of them).
+  // Byte distance between consecutive buffers of `buffers` on each side, when both sides
+  // space them equally (and in increasing order); {0, 0} otherwise or for one buffer.
+  struct BufferStep {
+    uint64_t src = 0;
+    uint64_t dst = 0;
+  };
+  BufferStep UniformBufferStep(std::span<const int> buffers, const DecodeKvArgs& a) const {
+    if (buffers.size() < 2) return {};
+    auto src_base = [&](size_t k) { return reinterpret_cast<uint64_t>(pool_->BufferBase(buffers[k])); };
+    auto dst_base = [&](size_t k) { return a.buffer_bases[buffers[k]]; };
+    if (src_base(1) <= src_base(0) || dst_base(1) <= dst_base(0)) return {};
+    const BufferStep step{src_base(1) - src_base(0), dst_base(1) - dst_base(0)};
+    for (size_t k = 2; k < buffers.size(); ++k) {
+      if (src_base(k) - src_base(k - 1) != step.src || dst_base(k) - dst_base(k - 1) != step.dst) {
+        return {};
+      }
+    }
+    return step;
+  }
+
   void AppendChunkRequests(const Destination& dest, int64_t first_page,
                            std::span<const int32_t> src_pages, std::vector<TransferRequest>* out,
                            std::span<const int> buffers = {}) const {
@@ -514,9 +534,23 @@ class PrefillConnectorImpl : public PrefillConnector {
     const int heads = dest.slice.num_heads > 0 ? dest.slice.num_heads : src_heads;
     const bool whole = dest.slice.src_head_start == 0 && dest.slice.dst_head_start == 0 &&
                        heads == src_heads && heads == dst_heads;
+    // Buffers equally spaced on both sides (one pool allocation each) let one strided request
+    // cover every buffer: a row per buffer. Page size 1 with scattered pages has runs of one
+    // page, so this divides the requests by the number of buffers.
+    const BufferStep step = UniformBufferStep(buffers, a);
     if (whole) {
       const uint64_t page_bytes = l.page_bytes();
       for (const PageRun& run : CoalescePageRuns(src_pages, dst)) {
+        const uint64_t bytes = static_cast<uint64_t>(run.num_pages) * page_bytes;
+        if (step.src >= bytes && step.dst >= bytes) {
+          out->push_back({TransferOp::kWrite,
+                          pool_->PageAddress(buffers[0], static_cast<int32_t>(run.src_page)),
+                          dest.decode->segment,
+                          a.buffer_bases[buffers[0]] +
+                              static_cast<uint64_t>(run.dst_page) * page_bytes,
+                          bytes, static_cast<uint32_t>(buffers.size()), step.src, step.dst});
+          continue;
+        }
         for (int b : buffers) {
           out->push_back({TransferOp::kWrite,
                           pool_->PageAddress(b, static_cast<int32_t>(run.src_page)),
@@ -535,6 +569,22 @@ class PrefillConnectorImpl : public PrefillConnector {
       // contiguous on both sides (page_bytes = page_size x token bytes), so its token rows
       // continue at the same strides across page boundaries.
       for (const PageRun& run : CoalescePageRuns(src_pages, dst)) {
+        const int64_t tokens = run.num_pages * l.page_size();
+        if (step.src >= length && step.dst >= length &&
+            tokens < static_cast<int64_t>(buffers.size())) {
+          // Fewer tokens than buffers: a request per token, a row per buffer.
+          for (int64_t t = 0; t < tokens; ++t) {
+            out->push_back(
+                {TransferOp::kWrite,
+                 pool_->PageAddress(buffers[0], static_cast<int32_t>(run.src_page)) +
+                     t * l.token_bytes() + dest.slice.src_head_start * head_bytes,
+                 dest.decode->segment,
+                 a.buffer_bases[buffers[0]] + static_cast<uint64_t>(run.dst_page) * a.page_bytes +
+                     t * dst_token_bytes + dest.slice.dst_head_start * head_bytes,
+                 length, static_cast<uint32_t>(buffers.size()), step.src, step.dst});
+          }
+          continue;
+        }
         for (int b : buffers) {
           out->push_back(
               {TransferOp::kWrite,

@@ -138,8 +138,9 @@ TEST_F(ConnectorTest, ContiguousPagesCoalesceIntoOneBlockPerBuffer) {
   ASSERT_TRUE(prefill_conn_->SendChunk(7, 0, src, 1).ok());
   auto st = decode_conn_->Wait(7, RoomState::kSuccess, milliseconds(10000));
   ASSERT_EQ(st->state, RoomState::kSuccess) << st->error.ToString();
-  // 6 buffers (3 layers x K,V), one block each, plus the aux row.
-  EXPECT_EQ(prefill_conn_->stats().transfer_requests, 7u);
+  // 6 buffers (3 layers x K,V) of one pool allocation: one strided request for the run (a
+  // row per buffer), plus the aux row.
+  EXPECT_EQ(prefill_conn_->stats().transfer_requests, 2u);
   EXPECT_EQ(VerifyTokens(decode_->layout, *decode_->pool, 7, dst, 80).pages_mismatched, 0);
 }
 
@@ -377,9 +378,9 @@ TEST_F(LayerwiseConnectorTest, LayersLeaveInOrderForEveryRoomOfThePass) {
   EXPECT_EQ(decode_conn_->Poll(1)->state, RoomState::kWaitingForInput);
   ASSERT_TRUE(prefill_conn_->MarkLayerReady(*pass, 0).ok());
   for (uint64_t room : {1, 2, 3}) ExpectLanded(room, room == 1 ? 37 : room == 2 ? 9 : 64);
-  // One batch per layer and decode rank for all three rooms: K and V of each layer per
-  // page run per room, plus the aux rows.
-  EXPECT_GT(prefill_conn_->stats().transfer_requests, 3u * 2u * 3u);
+  // One batch per layer and decode rank for all three rooms: K and V of each layer (one
+  // strided request, a row per buffer) per page run per room, plus the aux rows.
+  EXPECT_GE(prefill_conn_->stats().transfer_requests, 3u * 3u + 3u);
   EXPECT_EQ(prefill_conn_->MarkLayerReady(*pass, 0).code(), StatusCode::kNotFound);
 }
 
