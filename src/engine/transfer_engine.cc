@@ -834,13 +834,15 @@ class EngineImpl : public TransferEngine {
     return false;
   }
 
-  // The shape checks of a strided request (num_rows != 1); rare, so text is built eagerly.
+  // The shape checks of a strided request (num_rows != 1). Text is built only on failure:
+  // strided requests are the common case for unequal TP and page size 1.
   static Status CheckRows(const TransferRequest& r, size_t i) {
-    const std::string where = "request " + std::to_string(i) + ": ";
-    if (r.num_rows == 0) return InvalidArgumentError(where + "zero rows");
+    auto where = [i] { return "request " + std::to_string(i) + ": "; };
+    if (r.num_rows == 0) return InvalidArgumentError(where() + "zero rows");
     if (r.local_stride < r.length_bytes || r.remote_stride < r.length_bytes) {
-      return InvalidArgumentError(where + "rows overlap: strides " + std::to_string(r.local_stride) +
-                                  " (local) and " + std::to_string(r.remote_stride) +
+      return InvalidArgumentError(where() + "rows overlap: strides " +
+                                  std::to_string(r.local_stride) + " (local) and " +
+                                  std::to_string(r.remote_stride) +
                                   " (remote) must be >= the row length " +
                                   std::to_string(r.length_bytes));
     }
@@ -849,7 +851,7 @@ class EngineImpl : public TransferEngine {
     if (r.local_stride > max / rows || r.remote_stride > max / rows ||
         reinterpret_cast<uint64_t>(r.local_addr) + r.local_extent() <
             reinterpret_cast<uint64_t>(r.local_addr)) {
-      return InvalidArgumentError(where + std::to_string(r.num_rows) + " rows of stride " +
+      return InvalidArgumentError(where() + std::to_string(r.num_rows) + " rows of stride " +
                                   std::to_string(std::max(r.local_stride, r.remote_stride)) +
                                   " wrap the address space");
     }
