@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -211,6 +212,8 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
                 int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
                 int first_layer, int num_layers, uint8_t* staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
+    std::lock_guard<std::mutex> lock(mu_);
+    DeviceGuard device(device_);
     RETURN_IF_ERROR(Check(g, pages, r));
     CUDA_RETURN_IF_ERROR(LaunchGatherHeads(g, pool, pages_.data(), r, staging, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -221,6 +224,8 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
                  int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
                  int first_layer, int num_layers, const uint8_t* staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
+    std::lock_guard<std::mutex> lock(mu_);
+    DeviceGuard device(device_);
     RETURN_IF_ERROR(Check(g, pages, r));
     CUDA_RETURN_IF_ERROR(LaunchScatterHeads(g, pool, pages_.data(), r, staging, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -251,6 +256,7 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
   }
 
   int device_;
+  std::mutex mu_;  // one gather or scatter at a time (stream_ and pages_)
   cudaStream_t stream_ = nullptr;
   DevicePageTable pages_;
 };

@@ -37,8 +37,9 @@ class GpuPattern {
 
 // Heterogeneous-TP staging on the GPU: gathers a head slice of a GPU pool into a staging
 // region in GPU memory, or scatters one back (the same bytes and layout as GatherHeads /
-// ScatterHeads in head_slices.h). Each call waits for its kernel. One per thread: it owns a
-// stream and a page-table buffer on `device`.
+// ScatterHeads in head_slices.h). Each call waits for its kernel. Thread-safe: calls from
+// several threads take turns on its one stream and page-table buffer on `device` (and make
+// `device` current for the call, restoring the caller's).
 class GpuHeadSlices {
  public:
   static StatusOr<std::unique_ptr<GpuHeadSlices>> Create(int device);

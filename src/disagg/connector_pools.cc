@@ -19,6 +19,20 @@ Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& a
   return engine.RegisterMemory(state->data(), state->size_bytes(), state->location(), access);
 }
 
+cuda::PatternGeometry GpuGeometry(const KvPool& pool) {
+  const KvLayout& l = pool.layout();
+  cuda::PatternGeometry g;
+  g.num_layers = l.geometry().num_layers;
+  g.num_buffers = l.num_buffers();
+  g.page_size = l.page_size();
+  g.heads = l.heads_per_token();
+  g.head_bytes = l.head_bytes();
+  g.token_bytes = l.token_bytes();
+  g.page_bytes = l.page_bytes();
+  g.buffer_stride = static_cast<uint64_t>(pool.num_pages()) * l.page_bytes();
+  return g;
+}
+
 Status CheckStateSlot(const StatePool* state, uint64_t room, int32_t slot) {
   const std::string where = "room " + std::to_string(room) + ": state slot " + std::to_string(slot);
   if (state == nullptr) {

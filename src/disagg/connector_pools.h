@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "cuda/pattern_geometry.h"
 #include "kvferry/aux_buffer.h"
 #include "kvferry/engine.h"
 #include "kvferry/kv_pool.h"
@@ -15,6 +16,9 @@ namespace kvferry {
 // than `tp_size`; the engine's registration errors.
 Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& aux,
                               StatePool* state, int tp_size, uint32_t access);
+
+// The pool's geometry as the GPU gather/scatter kernels take it (cuda/staging_kernels.h).
+cuda::PatternGeometry GpuGeometry(const KvPool& pool);
 
 // A room's state slot: -1 without a state pool, else a slot of it. Errors (naming the room):
 // kInvalidArgument (a slot but no pool), kOutOfRange.

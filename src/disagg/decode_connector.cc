@@ -6,6 +6,8 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "cuda/device_memory.h"
+#include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
 #include "disagg/control_message.h"
 #include "disagg/room_table.h"
@@ -86,9 +88,6 @@ class DecodeConnectorImpl : public DecodeConnector {
                                   options_.kv_path + "'");
     }
     const bool host_pool = pool_->location().kind == MemoryKind::kHost;
-    if (options_.kv_path == "staging" && !host_pool) {
-      return UnimplementedError("the staging path serves host pools only so far");
-    }
     // auto: staging for host pools, fused for GPU pools. The ring is allocated when the first
     // unequal-TP prefill needs it.
     use_staging_ = options_.kv_path == "staging" || (options_.kv_path == "auto" && host_pool);
@@ -253,8 +252,8 @@ class DecodeConnectorImpl : public DecodeConnector {
     const bool staged_group = use_staging_ && need_ring;
     if (staged_group) RETURN_IF_ERROR(EnsureStagingRing());
     if (staged_group) {
-      a.staging_base = reinterpret_cast<uint64_t>(staging_.data());
-      a.staging_bytes = staging_.size();
+      a.staging_base = reinterpret_cast<uint64_t>(staging_data_);
+      a.staging_bytes = options_.staging_bytes;
       a.watermark_addr = reinterpret_cast<uint64_t>(&watermark_);
     }
     std::vector<std::shared_ptr<PrefillPeer>> peers;
@@ -314,8 +313,19 @@ class DecodeConnectorImpl : public DecodeConnector {
   Status EnsureStagingRing() {
     std::lock_guard<std::mutex> lock(staging_mu_);
     if (ring_ != nullptr) return OkStatus();
-    staging_.assign(options_.staging_bytes, 0);
-    RETURN_IF_ERROR(engine_->RegisterMemory(staging_.data(), staging_.size(), {},
+    const MemoryLocation where = pool_->location();
+    if (where.kind == MemoryKind::kCuda) {
+      // GPU pools: the ring lives on the pool's GPU (prefill writes it over NVLink) and the
+      // scatter runs there as a kernel.
+      ASSIGN_OR_RETURN(staging_device_,
+                       cuda::DeviceAllocation::Create(where.device_id, options_.staging_bytes));
+      ASSIGN_OR_RETURN(head_slices_, cuda::GpuHeadSlices::Create(where.device_id));
+      staging_data_ = staging_device_->data();
+    } else {
+      staging_host_.assign(options_.staging_bytes, 0);
+      staging_data_ = staging_host_.data();
+    }
+    RETURN_IF_ERROR(engine_->RegisterMemory(staging_data_, options_.staging_bytes, where,
                                             kAccessRemoteWrite));
     RETURN_IF_ERROR(engine_->RegisterMemory(&watermark_, sizeof(watermark_), {},
                                             kAccessRemoteRead));
@@ -542,13 +552,20 @@ class DecodeConnectorImpl : public DecodeConnector {
     Status s = rooms_.With(m.room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       if (IsFinal(r.status.state)) return OkStatus();
       const int64_t page_size = pool_->layout().page_size();
-      if (m.chunk.offset + m.chunk.bytes > staging_.size()) {
+      if (m.chunk.offset + m.chunk.bytes > options_.staging_bytes) {
         return OutOfRangeError("staging region beyond the ring");
+      }
+      if (head_slices_ != nullptr) {
+        return head_slices_->Scatter(GpuGeometry(*pool_), pool_->data(), r.data.dst_pages,
+                                     m.chunk.first_page * page_size,
+                                     m.chunk.num_pages * page_size, m.chunk.dst_head_start,
+                                     m.chunk.num_heads, m.chunk.first_layer, m.chunk.num_layers,
+                                     staging_data_ + m.chunk.offset);
       }
       return ScatterHeads(*pool_, r.data.dst_pages, m.chunk.first_page * page_size,
                           m.chunk.num_pages * page_size, m.chunk.dst_head_start,
                           m.chunk.num_heads,
-                          std::span<const uint8_t>(staging_.data() + m.chunk.offset,
+                          std::span<const uint8_t>(staging_data_ + m.chunk.offset,
                                                    m.chunk.bytes),
                           m.chunk.first_layer, m.chunk.num_layers);
     });
@@ -671,7 +688,12 @@ class DecodeConnectorImpl : public DecodeConnector {
 
   // Staging ring (kv_path "staging"): bytes, allocator, live regions in allocation order with
   // a consumed flag, and the watermark cell writers READ before writing.
-  std::vector<uint8_t> staging_;
+  // The staging ring: host memory for host pools, the pool's GPU for GPU pools (then scattered
+  // by head_slices_). Set once by EnsureStagingRing.
+  std::vector<uint8_t> staging_host_;
+  std::unique_ptr<cuda::DeviceAllocation> staging_device_;
+  std::unique_ptr<cuda::GpuHeadSlices> head_slices_;
+  uint8_t* staging_data_ = nullptr;
   std::unique_ptr<RingAllocator> ring_;
   bool use_staging_ = false;  // unequal-TP slices go through the staging ring
   bool use_fused_ = false;    // unequal-TP slices go as strided requests (GPU pools)

@@ -773,10 +773,25 @@ class PrefillConnectorImpl : public PrefillConnector {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
-    auto buffer = std::make_shared<std::vector<uint8_t>>(grant.chunk.bytes);
-    Status g = GatherHeads(*pool_, pages, 0, grant.chunk.num_pages * pool_->layout().page_size(),
-                           src_head_start, grant.chunk.num_heads, *buffer,
-                           grant.chunk.first_layer, grant.chunk.num_layers);
+    std::shared_ptr<uint8_t> buffer;
+    Status g;
+    const int64_t chunk_tokens = grant.chunk.num_pages * pool_->layout().page_size();
+    if (pool_->location().kind == MemoryKind::kCuda) {
+      // GPU pool: gather with a kernel into a staging buffer on the same GPU.
+      auto scratch = AcquireScratch(grant.chunk.bytes);
+      g = scratch.status();
+      if (g.ok()) {
+        buffer = std::move(*scratch);
+        g = gpu_slices_->Gather(GpuGeometry(*pool_), pool_->data(), pages, 0, chunk_tokens,
+                                src_head_start, grant.chunk.num_heads, grant.chunk.first_layer,
+                                grant.chunk.num_layers, buffer.get());
+      }
+    } else {
+      auto host = std::make_shared<std::vector<uint8_t>>(grant.chunk.bytes);
+      g = GatherHeads(*pool_, pages, 0, chunk_tokens, src_head_start, grant.chunk.num_heads,
+                      *host, grant.chunk.first_layer, grant.chunk.num_layers);
+      buffer = std::shared_ptr<uint8_t>(host, host->data());
+    }
     if (!g.ok()) {
       FailRoom(grant.room, g.WithContext("gathering a chunk for staging"));
       return;
@@ -786,9 +801,44 @@ class PrefillConnectorImpl : public PrefillConnector {
     ready.room = grant.room;
     ready.chunk = grant.chunk;
     Submit(grant.room, dest,
-           {{TransferOp::kWrite, buffer->data(), decode->segment,
+           {{TransferOp::kWrite, buffer.get(), decode->segment,
              a.staging_base + grant.chunk.offset, grant.chunk.bytes}},
            EncodeControl(ready), false, buffer);
+  }
+
+  // A staging buffer of at least `bytes` on the pool's GPU, registered with the engine: a
+  // free one reused, else a new one. It returns to the free list when the last reference
+  // goes (after the WRITE that carries it completed). The first call creates the gather
+  // kernels' state too.
+  StatusOr<std::shared_ptr<uint8_t>> AcquireScratch(uint64_t bytes) {
+    std::unique_ptr<cuda::DeviceAllocation> alloc;
+    {
+      std::lock_guard<std::mutex> lock(scratch_mu_);
+      if (gpu_slices_ == nullptr) {
+        ASSIGN_OR_RETURN(gpu_slices_, cuda::GpuHeadSlices::Create(pool_->location().device_id));
+      }
+      auto best = scratch_free_.end();
+      for (auto it = scratch_free_.begin(); it != scratch_free_.end(); ++it) {
+        if ((*it)->size_bytes() >= bytes &&
+            (best == scratch_free_.end() || (*it)->size_bytes() < (*best)->size_bytes())) {
+          best = it;
+        }
+      }
+      if (best != scratch_free_.end()) {
+        alloc = std::move(*best);
+        scratch_free_.erase(best);
+      }
+    }
+    if (alloc == nullptr) {
+      ASSIGN_OR_RETURN(alloc, cuda::DeviceAllocation::Create(pool_->location().device_id, bytes));
+      RETURN_IF_ERROR(engine_->RegisterMemory(alloc->data(), alloc->size_bytes(),
+                                              pool_->location(), kAccessNone));
+    }
+    uint8_t* data = alloc->data();
+    return std::shared_ptr<uint8_t>(data, [this, raw = alloc.release()](uint8_t*) {
+      std::lock_guard<std::mutex> lock(scratch_mu_);
+      scratch_free_.emplace_back(raw);
+    });
   }
 
   // A destination that receives no data this time (a replica, or no aux row to carry):
@@ -1364,6 +1414,11 @@ class PrefillConnectorImpl : public PrefillConnector {
   // Declared before engine_ so they outlive the engine's callbacks (see the destructor).
   std::unique_ptr<TaskQueue> control_ = std::make_unique<TaskQueue>(1);
   std::unique_ptr<TaskQueue> completion_ = std::make_unique<TaskQueue>(1);
+  // GPU pools: gather kernels and reusable staging buffers (AcquireScratch). Declared before
+  // staging_, so the queue's tasks finish before these go.
+  std::mutex scratch_mu_;
+  std::unique_ptr<cuda::GpuHeadSlices> gpu_slices_;
+  std::vector<std::unique_ptr<cuda::DeviceAllocation>> scratch_free_;
   std::unique_ptr<TaskQueue> staging_ = std::make_unique<TaskQueue>(4);  // staged chunk writes
   std::unique_ptr<TaskQueue> layers_ = std::make_unique<TaskQueue>(1);   // layerwise submits
   std::unique_ptr<TransferEngine> engine_;
