@@ -101,3 +101,15 @@ if [ -n "${HETERO_MLA:-}" ]; then
     echo
   done
 fi
+if [ -n "${STAGING_COUNT:-}" ]; then
+  # Engine requests of staging against direct slices over the same 200 requests (the direct
+  # run's count is in hetero_p64_2to1_direct.json of an earlier run of HETERO with limit 200).
+  for ps in 64 1; do
+    step "replay --device cuda TP2->TP1 page size $ps kv-path staging, 200 requests"
+    timeout 60 "$B/kvferry" replay --device cuda --trace "$TRACE" --limit 200 --model llama-3.1-8b \
+      --page-size $ps --pool-size 16GiB --concurrency 8 --prefill-tp 2 --decode-tp 1 \
+      --kv-path staging --json "$OUT/staging200_p$ps.json" 2>&1 |
+      grep -E "requests failed|mismatches|GB/s|transfer requests|rror" | tr '\n' ' '
+    echo
+  done
+fi
