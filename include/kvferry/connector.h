@@ -167,7 +167,8 @@ struct DecodeConnectorOptions {
   // per page run and buffer, a row per token: over NVLink the copy kernel writes the slices
   // straight into this rank's pages in one pass, with no staging memory; over TCP each row
   // still travels as its own block, as with direct), or "auto": fused for GPU pools, staging
-  // for host pools. Equal TP always moves whole pages.
+  // for host pools. Equal TP always moves whole pages. Staging with GPU pools is refused for
+  // now (kUnimplemented): its GPU run did not complete (docs/perf/hetero-tp.md).
   std::string kv_path = "auto";
   // Staging ring bytes (host memory, allocated when an unequal-TP prefill first needs it). A
   // chunk slice larger than half the ring is staged in runs of layers; one whose single layer

@@ -88,6 +88,13 @@ class DecodeConnectorImpl : public DecodeConnector {
                                   options_.kv_path + "'");
     }
     const bool host_pool = pool_->location().kind == MemoryKind::kHost;
+    if (options_.kv_path == "staging" && !host_pool) {
+      // The GPU ring, gather and scatter below are wired, but their first run on H200
+      // (docs/perf/hetero-tp.md, 2026-11-21) completed no unequal-TP request: refused until
+      // that is found, rather than risk a stall. Fused is the GPU pools' path.
+      return UnimplementedError("kv_path staging is not available for GPU pools yet (its GPU "
+                                "run did not complete); use fused, the default for GPU pools");
+    }
     // auto: staging for host pools, fused for GPU pools. The ring is allocated when the first
     // unequal-TP prefill needs it.
     use_staging_ = options_.kv_path == "staging" || (options_.kv_path == "auto" && host_pool);
