@@ -9,6 +9,7 @@
 #include "cuda/baselines.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
+#include "disagg/connector_pools.h"
 #include "disagg/head_slices.h"
 
 namespace kvferry {
@@ -30,19 +31,6 @@ ModelGeometry Geometry(AttentionKind kind) {
     g.num_kv_heads = 4;
     g.head_dim = 64;
   }
-  return g;
-}
-
-cuda::PatternGeometry GpuGeometry(const KvLayout& l, int32_t pages) {
-  cuda::PatternGeometry g;
-  g.num_layers = l.geometry().num_layers;
-  g.num_buffers = l.num_buffers();
-  g.page_size = l.page_size();
-  g.heads = l.heads_per_token();
-  g.head_bytes = l.head_bytes();
-  g.token_bytes = l.token_bytes();
-  g.page_bytes = l.page_bytes();
-  g.buffer_stride = static_cast<uint64_t>(pages) * l.page_bytes();
   return g;
 }
 
@@ -69,7 +57,7 @@ void Check(AttentionKind kind, int head_start, int num_heads, int first_layer, i
   ASSERT_TRUE(staging.ok()) << staging.status().ToString();
   auto slices = cuda::GpuHeadSlices::Create(0);
   ASSERT_TRUE(slices.ok()) << slices.status().ToString();
-  const cuda::PatternGeometry g = GpuGeometry(layout, num_pages);
+  const cuda::PatternGeometry g = GpuGeometry(**device);  // the connector's geometry helper
 
   // Gather: the GPU's staging bytes equal the CPU's.
   std::vector<uint8_t> want(bytes), got(bytes);
