@@ -83,8 +83,10 @@ if [ -n "${HETERO:-}" ]; then
         timeout ${HETERO_TIMEOUT:-90} "$B/kvferry" replay --device cuda --trace "$TRACE" \
           --limit ${HETERO_LIMIT:-200} --model ${HETERO_MODEL:-llama-3.1-8b} --page-size "$ps" \
           --pool-size ${HETERO_POOL:-16GiB} --concurrency 8 --prefill-tp $p --decode-tp $d \
-          --kv-path $kp --json "$OUT/hetero_p${ps}_${p}to${d}_$kp.json" 2>&1 |
-          grep -E "requests failed|mismatches|GB/s|transfer requests|error|Error" | tr '\n' ' '
+          --kv-path $kp --json "$OUT/hetero_p${ps}_${p}to${d}_$kp.json" \
+          > "$OUT/hetero_p${ps}_${p}to${d}_$kp.log" 2>&1
+        grep -E "requests failed|mismatches|throughput|transfer requests|rror|WARN|timed out" \
+          "$OUT/hetero_p${ps}_${p}to${d}_$kp.log" | tail -8 | tr '\n' ' '
         echo
       done
     done
