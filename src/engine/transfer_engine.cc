@@ -172,7 +172,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       std::lock_guard<std::mutex> lock(mu_);
       auto apply = [&](size_t i) {
         Request& r = requests_[i];
-        if (status.ok() && r.error.ok()) {
+        if (status.ok()) {  // landed, also when a deadline or cancel already failed it
           r.transferred_bytes = transfer_requests_[i].total_bytes();
           transferred_bytes_ += transfer_requests_[i].total_bytes();
         } else if (r.error.ok()) {
@@ -658,13 +658,14 @@ class EngineImpl : public TransferEngine {
           }
           peer = &it->second;
           peer_segment = r.segment;
+          rows_region = nullptr;  // it pointed into another peer's descriptor
           if (std::find(batch->peer_refs.begin(), batch->peer_refs.end(), *peer) ==
               batch->peer_refs.end()) {
             batch->peer_refs.push_back(*peer);
           }
         }
         batch->peers[i] = peer->get();
-        if (r.num_rows > 1 && !RowsInside(descriptors_[r.segment.value], r, &rows_region)) {
+        if (r.num_rows > 1 && !RowsInside(CachedDescriptorLocked(**peer), r, &rows_region)) {
           rows_unresolved.push_back(i);
           rows_region = nullptr;
         }
@@ -814,6 +815,12 @@ class EngineImpl : public TransferEngine {
     MemoryRegistry::Span region;
     PeerChannel* channel = nullptr;
   };
+
+  // The peer's descriptor as last read (a refresh replaces the handshake's). Holds peers_mu_.
+  const SegmentDescriptor& CachedDescriptorLocked(const Peer& peer) const {
+    auto it = descriptors_.find(peer.id);
+    return it != descriptors_.end() ? it->second : peer.tcp->descriptor();
+  }
 
   // Whether every row of `r` lies in one region of `desc` with the access `r` needs; `last`
   // caches the region the previous request fell in (same descriptor).

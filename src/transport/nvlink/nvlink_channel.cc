@@ -25,12 +25,12 @@ namespace kvferry {
 namespace {
 
 constexpr int kTableSlots = 8;
-constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (1.5 MiB of table) per launch
+constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
 // Bulk submissions (TrySubmitBulk): launched by the submitting thread on one of a few streams,
 // so several submitting threads build and launch their tables in parallel.
 constexpr int kBulkStreams = 4;
 constexpr int kBulkSlots = 16;
-constexpr size_t kBulkSlotTiles = 16 << 10;  // 16Ki tiles (384 KiB of table) per slot
+constexpr size_t kBulkSlotTiles = 16 << 10;  // 16Ki tiles (640 KiB of table) per slot
 
 std::string CudaError(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorName(e);
@@ -243,6 +243,9 @@ class NvlinkChannel : public PeerChannel {
     cuda::DeviceGuard device(options_.local_device);
     cudaStream_t stream =
         bulk_streams_[next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) % kBulkStreams];
+    // A launch reports through the thread's last error: clear what an earlier call on this
+    // (the caller's) thread may have left, so it cannot fail this batch.
+    (void)cudaGetLastError();
     cudaError_t e = cudaSuccess;
     if (inline_table) {
       e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(num_tiles), stream);
@@ -288,7 +291,7 @@ class NvlinkChannel : public PeerChannel {
       }
       if (e != cudaSuccess && f.status.ok()) f.status = InternalError(CudaError("NVLink copy", e));
       BulkFlight done = std::move(f);
-      bulk_inflight_[i] = std::move(bulk_inflight_.back());
+      if (i + 1 != bulk_inflight_.size()) bulk_inflight_[i] = std::move(bulk_inflight_.back());
       bulk_inflight_.pop_back();
       {
         std::lock_guard<std::mutex> lock(bulk_mu_);
