@@ -103,6 +103,10 @@ TEST(BenchConfigTest, RejectsBadFlagsByName) {
   cases.back().flags.op = "copy";
   cases.push_back({BenchFlags{}, "--threads"});
   cases.back().flags.threads = 0;
+  cases.push_back({BenchFlags{}, "--inflight"});
+  cases.back().flags.inflight = 0;
+  cases.push_back({BenchFlags{}, "--inflight"});
+  cases.back().flags.inflight = 65;
   cases.push_back({BenchFlags{}, "--duration"});
   cases.back().flags.duration_s = 0;
   cases.push_back({BenchFlags{}, "--lanes"});
@@ -178,6 +182,23 @@ TEST(BenchBinaryTest, ReadOpRunsAndVerifies) {
       RunKvferry("bench --op read --duration 0.1 --block-size 64KiB --batch-size 4 --threads 2");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_NE(run.output.find("verified"), std::string::npos) << run.output;
+}
+
+// Several batches in flight per thread: whole batches counted, bytes verified, recorded.
+TEST(BenchBinaryTest, BatchesInFlightRunAndAreRecorded) {
+  const std::string json_path = TempPath("inflight.json");
+  CommandResult run = RunKvferry("bench --duration 0.2 --block-size 16KiB --batch-size 8 "
+                                 "--threads 2 --inflight 4 --json " + json_path);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("verified"), std::string::npos) << run.output;
+  std::ifstream in(json_path);
+  ASSERT_TRUE(in.good()) << "no JSON at " << json_path;
+  nlohmann::json doc = nlohmann::json::parse(in);
+  std::filesystem::remove(json_path);
+  EXPECT_EQ(doc["inflight"], 4);
+  ASSERT_EQ(doc["configs"].size(), 1u);
+  EXPECT_GT(doc["configs"][0]["bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(doc["configs"][0]["bytes"].get<uint64_t>() % (8 * 16384), 0u);
 }
 
 TEST(BenchBinaryTest, ZeroBlockSizeFailsNamingTheFlag) {
