@@ -17,7 +17,7 @@ namespace kvferry {
 Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& aux,
                               StatePool* state, int tp_size, uint32_t access);
 
-// The pool's geometry as the GPU gather/scatter kernels take it (cuda/staging_kernels.h).
+// The pool's geometry as the GPU kernels take it (pattern, gather and scatter); head_offset 0.
 cuda::PatternGeometry GpuGeometry(const KvPool& pool);
 
 // A room's state slot: -1 without a state pool, else a slot of it. Errors (naming the room):

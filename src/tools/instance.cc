@@ -12,6 +12,7 @@
 #include "common/checks.h"
 #include "common/env.h"
 #include "cuda/device_ops.h"
+#include "disagg/connector_pools.h"
 #include "disagg/kv_pattern.h"
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
@@ -188,14 +189,7 @@ struct Instance {
       on_gpu = true;
       ASSIGN_OR_RETURN(pool, KvPool::CreateOnDevice(*layout, pages, flags.gpu));
       ASSIGN_OR_RETURN(aux, AuxBuffer::CreateOnDevice(al, flags.aux_rows, flags.gpu));
-      gpu_geometry.num_layers = g.num_layers;
-      gpu_geometry.num_buffers = layout->num_buffers();
-      gpu_geometry.page_size = layout->page_size();
-      gpu_geometry.heads = layout->heads_per_token();
-      gpu_geometry.head_bytes = layout->head_bytes();
-      gpu_geometry.token_bytes = layout->token_bytes();
-      gpu_geometry.page_bytes = layout->page_bytes();
-      gpu_geometry.buffer_stride = static_cast<uint64_t>(pages) * layout->page_bytes();
+      gpu_geometry = GpuGeometry(*pool);
       gpu_geometry.head_offset = head_offset;
     } else if (flags.device == "cpu") {
       ASSIGN_OR_RETURN(pool, KvPool::Create(*layout, pages));
