@@ -167,15 +167,16 @@ class NvlinkChannel : public PeerChannel {
   };
 
   // Local pointer for [remote, remote + length) of the peer, or null when the range is not in
-  // a GPU region with `need` access that this channel has already mapped. REQUIRES map_mu_
-  // held (shared is enough).
+  // a GPU region with `need` access that this channel has already mapped. `c` remembers the
+  // last region found (only a mapped GPU region is remembered). REQUIRES map_mu_ held (shared
+  // is enough), or the progress thread (the only writer).
   uint8_t* MapMapped(uint64_t remote, uint64_t length, uint32_t need, MappedRegion* c) const {
     if (c->region == nullptr || !c->region->Contains(remote, length)) {
-      c->region = FindRegion(remote, length);
-      if (c->region == nullptr || c->region->kind != MemoryKind::kCuda) return nullptr;
-      auto it = imports_.find(c->region->key);
+      const RegionDescriptor* region = FindRegion(remote, length);
+      if (region == nullptr || region->kind != MemoryKind::kCuda) return nullptr;
+      auto it = imports_.find(region->key);
       if (it == imports_.end()) return nullptr;
-      c->base = it->second->base();
+      *c = {region, it->second->base()};
     }
     if ((c->region->access & need) != need) return nullptr;
     return c->base + c->region->alloc_offset + (remote - c->region->base);
@@ -403,18 +404,16 @@ class NvlinkChannel : public PeerChannel {
   // Maps [remote, remote + length) of the peer to a local pointer, or says why not.
   StatusOr<uint8_t*> Translate(uint64_t remote, uint64_t length, bool write) {
     const uint32_t need = write ? kAccessRemoteWrite : kAccessRemoteRead;
-    // Most requests of a batch land in the region the previous one did.
-    if (last_region_ != nullptr && last_region_->Contains(remote, length) &&
-        (last_region_->access & need) == need) {
-      return last_base_ + last_region_->alloc_offset + (remote - last_region_->base);
-    }
+    // Most requests of a batch land in the region the previous one did; any mapped range is
+    // answered here. The rest: re-read the descriptor, say why not, or map the allocation.
+    if (uint8_t* mapped = MapMapped(remote, length, need, &last_region_)) return mapped;
     const RegionDescriptor* region = FindRegion(remote, length);
     if (region == nullptr && options_.refresh) {
       auto fresh = options_.refresh();
       if (fresh.ok()) {
         std::unique_lock<std::shared_mutex> map_lock(map_mu_);
         options_.peer = std::move(*fresh);
-        last_region_ = nullptr;  // pointed into the old descriptor
+        last_region_ = {};  // pointed into the old descriptor
       }
       region = FindRegion(remote, length);
     }
@@ -453,8 +452,7 @@ class NvlinkChannel : public PeerChannel {
       std::unique_lock<std::shared_mutex> map_lock(map_mu_);
       it = imports_.emplace(region->key, std::move(*imported)).first;
     }
-    last_region_ = region;
-    last_base_ = it->second->base();
+    last_region_ = {region, it->second->base()};
     return it->second->base() + region->alloc_offset + (remote - region->base);
   }
 
@@ -563,8 +561,7 @@ class NvlinkChannel : public PeerChannel {
   std::deque<Flight> inflight_;                          // progress thread (read under mu_)
   std::vector<cudaEvent_t> free_events_;                 // progress thread only
   std::map<uint64_t, std::unique_ptr<cuda::ImportedAllocation>> imports_;  // by region key
-  const RegionDescriptor* last_region_ = nullptr;  // progress thread: last translated region
-  uint8_t* last_base_ = nullptr;                   // its mapping
+  MappedRegion last_region_;  // progress thread: the last translated region and its mapping
   std::atomic<bool> queued_{false};                // items waiting in queue_
   // options_.peer and imports_: written by the progress thread under an exclusive lock, read
   // by bulk submitters under a shared one (the progress thread reads without it).
