@@ -133,8 +133,12 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     } else {
       bulk_groups_.resize(distinct.size());
       for (size_t g = 0; g < distinct.size(); ++g) {
+        // TCP takes no bulk submissions: do not copy its requests for one.
+        const size_t first = static_cast<size_t>(
+            std::find(channels.begin(), channels.end(), distinct[g]) - channels.begin());
+        if (distinct[g] == peers[first]->tcp.get()) continue;
         BulkGroup& group = bulk_groups_[g];
-        for (size_t i = 0; i < channels.size(); ++i) {
+        for (size_t i = first; i < channels.size(); ++i) {
           if (channels[i] != distinct[g]) continue;
           group.requests.push_back(transfer_requests_[i]);
           group.index.push_back(static_cast<uint32_t>(i));
@@ -171,15 +175,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto apply = [&](size_t i) {
-        Request& r = requests_[i];
-        if (status.ok()) {  // landed, also when a deadline or cancel already failed it
-          r.transferred_bytes = transfer_requests_[i].total_bytes();
-          transferred_bytes_ += transfer_requests_[i].total_bytes();
-        } else if (r.error.ok()) {
-          r.error = status;
-        }
-        FinishRequestLocked(r);
-        all_requests_done = --requests_left_ == 0;
+        all_requests_done |= ApplyLocked(i, transfer_requests_[i].total_bytes(), status, true);
       };
       if (tag == kWholeBatch) {
         for (size_t i = 0; i < requests_.size(); ++i) apply(i);
@@ -204,7 +200,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     bool all_requests_done = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (WorkItem* item : done) all_requests_done |= ApplyLocked(*item, status);
+      for (WorkItem* item : done) {
+        const size_t i = item->request_index;
+        all_requests_done |= ApplyLocked(i, item->length, status, --requests_[i].slices_left == 0);
+      }
     }
     if (all_requests_done) AfterRequestsDone();
   }
@@ -329,22 +328,19 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     }
   }
 
-  // Applies one finished item; returns whether it finished the last request. Holds mu_.
-  bool ApplyLocked(const WorkItem& item, const Status& status) {
-    Request& r = requests_[item.request_index];
+  // Applies a finished copy of `bytes` (a work item, or a whole request sent in bulk) to
+  // request `index`; `last`: it was the request's last copy, which makes the request final.
+  // Bytes that landed count also when a deadline or cancel already failed the request.
+  // Returns whether this finished the batch's last request. Holds mu_.
+  bool ApplyLocked(size_t index, uint64_t bytes, const Status& status, bool last) {
+    Request& r = requests_[index];
     if (status.ok()) {
-      r.transferred_bytes += item.length;
-      transferred_bytes_ += item.length;
+      r.transferred_bytes += bytes;
+      transferred_bytes_ += bytes;
     } else if (r.error.ok()) {
       r.error = status;
     }
-    if (--r.slices_left != 0) return false;
-    FinishRequestLocked(r);
-    return --requests_left_ == 0;
-  }
-
-  // Moves a request whose copies all ended to its final state. Holds mu_.
-  void FinishRequestLocked(Request& r) {
+    if (!last) return false;
     r.state = r.error.ok() ? TransferState::kCompleted
               : r.error.code() == StatusCode::kCancelled ? TransferState::kCancelled
                                                           : TransferState::kFailed;
@@ -354,6 +350,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       ++num_failed_;
       if (first_error_.ok()) first_error_ = r.error;
     }
+    return --requests_left_ == 0;
   }
 
   std::unique_ptr<WorkItem[]> items_;
