@@ -66,37 +66,56 @@ class DevicePageTable {
   uint64_t capacity_ = 0;
 };
 
-class GpuPatternImpl : public GpuPattern {
+// What the pool-kernel helpers share: their device, a non-blocking stream on it, and the
+// page table they upload on that stream. Freed with the device current.
+class KernelStream {
  public:
-  explicit GpuPatternImpl(int device) : device_(device) {}
-  ~GpuPatternImpl() override {
+  explicit KernelStream(int device) : device_(device) {}
+  ~KernelStream() {
     cudaSetDevice(device_);
     pages_.Free();
-    if (flags_) cudaFree(flags_);
     if (stream_) cudaStreamDestroy(stream_);
   }
-
   Status Init() {
     RETURN_IF_ERROR(CheckDevice(device_));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     return OkStatus();
   }
+  int device() const { return device_; }
+  cudaStream_t stream() const { return stream_; }
+  DevicePageTable& pages() { return pages_; }
+
+ private:
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  DevicePageTable pages_;
+};
+
+class GpuPatternImpl : public GpuPattern {
+ public:
+  explicit GpuPatternImpl(int device) : gpu_(device) {}
+  ~GpuPatternImpl() override {
+    cudaSetDevice(gpu_.device());
+    if (flags_) cudaFree(flags_);
+  }
+
+  Status Init() { return gpu_.Init(); }
 
   Status Fill(const PatternGeometry& g, uint8_t* pool, uint64_t room,
               std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens) override {
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    RETURN_IF_ERROR(pages_.Upload(pages, stream_));
-    CUDA_RETURN_IF_ERROR(
-        LaunchFillTokens(g, pool, pages_.data(), room, first_token, num_tokens, stream_));
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu_.device()));
+    RETURN_IF_ERROR(gpu_.pages().Upload(pages, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(LaunchFillTokens(g, pool, gpu_.pages().data(), room, first_token,
+                                          num_tokens, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
 
   StatusOr<int64_t> Verify(const PatternGeometry& g, const uint8_t* pool, uint64_t room,
                            std::span<const int32_t> pages, int64_t num_tokens) override {
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    RETURN_IF_ERROR(pages_.Upload(pages, stream_));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu_.device()));
+    RETURN_IF_ERROR(gpu_.pages().Upload(pages, gpu_.stream()));
     const int64_t num_pages = static_cast<int64_t>(pages.size());
     const uint64_t flag_bytes = static_cast<uint64_t>(g.num_buffers) * num_pages;
     if (flag_bytes > flags_capacity_) {
@@ -105,22 +124,20 @@ class GpuPatternImpl : public GpuPattern {
       CUDA_RETURN_IF_ERROR(cudaMalloc(&flags_, flag_bytes));
       flags_capacity_ = flag_bytes;
     }
-    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags_, 0, flag_bytes, stream_));
-    CUDA_RETURN_IF_ERROR(
-        LaunchVerifyTokens(g, pool, pages_.data(), num_pages, room, num_tokens, flags_, stream_));
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags_, 0, flag_bytes, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(LaunchVerifyTokens(g, pool, gpu_.pages().data(), num_pages, room,
+                                            num_tokens, flags_, gpu_.stream()));
     host_flags_.resize(flag_bytes);
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_flags_.data(), flags_, flag_bytes,
-                                         cudaMemcpyDeviceToHost, stream_));
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+                                         cudaMemcpyDeviceToHost, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     int64_t bad = 0;
     for (uint8_t f : host_flags_) bad += f != 0;
     return bad;
   }
 
  private:
-  int device_;
-  cudaStream_t stream_ = nullptr;
-  DevicePageTable pages_;
+  KernelStream gpu_;
   uint8_t* flags_ = nullptr;
   uint64_t flags_capacity_ = 0;
   std::vector<uint8_t> host_flags_;
@@ -194,29 +211,19 @@ namespace {
 
 class GpuHeadSlicesImpl : public GpuHeadSlices {
  public:
-  explicit GpuHeadSlicesImpl(int device) : device_(device) {}
-  ~GpuHeadSlicesImpl() override {
-    cudaSetDevice(device_);
-    pages_.Free();
-    if (stream_) cudaStreamDestroy(stream_);
-  }
+  explicit GpuHeadSlicesImpl(int device) : gpu_(device) {}
 
-  Status Init() {
-    RETURN_IF_ERROR(CheckDevice(device_));
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    return OkStatus();
-  }
+  Status Init() { return gpu_.Init(); }
 
   Status Gather(const PatternGeometry& g, const uint8_t* pool, std::span<const int32_t> pages,
                 int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
                 int first_layer, int num_layers, uint8_t* staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
     std::lock_guard<std::mutex> lock(mu_);
-    DeviceGuard device(device_);
+    DeviceGuard device(gpu_.device());
     RETURN_IF_ERROR(Check(g, pages, r));
-    CUDA_RETURN_IF_ERROR(LaunchGatherHeads(g, pool, pages_.data(), r, staging, stream_));
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    CUDA_RETURN_IF_ERROR(LaunchGatherHeads(g, pool, gpu_.pages().data(), r, staging, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
 
@@ -225,10 +232,10 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
                  int first_layer, int num_layers, const uint8_t* staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
     std::lock_guard<std::mutex> lock(mu_);
-    DeviceGuard device(device_);
+    DeviceGuard device(gpu_.device());
     RETURN_IF_ERROR(Check(g, pages, r));
-    CUDA_RETURN_IF_ERROR(LaunchScatterHeads(g, pool, pages_.data(), r, staging, stream_));
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    CUDA_RETURN_IF_ERROR(LaunchScatterHeads(g, pool, gpu_.pages().data(), r, staging, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
 
@@ -251,14 +258,11 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
         return OutOfRangeError("page index " + std::to_string(pages[p]) + " outside the pool");
       }
     }
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    return pages_.Upload(pages, stream_);
+    return gpu_.pages().Upload(pages, gpu_.stream());
   }
 
-  int device_;
-  std::mutex mu_;  // one gather or scatter at a time (stream_ and pages_)
-  cudaStream_t stream_ = nullptr;
-  DevicePageTable pages_;
+  std::mutex mu_;  // one gather or scatter at a time (the stream and the page table)
+  KernelStream gpu_;
 };
 
 }  // namespace
