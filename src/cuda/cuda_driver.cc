@@ -4,6 +4,8 @@
 
 #include <mutex>
 
+#include "cuda/device_guard.h"
+
 namespace kvferry::cuda {
 namespace {
 
@@ -46,6 +48,8 @@ Status LoadAll(DriverApi* d) {
   KVF_LOAD(cuMemImportFromShareableHandle);
   KVF_LOAD(cuMemGetAllocationGranularity);
   KVF_LOAD(cuMemRetainAllocationHandle);
+  KVF_LOAD(cuCtxGetCurrent);
+  KVF_LOAD(cuCtxSetCurrent);
 #undef KVF_LOAD
 #undef RETURN_IF_ERROR_LOCAL
   return OkStatus();
@@ -58,6 +62,21 @@ StatusOr<const DriverApi*> Driver() {
   static Status status = LoadAll(&api);
   if (!status.ok()) return status;
   return &api;
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  if (device < 0) return;
+  auto d = Driver();
+  if (!d.ok()) return;
+  if ((*d)->cuCtxGetCurrent(&previous_) != CUDA_SUCCESS) return;
+  restore_ = true;
+  if (cudaSetDevice(device) != cudaSuccess) cudaGetLastError();
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (!restore_) return;
+  auto d = Driver();
+  if (d.ok()) (*d)->cuCtxSetCurrent(previous_);
 }
 
 Status CheckDevice(int device) {

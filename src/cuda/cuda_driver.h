@@ -32,6 +32,8 @@ struct DriverApi {
   CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*,
                                             CUmemAllocationGranularity_flags) = nullptr;
   CUresult (*cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle*, void*) = nullptr;
+  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
+  CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
 
   std::string ErrorName(CUresult r) const {
     const char* name = nullptr;

@@ -2,24 +2,26 @@
 // is per thread; engine, HTTP and pool threads use this before touching a device's memory.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 namespace kvferry::cuda {
 
+// Makes `device`'s primary context current for the guard's scope and puts back exactly what
+// the thread had before: another context, or none. (Restoring through cudaSetDevice would
+// leave a thread that had no context on device 0's, creating that context in processes that
+// never use device 0.) device < 0 changes nothing. Never fails: a device that cannot be made
+// current shows up as the error of the next CUDA call.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (device >= 0 && device != previous_) cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int previous_ = -1;
+  CUcontext previous_ = nullptr;  // the thread's context before; null: none
+  bool restore_ = false;
 };
 
 // The device owning `ptr`, or -1 for host memory.

@@ -48,6 +48,7 @@ StatusOr<AllocationInfo> InspectDevicePointer(const void* ptr) {
   }
   AllocationInfo info;
   info.device = attrs.device;
+  DeviceGuard guard(info.device);  // the driver calls below need a current context
   CUdeviceptr base = 0;
   size_t size = 0;
   CU_RETURN_IF_ERROR(*d, cuMemGetAddressRange(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)));
@@ -61,8 +62,9 @@ StatusOr<AllocationInfo> InspectDevicePointer(const void* ptr) {
   return info;
 }
 
-StatusOr<int> ExportFd(uint64_t alloc_base) {
+StatusOr<int> ExportFd(uint64_t alloc_base, int device) {
   ASSIGN_OR_RETURN(const DriverApi* d, Driver());
+  DeviceGuard guard(device);
   CUmemGenericAllocationHandle h = 0;
   CU_RETURN_IF_ERROR(*d, cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(alloc_base)));
   int fd = -1;
@@ -79,11 +81,12 @@ StatusOr<int> ExportFd(uint64_t alloc_base) {
 StatusOr<ShareInfo> ExportAllocation(const AllocationInfo& info) {
   ShareInfo share;
   if (info.vmm) {
-    ASSIGN_OR_RETURN(int fd, ExportFd(info.alloc_base));  // proves it is exportable
+    ASSIGN_OR_RETURN(int fd, ExportFd(info.alloc_base, info.device));  // proves it is exportable
     ::close(fd);
     share.type = ShareHandleType::kPosixFd;
     return share;
   }
+  DeviceGuard guard(info.device);
   cudaIpcMemHandle_t handle;
   CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(info.alloc_base)));
   share.type = ShareHandleType::kCudaIpc;
@@ -110,9 +113,10 @@ Status MapForDevice(const DriverApi& d, CUmemGenericAllocationHandle handle, uin
 }
 
 // Undoes MapForDevice and drops the allocation handle; any of them may be unset (0).
-void Unmap(uint64_t ptr, uint64_t size, uint64_t handle) {
+void Unmap(int device, uint64_t ptr, uint64_t size, uint64_t handle) {
   auto d = Driver();
   if (!d.ok()) return;
+  DeviceGuard guard(device);
   if (ptr != 0) {
     (*d)->cuMemUnmap(ptr, size);
     (*d)->cuMemAddressFree(ptr, size);
@@ -133,6 +137,7 @@ CUmemAllocationProp PinnedProp(int device) {
 StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device, uint64_t bytes) {
   RETURN_IF_ERROR(CheckDevice(device));
   ASSIGN_OR_RETURN(const DriverApi* d, Driver());
+  DeviceGuard guard(device);
   CUmemAllocationProp prop = PinnedProp(device);
   size_t granularity = 0;
   CU_RETURN_IF_ERROR(*d, cuMemGetAllocationGranularity(&granularity, &prop,
@@ -152,7 +157,7 @@ StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device,
   return a;
 }
 
-DeviceAllocation::~DeviceAllocation() { Unmap(ptr_, size_, handle_); }
+DeviceAllocation::~DeviceAllocation() { Unmap(device_, ptr_, size_, handle_); }
 
 StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromIpcHandle(
     std::span<const uint8_t> handle, int local_device) {
@@ -161,13 +166,14 @@ StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromIpcHandle(
                                 " bytes, want " + std::to_string(sizeof(cudaIpcMemHandle_t)));
   }
   RETURN_IF_ERROR(CheckDevice(local_device));
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(local_device));
+  DeviceGuard guard(local_device);
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
   void* ptr = nullptr;
   CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess));
   std::unique_ptr<ImportedAllocation> a(new ImportedAllocation());
   a->ipc_ = true;
+  a->device_ = local_device;
   a->ptr_ = reinterpret_cast<uint64_t>(ptr);
   return a;
 }
@@ -182,7 +188,9 @@ StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromFd(int fd,
   } closer{fd};
   RETURN_IF_ERROR(CheckDevice(local_device));
   ASSIGN_OR_RETURN(const DriverApi* d, Driver());
+  DeviceGuard guard(local_device);
   std::unique_ptr<ImportedAllocation> a(new ImportedAllocation());
+  a->device_ = local_device;
   CUmemGenericAllocationHandle h = 0;
   CU_RETURN_IF_ERROR(*d, cuMemImportFromShareableHandle(
                              &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
@@ -198,11 +206,12 @@ StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromFd(int fd,
 }
 
 ImportedAllocation::~ImportedAllocation() {
+  DeviceGuard guard(device_);
   if (ipc_) {
     if (ptr_ != 0) cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr_));
     return;
   }
-  Unmap(ptr_, size_, handle_);
+  Unmap(device_, ptr_, size_, handle_);
 }
 
 }  // namespace kvferry::cuda

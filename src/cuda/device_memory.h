@@ -44,8 +44,9 @@ struct ShareInfo {
 };
 StatusOr<ShareInfo> ExportAllocation(const AllocationInfo& info);
 
-// Exports a cuMem allocation as a new file descriptor (the caller closes it).
-StatusOr<int> ExportFd(uint64_t alloc_base);
+// Exports the cuMem allocation starting at `alloc_base` on `device` as a new file descriptor
+// (the caller closes it). Any thread: the device's context is made current for the call.
+StatusOr<int> ExportFd(uint64_t alloc_base, int device);
 
 // Memory kvferry allocates for KV pools: cuMemCreate with POSIX fd export, mapped read-write
 // on its device. Freed on destruction.
@@ -80,6 +81,7 @@ class ImportedAllocation {
  private:
   ImportedAllocation() = default;
   bool ipc_ = false;
+  int device_ = -1;  // the local device it is mapped for
   uint64_t ptr_ = 0;
   uint64_t size_ = 0;
   uint64_t handle_ = 0;

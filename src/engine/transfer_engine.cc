@@ -451,7 +451,7 @@ class EngineImpl : public TransferEngine {
       ASSIGN_OR_RETURN(fd_server_, FdServer::Create(name, [this](uint64_t key) -> StatusOr<int> {
                          for (const auto& r : registry_.Regions()) {
                            if (r.key == key && r.share_type == ShareHandleType::kPosixFd) {
-                             return cuda::ExportFd(r.base - r.alloc_offset);
+                             return cuda::ExportFd(r.base - r.alloc_offset, r.device_id);
                            }
                          }
                          return NotFoundError("no shareable region with that key");
