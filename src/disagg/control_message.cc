@@ -69,6 +69,7 @@ std::string EncodeControl(const ControlMessage& m) {
     case ControlType::kStagingRequest:
     case ControlType::kStagingGrant:
     case ControlType::kStagingReady:
+    case ControlType::kStagingCancel:
       w.U64(static_cast<uint64_t>(m.chunk.first_page));
       w.U64(static_cast<uint64_t>(m.chunk.num_pages));
       w.U64(m.chunk.bytes);
@@ -104,7 +105,7 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
   if (!r.U16(&version)) return bad("");
   if (version != kControlVersion) return bad("version " + std::to_string(version));
   if (!r.U8(&type)) return bad("");
-  if (type < 1 || type > static_cast<uint8_t>(ControlType::kStagingReady)) {
+  if (type < 1 || type > static_cast<uint8_t>(ControlType::kStagingCancel)) {
     return bad("unknown type " + std::to_string(type));
   }
   m.type = static_cast<ControlType>(type);
@@ -212,7 +213,8 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       break;
     case ControlType::kStagingRequest:
     case ControlType::kStagingGrant:
-    case ControlType::kStagingReady: {
+    case ControlType::kStagingReady:
+    case ControlType::kStagingCancel: {
       uint64_t first = 0, pages = 0;
       uint32_t dst = 0, heads = 0, first_layer = 0, layers = 0;
       if (!r.U64(&first) || !r.U64(&pages) || !r.U64(&m.chunk.bytes) || !r.U64(&m.chunk.round) ||

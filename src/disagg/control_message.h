@@ -34,6 +34,7 @@ enum class ControlType : uint8_t {
   kStagingRequest = 8,  // prefill -> decode: a ring region for one chunk's head slice
   kStagingGrant = 9,    // decode -> prefill: the region (round, offset)
   kStagingReady = 10,   // prefill -> decode, with the region's WRITE: scatter it
+  kStagingCancel = 11,  // prefill -> decode: a granted region will not be written; free it
 };
 
 // Decode rank's pool as prefill needs it to address WRITEs.

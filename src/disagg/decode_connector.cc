@@ -88,13 +88,6 @@ class DecodeConnectorImpl : public DecodeConnector {
                                   options_.kv_path + "'");
     }
     const bool host_pool = pool_->location().kind == MemoryKind::kHost;
-    if (options_.kv_path == "staging" && !host_pool) {
-      // The GPU ring, gather and scatter below are wired, but their first run on H200
-      // (docs/perf/hetero-tp.md, 2026-11-21) completed no unequal-TP request: refused until
-      // that is found, rather than risk a stall. Fused is the GPU pools' path.
-      return UnimplementedError("kv_path staging is not available for GPU pools yet (its GPU "
-                                "run did not complete); use fused, the default for GPU pools");
-    }
     // auto: staging for host pools, fused for GPU pools. The ring is allocated when the first
     // unequal-TP prefill needs it.
     use_staging_ = options_.kv_path == "staging" || (options_.kv_path == "auto" && host_pool);
@@ -392,6 +385,8 @@ class DecodeConnectorImpl : public DecodeConnector {
         return;
       }
     }
+    KVF_LOG_DEBUG("decode: room {} sent its destination to {} prefill rank(s)", room,
+                  g.slices.size());
     rooms_.Advance(room, RoomState::kWaitingForInput, Clock::now() + options_.waiting_timeout,
                    WaitingReason());
   }
@@ -436,6 +431,7 @@ class DecodeConnectorImpl : public DecodeConnector {
         } else if (complete) {
           rooms_.Advance(room, RoomState::kTransferring);
           if (rooms_.Advance(room, RoomState::kSuccess)) {
+            KVF_LOG_DEBUG("decode: room {} succeeded", room);
             ++rooms_succeeded_;
             RecordBytes(room);
           }
@@ -453,6 +449,9 @@ class DecodeConnectorImpl : public DecodeConnector {
         // Inline: the writer's batch completes only after this returns, so a chunk is in the
         // pages before prefill can report the room done.
         ScatterStaged(*m);
+        break;
+      case ControlType::kStagingCancel:
+        CancelRegion(*m);
         break;
       case ControlType::kRoomFailed:
         FailRoom(room,
@@ -479,6 +478,8 @@ class DecodeConnectorImpl : public DecodeConnector {
     const auto deadline = Clock::now() + options_.waiting_timeout;
     StatusOr<RingRegion> region = ResourceExhaustedError("not tried");
     while (true) {
+      auto room = rooms_.Get(m.room);
+      if (!room.ok() || IsFinal(room->state)) return;  // nothing to stage for any more
       {
         std::lock_guard<std::mutex> lock(staging_mu_);
         if (ring_ == nullptr) {
@@ -486,7 +487,10 @@ class DecodeConnectorImpl : public DecodeConnector {
           break;
         }
         region = ring_->Allocate(m.chunk.bytes);
-        if (region.ok()) live_regions_.push_back({*region, false});
+        if (region.ok()) {
+          live_regions_.push_back({*region, m.room});
+          PublishWatermarkLocked();  // before the grant goes out
+        }
       }
       if (region.ok() || region.status().code() != StatusCode::kResourceExhausted ||
           Clock::now() > deadline) {
@@ -498,6 +502,8 @@ class DecodeConnectorImpl : public DecodeConnector {
       FailRoom(m.room, region.status().WithContext("staging ring"), /*tell_prefill=*/true);
       return;
     }
+    KVF_LOG_DEBUG("decode: room {} granted staging region {} (round {}, offset {}, {} bytes)",
+                  m.room, region->id, region->round, region->offset, region->length);
     ControlMessage grant;
     grant.type = ControlType::kStagingGrant;
     grant.room = m.room;
@@ -516,12 +522,73 @@ class DecodeConnectorImpl : public DecodeConnector {
   void ReleaseRegion(uint64_t region_id) {
     std::lock_guard<std::mutex> lock(staging_mu_);
     for (auto& live : live_regions_) {
-      if (live.first.id == region_id) live.second = true;
+      if (live.region.id == region_id) live.consumed = true;
     }
-    while (!live_regions_.empty() && live_regions_.front().second) {
-      ring_->Free(live_regions_.front().first).IgnoreError();
+    FreeConsumedLocked();
+  }
+
+  // A writer's notice that it will not write a region it was granted (its room failed or was
+  // aborted on its side): the region is freed at once. Only a live region granted to that
+  // room counts.
+  void CancelRegion(const ControlMessage& m) {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    for (auto& live : live_regions_) {
+      if (live.region.id == m.chunk.region_id && live.room == m.room) live.consumed = true;
+    }
+    if (ring_ != nullptr) FreeConsumedLocked();
+  }
+
+  // Takes back regions whose room is final or gone but that were never written: each waits
+  // one waiting timeout after that was first seen (its writer may still be writing until
+  // its own deadline), then counts as consumed. Without this, one failed room's region would
+  // stop the FIFO ring for every later room. Runs on the timer thread.
+  void ReclaimAbandoned() {
+    std::vector<uint64_t> rooms;
+    {
+      std::lock_guard<std::mutex> lock(staging_mu_);
+      for (const auto& live : live_regions_) {
+        if (!live.consumed) rooms.push_back(live.room);
+      }
+    }
+    if (rooms.empty()) return;
+    std::sort(rooms.begin(), rooms.end());
+    rooms.erase(std::unique(rooms.begin(), rooms.end()), rooms.end());
+    std::vector<uint64_t> gone;
+    for (uint64_t room : rooms) {
+      auto st = rooms_.Get(room);
+      if (!st.ok() || IsFinal(st->state)) gone.push_back(room);
+    }
+    if (gone.empty()) return;
+    const auto now = Clock::now();
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    for (auto& live : live_regions_) {
+      if (live.consumed || !std::binary_search(gone.begin(), gone.end(), live.room)) continue;
+      if (live.reclaim_at == Clock::time_point::max()) {
+        live.reclaim_at = now + options_.waiting_timeout;
+      } else if (now >= live.reclaim_at) {
+        KVF_LOG_WARN("decode: staging region {} of room {} was never written; taken back",
+                     live.region.id, live.room);
+        live.consumed = true;
+      }
+    }
+    FreeConsumedLocked();
+  }
+
+  // Frees the consumed prefix of the ring and publishes the watermark. REQUIRES staging_mu_.
+  void FreeConsumedLocked() {
+    while (!live_regions_.empty() && live_regions_.front().consumed) {
+      ring_->Free(live_regions_.front().region).IgnoreError();
       live_regions_.pop_front();
     }
+    PublishWatermarkLocked();
+  }
+
+  // Publishes the ring's watermark in the cell writers READ. Called after every free and
+  // every allocation: the watermark of an empty ring, (round, capacity), says the whole
+  // round was consumed, which stops being true as soon as a region is allocated in that
+  // round; a writer of the next round reading that stale value would overwrite the new
+  // region before it is scattered. REQUIRES staging_mu_.
+  void PublishWatermarkLocked() {
     Watermark w = ring_->watermark();
     watermark_.check = 0;  // readers mid-update see an invalid cell and read again
     std::atomic_thread_fence(std::memory_order_release);
@@ -542,9 +609,9 @@ class DecodeConnectorImpl : public DecodeConnector {
         return;
       }
       for (const auto& live : live_regions_) {
-        if (live.first.id == m.chunk.region_id) {
-          granted = !live.second && live.first.offset == m.chunk.offset &&
-                    live.first.length == m.chunk.bytes;
+        if (live.region.id == m.chunk.region_id) {
+          granted = !live.consumed && live.room == m.room && live.region.offset == m.chunk.offset &&
+                    live.region.length == m.chunk.bytes;
         }
       }
     }
@@ -577,6 +644,8 @@ class DecodeConnectorImpl : public DecodeConnector {
                           m.chunk.first_layer, m.chunk.num_layers);
     });
     ReleaseRegion(m.chunk.region_id);
+    KVF_LOG_DEBUG("decode: room {} scattered staging region {}: {}", m.room, m.chunk.region_id,
+                  s.ToString());
     if (!s.ok() && s.code() != StatusCode::kNotFound) {
       FailRoom(m.room, s.WithContext("scattering a staged chunk"), true);
       return;
@@ -595,6 +664,7 @@ class DecodeConnectorImpl : public DecodeConnector {
 
   void FailRoom(uint64_t room, const Status& why, bool tell_prefill) {
     if (!rooms_.Fail(room, why)) return;
+    KVF_LOG_DEBUG("decode: room {} failed: {}", room, why.ToString());
     ++rooms_failed_;
     if (tell_prefill) TellPrefillAbort(room, why.message());
   }
@@ -630,6 +700,7 @@ class DecodeConnectorImpl : public DecodeConnector {
         auto st = rooms_.Get(room);
         TellPrefillAbort(room, st.ok() ? st->error.message() : "deadline passed");
       }
+      ReclaimAbandoned();
       lock.lock();
     }
   }
@@ -705,7 +776,16 @@ class DecodeConnectorImpl : public DecodeConnector {
   bool use_staging_ = false;  // unequal-TP slices go through the staging ring
   bool use_fused_ = false;    // unequal-TP slices go as strided requests (GPU pools)
   std::mutex staging_mu_;
-  std::deque<std::pair<RingRegion, bool>> live_regions_;
+  // A granted region until it is freed (in allocation order: the ring frees FIFO).
+  struct LiveRegion {
+    RingRegion region;
+    uint64_t room = 0;
+    bool consumed = false;  // scattered, cancelled by its writer, or reclaimed
+    // Set once its room is final or gone while the region is still unwritten: a writer may
+    // still be writing it until then, after which the ring takes it back (ReclaimAbandoned).
+    Clock::time_point reclaim_at = Clock::time_point::max();
+  };
+  std::deque<LiveRegion> live_regions_;
   alignas(64) WatermarkCell watermark_{0, 0, WatermarkCell::Check(0, 0)};
 
   std::atomic<uint64_t> rooms_succeeded_{0};

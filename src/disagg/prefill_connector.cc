@@ -698,6 +698,8 @@ class PrefillConnectorImpl : public PrefillConnector {
       return OkStatus();
     }).IgnoreError();
     if (decode == nullptr) return;
+    KVF_LOG_DEBUG("prefill: room {} asks {} for a staging region of {} bytes", room,
+                  decode->args.decode_address, m.chunk.bytes);
     control_->Post([this, room, decode, text = EncodeControl(m)] {
       Status s = engine_->SendNotification(decode->segment, text, options_.transfer_timeout);
       if (!s.ok()) FailRoom(room, s.WithContext("requesting a staging region"));
@@ -705,8 +707,20 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // Runs on the control queue: waits until the ring's watermark frees the region, gathers the
-  // chunk's head slice, and writes it in one request with the ready notice.
+  // chunk's head slice, and writes it in one request with the ready notice. Whenever it
+  // returns without writing, decode is told the region is free again (kStagingCancel), so
+  // that a failed room does not hold up its FIFO ring.
   void WriteStaged(const ControlMessage& grant, const std::string& from) {
+    bool writing = false;
+    struct CancelUnlessWriting {
+      PrefillConnectorImpl* self;
+      const ControlMessage& grant;
+      const std::string& from;
+      const bool& writing;
+      ~CancelUnlessWriting() {
+        if (!writing) self->CancelStaged(grant, from);
+      }
+    } cancel{this, grant, from, writing};
     std::shared_ptr<DecodePeer> decode;
     std::vector<int32_t> pages;
     size_t dest = 0;
@@ -773,6 +787,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
+    KVF_LOG_DEBUG("prefill: room {} may write staging region {}", grant.room, grant.chunk.region_id);
     std::shared_ptr<uint8_t> buffer;
     Status g;
     const int64_t chunk_tokens = grant.chunk.num_pages * pool_->layout().page_size();
@@ -781,6 +796,8 @@ class PrefillConnectorImpl : public PrefillConnector {
       auto scratch = AcquireScratch(grant.chunk.bytes);
       g = scratch.status();
       if (g.ok()) {
+        KVF_LOG_DEBUG("prefill: room {} has scratch for staging region {}", grant.room,
+                      grant.chunk.region_id);
         buffer = std::move(*scratch);
         g = gpu_slices_->Gather(GpuGeometry(*pool_), pool_->data(), pages, 0, chunk_tokens,
                                 src_head_start, grant.chunk.num_heads, grant.chunk.first_layer,
@@ -796,14 +813,34 @@ class PrefillConnectorImpl : public PrefillConnector {
       FailRoom(grant.room, g.WithContext("gathering a chunk for staging"));
       return;
     }
+    KVF_LOG_DEBUG("prefill: room {} gathered {} bytes for staging region {}", grant.room,
+                  grant.chunk.bytes, grant.chunk.region_id);
     ControlMessage ready;
     ready.type = ControlType::kStagingReady;
     ready.room = grant.room;
     ready.chunk = grant.chunk;
+    writing = true;
     Submit(grant.room, dest,
            {{TransferOp::kWrite, buffer.get(), decode->segment,
              a.staging_base + grant.chunk.offset, grant.chunk.bytes}},
            EncodeControl(ready), false, buffer);
+  }
+
+  // Tells decode `from` that its granted region will not be written.
+  void CancelStaged(const ControlMessage& grant, const std::string& from) {
+    std::shared_ptr<DecodePeer> decode;
+    {
+      std::lock_guard<std::mutex> lock(decodes_mu_);
+      auto it = decodes_.find(from);
+      if (it != decodes_.end()) decode = it->second;
+    }
+    ControlMessage cancel;
+    cancel.type = ControlType::kStagingCancel;
+    cancel.room = grant.room;
+    cancel.chunk = grant.chunk;
+    KVF_LOG_DEBUG("prefill: room {} will not write staging region {}", grant.room,
+                  grant.chunk.region_id);
+    TellDecode(decode, cancel);
   }
 
   // A staging buffer of at least `bytes` on the pool's GPU, registered with the engine: a
@@ -1091,6 +1128,7 @@ class PrefillConnectorImpl : public PrefillConnector {
 
   void FailRoom(uint64_t room, const Status& why) {
     if (!rooms_.Fail(room, why)) return;
+    KVF_LOG_DEBUG("prefill: room {} failed: {}", room, why.ToString());
     ++rooms_failed_;
     std::vector<std::shared_ptr<DecodePeer>> decodes;
     rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
@@ -1127,6 +1165,8 @@ class PrefillConnectorImpl : public PrefillConnector {
       if (it != decodes_.end()) it->second->last_heartbeat = Clock::now();
       return;
     }
+    KVF_LOG_DEBUG("prefill: control message type {} for room {} from {}",
+                  static_cast<int>(m->type), m->room, n.peer_address);
     control_->Post([this, msg = std::move(*m)] {
       switch (msg.type) {
         case ControlType::kRegisterDecode: HandleRegister(msg); break;

@@ -434,6 +434,8 @@ class NvlinkChannel : public PeerChannel {
     if (it == imports_.end()) {
       StatusOr<std::unique_ptr<cuda::ImportedAllocation>> imported =
           UnimplementedError("region is not shareable");
+      KVF_LOG_DEBUG("nvlink: mapping peer region {:x} ({} bytes on GPU {})", region->base,
+                    region->alloc_bytes, region->device_id);
       if (region->share_type == ShareHandleType::kCudaIpc) {
         imported = cuda::ImportedAllocation::FromIpcHandle(region->share_handle,
                                                            options_.local_device);
@@ -449,6 +451,7 @@ class NvlinkChannel : public PeerChannel {
         // the thread's last error, which the next launch check would report: clear it.
         if (cudaDeviceEnablePeerAccess(region->device_id, 0) != cudaSuccess) cudaGetLastError();
       }
+      KVF_LOG_DEBUG("nvlink: mapped peer region {:x}", region->base);
       std::unique_lock<std::shared_mutex> map_lock(map_mu_);
       it = imports_.emplace(region->key, std::move(*imported)).first;
     }
