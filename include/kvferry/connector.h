@@ -167,13 +167,15 @@ struct DecodeConnectorOptions {
   // per page run and buffer, a row per token: over NVLink the copy kernel writes the slices
   // straight into this rank's pages in one pass, with no staging memory; over TCP each row
   // still travels as its own block, as with direct), or "auto": fused for GPU pools, staging
-  // for host pools. Equal TP always moves whole pages. Staging with GPU pools is refused for
-  // now (kUnimplemented): its GPU run did not complete (docs/perf/hetero-tp.md).
+  // for host pools. Equal TP always moves whole pages.
   std::string kv_path = "auto";
-  // Staging ring bytes (host memory, allocated when an unequal-TP prefill first needs it). A
-  // chunk slice larger than half the ring is staged in runs of layers; one whose single layer
-  // exceeds the ring fails that room only. Default 256 MiB.
-  uint64_t staging_bytes = 256ull << 20;
+  // Staging ring bytes, allocated when an unequal-TP prefill first needs it: host memory for
+  // host pools, the pool's GPU for GPU pools (decode scatters it with a kernel). A chunk slice
+  // larger than an eighth of the ring is staged in runs of layers (several regions of every
+  // writer in flight); one whose single layer exceeds the ring fails that room only. Default
+  // 1 GiB (on 4xH200, TP2->TP1 reached 90% of equal TP with 1 GiB, 53-61% with 256 MiB:
+  // docs/perf/hetero-tp.md).
+  uint64_t staging_bytes = 1ull << 30;
   // Hybrid models: this rank's linear-attention state pool (caller-owned); each room names
   // the slot its state lands in (CreateReceiver). Null: no state.
   StatePool* state_pool = nullptr;

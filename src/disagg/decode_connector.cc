@@ -61,6 +61,14 @@ struct ReceiverRoom {
   }
 };
 
+// A staging grant decided but not sent yet: its region overlaps unscattered data of the
+// round before (sent once frees move the watermark past it).
+struct DeferredGrant {
+  std::shared_ptr<PrefillPeer> peer;
+  ControlMessage grant;
+  RingRegion region;
+};
+
 class DecodeConnectorImpl : public DecodeConnector {
  public:
   DecodeConnectorImpl(const DecodeConnectorOptions& options, KvPool* pool, AuxBuffer* aux)
@@ -112,6 +120,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     engine_->SetNotificationHandler(nullptr);
     bootstrap_->Close();
     control_->Close();
+    grants_->Close();  // after control_: its tasks may post grants
     engine_.reset();
   }
 
@@ -477,6 +486,12 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (peer == nullptr) return;
     const auto deadline = Clock::now() + options_.waiting_timeout;
     StatusOr<RingRegion> region = ResourceExhaustedError("not tried");
+    DeferredGrant grant;
+    grant.peer = peer;
+    grant.grant.type = ControlType::kStagingGrant;
+    grant.grant.room = m.room;
+    grant.grant.decode_address = engine_address();
+    grant.grant.chunk = m.chunk;
     while (true) {
       auto room = rooms_.Get(m.room);
       if (!room.ok() || IsFinal(room->state)) return;  // nothing to stage for any more
@@ -490,6 +505,16 @@ class DecodeConnectorImpl : public DecodeConnector {
         if (region.ok()) {
           live_regions_.push_back({*region, m.room});
           PublishWatermarkLocked();  // before the grant goes out
+          grant.region = *region;
+          grant.grant.chunk.round = region->round;
+          grant.grant.chunk.offset = region->offset;
+          grant.grant.chunk.region_id = region->id;
+          if (!RingAllocator::CanWrite(*region, ring_->watermark())) {
+            // It overlaps data of the round before that is not scattered yet: the grant goes
+            // out when the frees get there, so the writer never waits holding it.
+            deferred_grants_.push_back(std::move(grant));
+            return;
+          }
         }
       }
       if (region.ok() || region.status().code() != StatusCode::kResourceExhausted ||
@@ -502,40 +527,76 @@ class DecodeConnectorImpl : public DecodeConnector {
       FailRoom(m.room, region.status().WithContext("staging ring"), /*tell_prefill=*/true);
       return;
     }
-    KVF_LOG_DEBUG("decode: room {} granted staging region {} (round {}, offset {}, {} bytes)",
-                  m.room, region->id, region->round, region->offset, region->length);
-    ControlMessage grant;
-    grant.type = ControlType::kStagingGrant;
-    grant.room = m.room;
-    grant.decode_address = engine_address();
-    grant.chunk = m.chunk;
-    grant.chunk.round = region->round;
-    grant.chunk.offset = region->offset;
-    grant.chunk.region_id = region->id;
-    Status sent = engine_->SendNotification(peer->segment, EncodeControl(grant),
-                                            options_.waiting_timeout);
-    if (!sent.ok()) FailRoom(m.room, sent.WithContext("staging grant"), true);
+    std::vector<DeferredGrant> now;
+    now.push_back(std::move(grant));
+    SendGrants(std::move(now));
+  }
+
+  // Sends grants whose regions are writable. A grant whose room became final meanwhile is not
+  // sent and its region is freed at once (no writer holds it), which may make more deferred
+  // grants writable.
+  void SendGrants(std::vector<DeferredGrant> grants) {
+    while (!grants.empty()) {
+      std::vector<uint64_t> dropped;
+      for (DeferredGrant& g : grants) {
+        auto room = rooms_.Get(g.grant.room);
+        if (!room.ok() || IsFinal(room->state)) {
+          dropped.push_back(g.region.id);
+          continue;
+        }
+        KVF_LOG_DEBUG("decode: room {} granted staging region {} (round {}, offset {}, {} bytes)",
+                      g.grant.room, g.region.id, g.region.round, g.region.offset,
+                      g.region.length);
+        Status sent = engine_->SendNotification(g.peer->segment, EncodeControl(g.grant),
+                                                options_.waiting_timeout);
+        // Not freed here: a grant reported unsent may still have arrived.
+        if (!sent.ok()) FailRoom(g.grant.room, sent.WithContext("staging grant"), true);
+      }
+      if (dropped.empty()) return;
+      std::lock_guard<std::mutex> lock(staging_mu_);
+      for (auto& live : live_regions_) {
+        if (std::find(dropped.begin(), dropped.end(), live.region.id) != dropped.end()) {
+          live.consumed = true;
+        }
+      }
+      grants = FreeConsumedLocked();
+    }
+  }
+
+  // Hands grants made writable by a free to the grant queue (off the caller's thread, which may
+  // be an engine connection thread).
+  void PostGrants(std::vector<DeferredGrant> grants) {
+    if (grants.empty()) return;
+    grants_->Post([this, g = std::move(grants)]() mutable { SendGrants(std::move(g)); });
   }
 
   // Marks a granted region consumed, frees the consumed prefix of the ring in FIFO order and
   // publishes the new watermark.
   void ReleaseRegion(uint64_t region_id) {
-    std::lock_guard<std::mutex> lock(staging_mu_);
-    for (auto& live : live_regions_) {
-      if (live.region.id == region_id) live.consumed = true;
+    std::vector<DeferredGrant> ready;
+    {
+      std::lock_guard<std::mutex> lock(staging_mu_);
+      for (auto& live : live_regions_) {
+        if (live.region.id == region_id) live.consumed = true;
+      }
+      ready = FreeConsumedLocked();
     }
-    FreeConsumedLocked();
+    PostGrants(std::move(ready));
   }
 
   // A writer's notice that it will not write a region it was granted (its room failed or was
   // aborted on its side): the region is freed at once. Only a live region granted to that
   // room counts.
   void CancelRegion(const ControlMessage& m) {
-    std::lock_guard<std::mutex> lock(staging_mu_);
-    for (auto& live : live_regions_) {
-      if (live.region.id == m.chunk.region_id && live.room == m.room) live.consumed = true;
+    std::vector<DeferredGrant> ready;
+    {
+      std::lock_guard<std::mutex> lock(staging_mu_);
+      for (auto& live : live_regions_) {
+        if (live.region.id == m.chunk.region_id && live.room == m.room) live.consumed = true;
+      }
+      if (ring_ != nullptr) ready = FreeConsumedLocked();
     }
-    if (ring_ != nullptr) FreeConsumedLocked();
+    PostGrants(std::move(ready));
   }
 
   // Takes back regions whose room is final or gone but that were never written: each waits
@@ -560,6 +621,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     }
     if (gone.empty()) return;
     const auto now = Clock::now();
+    std::vector<DeferredGrant> ready;
     std::lock_guard<std::mutex> lock(staging_mu_);
     for (auto& live : live_regions_) {
       if (live.consumed || !std::binary_search(gone.begin(), gone.end(), live.room)) continue;
@@ -571,16 +633,28 @@ class DecodeConnectorImpl : public DecodeConnector {
         live.consumed = true;
       }
     }
-    FreeConsumedLocked();
+    PostGrants(FreeConsumedLocked());
   }
 
-  // Frees the consumed prefix of the ring and publishes the watermark. REQUIRES staging_mu_.
-  void FreeConsumedLocked() {
+  // Frees the consumed prefix of the ring, publishes the watermark and returns the deferred
+  // grants that became writable. REQUIRES staging_mu_.
+  std::vector<DeferredGrant> FreeConsumedLocked() {
     while (!live_regions_.empty() && live_regions_.front().consumed) {
       ring_->Free(live_regions_.front().region).IgnoreError();
       live_regions_.pop_front();
     }
     PublishWatermarkLocked();
+    std::vector<DeferredGrant> ready;
+    const Watermark w = ring_->watermark();
+    for (auto it = deferred_grants_.begin(); it != deferred_grants_.end();) {
+      if (RingAllocator::CanWrite(it->region, w)) {
+        ready.push_back(std::move(*it));
+        it = deferred_grants_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return ready;
   }
 
   // Publishes the ring's watermark in the cell writers READ. Called after every free and
@@ -758,6 +832,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   AuxBuffer* aux_;
   std::unique_ptr<TaskQueue> bootstrap_;
   std::unique_ptr<TaskQueue> control_ = std::make_unique<TaskQueue>(1);
+  std::unique_ptr<TaskQueue> grants_ = std::make_unique<TaskQueue>(1);  // deferred grants
   std::unique_ptr<TransferEngine> engine_;
   RoomTable<ReceiverRoom> rooms_;
 
@@ -786,6 +861,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     Clock::time_point reclaim_at = Clock::time_point::max();
   };
   std::deque<LiveRegion> live_regions_;
+  std::vector<DeferredGrant> deferred_grants_;
   alignas(64) WatermarkCell watermark_{0, 0, WatermarkCell::Check(0, 0)};
 
   std::atomic<uint64_t> rooms_succeeded_{0};

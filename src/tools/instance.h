@@ -46,7 +46,7 @@ struct InstanceFlags {
   // Decode, unequal TP: "auto", "direct" or "staging" (through a host staging ring of
   // staging_size).
   std::string kv_path = "auto";
-  std::string staging_size = "256MiB";
+  std::string staging_size = "1GiB";
   int exit_with_parent = 0;  // pid of the replay that spawned this instance; 0: none
   // Prefill context parallelism: rank cp_rank of cp_size sends its share of each request's
   // pages (cp_split.h); cp_rank0_only keeps the old behaviour (rank 0 sends everything).

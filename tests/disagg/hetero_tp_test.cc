@@ -294,21 +294,21 @@ TEST(HybridStateTest, EqualAndUnequalTp) {
   RunRoom(AttentionKind::kMha, 8, 1, 2, "direct", 0, 2);
   RunRoom(AttentionKind::kMha, 2, 4, 1, "direct", 0, 1);
   RunRoom(AttentionKind::kMha, 2, 1, 4, "direct", 0, 1);
-  RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 64 << 10, 2);
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 256 << 10, 2);
   g_hybrid = false;
 }
 
 // Layerwise passes land the same bytes as whole chunks: GQA, MLA and hybrid, equal and
 // unequal TP, direct and staging paths.
 TEST(LayerwiseTest, SameBytesAsChunkedSends) {
-  const uint64_t staged_chunks = RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 64 << 10, 2);
+  const uint64_t staged_chunks = RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 256 << 10, 2);
   g_layerwise = true;
   RunRoom(AttentionKind::kMha, 8, 1, 1, "direct", 0, 2);
   RunRoom(AttentionKind::kMha, 8, 2, 1, "direct", 0, 2);
   RunRoom(AttentionKind::kMha, 8, 1, 2, "direct", 0, 1);
   // Staging goes layer by layer: a ring region (one WRITE, plus watermark READs) per chunk
   // and layer instead of per chunk.
-  const uint64_t staged_layers = RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 64 << 10, 2);
+  const uint64_t staged_layers = RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 256 << 10, 2);
   EXPECT_GE(staged_layers, staged_chunks + 2 * 2 * 2) << staged_chunks;
   RunRoom(AttentionKind::kMla, 1, 1, 1, "direct", 0, 2);
   RunRoom(AttentionKind::kMla, 1, 2, 1, "direct", 0, 1);
