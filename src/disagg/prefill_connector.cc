@@ -932,6 +932,11 @@ class PrefillConnectorImpl : public PrefillConnector {
       }
       return OkStatus();
     }).IgnoreError();
+    if (finish_now) {
+      KVF_LOG_DEBUG("prefill: room {} destination {}: all KV landed, {}", room, dest,
+                    aux ? "aux row and done notice next" : "done notice next");
+    }
+    if (all_done) KVF_LOG_DEBUG("prefill: room {} done", room);
     if (finish_now && aux) {
       ControlMessage note;
       note.type = ControlType::kRoomDone;
@@ -986,6 +991,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   // Runs on the layer queue: one engine batch per decode rank with this layer's pages (or,
   // for a linear-attention layer of a room's last chunk, its state) for every room.
   void SubmitLayer(const LayerPass& pass, int layer) {
+    KVF_LOG_DEBUG("prefill: pass {} submits layer {}", pass.id, layer);
     const ModelGeometry& g = pool_->layout().geometry();
     const ModelGeometry::LayerRef ref = g.ModelLayer(layer);
     std::vector<int> buffers;
@@ -1064,7 +1070,10 @@ class PrefillConnectorImpl : public PrefillConnector {
                });
   }
 
-  // Polls CUDA events of layers marked by MarkLayerReadyOnEvent.
+  // Polls CUDA events of layers marked by MarkLayerReadyOnEvent. While any is pending the
+  // thread polls without sleeping (yielding between rounds): a sleep, however short, costs
+  // tens of microseconds of timer slack on every layer, and the last layer's adds straight
+  // to the transfer's tail.
   void EventLoop() {
     std::unique_lock<std::mutex> lock(events_mu_);
     while (!events_stopping_) {
@@ -1087,12 +1096,13 @@ class PrefillConnectorImpl : public PrefillConnector {
           FailPass(e.pass, done.status().WithContext("layer " + std::to_string(e.layer) +
                                                      " ready event"));
         } else if (*done) {
+          KVF_LOG_DEBUG("prefill: pass {} layer {} event completed", e.pass, e.layer);
           MarkLayerReady(e.pass, e.layer).IgnoreError();
         } else {
           still.push_back(e);
         }
       }
-      if (!still.empty()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      if (!still.empty()) std::this_thread::yield();
       lock.lock();
       events_.insert(events_.end(), still.begin(), still.end());
     }

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/checks.h"
+#include "common/logging.h"
 #include "common/env.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
@@ -545,8 +546,10 @@ int RunPrefillInstance(const InstanceFlags& flags) {
       }
       if (range.num_pages == 0) break;
     }
+    KVF_LOG_DEBUG("prefill instance: room {} compute ended", room);
     auto done = c.Wait(room, RoomState::kSuccess, milliseconds(flags.timeout_ms));
     const auto success = Clock::now();
+    KVF_LOG_DEBUG("prefill instance: room {} wait returned", room);
     double transfer_ms = std::chrono::duration<double, std::milli>(success - start).count();
     // The tail: from the last layer ready (end of compute) to the room's success.
     double tail_ms = std::chrono::duration<double, std::milli>(success - compute_end).count();
