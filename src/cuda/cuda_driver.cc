@@ -67,9 +67,7 @@ StatusOr<const DriverApi*> Driver() {
 DeviceGuard::DeviceGuard(int device) {
   if (device < 0) return;
   auto d = Driver();
-  if (!d.ok()) return;
-  if ((*d)->cuCtxGetCurrent(&previous_) != CUDA_SUCCESS) return;
-  restore_ = true;
+  restore_ = d.ok() && (*d)->cuCtxGetCurrent(&previous_) == CUDA_SUCCESS;
   if (cudaSetDevice(device) != cudaSuccess) cudaGetLastError();
 }
 

@@ -119,8 +119,8 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (heartbeat_.joinable()) heartbeat_.join();
     engine_->SetNotificationHandler(nullptr);
     bootstrap_->Close();
+    grants_->Close();   // before control_: a failed grant posts its abort notice there
     control_->Close();
-    grants_->Close();  // after control_: its tasks may post grants
     engine_.reset();
   }
 
@@ -601,7 +601,9 @@ class DecodeConnectorImpl : public DecodeConnector {
 
   // Takes back regions whose room is final or gone but that were never written: each waits
   // one waiting timeout after that was first seen (its writer may still be writing until
-  // its own deadline), then counts as consumed. Without this, one failed room's region would
+  // its own deadline), then counts as consumed. A writer whose WRITE lands later than that
+  // (prefill's transfer_timeout well above this rank's waiting_timeout, or a stalled TCP
+  // peer) could overwrite the region's next owner: keep transfer_timeout <= waiting_timeout. Without this, one failed room's region would
   // stop the FIFO ring for every later room. Runs on the timer thread.
   void ReclaimAbandoned() {
     std::vector<uint64_t> rooms;
@@ -690,7 +692,9 @@ class DecodeConnectorImpl : public DecodeConnector {
       }
     }
     if (!granted) {
-      ReleaseRegion(m.chunk.region_id);  // a mismatched region must not block the ring
+      // A mismatched notice must not block the ring, but it frees the named region only when
+      // that region was granted to this room (its writer is the sender).
+      CancelRegion(m);
       FailRoom(m.room, InvalidArgumentError("staging notice names region " +
                                             std::to_string(m.chunk.region_id) +
                                             " that was not granted as described"),

@@ -626,10 +626,12 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // Submits one engine batch (counted in the stats) and runs `done` with its outcome on the
-  // completion queue, also when the engine refuses it. `keepalive` lives until then.
+  // completion queue, also when the engine refuses it (then `refused` runs first: nothing of
+  // the batch was sent). `keepalive` lives until then.
   void SubmitThen(std::vector<TransferRequest> requests, std::string notification,
                   std::shared_ptr<void> keepalive,
-                  std::function<void(const BatchStatus&)> done) {
+                  std::function<void(const BatchStatus&)> done,
+                  std::function<void()> refused = nullptr) {
     uint64_t bytes = 0;
     for (const auto& r : requests) bytes += r.length_bytes;
     transfer_requests_ += requests.size();
@@ -645,6 +647,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     };
     auto id = engine_->SubmitBatch(requests, o);
     if (!id.ok()) {
+      if (refused) refused();
       BatchStatus failed;
       failed.state = TransferState::kFailed;
       failed.error = id.status();
@@ -822,11 +825,20 @@ class PrefillConnectorImpl : public PrefillConnector {
     ready.type = ControlType::kStagingReady;
     ready.room = grant.room;
     ready.chunk = grant.chunk;
+    // A room that failed while this waited or gathered (decode may already be reclaiming
+    // the region) does not write.
+    auto room = rooms_.Get(grant.room);
+    if (!room.ok() || IsFinal(room->state)) return;
     writing = true;
-    Submit(grant.room, dest,
-           {{TransferOp::kWrite, buffer.get(), decode->segment,
-             a.staging_base + grant.chunk.offset, grant.chunk.bytes}},
-           EncodeControl(ready), false, buffer);
+    // A transport failure after this may still land bytes, so only a refusal before anything
+    // was sent cancels the region; otherwise decode reclaims it after its timeout.
+    SubmitThen({{TransferOp::kWrite, buffer.get(), decode->segment,
+                 a.staging_base + grant.chunk.offset, grant.chunk.bytes}},
+               EncodeControl(ready), buffer,
+               [this, room_id = grant.room, dest](const BatchStatus& status) {
+                 OnBatchDone(room_id, dest, false, status);
+               },
+               [this, grant, from] { CancelStaged(grant, from); });
   }
 
   // Tells decode `from` that its granted region will not be written.
@@ -1070,10 +1082,9 @@ class PrefillConnectorImpl : public PrefillConnector {
                });
   }
 
-  // Polls CUDA events of layers marked by MarkLayerReadyOnEvent. While any is pending the
-  // thread polls without sleeping (yielding between rounds): a sleep, however short, costs
-  // tens of microseconds of timer slack on every layer, and the last layer's adds straight
-  // to the transfer's tail.
+  // Polls CUDA events of layers marked by MarkLayerReadyOnEvent, sleeping 20 us between
+  // rounds. (Polling without sleeping was tried: it held a core for the whole forward pass
+  // and did not shorten the measured tail, docs/perf/layerwise.md run L.)
   void EventLoop() {
     std::unique_lock<std::mutex> lock(events_mu_);
     while (!events_stopping_) {
@@ -1102,7 +1113,7 @@ class PrefillConnectorImpl : public PrefillConnector {
           still.push_back(e);
         }
       }
-      if (!still.empty()) std::this_thread::yield();
+      if (!still.empty()) std::this_thread::sleep_for(std::chrono::microseconds(20));
       lock.lock();
       events_.insert(events_.end(), still.begin(), still.end());
     }
