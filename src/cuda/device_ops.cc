@@ -222,7 +222,8 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
     std::lock_guard<std::mutex> lock(mu_);
     DeviceGuard device(gpu_.device());
     RETURN_IF_ERROR(Check(g, pages, r));
-    CUDA_RETURN_IF_ERROR(LaunchGatherHeads(g, pool, gpu_.pages().data(), r, staging, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(
+        LaunchGatherHeads(g, pool, gpu_.pages().data(), r, staging, gpu_.stream()));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
@@ -234,7 +235,8 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
     std::lock_guard<std::mutex> lock(mu_);
     DeviceGuard device(gpu_.device());
     RETURN_IF_ERROR(Check(g, pages, r));
-    CUDA_RETURN_IF_ERROR(LaunchScatterHeads(g, pool, gpu_.pages().data(), r, staging, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(
+        LaunchScatterHeads(g, pool, gpu_.pages().data(), r, staging, gpu_.stream()));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
@@ -249,8 +251,8 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
     }
     const int64_t end_page = (r.first_token + r.num_tokens + g.page_size - 1) / g.page_size;
     if (end_page > static_cast<int64_t>(pages.size())) {
-      return OutOfRangeError("tokens need " + std::to_string(end_page) + " pages, the request lists " +
-                             std::to_string(pages.size()));
+      return OutOfRangeError("tokens need " + std::to_string(end_page) +
+                             " pages, the request lists " + std::to_string(pages.size()));
     }
     const int64_t num_pages = static_cast<int64_t>(g.buffer_stride / g.page_bytes);
     for (int64_t p = r.first_token / g.page_size; p < end_page; ++p) {
@@ -271,6 +273,113 @@ StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(int device) {
   auto s = std::make_unique<GpuHeadSlicesImpl>(device);
   RETURN_IF_ERROR(s->Init());
   return std::unique_ptr<GpuHeadSlices>(std::move(s));
+}
+
+namespace {
+
+class BounceBuffersImpl : public BounceBuffers {
+ public:
+  BounceBuffersImpl(int device, uint64_t bytes) : device_(device), bytes_(bytes) {}
+  ~BounceBuffersImpl() override {
+    DeviceGuard guard(device_);
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (Buffer& b : buffers_) {
+      if (b.event) cudaEventDestroy(b.event);
+      if (b.host) cudaFreeHost(b.host);
+    }
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status Init(int count) {
+    if (count < 1 || bytes_ == 0)
+      return InvalidArgumentError("bounce buffers need a count and a size");
+    RETURN_IF_ERROR(CheckDevice(device_));
+    DeviceGuard guard(device_);
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    buffers_.resize(static_cast<size_t>(count));
+    for (Buffer& b : buffers_) {
+      void* p = nullptr;
+      if (cudaMallocHost(&p, bytes_) != cudaSuccess) {
+        cudaGetLastError();
+        return ResourceExhaustedError("cannot pin " + std::to_string(bytes_) +
+                                      " bytes of host memory for a bounce buffer");
+      }
+      b.host = static_cast<uint8_t*>(p);
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.event, cudaEventDisableTiming));
+    }
+    return OkStatus();
+  }
+
+  int count() const override { return static_cast<int>(buffers_.size()); }
+  uint64_t bytes() const override { return bytes_; }
+  int device() const override { return device_; }
+  uint8_t* host(int i) override { return buffers_[static_cast<size_t>(i)].host; }
+
+  Status StartFromDevice(int i, const void* device_src, uint64_t n) override {
+    return Start(i, host(i), device_src, n, cudaMemcpyDeviceToHost);
+  }
+  Status StartToDevice(int i, void* device_dst, uint64_t n) override {
+    return Start(i, device_dst, host(i), n, cudaMemcpyHostToDevice);
+  }
+
+  StatusOr<bool> Ready(int i) override {
+    Buffer& b = buffers_[static_cast<size_t>(i)];
+    if (!b.started) return true;
+    DeviceGuard guard(device_);
+    cudaError_t e = cudaEventQuery(b.event);
+    if (e == cudaErrorNotReady) return false;
+    b.started = false;
+    if (e != cudaSuccess)
+      return InternalError(std::string("bounce copy: ") + cudaGetErrorString(e));
+    return true;
+  }
+
+  Status Wait(int i) override {
+    Buffer& b = buffers_[static_cast<size_t>(i)];
+    if (!b.started) return OkStatus();
+    DeviceGuard guard(device_);
+    cudaError_t e = cudaEventSynchronize(b.event);
+    b.started = false;
+    if (e != cudaSuccess)
+      return InternalError(std::string("bounce copy: ") + cudaGetErrorString(e));
+    return OkStatus();
+  }
+
+ private:
+  struct Buffer {
+    uint8_t* host = nullptr;
+    cudaEvent_t event = nullptr;
+    bool started = false;
+  };
+
+  Status Start(int i, void* dst, const void* src, uint64_t n, cudaMemcpyKind kind) {
+    if (i < 0 || i >= count() || n > bytes_) {
+      return OutOfRangeError("bounce copy of " + std::to_string(n) + " bytes into buffer " +
+                             std::to_string(i) + " of " + std::to_string(count()) + " x " +
+                             std::to_string(bytes_));
+    }
+    Buffer& b = buffers_[static_cast<size_t>(i)];
+    DeviceGuard guard(device_);
+    (void)cudaGetLastError();
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, n, kind, stream_));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(b.event, stream_));
+    b.started = true;
+    return OkStatus();
+  }
+
+  const int device_;
+  const uint64_t bytes_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<Buffer> buffers_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<BounceBuffers>> BounceBuffers::Create(int device, int count,
+                                                               uint64_t bytes) {
+  auto b = std::make_unique<BounceBuffersImpl>(device, bytes);
+  RETURN_IF_ERROR(b->Init(count));
+  return std::unique_ptr<BounceBuffers>(std::move(b));
 }
 
 }  // namespace kvferry::cuda

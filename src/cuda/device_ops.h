@@ -27,8 +27,7 @@ class GpuPattern {
   virtual ~GpuPattern() = default;
   // Writes tokens [first_token, first_token + num_tokens) and waits for the kernel.
   virtual Status Fill(const PatternGeometry& g, uint8_t* pool, uint64_t room,
-                      std::span<const int32_t> pages, int64_t first_token,
-                      int64_t num_tokens) = 0;
+                      std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens) = 0;
   // Checks tokens [0, num_tokens); returns the number of (buffer, page) pairs with a wrong
   // byte (like VerifyResult::pages_mismatched).
   virtual StatusOr<int64_t> Verify(const PatternGeometry& g, const uint8_t* pool, uint64_t room,
@@ -67,6 +66,31 @@ class ComputeStream {
   virtual StatusOr<void*> Spin(int64_t microseconds) = 0;
   // Blocks until everything enqueued so far has run.
   virtual Status Synchronize() = 0;
+};
+
+// Pinned host buffers with asynchronous copies to and from one GPU, for moving GPU memory
+// through TCP: a buffer is filled from the device (or emptied into it) by a copy on this
+// object's stream, and Ready/Wait tell when that copy finished. Each call makes `device`
+// current and restores the caller's context. Not thread-safe: one owning thread.
+class BounceBuffers {
+ public:
+  // `count` buffers of `bytes` each (pinned, cudaMallocHost). Errors: kUnimplemented /
+  // kFailedPrecondition without CUDA or device, kResourceExhausted when pinned memory runs out.
+  static StatusOr<std::unique_ptr<BounceBuffers>> Create(int device, int count, uint64_t bytes);
+  virtual ~BounceBuffers() = default;
+  virtual int count() const = 0;
+  virtual uint64_t bytes() const = 0;
+  virtual int device() const = 0;
+  virtual uint8_t* host(int i) = 0;
+  // Starts copying `n` (<= bytes()) bytes from device memory into buffer i, or from buffer i
+  // into device memory; returns at once. The buffer must not be touched until Ready/Wait say
+  // the copy finished.
+  virtual Status StartFromDevice(int i, const void* device_src, uint64_t n) = 0;
+  virtual Status StartToDevice(int i, void* device_dst, uint64_t n) = 0;
+  // Whether buffer i's last copy finished (true with no copy started); its error if it failed.
+  virtual StatusOr<bool> Ready(int i) = 0;
+  // Blocks until buffer i's last copy finished.
+  virtual Status Wait(int i) = 0;
 };
 
 }  // namespace kvferry::cuda

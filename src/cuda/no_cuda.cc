@@ -27,6 +27,9 @@ StatusOr<bool> EventCompleted(void*) { return NoCuda(); }
 StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int) { return NoCuda(); }
 StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(int) { return NoCuda(); }
 StatusOr<std::unique_ptr<GpuPattern>> GpuPattern::Create(int) { return NoCuda(); }
+StatusOr<std::unique_ptr<BounceBuffers>> BounceBuffers::Create(int, int, uint64_t) {
+  return NoCuda();
+}
 StatusOr<double> MeasureMemcpyPeer(int, int, uint64_t, int) { return NoCuda(); }
 StatusOr<double> MeasureMemcpyBatch(int, int, uint64_t, int, int) { return NoCuda(); }
 int DeviceCount() { return 0; }

@@ -18,6 +18,7 @@
 #include "kvferry/engine.h"
 #include "transport/tcp/tcp_common.h"
 #include "transport/tcp/tcp_peer.h"
+#include "transport/gpu_bounce_channel.h"
 #include "transport/nvlink/fd_passing.h"
 #include "transport/nvlink/nvlink_channel.h"
 #include "transport/tcp/tcp_server.h"
@@ -45,6 +46,9 @@ struct Peer {
   bool same_node_nvlink = false;      // peer on this node and both sides speak NVLink
   std::mutex nvlink_mu;
   std::map<int, std::unique_ptr<PeerChannel>> nvlink;  // by local CUDA device
+  // Local GPU memory to a peer without NVLink: through `tcp` with pinned bounce buffers, by
+  // local CUDA device. Guarded by nvlink_mu; closed after tcp.
+  std::map<int, std::unique_ptr<PeerChannel>> gpu_tcp;
 };
 
 // One submitted batch. Its work items live in one array inside the batch; transports hold
@@ -483,6 +487,7 @@ class EngineImpl : public TransferEngine {
       p->tcp->Close();
       std::lock_guard<std::mutex> lock(p->nvlink_mu);
       for (auto& [dev, ch] : p->nvlink) ch->Close();
+      for (auto& [dev, ch] : p->gpu_tcp) ch->Close();
     }
     for (auto& b : batches) b->ReleaseItems();
     // The server's connection threads may still answer a describe request (LocalDescriptor)
@@ -613,6 +618,7 @@ class EngineImpl : public TransferEngine {
     peer->tcp->Close();
     std::lock_guard<std::mutex> lock(peer->nvlink_mu);
     for (auto& [dev, ch] : peer->nvlink) ch->Close();
+    for (auto& [dev, ch] : peer->gpu_tcp) ch->Close();
     return OkStatus();
   }
 
@@ -891,9 +897,25 @@ class EngineImpl : public TransferEngine {
       return static_cast<PeerChannel*>(peer.tcp.get());
     }
     if (options_.transport == "tcp" || !peer.same_node_nvlink) {
-      return UnimplementedError(where() + "GPU memory to peer " + peer.address +
-                                " needs NVLink (same node, both with CUDA); GPU memory over TCP "
-                                "is not supported yet");
+      if (options_.transport == "nvlink") {
+        return FailedPreconditionError(where() + "transport 'nvlink' needs peer " + peer.address +
+                                       " on this node with CUDA");
+      }
+      // No NVLink to this peer: the TCP channel, through pinned bounce buffers.
+      std::lock_guard<std::mutex> lock(peer.nvlink_mu);
+      auto& channel = peer.gpu_tcp[local_device_id];
+      if (channel == nullptr) {
+        GpuBounceOptions o;
+        o.tcp = peer.tcp.get();
+        o.local_device = local_device_id;
+        auto made = CreateGpuBounceChannel(o);
+        if (!made.ok()) {
+          return made.status().WithContext(where() + "GPU memory to peer " + peer.address +
+                                           " over TCP");
+        }
+        channel = std::move(*made);
+      }
+      return channel.get();
     }
     std::lock_guard<std::mutex> lock(peer.nvlink_mu);
     auto& channel = peer.nvlink[local_device_id];

@@ -156,7 +156,9 @@ class NvlinkGpuTest : public ::testing::Test {
     ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&local_, kRegionBytes), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&back_, kRegionBytes), cudaSuccess);
-    auto engine = TransferEngine::Create({});
+    EngineOptions options;
+    options.transport = transport_;
+    auto engine = TransferEngine::Create(options);
     ASSERT_TRUE(engine.ok()) << engine.status().ToString();
     engine_ = std::move(*engine);
     ASSERT_TRUE(engine_->RegisterMemory(local_, kRegionBytes, {MemoryKind::kCuda, 0}).ok());
@@ -179,6 +181,7 @@ class NvlinkGpuTest : public ::testing::Test {
     return TransferSync(*engine_, std::span(&r, 1), o);
   }
 
+  std::string transport_ = "auto";  // NVLink between the two GPUs
   int peer_device_ = 0;
   GpuPeer peer_;
   void* local_ = nullptr;
@@ -356,6 +359,87 @@ TEST_F(NvlinkGpuTest, KilledPeerFailsTheBatchWithinDeadlineAndWeSurvive) {
   ASSERT_EQ(cudaMemcpy(back_, local_, 4096, cudaMemcpyDeviceToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(got.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(got, host);
+}
+
+// The same GPU memory forced over TCP (`transport tcp`, as to a peer without NVLink): this
+// side's GPU memory goes through pinned bounce buffers in the engine, the peer's through its
+// TCP server's; both directions, random sizes (several MiB: many chunks in flight) and
+// alignments, byte for byte.
+class GpuOverTcpTest : public NvlinkGpuTest {
+ protected:
+  void SetUp() override {
+    transport_ = "tcp";
+    NvlinkGpuTest::SetUp();
+  }
+};
+
+TEST_F(GpuOverTcpTest, RandomSizesAndAlignmentsVerifiedByteForByte) {
+  std::mt19937_64 rng(17);
+  std::vector<uint8_t> src(kRegionBytes / 2), got(kRegionBytes / 2);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  for (uint64_t base : {peer_.ipc_base, peer_.vmm_base}) {
+    for (int round = 0; round < 24; ++round) {
+      uint64_t len = 1 + rng() % (round < 16 ? 70000 : (12ull << 20));
+      uint64_t src_off = rng() % (kRegionBytes / 2 - len);
+      uint64_t dst_off = rng() % (kRegionBytes / 2 - 4096 - len);
+      Status w = Do(TransferOp::kWrite, static_cast<uint8_t*>(local_) + src_off, base + dst_off, len);
+      ASSERT_TRUE(w.ok()) << w.ToString();
+      ASSERT_EQ(cudaMemset(back_, 0, len), cudaSuccess);
+      Status r = Do(TransferOp::kRead, back_, base + dst_off, len);
+      ASSERT_TRUE(r.ok()) << r.ToString();
+      ASSERT_EQ(cudaMemcpy(got.data(), back_, len, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(std::memcmp(got.data(), src.data() + src_off, len), 0)
+          << "round " << round << " len " << len << " src_off " << src_off << " dst_off " << dst_off;
+    }
+  }
+}
+
+// Host memory on this side, GPU memory on the peer's: only the server's bounce buffers.
+TEST_F(GpuOverTcpTest, HostMemoryToPeerGpuMemory) {
+  std::mt19937_64 rng(3);
+  const uint64_t len = 5 * (1 << 20) + 123;
+  std::vector<uint8_t> src(len), got(len, 0);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  ASSERT_TRUE(engine_->RegisterMemory(src.data(), len, {}).ok());
+  ASSERT_TRUE(engine_->RegisterMemory(got.data(), len, {}).ok());
+  ASSERT_TRUE(Do(TransferOp::kWrite, src.data(), peer_.vmm_base + 77, len).ok());
+  ASSERT_TRUE(Do(TransferOp::kRead, got.data(), peer_.vmm_base + 77, len).ok());
+  EXPECT_EQ(std::memcmp(got.data(), src.data(), len), 0);
+}
+
+// Many small GPU blocks in one batch: every one a chunk of its own through the bounce ring.
+TEST_F(GpuOverTcpTest, ManySmallBlocksInOneBatch) {
+  std::vector<uint8_t> src(2048 * 2048);
+  std::mt19937_64 rng(9);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < 2048; ++i) {
+    uint64_t slot = (static_cast<uint64_t>(i) * 769) % 2048;
+    reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + i * 2048, segment_,
+                    peer_.ipc_base + slot * 2048, 2048});
+  }
+  ASSERT_TRUE(TransferSync(*engine_, reqs).ok());
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, src.size()).ok());
+  std::vector<uint8_t> got(src.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int i = 0; i < 2048; ++i) {
+    uint64_t slot = (static_cast<uint64_t>(i) * 769) % 2048;
+    ASSERT_EQ(std::memcmp(got.data() + slot * 2048, src.data() + i * 2048, 2048), 0) << i;
+  }
+}
+
+TEST_F(GpuOverTcpTest, RangeOutsideRegisteredMemoryIsRefused) {
+  Status s = Do(TransferOp::kWrite, local_, peer_.vmm_base + kRegionBytes - 100, 200);
+  EXPECT_FALSE(s.ok());
+  s = Do(TransferOp::kWrite, local_, peer_.ro_base, 100);
+  EXPECT_FALSE(s.ok());
+  // Still usable, and the refused bytes were untouched.
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base + kRegionBytes - 100, 100).ok());
+  std::vector<uint8_t> got(100);
+  cudaMemcpy(got.data(), back_, 100, cudaMemcpyDeviceToHost);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(got[i], Pattern(kRegionBytes - 100 + i));
 }
 
 }  // namespace

@@ -2,7 +2,12 @@
 
 #include <sys/socket.h>
 
+#include <deque>
+#include <map>
+
+#include "common/checks.h"
 #include "common/logging.h"
+#include "cuda/device_ops.h"
 #include "transport/tcp/tcp_common.h"
 
 namespace kvferry::tcp {
@@ -104,6 +109,49 @@ Status WriteReply(asio::ip::tcp::socket& socket, wire::FrameType type, uint64_t 
 
 }  // namespace
 
+template <typename BounceFor>
+Status TcpServer::ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameHeader& h,
+                               int device, BounceFor& bounce_for, asio::error_code& ec) {
+  // The first chunk is copied before the header goes out, so a bad device range is refused
+  // with a reply; later chunks are copied while the one before is being sent.
+  auto bounce = bounce_for(device);
+  Status first = bounce.status();
+  const uint64_t n0 = std::min<uint64_t>(kBounceBytes, h.length);
+  if (first.ok()) first = (*bounce)->StartFromDevice(0, reinterpret_cast<const void*>(h.addr), n0);
+  if (first.ok()) first = (*bounce)->Wait(0);
+  if (!first.ok()) {
+    return WriteReply(socket, wire::FrameType::kReadData, h.request_id,
+                      first.WithContext("READ from GPU memory"));
+  }
+  wire::FrameHeader r;
+  r.type = wire::FrameType::kReadData;
+  r.request_id = h.request_id;
+  r.length = h.length;
+  wire::HeaderBytes hb = wire::EncodeFrameHeader(r);
+  asio::write(socket, asio::buffer(hb), ec);
+  int cur = 0;
+  for (uint64_t done = 0; done < h.length && !ec;) {
+    const uint64_t n = std::min<uint64_t>(kBounceBytes, h.length - done);
+    if (Status w = (*bounce)->Wait(cur); !w.ok()) {
+      // The header promised bytes that cannot come: the connection must go.
+      return w.WithContext("READ from GPU memory");
+    }
+    const uint64_t next = done + n;
+    const int other = (cur + 1) % kBounceBuffers;
+    if (next < h.length) {
+      const uint64_t m = std::min<uint64_t>(kBounceBytes, h.length - next);
+      RETURN_IF_ERROR((*bounce)
+                          ->StartFromDevice(other, reinterpret_cast<const void*>(h.addr + next), m)
+                          .WithContext("READ from GPU memory"));
+    }
+    asio::write(socket, asio::buffer((*bounce)->host(cur), n), ec);
+    done = next;
+    cur = other;
+  }
+  if (ec) return UnavailableError(ec.message());
+  return OkStatus();
+}
+
 void TcpServer::Serve(Connection* connection) {
   asio::ip::tcp::socket& socket = *connection->socket;
   std::string peer_endpoint;
@@ -116,17 +164,60 @@ void TcpServer::Serve(Connection* connection) {
   bool greeted = false;
   std::string close_reason;
   std::vector<uint8_t> body;
-  // Acknowledgements of successful WRITEs wait here while more requests are already queued in
-  // the socket, then leave in one send: small WRITEs otherwise cost one send() each.
-  // Replies keep their order: everything queued goes out before any other reply.
+  // GPU memory over TCP: payloads pass through pinned bounce buffers, one set per device this
+  // connection touches, copied to and from the device asynchronously on their own stream.
+  std::map<int, std::unique_ptr<cuda::BounceBuffers>> bounces;
+  int next_bounce = 0;
+  auto bounce_for = [&](int device) -> StatusOr<cuda::BounceBuffers*> {
+    auto& b = bounces[device];
+    if (b == nullptr) {
+      auto made = cuda::BounceBuffers::Create(device, kBounceBuffers, kBounceBytes);
+      if (!made.ok()) {
+        bounces.erase(device);
+        return made.status();
+      }
+      b = std::move(*made);
+    }
+    return b.get();
+  };
+  // Acknowledgements of WRITEs wait here while more requests are already queued in the socket,
+  // then leave in one send: small WRITEs otherwise cost one send() each. A WRITE into GPU
+  // memory is acknowledged only after its last chunk's copy to the device finished (its pin
+  // keeps the region registered until then). Replies keep their order: everything queued goes
+  // out before any other reply.
   constexpr size_t kMaxQueuedAcks = 64;
-  std::vector<wire::HeaderBytes> queued_acks;
+  struct QueuedAck {
+    uint64_t request_id = 0;
+    Status error;                           // set when the WRITE failed
+    cuda::BounceBuffers* bounce = nullptr;  // GPU WRITE: wait for `buffer`'s copy first
+    int buffer = -1;
+    MemoryRegistry::Pin pin;  // GPU WRITE: the region, until the copy finished
+  };
+  std::deque<QueuedAck> queued_acks;
   auto flush_acks = [&]() -> bool {
     if (queued_acks.empty()) return true;
+    std::vector<wire::HeaderBytes> headers(queued_acks.size());
+    std::deque<std::string> texts;
+    std::vector<asio::const_buffer> out;
+    for (size_t i = 0; i < queued_acks.size(); ++i) {
+      QueuedAck& q = queued_acks[i];
+      Status st = q.error;
+      if (st.ok() && q.bounce != nullptr) st = q.bounce->Wait(q.buffer);
+      wire::FrameHeader ack;
+      ack.type = wire::FrameType::kWriteAck;
+      ack.request_id = q.request_id;
+      ack.status = static_cast<uint32_t>(st.code());
+      if (!st.ok()) {
+        texts.push_back(st.WithContext("WRITE into GPU memory").message());
+        ack.body_bytes = static_cast<uint32_t>(texts.back().size());
+      }
+      headers[i] = wire::EncodeFrameHeader(ack);
+      out.push_back(asio::buffer(headers[i]));
+      if (!st.ok()) out.push_back(asio::buffer(texts.back()));
+    }
     asio::error_code wec;
-    asio::write(socket, asio::buffer(queued_acks.data(), queued_acks.size() * sizeof(queued_acks[0])),
-                wec);
-    queued_acks.clear();
+    asio::write(socket, out, wec);
+    queued_acks.clear();  // drops the pins: every copy above finished
     return !wec;
   };
   while (close_reason.empty()) {
@@ -144,8 +235,8 @@ void TcpServer::Serve(Connection* connection) {
     const wire::FrameHeader& h = *header;
     if (h.type != wire::FrameType::kWrite && !flush_acks()) break;
     if (!greeted && h.type != wire::FrameType::kHello) {
-      close_reason = std::string("first frame is ") + std::string(wire::FrameTypeName(h.type)) +
-                     ", not HELLO";
+      close_reason =
+          std::string("first frame is ") + std::string(wire::FrameTypeName(h.type)) + ", not HELLO";
       break;
     }
     body.resize(h.body_bytes);
@@ -162,8 +253,7 @@ void TcpServer::Serve(Connection* connection) {
         }
         auto desc = wire::DecodeDescriptor(body);
         if (!desc.ok()) {
-          WriteReply(socket, wire::FrameType::kHelloAck, h.request_id, desc.status())
-              .IgnoreError();
+          WriteReply(socket, wire::FrameType::kHelloAck, h.request_id, desc.status()).IgnoreError();
           close_reason = "bad HELLO: " + desc.status().message();
           break;
         }
@@ -182,31 +272,50 @@ void TcpServer::Serve(Connection* connection) {
                           pin.status().WithContext("WRITE refused"));
           break;
         }
-        if (pin->region().kind != MemoryKind::kHost) {
-          Discard(socket, h.length, ec);
-          if (ec || !flush_acks()) break;
-          io = WriteReply(socket, wire::FrameType::kWriteAck, h.request_id,
-                          UnimplementedError("WRITE into device memory over TCP is not "
-                                             "supported by this build"));
+        if (pin->region().kind == MemoryKind::kCuda) {
+          // Chunk by chunk into the bounce buffers, each copied to the device while the next
+          // arrives. A failed copy still drains the payload, then fails this WRITE only.
+          QueuedAck q;
+          q.request_id = h.request_id;
+          auto bounce = bounce_for(pin->region().device_id);
+          if (!bounce.ok()) q.error = bounce.status();
+          for (uint64_t done = 0; done < h.length && !ec;) {
+            const uint64_t n = std::min<uint64_t>(kBounceBytes, h.length - done);
+            if (!q.error.ok()) {
+              Discard(socket, n, ec);
+            } else {
+              const int i = next_bounce++ % kBounceBuffers;
+              if (Status w = (*bounce)->Wait(i); !w.ok()) q.error = w;  // its previous copy
+              asio::read(socket, asio::buffer((*bounce)->host(i), n), ec);
+              if (!ec && q.error.ok()) {
+                q.error = (*bounce)->StartToDevice(i, reinterpret_cast<void*>(h.addr + done), n);
+                q.bounce = *bounce;
+                q.buffer = i;
+              }
+            }
+            done += n;
+          }
+          if (ec) break;
+          q.pin = std::move(*pin);
+          queued_acks.push_back(std::move(q));
           break;
         }
         asio::read(socket, asio::buffer(reinterpret_cast<void*>(h.addr), h.length), ec);
         if (ec) break;
-        wire::FrameHeader ack;
-        ack.type = wire::FrameType::kWriteAck;
-        ack.request_id = h.request_id;
-        queued_acks.push_back(wire::EncodeFrameHeader(ack));
+        QueuedAck q;
+        q.request_id = h.request_id;
+        queued_acks.push_back(std::move(q));
         break;
       }
       case wire::FrameType::kRead: {
         auto pin = registry_->PinRange(h.addr, h.length, kAccessRemoteRead);
         Status refuse = pin.ok() ? OkStatus() : pin.status().WithContext("READ refused");
-        if (pin.ok() && pin->region().kind != MemoryKind::kHost) {
-          refuse = UnimplementedError("READ from device memory over TCP is not supported by "
-                                      "this build");
-        }
         if (!refuse.ok()) {
           io = WriteReply(socket, wire::FrameType::kReadData, h.request_id, refuse);
+          break;
+        }
+        if (pin->region().kind == MemoryKind::kCuda) {
+          io = ServeGpuRead(socket, h, pin->region().device_id, bounce_for, ec);
           break;
         }
         wire::FrameHeader r;

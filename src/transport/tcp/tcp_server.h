@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "engine/memory_registry.h"
+#include "engine/wire.h"
 #include "kvferry/engine.h"
 
 namespace kvferry::tcp {
@@ -52,6 +53,15 @@ class TcpServer {
       : options_(options), registry_(registry), acceptor_(io_) {}
   void AcceptLoop();
   void Serve(Connection* connection);
+  // Answers a READ of GPU memory through the connection's bounce buffers (`bounce_for`).
+  template <typename BounceFor>
+  Status ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameHeader& h, int device,
+                      BounceFor& bounce_for, asio::error_code& ec);
+
+  // Bounce buffers per connection and device for GPU memory: a 1 MiB chunk is copied to or
+  // from the device while the next one crosses the socket.
+  static constexpr int kBounceBuffers = 4;
+  static constexpr uint64_t kBounceBytes = 1ull << 20;
   void ReapFinished();
 
   TcpServerOptions options_;
