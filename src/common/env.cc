@@ -106,6 +106,15 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.nvlink_ce_threshold_bytes = *size;
   }
+  if (const char* v = std::getenv("KVFERRY_SPIN_US"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    long long us = std::strtoll(v, &end, 10);
+    if (*end != '\0' || us < 0 || us > 100000) {
+      return InvalidArgumentError(std::string("KVFERRY_SPIN_US='") + v +
+                                  "' must be an integer in 0..100000");
+    }
+    config.spin_us = us;
+  }
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
     config.listen_host = std::string(v);
   }

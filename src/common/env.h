@@ -7,6 +7,7 @@
 //   KVFERRY_LISTEN_HOST    address engines listen on              default 127.0.0.1
 //   KVFERRY_NVLINK_CE_THRESHOLD  NVLink blocks of at least this size use the copy engine
 //                                (bytes, KiB/MiB suffix)      default EngineOptions value
+//   KVFERRY_SPIN_US        microseconds a waiter polls before blocking, 0..100000   default 50
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@ struct EnvConfig {
   std::optional<uint64_t> tcp_slice_bytes;
   std::optional<std::string> listen_host;
   std::optional<uint64_t> nvlink_ce_threshold_bytes;
+  std::optional<int64_t> spin_us;
 };
 
 // Reads and validates all variables above. Errors: kInvalidArgument naming the variable.

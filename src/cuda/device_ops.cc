@@ -14,9 +14,14 @@
 
 namespace kvferry::cuda {
 
+// cudaMemcpy from pageable memory to the device and cudaMemset may return before the device
+// memory holds the bytes (the DMA or the memset still runs on the legacy default stream), and
+// kvferry's copies run on non-blocking streams that do not wait for it: each call below waits
+// for the default stream, so that the bytes are in place when it returns.
 Status CopyToDevice(void* dst, const void* src, uint64_t bytes) {
   DeviceGuard guard(DeviceOf(dst));
   CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   return OkStatus();
 }
 Status CopyToHost(void* dst, const void* src, uint64_t bytes) {
@@ -27,6 +32,7 @@ Status CopyToHost(void* dst, const void* src, uint64_t bytes) {
 Status MemsetDevice(void* dst, int value, uint64_t bytes) {
   DeviceGuard guard(DeviceOf(dst));
   CUDA_RETURN_IF_ERROR(cudaMemset(dst, value, bytes));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
   return OkStatus();
 }
 

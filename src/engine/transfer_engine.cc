@@ -13,6 +13,7 @@
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/logging.h"
+#include "common/spin.h"
 #include "cuda/device_memory.h"
 #include "engine/memory_registry.h"
 #include "kvferry/engine.h"
@@ -276,7 +277,9 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     return final_;
   }
 
+  // Polls for SpinWindow() first: completions of small batches arrive within microseconds.
   bool WaitFinal(Clock::time_point until) {
+    if (SpinFor([&] { return final_flag_.load(std::memory_order_acquire); })) return true;
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_until(lock, until, [&] { return final_; });
   }
@@ -324,6 +327,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
         state_ = TransferState::kFailed;
       }
       final_ = true;
+      final_flag_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
     if (on_complete) {
@@ -381,6 +385,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   Status final_error_;
   TransferState state_ = TransferState::kPending;
   bool final_ = false;
+  std::atomic<bool> final_flag_{false};  // final_, readable without mu_ (WaitFinal's polling)
 };
 
 // Waits for one SendNotification acknowledgement.

@@ -66,6 +66,7 @@ struct GpuPeer {
     cudaMemcpy(ipc, host.data(), kRegionBytes, cudaMemcpyHostToDevice);
     cudaMemcpy((*vmm)->data(), host.data(), kRegionBytes, cudaMemcpyHostToDevice);
     cudaMemcpy(ro, host.data(), 1 << 20, cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();  // pageable copies may still be landing
     EngineOptions o;
     o.name = "gpu-peer";
     auto engine = TransferEngine::Create(o);
@@ -212,6 +213,7 @@ TEST_F(NvlinkGpuTest, RandomSizesAndAlignmentsVerifiedByteForByte) {
   std::vector<uint8_t> src(kRegionBytes), got(kRegionBytes);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
   ASSERT_EQ(cudaMemcpy(local_, src.data(), kRegionBytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
   for (uint64_t base : {peer_.ipc_base, peer_.vmm_base}) {
     for (int round = 0; round < 40; ++round) {
       uint64_t len = 1 + rng() % (round < 30 ? 70000 : (32ull << 20));
@@ -238,6 +240,7 @@ TEST_F(NvlinkGpuTest, ManySmallBlocksInOneBatch) {
   std::mt19937_64 rng(5);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
   ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
   std::vector<TransferRequest> reqs;
   for (int i = 0; i < 8192; ++i) {
     // Scattered destinations: block i lands at slot (i * 7919) % 8192.
@@ -266,6 +269,7 @@ TEST_F(NvlinkGpuTest, StridedRowsOfRandomShapesVerifiedByteForByte) {
   for (auto& b : src) b = static_cast<uint8_t>(rng());
   for (uint64_t i = 0; i < span; ++i) mirror[i] = Pattern(i);
   ASSERT_EQ(cudaMemcpy(local_, src.data(), span, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
   for (int round = 0; round < 12; ++round) {
     std::vector<TransferRequest> reqs;
     const int count = round % 3 == 0 ? 1 : 200;
@@ -356,6 +360,7 @@ TEST_F(NvlinkGpuTest, KilledPeerFailsTheBatchWithinDeadlineAndWeSurvive) {
   // This process's GPU context is intact.
   std::vector<uint8_t> host(4096, 7), got(4096);
   ASSERT_EQ(cudaMemcpy(local_, host.data(), 4096, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
   ASSERT_EQ(cudaMemcpy(back_, local_, 4096, cudaMemcpyDeviceToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(got.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(got, host);
@@ -378,6 +383,7 @@ TEST_F(GpuOverTcpTest, RandomSizesAndAlignmentsVerifiedByteForByte) {
   std::vector<uint8_t> src(kRegionBytes / 2), got(kRegionBytes / 2);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
   ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
   for (uint64_t base : {peer_.ipc_base, peer_.vmm_base}) {
     for (int round = 0; round < 24; ++round) {
       uint64_t len = 1 + rng() % (round < 16 ? 70000 : (12ull << 20));
@@ -386,6 +392,7 @@ TEST_F(GpuOverTcpTest, RandomSizesAndAlignmentsVerifiedByteForByte) {
       Status w = Do(TransferOp::kWrite, static_cast<uint8_t*>(local_) + src_off, base + dst_off, len);
       ASSERT_TRUE(w.ok()) << w.ToString();
       ASSERT_EQ(cudaMemset(back_, 0, len), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       Status r = Do(TransferOp::kRead, back_, base + dst_off, len);
       ASSERT_TRUE(r.ok()) << r.ToString();
       ASSERT_EQ(cudaMemcpy(got.data(), back_, len, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -414,6 +421,7 @@ TEST_F(GpuOverTcpTest, ManySmallBlocksInOneBatch) {
   std::mt19937_64 rng(9);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
   ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
   std::vector<TransferRequest> reqs;
   for (int i = 0; i < 2048; ++i) {
     uint64_t slot = (static_cast<uint64_t>(i) * 769) % 2048;
