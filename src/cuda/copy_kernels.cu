@@ -95,6 +95,19 @@ __global__ void BatchedCopyInlineKernel(const InlineTiles tiles,
   }
 }
 
+__global__ void BatchedCopyHostTablesKernel(const HostTables tables) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t warps = gridDim.x * kWarpsPerBlock;
+  const uint32_t total = tables.end[tables.count - 1];
+  for (uint32_t t = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); t < total; t += warps) {
+    int s = 0;
+    while (t >= tables.end[s]) ++s;
+    const uint32_t begin = s == 0 ? 0 : tables.end[s - 1];
+    const CopyTile tile = tables.tables[s][t - begin];  // pinned host memory, read over PCIe
+    CopyTileWarp(tile, lane);
+  }
+}
+
 int GridFor(int num_tiles) {
   static int max_blocks = [] {
     int device = 0, sms = 0;
@@ -107,6 +120,14 @@ int GridFor(int num_tiles) {
 }
 
 }  // namespace
+
+cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t stream) {
+  if (tables.count <= 0 || tables.count > kMaxHostTables) return cudaErrorInvalidValue;
+  const uint32_t total = tables.end[tables.count - 1];
+  if (total == 0) return cudaSuccess;
+  BatchedCopyHostTablesKernel<<<GridFor(static_cast<int>(total)), kThreads, 0, stream>>>(tables);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream) {
   if (num_tiles <= 0) return cudaSuccess;

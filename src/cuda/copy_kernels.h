@@ -72,9 +72,21 @@ inline void AppendTiles(uint64_t src, uint64_t dst, uint64_t len, std::vector<Co
   ForEachTile(src, dst, len, 1, 0, 0, [out](const CopyTile& t) { out->push_back(t); });
 }
 
+// Several tile tables in pinned host memory (cudaMallocHost: the device reads them directly
+// through unified addressing), copied by one launch: table i holds tiles
+// [end[i-1], end[i]) of the launch (end[-1] = 0).
+inline constexpr int kMaxHostTables = 16;
+struct HostTables {
+  const CopyTile* tables[kMaxHostTables];
+  uint32_t end[kMaxHostTables];
+  int count = 0;
+};
+
 // Copies `num_tiles` tiles read from device memory `tiles`. Asynchronous on `stream`.
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream);
 // Same with the table in the launch parameters. REQUIRES num_tiles <= kInlineTiles.
 cudaError_t LaunchBatchedCopyInline(const InlineTiles& tiles, int num_tiles, cudaStream_t stream);
+// Copies every tile of `tables` (count >= 1, end[count - 1] tiles in all). Asynchronous.
+cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t stream);
 
 }  // namespace kvferry::cuda

@@ -31,6 +31,8 @@ constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
 // so several submitting threads build and launch their tables in parallel.
 constexpr int kBulkStreams = 4;
 constexpr int kBulkSlots = 64;
+// Bulk submissions of at most this many tiles may share a launch (LaunchPending).
+constexpr size_t kCombineMaxTiles = 512;
 // 4Ki tiles (160 KiB of table) per slot: a batch of 8192 small blocks takes two, so 32 such
 // batches can be in flight (with 16 slots of 16Ki tiles, more than 16 batches in flight fell
 // back to the item path and 2 KiB blocks dropped from 340 to 40-75 GB/s).
@@ -113,12 +115,18 @@ class NvlinkChannel : public PeerChannel {
       if (closed_) return false;
       ++bulk_submitting_;  // the progress thread stays until this submission is handed over
     }
-    BulkFlight flight;
-    const bool taken = LaunchBulk(bulk, &flight);
+    BulkPart part;
+    const bool taken = PrepareBulk(bulk, &part);
+    if (taken) {
+      {
+        std::lock_guard<std::mutex> lock(pending_mu_);
+        pending_parts_.push_back(std::move(part));
+      }
+      LaunchPending();
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       --bulk_submitting_;
-      if (taken) bulk_new_.push_back(std::move(flight));
       queued_.store(true, std::memory_order_release);
     }
     cv_.notify_one();
@@ -155,15 +163,21 @@ class NvlinkChannel : public PeerChannel {
     std::vector<std::shared_ptr<WorkItem>> items;
     std::vector<int> slots;
   };
-  // One bulk submission on the GPU: done when `event` completed (null: already synchronized).
-  struct BulkFlight {
-    cudaEvent_t event = nullptr;
-    int stream = 0;          // bulk_streams_ index
-    std::vector<int> slots;  // bulk_slots_ indices
-    Status status;           // a launch error, reported once the stream is past it
+  // One bulk submission, its tiles written into bulk slots (host memory), not launched yet.
+  struct BulkPart {
+    std::vector<int> slots;  // bulk_slots_ indices, filled in order
+    size_t num_tiles = 0;
     WorkOwner* owner = nullptr;
     std::shared_ptr<void> keepalive;
     uint32_t tag = 0;
+  };
+  // One launch on the GPU, carrying one or more submissions: done when `event` completed
+  // (null: already synchronized).
+  struct BulkFlight {
+    cudaEvent_t event = nullptr;
+    int stream = 0;  // bulk_streams_ index
+    Status status;   // a launch error, reported once the stream is past it
+    std::vector<BulkPart> parts;
   };
   // The mapping of the peer region the last request fell in (bulk translation).
   struct MappedRegion {
@@ -187,11 +201,10 @@ class NvlinkChannel : public PeerChannel {
     return c->base + c->region->alloc_offset + (remote - c->region->base);
   }
 
-  // The submitting thread's half of TrySubmitBulk: translates every request into tiles (in the
-  // launch parameters, or in bulk table slots), then launches on a bulk stream and records
-  // the event. Returns false with nothing launched when a request needs the item path (a
-  // range not mapped yet or refused, a copy-engine block, no free slot).
-  bool LaunchBulk(BulkSubmission& bulk, BulkFlight* flight) {
+  // The submitting thread's half of TrySubmitBulk: translates every request into tiles in
+  // bulk table slots (host memory). Returns false with nothing taken when a request needs the
+  // item path (a range not mapped yet or refused, a copy-engine block, no free slot).
+  bool PrepareBulk(BulkSubmission& bulk, BulkPart* part) {
     const std::span<const TransferRequest> requests = bulk.requests;
     size_t num_tiles = 0;
     std::shared_lock<std::shared_mutex> map_lock(map_mu_);
@@ -204,28 +217,20 @@ class NvlinkChannel : public PeerChannel {
       }
       num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
     }
-    const bool inline_table = num_tiles <= static_cast<size_t>(cuda::kInlineTiles);
-    const size_t slots_needed = inline_table ? 0 : (num_tiles + kBulkSlotTiles - 1) / kBulkSlotTiles;
-    cudaEvent_t event = nullptr;
+    if (num_tiles == 0) return false;
+    const size_t slots_needed = (num_tiles + kBulkSlotTiles - 1) / kBulkSlotTiles;
     {
       std::lock_guard<std::mutex> lock(bulk_mu_);
       if (bulk_free_slots_.size() < slots_needed) return false;
-      flight->slots.assign(bulk_free_slots_.end() - static_cast<ptrdiff_t>(slots_needed),
-                           bulk_free_slots_.end());
+      part->slots.assign(bulk_free_slots_.end() - static_cast<ptrdiff_t>(slots_needed),
+                         bulk_free_slots_.end());
       bulk_free_slots_.resize(bulk_free_slots_.size() - slots_needed);
-      if (!bulk_free_events_.empty()) {
-        event = bulk_free_events_.back();
-        bulk_free_events_.pop_back();
-      }
     }
-    cuda::InlineTiles inline_tiles;
     size_t slot_index = 0, in_slot = 0;
-    cuda::CopyTile* out = inline_table ? inline_tiles.tiles
-                                       : static_cast<cuda::CopyTile*>(
-                                             bulk_slots_[flight->slots[0]].host);
+    cuda::CopyTile* out = static_cast<cuda::CopyTile*>(bulk_slots_[part->slots[0]].host);
     auto emit = [&](const cuda::CopyTile& tile) {
-      if (!inline_table && in_slot == kBulkSlotTiles) {
-        out = static_cast<cuda::CopyTile*>(bulk_slots_[flight->slots[++slot_index]].host);
+      if (in_slot == kBulkSlotTiles) {
+        out = static_cast<cuda::CopyTile*>(bulk_slots_[part->slots[++slot_index]].host);
         in_slot = 0;
       }
       out[in_slot++] = tile;
@@ -244,23 +249,88 @@ class NvlinkChannel : public PeerChannel {
                           r.local_stride, emit);
       }
     }
-    map_lock.unlock();
+    part->num_tiles = num_tiles;
+    part->owner = bulk.owner;
+    part->tag = bulk.tag;
+    part->keepalive = std::move(bulk.keepalive);
+    return true;
+  }
 
+  // Launches every prepared submission, combining those that wait together into one kernel
+  // over their host tables: the driver takes a few microseconds per launch from any thread,
+  // which capped batches of 64 blocks at ~250k per second when each had its own. Whoever
+  // holds launch_mu_ launches for everyone; a thread that finds it held leaves its part
+  // queued, and the holder looks again after releasing it, so no part is left behind.
+  void LaunchPending() {
+    while (true) {
+      std::unique_lock<std::mutex> launcher(launch_mu_, std::try_to_lock);
+      if (!launcher.owns_lock()) return;
+      std::vector<BulkPart> parts;
+      {
+        std::lock_guard<std::mutex> lock(pending_mu_);
+        parts.swap(pending_parts_);
+      }
+      // Groups of small parts with at most kMaxHostTables slots between them; a large part
+      // launches alone, its table uploaded to device memory (a kernel reading tens of
+      // thousands of tiles over PCIe ran fused unequal-TP replays at 138 instead of ~190 GB/s).
+      std::vector<BulkPart> group;
+      int group_slots = 0;
+      for (BulkPart& part : parts) {
+        if (part.num_tiles > kCombineMaxTiles) {
+          std::vector<BulkPart> alone;
+          alone.push_back(std::move(part));
+          LaunchGroup(std::move(alone));
+          continue;
+        }
+        const int n = static_cast<int>(part.slots.size());
+        if (!group.empty() && group_slots + n > cuda::kMaxHostTables) {
+          LaunchGroup(std::move(group));
+          group.clear();
+          group_slots = 0;
+        }
+        group_slots += n;
+        group.push_back(std::move(part));
+      }
+      if (!group.empty()) LaunchGroup(std::move(group));
+      launcher.unlock();
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      if (pending_parts_.empty()) return;
+    }
+  }
+
+  // One launch and one event for `parts`. A lone part goes as before: small tables inside
+  // the launch parameters, larger ones uploaded to its slots' device copies; several parts go
+  // as one kernel reading their tables from host memory.
+  void LaunchGroup(std::vector<BulkPart> parts) {
+    BulkFlight flight;
+    cudaEvent_t event = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(bulk_mu_);
+      if (!bulk_free_events_.empty()) {
+        event = bulk_free_events_.back();
+        bulk_free_events_.pop_back();
+      }
+    }
     cuda::DeviceGuard device(options_.local_device);
     const int stream_index =
         static_cast<int>(next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) % kBulkStreams);
     cudaStream_t stream = bulk_streams_[stream_index];
-    flight->stream = stream_index;
+    flight.stream = stream_index;
     // A launch reports through the thread's last error: clear what an earlier call on this
     // (the caller's) thread may have left, so it cannot fail this batch.
     (void)cudaGetLastError();
     cudaError_t e = cudaSuccess;
-    if (inline_table) {
-      e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(num_tiles), stream);
-    } else {
-      for (size_t k = 0; k < flight->slots.size() && e == cudaSuccess; ++k) {
-        const Slot& slot = bulk_slots_[flight->slots[k]];
-        const size_t n = std::min(kBulkSlotTiles, num_tiles - k * kBulkSlotTiles);
+    if (parts.size() == 1 && parts[0].num_tiles <= static_cast<size_t>(cuda::kInlineTiles)) {
+      const BulkPart& p = parts[0];
+      cuda::InlineTiles inline_tiles;
+      std::memcpy(inline_tiles.tiles, bulk_slots_[p.slots[0]].host,
+                  p.num_tiles * sizeof(cuda::CopyTile));
+      e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(p.num_tiles), stream);
+    } else if (parts.size() == 1) {
+      const BulkPart& p = parts[0];
+      for (size_t k = 0; k < p.slots.size() && e == cudaSuccess; ++k) {
+        const Slot& slot = bulk_slots_[p.slots[k]];
+        const size_t n = std::min(kBulkSlotTiles, p.num_tiles - k * kBulkSlotTiles);
         e = cudaMemcpyAsync(slot.device, slot.host, n * sizeof(cuda::CopyTile),
                             cudaMemcpyHostToDevice, stream);
         if (e == cudaSuccess) {
@@ -268,12 +338,25 @@ class NvlinkChannel : public PeerChannel {
                                       static_cast<int>(n), stream);
         }
       }
+    } else {
+      cuda::HostTables tables;
+      uint32_t end = 0;
+      for (const BulkPart& p : parts) {
+        for (size_t k = 0; k < p.slots.size(); ++k) {
+          end += static_cast<uint32_t>(std::min(kBulkSlotTiles, p.num_tiles - k * kBulkSlotTiles));
+          tables.tables[tables.count] =
+              static_cast<const cuda::CopyTile*>(bulk_slots_[p.slots[k]].host);
+          tables.end[tables.count] = end;
+          ++tables.count;
+        }
+      }
+      e = cuda::LaunchBatchedCopyHostTables(tables, stream);
     }
-    if (e != cudaSuccess) flight->status = InternalError(CudaError("bulk copy launch", e));
+    if (e != cudaSuccess) flight.status = InternalError(CudaError("bulk copy launch", e));
     if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
     if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
       // No event to poll: wait here so that no copy outlives the report.
-      if (flight->status.ok()) flight->status = InternalError("bulk copy: cudaEventRecord failed");
+      if (flight.status.ok()) flight.status = InternalError("bulk copy: cudaEventRecord failed");
       cudaStreamSynchronize(stream);
       if (event != nullptr) {
         std::lock_guard<std::mutex> lock(bulk_mu_);
@@ -281,11 +364,10 @@ class NvlinkChannel : public PeerChannel {
       }
       event = nullptr;
     }
-    flight->event = event;
-    flight->owner = bulk.owner;
-    flight->tag = bulk.tag;
-    flight->keepalive = std::move(bulk.keepalive);
-    return true;
+    flight.event = event;
+    flight.parts = std::move(parts);
+    std::lock_guard<std::mutex> lock(mu_);
+    bulk_new_.push_back(std::move(flight));
   }
 
   // Completes the bulk flights whose copies finished. A stream runs its launches in order, so
@@ -316,10 +398,12 @@ class NvlinkChannel : public PeerChannel {
     BulkFlight done = std::move(f);
     {
       std::lock_guard<std::mutex> lock(bulk_mu_);
-      bulk_free_slots_.insert(bulk_free_slots_.end(), done.slots.begin(), done.slots.end());
+      for (const BulkPart& p : done.parts) {
+        bulk_free_slots_.insert(bulk_free_slots_.end(), p.slots.begin(), p.slots.end());
+      }
       if (done.event != nullptr) bulk_free_events_.push_back(done.event);
     }
-    done.owner->OnBulkDone(done.status, done.tag);
+    for (const BulkPart& p : done.parts) p.owner->OnBulkDone(done.status, p.tag);
     return true;
   }
 
@@ -600,7 +684,12 @@ class NvlinkChannel : public PeerChannel {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<WorkItem>> queue_;
-  std::vector<BulkFlight> bulk_new_;  // launched bulk submissions not yet polled
+  std::vector<BulkFlight> bulk_new_;
+  // Prepared bulk submissions waiting for a launch (LaunchPending); launch_mu_ is held by the
+  // thread launching them.
+  std::mutex pending_mu_;
+  std::vector<BulkPart> pending_parts_;
+  std::mutex launch_mu_;  // launched bulk submissions not yet polled
   int bulk_submitting_ = 0;           // TrySubmitBulk calls between their two locks
   bool closed_ = false;
   std::thread thread_;
