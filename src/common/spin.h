@@ -20,12 +20,16 @@ inline void CpuRelax() {
 #endif
 }
 
-// Polls `ready` for up to SpinWindow(); returns true as soon as it does, else its last answer.
+// Polls `ready` for up to SpinWindow(), never past `deadline`; returns true as soon as it
+// does, else its last answer.
 template <typename Ready>
-bool SpinFor(Ready&& ready) {
+bool SpinFor(Ready&& ready,
+             std::chrono::steady_clock::time_point deadline =
+                 std::chrono::steady_clock::time_point::max()) {
   const auto window = SpinWindow();
   if (window.count() <= 0) return ready();
-  const auto until = std::chrono::steady_clock::now() + window;
+  const auto now = std::chrono::steady_clock::now();
+  const auto until = deadline - now < window ? deadline : now + window;
   do {
     for (int i = 0; i < 64; ++i) {
       if (ready()) return true;

@@ -368,7 +368,10 @@ class BounceBuffersImpl : public BounceBuffers {
     DeviceGuard guard(device_);
     (void)cudaGetLastError();
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, n, kind, stream_));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(b.event, stream_));
+    if (cudaError_t e = cudaEventRecord(b.event, stream_); e != cudaSuccess) {
+      cudaStreamSynchronize(stream_);  // no event to wait on: the copy must not outlive this call
+      return InternalError(std::string("bounce copy: cudaEventRecord: ") + cudaGetErrorString(e));
+    }
     b.started = true;
     return OkStatus();
   }

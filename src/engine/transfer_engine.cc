@@ -279,7 +279,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   // Polls for SpinWindow() first: completions of small batches arrive within microseconds.
   bool WaitFinal(Clock::time_point until) {
-    if (SpinFor([&] { return final_flag_.load(std::memory_order_acquire); })) return true;
+    if (SpinFor([&] { return final_flag_.load(std::memory_order_acquire); }, until)) return true;
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_until(lock, until, [&] { return final_; });
   }

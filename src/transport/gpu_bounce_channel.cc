@@ -111,12 +111,14 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   void Loop() {
     std::vector<std::pair<int, Status>> finished;
     std::vector<std::pair<WorkItem*, Status>> abandons;
+    bool close_seen = false;  // after the round that saw Close, only chunk results wake us
     while (true) {
       bool closing = false;
       {
         std::unique_lock<std::mutex> lock(mu_);
         auto has_work = [&] {
-          return closed_ || !queued_.empty() || !finished_.empty() || !abandons_.empty();
+          return (closed_ && !close_seen) || !queued_.empty() || !finished_.empty() ||
+                 !abandons_.empty();
         };
         if (copies_running_ > 0) {
           cv_.wait_for(lock, std::chrono::microseconds(20), has_work);
@@ -124,8 +126,14 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
           cv_.wait(lock, [&] { return has_work() || (closed_ && Idle()); });
         }
         closing = closed_;
+        close_seen = closed_;
         while (!queued_.empty()) {
-          active_.push_back(std::move(queued_.front()));
+          // Taken: the engine may no longer complete it as queued (a cancelled batch
+          // completes queued items itself). One it already completed is dropped.
+          uint8_t expected = WorkItem::kQueued;
+          if (queued_.front()->item->state.compare_exchange_strong(expected, WorkItem::kSending)) {
+            active_.push_back(std::move(queued_.front()));
+          }
           queued_.pop_front();
         }
         finished.swap(finished_);

@@ -201,8 +201,13 @@ void TcpServer::Serve(Connection* connection) {
     std::vector<asio::const_buffer> out;
     for (size_t i = 0; i < queued_acks.size(); ++i) {
       QueuedAck& q = queued_acks[i];
+      // Wait even for a failed WRITE: chunks before the failure may still be copying into the
+      // region its pin holds.
       Status st = q.error;
-      if (st.ok() && q.bounce != nullptr) st = q.bounce->Wait(q.buffer);
+      if (q.bounce != nullptr) {
+        Status w = q.bounce->Wait(q.buffer);
+        if (st.ok()) st = w;
+      }
       wire::FrameHeader ack;
       ack.type = wire::FrameType::kWriteAck;
       ack.request_id = q.request_id;
