@@ -17,7 +17,7 @@
 namespace kvferry {
 
 // Version of the handshake and frame protocol. Peers with a different version are refused.
-inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr uint16_t kProtocolVersion = 2;  // 2: strided WRITE frames
 
 struct SegmentDescriptor {
   std::string name;     // engine name, unique per process group (e.g. "prefill-0")

@@ -40,6 +40,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Rows one strided TCP frame carries at most (BuildItems); the server reads them with one
+// buffer per row.
+constexpr uint64_t kMaxRowsPerFrame = 4096;
+
 struct Peer {
   uint64_t id = 0;
   std::string address;
@@ -73,6 +77,9 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::vector<Peer*> peers;                      // per request
   std::vector<std::shared_ptr<Peer>> peer_refs;  // each distinct peer once: keeps channels alive
   std::vector<PeerChannel*> channels;            // per request: the data path chosen
+  // Per request: a strided WRITE into the peer's host memory, which the TCP channel sends as
+  // strided frames (groups of rows) instead of a frame per row.
+  std::vector<uint8_t> strided_wire;
 
   explicit Batch(std::span<const TransferRequest> requests) {
     requests_.resize(requests.size());
@@ -84,11 +91,25 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // slices over lanes; other transports take whole requests), a row at a time.
   template <typename SliceBytes>
   void BuildItems(SliceBytes slice_bytes) {
+    // Rows of a strided WRITE into host memory over TCP travel in groups of up to a slice
+    // (one strided frame each); other rows become an item (or slices) each.
+    auto rows_per_item = [&](size_t i) -> uint64_t {
+      const TransferRequest& r = transfer_requests_[i];
+      if (!strided_wire[i] || r.num_rows <= 1 || channels[i] != peers[i]->tcp.get()) return 1;
+      const uint64_t slice = slice_bytes(i);
+      if (r.length_bytes >= slice) return 1;
+      return std::min<uint64_t>(slice / r.length_bytes, kMaxRowsPerFrame);
+    };
     size_t count = 0;
     for (size_t i = 0; i < requests_.size(); ++i) {
       if (requests_[i].bulk) continue;
       const TransferRequest& r = transfer_requests_[i];
       const uint64_t slice = slice_bytes(i);
+      const uint64_t group = rows_per_item(i);
+      if (group > 1) {
+        count += static_cast<size_t>((r.num_rows + group - 1) / group);
+        continue;
+      }
       count += static_cast<size_t>(r.num_rows) *
                static_cast<size_t>(r.length_bytes / slice + (r.length_bytes % slice != 0));
     }
@@ -100,6 +121,24 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       const TransferRequest& r = transfer_requests_[i];
       const uint64_t slice = slice_bytes(i);
       uint8_t* local = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.local_addr));
+      if (const uint64_t group = rows_per_item(i); group > 1) {
+        for (uint32_t row = 0; row < r.num_rows; row += static_cast<uint32_t>(group)) {
+          const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(group, r.num_rows - row));
+          WorkItem& item = items_[k++];
+          item.kind = WorkItem::Kind::kWrite;
+          item.local = local + row * r.local_stride;
+          item.remote_addr = r.remote_addr + row * r.remote_stride;
+          item.rows = n;
+          item.row_bytes = r.length_bytes;
+          item.local_stride = r.local_stride;
+          item.remote_stride = r.remote_stride;
+          item.length = n * r.length_bytes;
+          item.request_index = static_cast<uint32_t>(i);
+          item.owner = this;
+          ++requests_[i].slices_left;
+        }
+        continue;
+      }
       for (uint32_t row = 0; row < r.num_rows; ++row) {
         uint8_t* row_local = local + row * r.local_stride;
         const uint64_t row_remote = r.remote_addr + row * r.remote_stride;
@@ -638,6 +677,7 @@ class EngineImpl : public TransferEngine {
     auto batch = std::make_shared<Batch>(requests);
     batch->peers.resize(requests.size());
     batch->channels.resize(requests.size());
+    batch->strided_wire.assign(requests.size(), 0);
     // Per-request work stays allocation-free: error text is built only on failure, and the
     // peer and data path are looked up again only when they can differ from the request
     // before (consecutive requests of a batch usually share both).
@@ -673,9 +713,14 @@ class EngineImpl : public TransferEngine {
           }
         }
         batch->peers[i] = peer->get();
-        if (r.num_rows > 1 && !RowsInside(CachedDescriptorLocked(**peer), r, &rows_region)) {
-          rows_unresolved.push_back(i);
-          rows_region = nullptr;
+        if (r.num_rows > 1) {
+          if (!RowsInside(CachedDescriptorLocked(**peer), r, &rows_region)) {
+            rows_unresolved.push_back(i);
+            rows_region = nullptr;
+          } else {
+            batch->strided_wire[i] =
+                r.op == TransferOp::kWrite && rows_region->kind == MemoryKind::kHost;
+          }
         }
         if (!options.notification.empty() && r.segment != requests[0].segment) {
           return InvalidArgumentError(
@@ -692,7 +737,9 @@ class EngineImpl : public TransferEngine {
         if (it == fresh.end()) it = fresh.emplace(r.segment.value, RefreshSegment(r.segment)).first;
         const RegionDescriptor* region = nullptr;
         if (!it->second.ok()) return it->second.status().WithContext(where(i) + "checking rows");
-        if (!RowsInside(*it->second, r, &region)) {
+        if (RowsInside(*it->second, r, &region)) {
+          batch->strided_wire[i] = r.op == TransferOp::kWrite && region->kind == MemoryKind::kHost;
+        } else {
           char range[80];
           std::snprintf(range, sizeof(range), "[0x%llx, +%llu)",
                         static_cast<unsigned long long>(r.remote_addr),

@@ -72,7 +72,11 @@ StatusOr<FrameHeader> DecodeFrameHeader(std::span<const uint8_t, kFrameHeaderByt
   }
   h.type = static_cast<FrameType>(type);
   h.flags = b[7];
-  if (h.flags != 0) return InvalidArgumentError("unknown frame flags " + std::to_string(h.flags));
+  const uint8_t allowed = h.type == FrameType::kWrite ? kFlagStrided : 0;
+  if ((h.flags & ~allowed) != 0) {
+    return InvalidArgumentError("unknown frame flags " + std::to_string(h.flags) + " on " +
+                                std::string(FrameTypeName(h.type)));
+  }
   h.request_id = GetLe(b.data() + 8, 8);
   h.addr = GetLe(b.data() + 16, 8);
   h.length = GetLe(b.data() + 24, 8);
@@ -101,6 +105,43 @@ StatusOr<FrameHeader> DecodeFrameHeader(std::span<const uint8_t, kFrameHeaderByt
     return InvalidArgumentError("READ_DATA with OK status must not carry a body");
   }
   return h;
+}
+
+std::array<uint8_t, kStridedBodyBytes> EncodeStridedWrite(const StridedWrite& s) {
+  std::array<uint8_t, kStridedBodyBytes> b{};
+  PutLe(b.data(), s.rows, 4);
+  PutLe(b.data() + 4, s.row_bytes, 8);
+  PutLe(b.data() + 12, s.remote_stride, 8);
+  return b;
+}
+
+StatusOr<StridedWrite> DecodeStridedWrite(std::span<const uint8_t> body, uint64_t addr,
+                                          uint64_t length) {
+  if (body.size() != kStridedBodyBytes) {
+    return InvalidArgumentError("strided WRITE body of " + std::to_string(body.size()) +
+                                " bytes, want " + std::to_string(kStridedBodyBytes));
+  }
+  StridedWrite s;
+  s.rows = static_cast<uint32_t>(GetLe(body.data(), 4));
+  s.row_bytes = GetLe(body.data() + 4, 8);
+  s.remote_stride = GetLe(body.data() + 12, 8);
+  if (s.rows == 0 || s.row_bytes == 0 || s.row_bytes > length ||
+      length / s.row_bytes != s.rows || length % s.row_bytes != 0) {
+    return InvalidArgumentError("strided WRITE of " + std::to_string(s.rows) + " rows of " +
+                                std::to_string(s.row_bytes) + " bytes does not make its " +
+                                std::to_string(length) + "-byte payload");
+  }
+  if (s.remote_stride < s.row_bytes) {
+    return InvalidArgumentError("strided WRITE rows overlap: stride " +
+                                std::to_string(s.remote_stride) + " < row of " +
+                                std::to_string(s.row_bytes));
+  }
+  const uint64_t steps = s.rows - 1;
+  if (steps != 0 && (s.remote_stride > (UINT64_MAX - s.row_bytes) / steps ||
+                     addr > UINT64_MAX - (steps * s.remote_stride + s.row_bytes))) {
+    return InvalidArgumentError("strided WRITE rows wrap the address space");
+  }
+  return s;
 }
 
 uint64_t PayloadBytes(const FrameHeader& h) {

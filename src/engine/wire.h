@@ -9,7 +9,7 @@
 //   0      4    magic 0x3146564B ("KVF1")
 //   4      2    protocol version (kProtocolVersion)
 //   6      1    FrameType
-//   7      1    flags (0)
+//   7      1    flags: kFlagStrided on kWrite, else 0
 //   8      8    request id (echoed in the response)
 //   16     8    address in the server's memory (kWrite, kRead)
 //   24     8    payload bytes following the header and body (kWrite, kReadData), or bytes
@@ -38,6 +38,23 @@ inline constexpr uint32_t kMaxStringBytes = 4096;
 inline constexpr uint32_t kMaxRegions = 1u << 16;
 inline constexpr uint32_t kMaxTransports = 16;
 inline constexpr uint32_t kMaxShareHandleBytes = 128;
+
+// kWrite with kFlagStrided: the payload is `rows` rows of `row_bytes` (length = rows *
+// row_bytes) stored at addr + i * remote_stride; the body (kStridedBodyBytes) holds
+// rows (u32), row_bytes (u64) and remote_stride (u64). One frame carries a head slice of a
+// run of tokens, which otherwise costs a frame (and an acknowledgement) per row.
+inline constexpr uint8_t kFlagStrided = 1;
+inline constexpr uint32_t kStridedBodyBytes = 20;
+struct StridedWrite {
+  uint32_t rows = 0;
+  uint64_t row_bytes = 0;
+  uint64_t remote_stride = 0;
+};
+std::array<uint8_t, kStridedBodyBytes> EncodeStridedWrite(const StridedWrite& s);
+// Errors: kInvalidArgument when the body is malformed, the rows do not add up to `length`,
+// rows overlap (remote_stride < row_bytes) or the extent wraps the address space.
+StatusOr<StridedWrite> DecodeStridedWrite(std::span<const uint8_t> body, uint64_t addr,
+                                          uint64_t length);
 
 enum class FrameType : uint8_t {
   kHello = 1,         // body: client descriptor

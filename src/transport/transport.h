@@ -64,7 +64,13 @@ struct WorkItem {
   Kind kind = Kind::kWrite;
   uint8_t* local = nullptr;  // kWrite source / kRead destination
   uint64_t remote_addr = 0;
-  uint64_t length = 0;
+  uint64_t length = 0;  // bytes moved (rows * row_bytes when strided)
+  // A strided kWrite (TCP only): `rows` rows of row_bytes, row i from local + i *
+  // local_stride to remote_addr + i * remote_stride. rows 1: one contiguous block.
+  uint32_t rows = 1;
+  uint64_t row_bytes = 0;
+  uint64_t local_stride = 0;
+  uint64_t remote_stride = 0;
   std::string message;               // kNotify
   std::vector<uint8_t> reply_body;   // kDescribe reply
   uint32_t request_index = 0;        // owner's bookkeeping

@@ -417,6 +417,76 @@ TEST_F(EngineTest, MalformedFramesCloseOnlyThatConnection) {
   EXPECT_EQ(back, src);
 }
 
+// Strided WRITE frames straight off a socket: rows whose extent leaves the registered region,
+// rows that do not add up to the payload and overlapping rows are refused with nothing
+// written, the connection stays usable, and a valid one lands each row at its stride.
+TEST_F(EngineTest, HostileStridedFramesAreRefusedAndWriteNothing) {
+  std::string host = peer_->info().address.substr(0, peer_->info().address.rfind(':'));
+  uint16_t port = static_cast<uint16_t>(
+      std::stoi(peer_->info().address.substr(peer_->info().address.rfind(':') + 1)));
+  asio::io_context io;
+  asio::ip::tcp::socket s(io);
+  s.connect({asio::ip::make_address(host), port});
+  SegmentDescriptor me;
+  me.name = "hostile";
+  me.host = "127.0.0.1";
+  me.port = 1;
+  std::vector<uint8_t> hello_body = wire::EncodeDescriptor(me);
+  wire::FrameHeader hello;
+  hello.type = wire::FrameType::kHello;
+  hello.body_bytes = static_cast<uint32_t>(hello_body.size());
+  auto hb = wire::EncodeFrameHeader(hello);
+  asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(hb), asio::buffer(hello_body)});
+  auto read_reply = [&]() -> wire::FrameHeader {
+    wire::HeaderBytes bytes;
+    asio::read(s, asio::buffer(bytes));
+    auto h = wire::DecodeFrameHeader(bytes, 1 << 20);
+    EXPECT_TRUE(h.ok());
+    std::vector<uint8_t> body(h.ok() ? h->body_bytes : 0);
+    if (!body.empty()) asio::read(s, asio::buffer(body));
+    return h.ok() ? *h : wire::FrameHeader{};
+  };
+  ASSERT_EQ(read_reply().type, wire::FrameType::kHelloAck);
+
+  const uint64_t base = rw(kRegionBytes - (1 << 20));  // the last MiB of the region
+  std::vector<uint8_t> before(1 << 20);
+  ASSERT_TRUE(Read(before.data(), base, before.size()).ok());
+  auto send_strided = [&](uint64_t addr, uint32_t rows, uint64_t row_bytes, uint64_t stride,
+                          uint64_t length, uint8_t fill) {
+    wire::FrameHeader w;
+    w.type = wire::FrameType::kWrite;
+    w.flags = wire::kFlagStrided;
+    w.addr = addr;
+    w.length = length;
+    w.body_bytes = wire::kStridedBodyBytes;
+    auto h = wire::EncodeFrameHeader(w);
+    auto body = wire::EncodeStridedWrite({rows, row_bytes, stride});
+    std::vector<uint8_t> payload(length, fill);
+    asio::write(s, std::array<asio::const_buffer, 3>{asio::buffer(h), asio::buffer(body),
+                                                       asio::buffer(payload)});
+    return read_reply();
+  };
+  // 16 rows of 64 KiB at a 128 KiB stride from the last MiB: the extent runs 1 MiB past the end.
+  wire::FrameHeader r = send_strided(base, 16, 64 << 10, 128 << 10, 16 * (64 << 10), 0xEE);
+  EXPECT_EQ(r.type, wire::FrameType::kWriteAck);
+  EXPECT_NE(r.status, 0u);
+  r = send_strided(base, 3, 100, 200, 301, 0xEE);  // rows do not make the payload
+  EXPECT_NE(r.status, 0u);
+  r = send_strided(base, 3, 100, 50, 300, 0xEE);  // overlapping rows
+  EXPECT_NE(r.status, 0u);
+  std::vector<uint8_t> after(1 << 20);
+  ASSERT_TRUE(Read(after.data(), base, after.size()).ok());
+  EXPECT_EQ(after, before) << "a refused strided WRITE changed the peer's memory";
+  // A valid one: 4 rows of 100 bytes every 1000 bytes.
+  r = send_strided(base, 4, 100, 1000, 400, 0x3C);
+  EXPECT_EQ(r.status, 0u);
+  ASSERT_TRUE(Read(after.data(), base, after.size()).ok());
+  for (uint64_t i = 0; i < 4000; ++i) {
+    const bool in_row = i % 1000 < 100;
+    ASSERT_EQ(after[i], in_row ? 0x3C : before[i]) << "byte " << i;
+  }
+}
+
 TEST(EngineLocalTest, RegistrationRules) {
   auto engine = TransferEngine::Create({});
   ASSERT_TRUE(engine.ok());

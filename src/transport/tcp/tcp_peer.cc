@@ -115,9 +115,11 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     constexpr uint64_t kMaxGatherBytes = 1ull << 20;
     std::vector<std::shared_ptr<WorkItem>> batch;
     std::vector<wire::HeaderBytes> headers;
+    std::vector<std::array<uint8_t, wire::kStridedBodyBytes>> bodies;  // strided WRITEs
     std::vector<asio::const_buffer> buffers;
     batch.reserve(kMaxGather);
     headers.reserve(kMaxGather);
+    bodies.reserve(kMaxGather);
     while (true) {
       batch.clear();
       {
@@ -141,6 +143,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       }
       if (batch.empty()) continue;
       headers.clear();
+      bodies.clear();
       buffers.clear();
       for (const auto& item : batch) {
         wire::FrameHeader h;
@@ -150,6 +153,12 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
             h.type = wire::FrameType::kWrite;
             h.addr = item->remote_addr;
             h.length = item->length;
+            if (item->rows > 1) {
+              h.flags = wire::kFlagStrided;
+              h.body_bytes = wire::kStridedBodyBytes;
+              bodies.push_back(wire::EncodeStridedWrite(
+                  {item->rows, item->row_bytes, item->remote_stride}));
+            }
             break;
           case WorkItem::Kind::kRead:
             h.type = wire::FrameType::kRead;
@@ -166,11 +175,17 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         }
         headers.push_back(wire::EncodeFrameHeader(h));
       }
+      size_t body = 0;
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto& item = batch[i];
         buffers.push_back(asio::buffer(headers[i]));
         if (item->kind == WorkItem::Kind::kNotify && !item->message.empty()) {
           buffers.push_back(asio::buffer(item->message));
+        } else if (item->kind == WorkItem::Kind::kWrite && item->rows > 1) {
+          buffers.push_back(asio::buffer(bodies[body++]));
+          for (uint32_t r = 0; r < item->rows; ++r) {
+            buffers.push_back(asio::buffer(item->local + r * item->local_stride, item->row_bytes));
+          }
         } else if (item->kind == WorkItem::Kind::kWrite) {
           buffers.push_back(asio::buffer(item->local, item->length));
         }

@@ -269,12 +269,40 @@ void TcpServer::Serve(Connection* connection) {
         break;
       }
       case wire::FrameType::kWrite: {
-        auto pin = registry_->PinRange(h.addr, h.length, kAccessRemoteWrite);
+        // A strided WRITE: its rows must all lie in one registered region (the whole extent
+        // is checked, so no row lands outside memory the client may write).
+        StatusOr<wire::StridedWrite> strided = wire::StridedWrite{};
+        uint64_t extent = h.length;
+        if ((h.flags & wire::kFlagStrided) != 0) {
+          strided = wire::DecodeStridedWrite(body, h.addr, h.length);
+          if (strided.ok()) {
+            extent = (strided->rows - 1) * strided->remote_stride + strided->row_bytes;
+          }
+        }
+        auto pin = strided.ok() ? registry_->PinRange(h.addr, extent, kAccessRemoteWrite)
+                                : StatusOr<MemoryRegistry::Pin>(strided.status());
+        if (pin.ok() && strided->rows > 1 && pin->region().kind != MemoryKind::kHost) {
+          pin = UnimplementedError("strided WRITE into GPU memory over TCP (send its rows one by one)");
+        }
         if (!pin.ok()) {
           Discard(socket, h.length, ec);
           if (ec || !flush_acks()) break;
           io = WriteReply(socket, wire::FrameType::kWriteAck, h.request_id,
                           pin.status().WithContext("WRITE refused"));
+          break;
+        }
+        if (strided->rows > 1) {
+          std::vector<asio::mutable_buffer> rows;
+          rows.reserve(strided->rows);
+          for (uint32_t r = 0; r < strided->rows; ++r) {
+            rows.push_back(asio::buffer(
+                reinterpret_cast<void*>(h.addr + r * strided->remote_stride), strided->row_bytes));
+          }
+          asio::read(socket, rows, ec);
+          if (ec) break;
+          QueuedAck q;
+          q.request_id = h.request_id;
+          queued_acks.push_back(std::move(q));
           break;
         }
         if (pin->region().kind == MemoryKind::kCuda) {
