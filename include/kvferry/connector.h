@@ -165,9 +165,10 @@ struct DecodeConnectorOptions {
   // "staging" (prefill gathers each chunk's slice and writes it in one request into this
   // rank's staging ring; this rank scatters it into its pages), "fused" (one strided request
   // per page run and buffer, a row per token: over NVLink the copy kernel writes the slices
-  // straight into this rank's pages in one pass, with no staging memory; over TCP each row
-  // still travels as its own block, as with direct), or "auto": fused for GPU pools, staging
-  // for host pools. Equal TP always moves whole pages.
+  // straight into this rank's pages in one pass, with no staging memory; over TCP the rows go
+  // in strided frames straight from prefill's pages into this rank's, no extra copy on either
+  // side), or "auto": fused for GPU pools, staging for host pools. Equal TP always moves whole
+  // pages.
   std::string kv_path = "auto";
   // Staging ring bytes, allocated when an unequal-TP prefill first needs it: host memory for
   // host pools, the pool's GPU for GPU pools (decode scatters it with a kernel). A chunk slice

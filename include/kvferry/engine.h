@@ -73,7 +73,8 @@ enum class TransferOp : uint8_t { kWrite = 0, kRead = 1 };
 // and every row must lie in one region the peer registered with the access the op needs:
 // SubmitBatch checks the whole extent (re-reading the peer's descriptor once on a miss) and
 // refuses the batch with kFailedPrecondition otherwise, before any row moves. NVLink copies
-// the rows in one kernel pass; TCP sends each row as its own block.
+// the rows in one kernel pass; TCP sends a WRITE's rows into host memory in strided frames (up
+// to a slice of rows each, straight from and into place) and other rows one by one.
 // REQUIRES: local memory stays valid until the request is final.
 struct TransferRequest {
   TransferOp op = TransferOp::kWrite;
