@@ -1,15 +1,20 @@
 #include "transport/tcp/tcp_common.h"
 
-#include "common/checks.h"
-
+#include <limits.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <fstream>
 #include <vector>
+
+#include "common/checks.h"
 
 namespace kvferry::tcp {
 
@@ -123,6 +128,80 @@ StatusOr<wire::FrameHeader> ReadHeader(asio::ip::tcp::socket& socket, uint32_t m
   asio::read(socket, asio::buffer(bytes), ec);
   if (ec) return UnavailableError(ec.message());
   return wire::DecodeFrameHeader(bytes, max_body_bytes);
+}
+
+namespace {
+
+// Moves every byte of `iov` with `op` (readv or sendmsg), retrying after signals and partial
+// transfers; `iov` is consumed in place.
+template <typename Op>
+void TransferAll(int fd, std::vector<iovec>& iov, Op op, bool reading, asio::error_code& ec) {
+  size_t first = 0;
+  const size_t max_iov = static_cast<size_t>(IOV_MAX);
+  while (first < iov.size()) {
+    const int n = static_cast<int>(std::min(max_iov, iov.size() - first));
+    const ssize_t done = op(fd, iov.data() + first, n);
+    if (done < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        // asio may have put the descriptor in non-blocking mode: wait until it is ready.
+        pollfd p{fd, static_cast<short>(reading ? POLLIN : POLLOUT), 0};
+        if (::poll(&p, 1, -1) < 0 && errno != EINTR) {
+          ec = asio::error_code(errno, asio::error::get_system_category());
+          return;
+        }
+        continue;
+      }
+      ec = asio::error_code(errno, asio::error::get_system_category());
+      return;
+    }
+    if (done == 0 && reading) {
+      ec = asio::error::eof;
+      return;
+    }
+    size_t left = static_cast<size_t>(done);
+    while (first < iov.size() && left >= iov[first].iov_len) {
+      left -= iov[first].iov_len;
+      ++first;
+    }
+    if (left > 0) {
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+    while (first < iov.size() && iov[first].iov_len == 0) ++first;
+  }
+}
+
+}  // namespace
+
+void WriteAll(asio::ip::tcp::socket& socket, std::span<const asio::const_buffer> buffers,
+              asio::error_code& ec) {
+  std::vector<iovec> iov;
+  iov.reserve(buffers.size());
+  for (const auto& b : buffers) {
+    if (b.size() > 0) iov.push_back({const_cast<void*>(b.data()), b.size()});
+  }
+  // sendmsg with MSG_NOSIGNAL, not writev: a peer that died must not raise SIGPIPE here.
+  TransferAll(
+      socket.native_handle(), iov,
+      [](int fd, const iovec* v, int n) {
+        msghdr m{};
+        m.msg_iov = const_cast<iovec*>(v);
+        m.msg_iovlen = static_cast<size_t>(n);
+        return ::sendmsg(fd, &m, MSG_NOSIGNAL);
+      },
+      false, ec);
+}
+
+void ReadAll(asio::ip::tcp::socket& socket, std::span<const asio::mutable_buffer> buffers,
+             asio::error_code& ec) {
+  std::vector<iovec> iov;
+  iov.reserve(buffers.size());
+  for (const auto& b : buffers) {
+    if (b.size() > 0) iov.push_back({b.data(), b.size()});
+  }
+  TransferAll(socket.native_handle(), iov,
+              [](int fd, const iovec* v, int n) { return ::readv(fd, v, n); }, true, ec);
 }
 
 void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec) {

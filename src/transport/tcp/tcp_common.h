@@ -5,6 +5,7 @@
 #include <asio.hpp>
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "engine/wire.h"
@@ -29,6 +30,15 @@ void TuneSocket(asio::ip::tcp::socket& socket);
 // failure through the returned status with `ec` clear.
 StatusOr<wire::FrameHeader> ReadHeader(asio::ip::tcp::socket& socket, uint32_t max_body_bytes,
                                        asio::error_code& ec);
+
+// Writes every byte of `buffers`, up to IOV_MAX buffers per sendmsg (MSG_NOSIGNAL): asio
+// passes at most 64 per call, which for the 1 KiB rows of a strided frame meant a system call
+// per 64 KiB. Partial writes continue where they stopped. Errors through `ec`.
+void WriteAll(asio::ip::tcp::socket& socket, std::span<const asio::const_buffer> buffers,
+              asio::error_code& ec);
+// Fills every byte of `buffers`, up to IOV_MAX buffers per readv.
+void ReadAll(asio::ip::tcp::socket& socket, std::span<const asio::mutable_buffer> buffers,
+             asio::error_code& ec);
 
 // Reads `n` bytes and throws them away.
 void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec);

@@ -191,7 +191,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         }
       }
       asio::error_code ec;
-      asio::write(*socket_, buffers, ec);
+      WriteAll(*socket_, buffers, ec);
       if (ec) {
         // Items the peer already answered are this thread's to complete (see kAcked).
         for (const auto& item : batch) {

@@ -298,7 +298,7 @@ void TcpServer::Serve(Connection* connection) {
             rows.push_back(asio::buffer(
                 reinterpret_cast<void*>(h.addr + r * strided->remote_stride), strided->row_bytes));
           }
-          asio::read(socket, rows, ec);
+          ReadAll(socket, rows, ec);
           if (ec) break;
           QueuedAck q;
           q.request_id = h.request_id;
