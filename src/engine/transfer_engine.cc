@@ -40,9 +40,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Rows one strided TCP frame carries at most (BuildItems); the server reads them with one
-// buffer per row.
-constexpr uint64_t kMaxRowsPerFrame = 4096;
+// Rows one strided TCP frame carries at most (BuildItems); the server refuses more.
+constexpr uint64_t kMaxRowsPerFrame = wire::kMaxStridedRows;
 
 struct Peer {
   uint64_t id = 0;
@@ -122,7 +121,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       const uint64_t slice = slice_bytes(i);
       uint8_t* local = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.local_addr));
       if (const uint64_t group = rows_per_item(i); group > 1) {
-        for (uint32_t row = 0; row < r.num_rows; row += static_cast<uint32_t>(group)) {
+        for (uint64_t row = 0; row < r.num_rows; row += group) {
           const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(group, r.num_rows - row));
           WorkItem& item = items_[k++];
           item.kind = WorkItem::Kind::kWrite;

@@ -125,6 +125,10 @@ StatusOr<StridedWrite> DecodeStridedWrite(std::span<const uint8_t> body, uint64_
   s.rows = static_cast<uint32_t>(GetLe(body.data(), 4));
   s.row_bytes = GetLe(body.data() + 4, 8);
   s.remote_stride = GetLe(body.data() + 12, 8);
+  if (s.rows > kMaxStridedRows) {
+    return InvalidArgumentError("strided WRITE of " + std::to_string(s.rows) +
+                                " rows exceeds the limit of " + std::to_string(kMaxStridedRows));
+  }
   if (s.rows == 0 || s.row_bytes == 0 || s.row_bytes > length ||
       length / s.row_bytes != s.rows || length % s.row_bytes != 0) {
     return InvalidArgumentError("strided WRITE of " + std::to_string(s.rows) + " rows of " +

@@ -45,13 +45,16 @@ inline constexpr uint32_t kMaxShareHandleBytes = 128;
 // run of tokens, which otherwise costs a frame (and an acknowledgement) per row.
 inline constexpr uint8_t kFlagStrided = 1;
 inline constexpr uint32_t kStridedBodyBytes = 20;
+// Rows one strided frame may carry (the server holds a buffer descriptor per row).
+inline constexpr uint32_t kMaxStridedRows = 4096;
 struct StridedWrite {
   uint32_t rows = 0;
   uint64_t row_bytes = 0;
   uint64_t remote_stride = 0;
 };
 std::array<uint8_t, kStridedBodyBytes> EncodeStridedWrite(const StridedWrite& s);
-// Errors: kInvalidArgument when the body is malformed, the rows do not add up to `length`,
+// Errors: kInvalidArgument when the body is malformed, rows exceed kMaxStridedRows, the rows
+// do not add up to `length`,
 // rows overlap (remote_stride < row_bytes) or the extent wraps the address space.
 StatusOr<StridedWrite> DecodeStridedWrite(std::span<const uint8_t> body, uint64_t addr,
                                           uint64_t length);

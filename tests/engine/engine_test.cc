@@ -474,6 +474,9 @@ TEST_F(EngineTest, HostileStridedFramesAreRefusedAndWriteNothing) {
   EXPECT_NE(r.status, 0u);
   r = send_strided(base, 3, 100, 50, 300, 0xEE);  // overlapping rows
   EXPECT_NE(r.status, 0u);
+  // More rows than a frame may carry (the server would hold a descriptor per row).
+  r = send_strided(base, wire::kMaxStridedRows + 1, 1, 1, wire::kMaxStridedRows + 1, 0xEE);
+  EXPECT_NE(r.status, 0u);
   std::vector<uint8_t> after(1 << 20);
   ASSERT_TRUE(Read(after.data(), base, after.size()).ok());
   EXPECT_EQ(after, before) << "a refused strided WRITE changed the peer's memory";
