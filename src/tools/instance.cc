@@ -488,7 +488,19 @@ int RunPrefillInstance(const InstanceFlags& flags) {
       gpu_compute = std::move(*cs);
     }
     if (Status a = in.WriteAuxRow(*row, room); !a.ok()) return fail(a);
-    if (Status st = in.FillState(admitted->state_slot, room); !st.ok()) return fail(st);
+    // The linear-attention state (hybrid models). With GPU compute it is written while the
+    // first chunk's spin kernels run, as a real prefill produces it during those layers:
+    // written from the host before them (~77 MB for Qwen3-Next) it added ~20 ms to every
+    // TTFT (docs/perf/layerwise.md). Otherwise it is written before the compute.
+    bool state_pending = gpu_compute != nullptr;
+    auto fill_state = [&]() -> Status {
+      if (!state_pending) return OkStatus();
+      state_pending = false;
+      return in.FillState(admitted->state_slot, room);
+    };
+    if (gpu_compute == nullptr) {
+      if (Status st = in.FillState(admitted->state_slot, room); !st.ok()) return fail(st);
+    }
     // This rank computes and sends its range of the pages (all of them without context
     // parallelism); a CP rank with an empty range only reports, with an empty last chunk.
     const PageRange range = c.SendRange(num_pages);
@@ -515,13 +527,25 @@ int RunPrefillInstance(const InstanceFlags& flags) {
         chunk.aux_row = aux;
         auto pass = c.BeginLayerwisePass(std::span(&chunk, 1));
         if (!pass.ok()) return fail(pass.status());
-        for (int l = 0; l < model_layers; ++l) {
-          if (gpu_compute != nullptr) {
+        if (gpu_compute != nullptr) {
+          // Every layer's kernel queued first (the GPU runs them back to back), the state
+          // written meanwhile, then each layer marked by its event: a layer whose kernel
+          // already finished is sent at once.
+          std::vector<void*> events;
+          for (int l = 0; l < model_layers; ++l) {
             auto event = gpu_compute->Spin(layer_compute.count());
             if (!event.ok()) return fail(event.status());
-            if (Status m = c.MarkLayerReadyOnEvent(*pass, l, *event); !m.ok()) return fail(m);
-            continue;
+            events.push_back(*event);
           }
+          if (Status st = fill_state(); !st.ok()) return fail(st);
+          for (int l = 0; l < model_layers; ++l) {
+            if (Status m = c.MarkLayerReadyOnEvent(*pass, l, events[static_cast<size_t>(l)]);
+                !m.ok()) {
+              return fail(m);
+            }
+          }
+        }
+        for (int l = 0; gpu_compute == nullptr && l < model_layers; ++l) {
           layer_done += layer_compute;
           if (layer_compute.count() > 0) std::this_thread::sleep_until(layer_done);
           if (l == model_layers - 1) compute_end = Clock::now();  // the last layer is ready
@@ -535,6 +559,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
         if (gpu_compute != nullptr) {
           auto event = gpu_compute->Spin(layer_compute.count() * model_layers);
           if (!event.ok()) return fail(event.status());
+          if (Status st = fill_state(); !st.ok()) return fail(st);
           if (Status w = gpu_compute->Synchronize(); !w.ok()) return fail(w);
         } else {
           layer_done += layer_compute * model_layers;
