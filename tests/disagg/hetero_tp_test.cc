@@ -299,7 +299,7 @@ TEST(HybridStateTest, EqualAndUnequalTp) {
 }
 
 // Layerwise passes land the same bytes as whole chunks: GQA, MLA and hybrid, equal and
-// unequal TP, direct and staging paths.
+// unequal TP, direct, staging and fused paths.
 TEST(LayerwiseTest, SameBytesAsChunkedSends) {
   const uint64_t staged_chunks = RunRoom(AttentionKind::kMha, 8, 2, 1, "staging", 256 << 10, 2);
   g_layerwise = true;
@@ -312,10 +312,13 @@ TEST(LayerwiseTest, SameBytesAsChunkedSends) {
   EXPECT_GE(staged_layers, staged_chunks + 2 * 2 * 2) << staged_chunks;
   RunRoom(AttentionKind::kMla, 1, 1, 1, "direct", 0, 2);
   RunRoom(AttentionKind::kMla, 1, 2, 1, "direct", 0, 1);
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "fused", 0, 2);  // strided rows per layer
+  RunRoom(AttentionKind::kMha, 8, 1, 2, "fused", 0, 1);
   g_hybrid = true;
   RunRoom(AttentionKind::kMha, 8, 1, 1, "direct", 0, 2);
   RunRoom(AttentionKind::kMha, 8, 2, 1, "direct", 0, 1);
   RunRoom(AttentionKind::kMha, 8, 1, 2, "direct", 0, 1);
+  RunRoom(AttentionKind::kMha, 8, 2, 1, "fused", 0, 1);
   g_hybrid = false;
   g_layerwise = false;
 }
