@@ -183,6 +183,59 @@ class NvlinkGpuTest : public ::testing::Test {
     return TransferSync(*engine_, std::span(&r, 1), o);
   }
 
+  // `rounds` WRITEs of random sizes (the first `small_rounds` under 70000 bytes, the rest up
+  // to `max_large`) and alignments from random data in local_ into both kinds of peer memory,
+  // each READ back into a cleared back_ and compared byte for byte on the host.
+  void RandomSizesRoundTrip(uint64_t seed, uint64_t src_bytes, int rounds, int small_rounds,
+                            uint64_t max_large) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint8_t> src(src_bytes), got(kRegionBytes / 2);
+    for (auto& b : src) b = static_cast<uint8_t>(rng());
+    ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
+    for (uint64_t base : {peer_.ipc_base, peer_.vmm_base}) {
+      for (int round = 0; round < rounds; ++round) {
+        uint64_t len = 1 + rng() % (round < small_rounds ? 70000 : max_large);
+        uint64_t src_off = rng() % (kRegionBytes / 2 - len);
+        uint64_t dst_off = rng() % (kRegionBytes / 2 - 4096 - len);
+        Status w =
+            Do(TransferOp::kWrite, static_cast<uint8_t*>(local_) + src_off, base + dst_off, len);
+        ASSERT_TRUE(w.ok()) << w.ToString();
+        ASSERT_EQ(cudaMemset(back_, 0, len), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        Status r = Do(TransferOp::kRead, back_, base + dst_off, len);
+        ASSERT_TRUE(r.ok()) << r.ToString();
+        ASSERT_EQ(cudaMemcpy(got.data(), back_, len, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(std::memcmp(got.data(), src.data() + src_off, len), 0)
+            << "round " << round << " len " << len << " src_off " << src_off << " dst_off "
+            << dst_off;
+      }
+    }
+  }
+
+  // `count` random 2 KiB blocks of local_ written in one batch, block i to slot
+  // (i * multiplier) % count of the peer's cudaMalloc region, read back and compared.
+  void ScatteredBlocksInOneBatch(int count, uint64_t multiplier, uint64_t seed) {
+    std::vector<uint8_t> src(static_cast<size_t>(count) * 2048);
+    std::mt19937_64 rng(seed);
+    for (auto& b : src) b = static_cast<uint8_t>(rng());
+    ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
+    auto slot = [&](int i) { return (static_cast<uint64_t>(i) * multiplier) % count; };
+    std::vector<TransferRequest> reqs;
+    for (int i = 0; i < count; ++i) {
+      reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + i * 2048, segment_,
+                      peer_.ipc_base + slot(i) * 2048, 2048});
+    }
+    ASSERT_TRUE(TransferSync(*engine_, reqs).ok());
+    ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, src.size()).ok());
+    std::vector<uint8_t> got(src.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int i = 0; i < count; ++i) {
+      ASSERT_EQ(std::memcmp(got.data() + slot(i) * 2048, src.data() + i * 2048, 2048), 0) << i;
+    }
+  }
+
   std::string transport_ = "auto";  // NVLink between the two GPUs
   int peer_device_ = 0;
   GpuPeer peer_;
@@ -210,25 +263,9 @@ TEST_F(NvlinkGpuTest, DescriptorAdvertisesNvlinkAndShareHandles) {
 // Random sizes and alignments into both kinds of peer memory, read back over NVLink and
 // compared byte for byte on the host; untouched peer bytes keep their pattern.
 TEST_F(NvlinkGpuTest, RandomSizesAndAlignmentsVerifiedByteForByte) {
-  std::mt19937_64 rng(11);
-  std::vector<uint8_t> src(kRegionBytes), got(kRegionBytes);
-  for (auto& b : src) b = static_cast<uint8_t>(rng());
-  ASSERT_EQ(cudaMemcpy(local_, src.data(), kRegionBytes, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
-  for (uint64_t base : {peer_.ipc_base, peer_.vmm_base}) {
-    for (int round = 0; round < 40; ++round) {
-      uint64_t len = 1 + rng() % (round < 30 ? 70000 : (32ull << 20));
-      uint64_t src_off = rng() % (kRegionBytes / 2 - len);
-      uint64_t dst_off = rng() % (kRegionBytes / 2 - 4096 - len);
-      Status w = Do(TransferOp::kWrite, static_cast<uint8_t*>(local_) + src_off, base + dst_off, len);
-      ASSERT_TRUE(w.ok()) << w.ToString();
-      Status r = Do(TransferOp::kRead, back_, base + dst_off, len);
-      ASSERT_TRUE(r.ok()) << r.ToString();
-      ASSERT_EQ(cudaMemcpy(got.data(), back_, len, cudaMemcpyDeviceToHost), cudaSuccess);
-      ASSERT_EQ(std::memcmp(got.data(), src.data() + src_off, len), 0)
-          << "round " << round << " len " << len << " src_off " << src_off << " dst_off " << dst_off;
-    }
-  }
+  RandomSizesRoundTrip(11, kRegionBytes, 40, 30, 32ull << 20);
+  if (HasFatalFailure()) return;
+  std::vector<uint8_t> got(1 << 20);
   // The upper half was never written: still the peer's pattern (READ path on its own).
   const uint64_t off = kRegionBytes - (1 << 20);
   ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base + off, 1 << 20).ok());
@@ -237,26 +274,7 @@ TEST_F(NvlinkGpuTest, RandomSizesAndAlignmentsVerifiedByteForByte) {
 }
 
 TEST_F(NvlinkGpuTest, ManySmallBlocksInOneBatch) {
-  std::vector<uint8_t> src(8192 * 2048);
-  std::mt19937_64 rng(5);
-  for (auto& b : src) b = static_cast<uint8_t>(rng());
-  ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
-  std::vector<TransferRequest> reqs;
-  for (int i = 0; i < 8192; ++i) {
-    // Scattered destinations: block i lands at slot (i * 7919) % 8192.
-    uint64_t slot = (static_cast<uint64_t>(i) * 7919) % 8192;
-    reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + i * 2048, segment_,
-                    peer_.ipc_base + slot * 2048, 2048});
-  }
-  ASSERT_TRUE(TransferSync(*engine_, reqs).ok());
-  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, src.size()).ok());
-  std::vector<uint8_t> got(src.size());
-  ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  for (int i = 0; i < 8192; ++i) {
-    uint64_t slot = (static_cast<uint64_t>(i) * 7919) % 8192;
-    ASSERT_EQ(std::memcmp(got.data() + slot * 2048, src.data() + i * 2048, 2048), 0) << i;
-  }
+  ScatteredBlocksInOneBatch(8192, 7919, 5);  // scattered destinations
 }
 
 // Strided requests (rows of a head slice at two token strides) of random shapes, 16-byte
@@ -441,27 +459,7 @@ class GpuOverTcpTest : public NvlinkGpuTest {
 };
 
 TEST_F(GpuOverTcpTest, RandomSizesAndAlignmentsVerifiedByteForByte) {
-  std::mt19937_64 rng(17);
-  std::vector<uint8_t> src(kRegionBytes / 2), got(kRegionBytes / 2);
-  for (auto& b : src) b = static_cast<uint8_t>(rng());
-  ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
-  for (uint64_t base : {peer_.ipc_base, peer_.vmm_base}) {
-    for (int round = 0; round < 24; ++round) {
-      uint64_t len = 1 + rng() % (round < 16 ? 70000 : (12ull << 20));
-      uint64_t src_off = rng() % (kRegionBytes / 2 - len);
-      uint64_t dst_off = rng() % (kRegionBytes / 2 - 4096 - len);
-      Status w = Do(TransferOp::kWrite, static_cast<uint8_t*>(local_) + src_off, base + dst_off, len);
-      ASSERT_TRUE(w.ok()) << w.ToString();
-      ASSERT_EQ(cudaMemset(back_, 0, len), cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      Status r = Do(TransferOp::kRead, back_, base + dst_off, len);
-      ASSERT_TRUE(r.ok()) << r.ToString();
-      ASSERT_EQ(cudaMemcpy(got.data(), back_, len, cudaMemcpyDeviceToHost), cudaSuccess);
-      ASSERT_EQ(std::memcmp(got.data(), src.data() + src_off, len), 0)
-          << "round " << round << " len " << len << " src_off " << src_off << " dst_off " << dst_off;
-    }
-  }
+  RandomSizesRoundTrip(17, kRegionBytes / 2, 24, 16, 12ull << 20);
 }
 
 // Host memory on this side, GPU memory on the peer's: only the server's bounce buffers.
@@ -479,25 +477,7 @@ TEST_F(GpuOverTcpTest, HostMemoryToPeerGpuMemory) {
 
 // Many small GPU blocks in one batch: every one a chunk of its own through the bounce ring.
 TEST_F(GpuOverTcpTest, ManySmallBlocksInOneBatch) {
-  std::vector<uint8_t> src(2048 * 2048);
-  std::mt19937_64 rng(9);
-  for (auto& b : src) b = static_cast<uint8_t>(rng());
-  ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
-  std::vector<TransferRequest> reqs;
-  for (int i = 0; i < 2048; ++i) {
-    uint64_t slot = (static_cast<uint64_t>(i) * 769) % 2048;
-    reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + i * 2048, segment_,
-                    peer_.ipc_base + slot * 2048, 2048});
-  }
-  ASSERT_TRUE(TransferSync(*engine_, reqs).ok());
-  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, src.size()).ok());
-  std::vector<uint8_t> got(src.size());
-  ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  for (int i = 0; i < 2048; ++i) {
-    uint64_t slot = (static_cast<uint64_t>(i) * 769) % 2048;
-    ASSERT_EQ(std::memcmp(got.data() + slot * 2048, src.data() + i * 2048, 2048), 0) << i;
-  }
+  ScatteredBlocksInOneBatch(2048, 769, 9);
 }
 
 TEST_F(GpuOverTcpTest, RangeOutsideRegisteredMemoryIsRefused) {
