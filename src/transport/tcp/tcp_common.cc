@@ -164,11 +164,10 @@ void TransferAll(int fd, std::vector<iovec>& iov, Op op, bool reading, asio::err
       left -= iov[first].iov_len;
       ++first;
     }
-    if (left > 0) {
+    if (left > 0) {  // first is mid-buffer: left < its length (no empty buffers in `iov`)
       iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
       iov[first].iov_len -= left;
     }
-    while (first < iov.size() && iov[first].iov_len == 0) ++first;
   }
 }
 
