@@ -460,7 +460,8 @@ class DecodeConnectorImpl : public DecodeConnector {
         ScatterStaged(*m);
         break;
       case ControlType::kStagingCancel:
-        CancelRegion(*m);
+        // The writer will not write it (its room failed or was aborted on its side).
+        ReleaseRegion(m->chunk.region_id, m->room);
         break;
       case ControlType::kRoomFailed:
         FailRoom(room,
@@ -570,29 +571,15 @@ class DecodeConnectorImpl : public DecodeConnector {
     grants_->Post([this, g = std::move(grants)]() mutable { SendGrants(std::move(g)); });
   }
 
-  // Marks a granted region consumed, frees the consumed prefix of the ring in FIFO order and
-  // publishes the new watermark.
-  void ReleaseRegion(uint64_t region_id) {
+  // Marks region `region_id` consumed if it was granted to `room` (scattered, or its writer
+  // said it will not write it), frees the consumed prefix of the ring in FIFO order,
+  // publishes the new watermark and sends the grants that became writable.
+  void ReleaseRegion(uint64_t region_id, uint64_t room) {
     std::vector<DeferredGrant> ready;
     {
       std::lock_guard<std::mutex> lock(staging_mu_);
       for (auto& live : live_regions_) {
-        if (live.region.id == region_id) live.consumed = true;
-      }
-      ready = FreeConsumedLocked();
-    }
-    PostGrants(std::move(ready));
-  }
-
-  // A writer's notice that it will not write a region it was granted (its room failed or was
-  // aborted on its side): the region is freed at once. Only a live region granted to that
-  // room counts.
-  void CancelRegion(const ControlMessage& m) {
-    std::vector<DeferredGrant> ready;
-    {
-      std::lock_guard<std::mutex> lock(staging_mu_);
-      for (auto& live : live_regions_) {
-        if (live.region.id == m.chunk.region_id && live.room == m.room) live.consumed = true;
+        if (live.region.id == region_id && live.room == room) live.consumed = true;
       }
       if (ring_ != nullptr) ready = FreeConsumedLocked();
     }
@@ -694,7 +681,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (!granted) {
       // A mismatched notice must not block the ring, but it frees the named region only when
       // that region was granted to this room (its writer is the sender).
-      CancelRegion(m);
+      ReleaseRegion(m.chunk.region_id, m.room);
       FailRoom(m.room, InvalidArgumentError("staging notice names region " +
                                             std::to_string(m.chunk.region_id) +
                                             " that was not granted as described"),
@@ -721,7 +708,7 @@ class DecodeConnectorImpl : public DecodeConnector {
                                                    m.chunk.bytes),
                           m.chunk.first_layer, m.chunk.num_layers);
     });
-    ReleaseRegion(m.chunk.region_id);
+    ReleaseRegion(m.chunk.region_id, m.room);
     KVF_LOG_DEBUG("decode: room {} scattered staging region {}: {}", m.room, m.chunk.region_id,
                   s.ToString());
     if (!s.ok() && s.code() != StatusCode::kNotFound) {
