@@ -72,6 +72,33 @@ for i in range(20): print(json.dumps({'timestamp': 0, 'input_length': $tokens, '
   done
 fi
 
+if [ -n "${LAYERWISE_TRACE:-}" ]; then
+  # One traced layerwise run (debug log, microsecond timestamps): where the tail goes.
+  trace=$OUT/fixed-trace.jsonl
+  python3 -c "
+import json
+for i in range(6): print(json.dumps({'timestamp': 0, 'input_length': 4096, 'output_length': 1, 'hash_ids': []}))" > "$trace"
+  step "traced replay --device cuda llama-3.1-8b 4096 --layerwise"
+  KVFERRY_LOG_LEVEL=debug timeout 60 "$B/kvferry" replay --device cuda --trace "$trace" \
+    --model llama-3.1-8b --concurrency 1 --pool-size 20GiB --chunk-tokens 16384 \
+    --compute-us-per-layer "${LAYER_US:-500}" --layerwise --json "$OUT/layerwise_traced.json" \
+    > "$OUT/layerwise_traced.log" 2>&1
+  tail -3 "$OUT/layerwise_traced.log"
+fi
+
+if [ -n "${SWEEP64:-}" ]; then
+  # Batches of 64 blocks of 16 and 64 KiB over threads and batches in flight per thread.
+  for threads in ${SWEEP_THREADS:-8 16 32}; do
+    for inflight in ${SWEEP_INFLIGHT:-4 8 16}; do
+      step "bench nvlink 64-block batches, $threads threads x $inflight in flight"
+      timeout 60 "$B/kvferry" bench --device cuda --transport nvlink --block-size 16KiB,64KiB \
+        --batch-size 64 --threads $threads --inflight $inflight --duration ${BENCH_SECONDS:-0.5} \
+        --json "$OUT/sweep64_t${threads}_if$inflight.json" > "$OUT/sweep64_t${threads}_if$inflight.txt" 2>&1
+      grep -E "^ *[0-9.]+ [KMG]iB +[0-9]+ |cudaMemcpyPeer|rror" "$OUT/sweep64_t${threads}_if$inflight.txt"
+    done
+  done
+fi
+
 if [ -n "${HETERO:-}" ]; then
   # Unequal TP on GPUs (docs/perf/hetero-tp.md): every rank its own GPU where they fit
   # (ReplayGpu). Each kv path given in KV_PATHS; 1 1 is the equal-TP reference.

@@ -105,7 +105,10 @@ class PrefillConnector {
   // linear-attention state) leave when MarkLayerReady says the layer has run, so transfers
   // overlap the layers still computing. Layers are sent in layer order: layer l leaves once
   // layers 0..l are all marked, in one engine batch per decode rank for every room of the
-  // pass. The aux row and done notice follow after the last layer landed. A pass not fully
+  // pass. The aux row of a room's last chunk leaves in the last layer's batch, so it must hold
+  // its final contents (first token, ...) when the last layer is marked ready (for
+  // MarkLayerReadyOnEvent: record that event after the aux row is written); the done notice
+  // follows once everything landed. A pass not fully
   // marked within transfer_timeout fails its rooms ("layer L ... never marked ready").
   // Staging destinations (unequal TP, kv_path staging) stage each layer's head slice on its
   // own (a ring region per chunk and layer). Returns the pass id. Does not block on the
@@ -125,7 +128,10 @@ class PrefillConnector {
   // (marked twice).
   virtual Status MarkLayerReady(uint64_t pass, int layer) = 0;
   // As MarkLayerReady, once `cuda_event` (a cudaEvent_t recorded on the compute stream after
-  // the layer wrote its KV) has completed; the caller's thread does not wait. The event must
+  // the layer wrote its KV) has completed; the caller's thread does not wait. The layer's
+  // engine batches are submitted at once with BatchOptions::start_after_event, so over NVLink
+  // they start on the GPU the moment compute passes the event (passes with staging
+  // destinations instead poll their events from a connector thread). The event must
   // stay valid until the pass is finished (all its rooms final, or every layer marked); the
   // connector stops polling events of a failed or expired pass. Errors: as MarkLayerReady, plus "no CUDA device" / kUnimplemented without CUDA;
   // an event that fails fails the pass's rooms.

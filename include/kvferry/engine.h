@@ -139,6 +139,15 @@ struct BatchOptions {
   // When set, called once when the batch becomes final, on an engine thread (must not block
   // or call WaitBatch/CancelBatch on this batch). The batch stays queryable until released.
   std::function<void(BatchId, const BatchStatus&)> on_complete;
+  // A cudaEvent_t (recorded by the caller, e.g. on prefill's compute stream after a layer
+  // wrote its KV) that the batch's copies must come after, or null. SubmitBatch never waits
+  // for it: on NVLink the wait is enqueued on the GPU (cudaStreamWaitEvent on a stream of its
+  // own, so the copies start as soon as the caller's stream passes the event); other data
+  // paths are started by an engine thread that polls the event. The deadline counts from
+  // submission, the wait included. The event must not be re-recorded or destroyed until the
+  // batch is final. Errors: "no CUDA device" (kFailedPrecondition / kUnimplemented without
+  // CUDA) and an invalid event at submission; an event that fails later fails the batch.
+  void* start_after_event = nullptr;
 };
 
 struct Notification {
@@ -202,6 +211,13 @@ class TransferEngine {
   // Errors: kNotFound, kInvalidArgument (too long), kUnavailable, kDeadlineExceeded.
   virtual Status SendNotification(SegmentHandle segment, const std::string& message,
                                   std::chrono::milliseconds timeout) = 0;
+  // Sends a message to the peer without blocking: a batch of no requests whose notification
+  // leaves at once; it completes (options.on_complete runs) when the peer acknowledged it,
+  // and fails at options.deadline. Only deadline, on_complete and the message are used
+  // (options.notification is ignored). Release it like any batch. Errors: kNotFound,
+  // kInvalidArgument (too long).
+  virtual StatusOr<BatchId> SubmitNotification(SegmentHandle segment, std::string message,
+                                               const BatchOptions& options) = 0;
   // Installs the handler called for each notification received (replaces the queue used by
   // PollNotifications). Called on engine threads, one notification at a time per peer.
   virtual void SetNotificationHandler(NotificationHandler handler) = 0;

@@ -12,6 +12,7 @@
 //     landed; Success when the last chunk landed and the aux row's room matched.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string_view>
 
@@ -34,6 +35,9 @@ inline bool IsFinal(RoomState s) { return s == RoomState::kSuccess || s == RoomS
 struct RoomStatus {
   RoomState state = RoomState::kBootstrapping;
   Status error;  // set when kFailed
+  // When the room became final (steady clock, comparable between processes of one host);
+  // the epoch while it is not final.
+  std::chrono::steady_clock::time_point final_time{};
 };
 
 }  // namespace kvferry

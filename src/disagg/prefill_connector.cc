@@ -39,6 +39,7 @@ struct Destination {
   SliceInfo slice;
   int outstanding_batches = 0;
   bool finishing = false;  // its done notice (with the aux row when it carries it) is on its way
+  bool aux_sent = false;   // the aux row went with the last layer of a layerwise pass
   bool done = false;
   // (first page, first attention layer) -> source pages of a chunk awaiting a staging grant
   // (layer 0 with every layer when not layerwise).
@@ -278,6 +279,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     auto pass = std::make_shared<LayerPass>();
     pass->marked.assign(pool_->layout().geometry().num_model_layers(), false);
+    pass->events.assign(pass->marked.size(), nullptr);
     pass->deadline = Clock::now() + options_.transfer_timeout;
     for (const LayerwiseChunk& c : chunks) {
       pass->rooms.push_back(c.room);
@@ -299,6 +301,7 @@ class PrefillConnectorImpl : public PrefillConnector {
           t.last = last;
           t.staged = dest.slice.sends && dest.slice.staging;
           t.sends = dest.slice.sends && !t.staged;
+          pass->has_staged |= t.staged;
           ++dest.outstanding_batches;  // the pass itself: released after the last layer
           pass->targets.push_back(std::move(t));
         }
@@ -318,40 +321,56 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   Status MarkLayerReady(uint64_t pass_id, int layer) override {
-    std::lock_guard<std::mutex> lock(passes_mu_);
-    ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
-    LayerPass& pass = *it->second;
-    const int layers = static_cast<int>(pass.marked.size());
-    pass.marked[layer] = true;
-    std::vector<int> ready;
-    while (pass.next_layer < layers && pass.marked[pass.next_layer]) ready.push_back(pass.next_layer++);
-    if (ready.empty()) return OkStatus();  // an earlier layer is still computing
-    const bool finished = pass.next_layer == layers;
-    std::shared_ptr<LayerPass> keep = it->second;
-    if (finished) passes_.erase(it);
-    // Posted under the lock: the layer queue sees layers in order whoever marked them.
-    layers_->Post([this, keep, ready, finished] {
-      for (int l : ready) SubmitLayer(*keep, l);
-      if (finished) FinishPass(*keep);
-    });
-    return OkStatus();
+    return MarkLayer(pass_id, layer, nullptr);
   }
 
   Status MarkLayerReadyOnEvent(uint64_t pass_id, int layer, void* cuda_event) override {
     if (cuda_event == nullptr) return InvalidArgumentError("null CUDA event");
+    bool ordered = false;
     {
       std::lock_guard<std::mutex> lock(passes_mu_);
-      RETURN_IF_ERROR(FindUnmarkedLocked(pass_id, layer).status());
+      ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
+      ordered = !it->second->has_staged;
     }
     RETURN_IF_ERROR(cuda::CheckDevice(0));  // "no CUDA device" on machines without one
     ASSIGN_OR_RETURN(bool done, cuda::EventCompleted(cuda_event));
     if (done) return MarkLayerReady(pass_id, layer);
+    // The layer's batches wait for the event themselves (on the GPU over NVLink), so they are
+    // submitted now and leave the moment compute passes the event. Staging gathers are not
+    // ordered after events: a pass with staging destinations polls its events instead.
+    if (ordered) return MarkLayer(pass_id, layer, cuda_event);
     {
       std::lock_guard<std::mutex> lock(events_mu_);
       events_.push_back({pass_id, layer, cuda_event});
       if (!event_thread_.joinable()) event_thread_ = std::thread([this] { EventLoop(); });
     }
     events_cv_.notify_one();
+    return OkStatus();
+  }
+
+  // Marks `layer` of `pass_id` ready, now (`cuda_event` null) or once the event completes
+  // (its batches start after it), and hands every layer now in order to the layer queue.
+  Status MarkLayer(uint64_t pass_id, int layer, void* cuda_event) {
+    std::lock_guard<std::mutex> lock(passes_mu_);
+    ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
+    LayerPass& pass = *it->second;
+    const int layers = static_cast<int>(pass.marked.size());
+    pass.marked[layer] = true;
+    pass.events[layer] = cuda_event;
+    std::vector<std::pair<int, void*>> ready;
+    while (pass.next_layer < layers && pass.marked[pass.next_layer]) {
+      ready.emplace_back(pass.next_layer, pass.events[pass.next_layer]);
+      ++pass.next_layer;
+    }
+    if (ready.empty()) return OkStatus();  // an earlier layer is still computing
+    const bool finished = pass.next_layer == layers;
+    std::shared_ptr<LayerPass> keep = it->second;
+    if (finished) passes_.erase(it);
+    // Posted under the lock: the layer queue sees layers in order whoever marked them.
+    layers_->Post([this, keep, ready, finished] {
+      for (const auto& [l, event] : ready) SubmitLayer(*keep, l, event);
+      if (finished) FinishPass(*keep);
+    });
     return OkStatus();
   }
 
@@ -631,7 +650,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   void SubmitThen(std::vector<TransferRequest> requests, std::string notification,
                   std::shared_ptr<void> keepalive,
                   std::function<void(const BatchStatus&)> done,
-                  std::function<void()> refused = nullptr) {
+                  std::function<void()> refused = nullptr, void* start_after_event = nullptr) {
     uint64_t bytes = 0;
     for (const auto& r : requests) bytes += r.length_bytes;
     transfer_requests_ += requests.size();
@@ -639,6 +658,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
+    o.start_after_event = start_after_event;
     o.on_complete = [this, done, keepalive](BatchId id, const BatchStatus& status) {
       completion_->Post([this, done, id, status, keepalive] {
         engine_->ReleaseBatch(id).IgnoreError();
@@ -894,7 +914,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // A destination that receives no data this time (a replica, or no aux row to carry):
-  // its done notice travels alone, on the control queue.
+  // its done notice travels alone.
   void NotifyDone(uint64_t room, size_t dest) {
     std::shared_ptr<DecodePeer> decode;
     rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
@@ -905,13 +925,23 @@ class PrefillConnectorImpl : public PrefillConnector {
     ControlMessage note;
     note.type = ControlType::kRoomDone;
     note.room = room;
-    control_->Post([this, room, dest, decode, text = EncodeControl(note)] {
-      Status sent = engine_->SendNotification(decode->segment, text, options_.transfer_timeout);
-      BatchStatus status;
-      status.state = sent.ok() ? TransferState::kCompleted : TransferState::kFailed;
-      status.error = sent;
-      completion_->Post([this, room, dest, status] { OnBatchDone(room, dest, true, status, false); });
-    });
+    // Sent from here without waiting (no thread of ours blocks on the acknowledgement): it
+    // completes the room's destination on the completion queue once decode acknowledged it.
+    BatchOptions o;
+    o.deadline = options_.transfer_timeout;
+    o.on_complete = [this, room, dest](BatchId id, const BatchStatus& status) {
+      completion_->Post([this, room, dest, id, status] {
+        engine_->ReleaseBatch(id).IgnoreError();
+        OnBatchDone(room, dest, true, status, false);
+      });
+    };
+    auto id = engine_->SubmitNotification(decode->segment, EncodeControl(note), o);
+    if (!id.ok()) {
+      BatchStatus failed;
+      failed.state = TransferState::kFailed;
+      failed.error = id.status();
+      completion_->Post([this, room, dest, failed] { OnBatchDone(room, dest, true, failed, false); });
+    }
   }
 
   // Runs on the completion queue. `counted`: the batch was counted in outstanding_batches.
@@ -935,7 +965,7 @@ class PrefillConnectorImpl : public PrefillConnector {
                  r.status.state != RoomState::kFailed) {
         t.finishing = true;
         finish_now = true;
-        if (t.slice.sends && t.slice.sends_aux) {
+        if (t.slice.sends && t.slice.sends_aux && !t.aux_sent) {
           ++t.outstanding_batches;
           aux = AuxRequest(d, t);
         } else {
@@ -975,6 +1005,8 @@ class PrefillConnectorImpl : public PrefillConnector {
     std::vector<PassTarget> targets;
     std::vector<uint64_t> rooms;
     std::vector<bool> marked;  // per model layer; guarded by passes_mu_
+    std::vector<void*> events;  // per model layer: the CUDA event its batches wait for, or null
+    bool has_staged = false;    // a target goes through a staging ring (events are polled)
     int next_layer = 0;        // first layer not yet handed to the layer queue
     Clock::time_point deadline;
   };
@@ -1001,8 +1033,11 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // Runs on the layer queue: one engine batch per decode rank with this layer's pages (or,
-  // for a linear-attention layer of a room's last chunk, its state) for every room.
-  void SubmitLayer(const LayerPass& pass, int layer) {
+  // for a linear-attention layer of a room's last chunk, its state) for every room, started
+  // after `cuda_event` when set. The last layer's batch also carries the aux rows of rooms
+  // finishing in this pass (MarkLayerReady's contract: the aux row is final when the last
+  // layer is marked), so only the done notice follows it.
+  void SubmitLayer(const LayerPass& pass, int layer, void* cuda_event) {
     KVF_LOG_DEBUG("prefill: pass {} submits layer {}", pass.id, layer);
     const ModelGeometry& g = pool_->layout().geometry();
     const ModelGeometry::LayerRef ref = g.ModelLayer(layer);
@@ -1042,6 +1077,11 @@ class PrefillConnectorImpl : public PrefillConnector {
         } else {
           AppendChunkRequests(dest, t.first_page, t.src_pages, &requests, buffers);
         }
+        if (layer + 1 == static_cast<int>(pass.marked.size()) && t.last && t.sends &&
+            dest.slice.sends_aux) {
+          requests.push_back(AuxRequest(r.data, dest));
+          dest.aux_sent = true;
+        }
         if (!requests.empty()) ++dest.outstanding_batches;
         decode = dest.decode;
         return OkStatus();
@@ -1056,7 +1096,9 @@ class PrefillConnectorImpl : public PrefillConnector {
       g_it->requests.insert(g_it->requests.end(), requests.begin(), requests.end());
       g_it->credits.emplace_back(t.room, t.dest);
     }
-    for (Group& group : groups) SubmitCredited(std::move(group.requests), std::move(group.credits));
+    for (Group& group : groups) {
+      SubmitCredited(std::move(group.requests), std::move(group.credits), cuda_event);
+    }
     for (const PassTarget* t : staged) {
       RequestStaging(t->room, t->dest, t->first_page, static_cast<int64_t>(t->src_pages.size()),
                      ref.index, 1);
@@ -1075,11 +1117,13 @@ class PrefillConnectorImpl : public PrefillConnector {
 
   // A batch whose completion counts once for each (room, destination) it carries.
   void SubmitCredited(std::vector<TransferRequest> requests,
-                      std::vector<std::pair<uint64_t, size_t>> credits) {
-    SubmitThen(std::move(requests), "", nullptr,
-               [this, credits = std::move(credits)](const BatchStatus& status) {
-                 for (const auto& [room, dest] : credits) OnBatchDone(room, dest, false, status);
-               });
+                      std::vector<std::pair<uint64_t, size_t>> credits, void* cuda_event = nullptr) {
+    SubmitThen(
+        std::move(requests), "", nullptr,
+        [this, credits = std::move(credits)](const BatchStatus& status) {
+          for (const auto& [room, dest] : credits) OnBatchDone(room, dest, false, status);
+        },
+        nullptr, cuda_event);
   }
 
   // Polls CUDA events of layers marked by MarkLayerReadyOnEvent, sleeping 20 us between

@@ -59,6 +59,7 @@ class RoomTable {
     if (state == RoomState::kFailed) return false;  // use Fail
     s.state = state;
     if (state == RoomState::kSuccess) {
+      s.final_time = std::chrono::steady_clock::now();
       it->second.deadline = Clock::time_point::max();
     } else if (deadline) {
       it->second.deadline = *deadline;
@@ -75,6 +76,7 @@ class RoomTable {
     if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
     it->second.status.state = RoomState::kFailed;
     it->second.status.error = why;
+    it->second.status.final_time = Clock::now();
     it->second.deadline = Clock::time_point::max();
     cv_.notify_all();
     return true;

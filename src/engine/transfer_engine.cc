@@ -2,6 +2,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -15,6 +17,7 @@
 #include "common/logging.h"
 #include "common/spin.h"
 #include "cuda/device_memory.h"
+#include "cuda/device_ops.h"
 #include "engine/memory_registry.h"
 #include "kvferry/engine.h"
 #include "transport/tcp/tcp_common.h"
@@ -55,6 +58,19 @@ struct Peer {
   std::map<int, std::unique_ptr<PeerChannel>> gpu_tcp;
 };
 
+class Batch;
+
+// Deadlines of unfinished batches, earliest first. A batch enters when submitted and leaves
+// when it becomes final (Batch::Finish), so the set holds only batches in flight; the
+// watchdog thread is woken only when a new deadline becomes the earliest.
+struct DeadlineWatch {
+  using Map = std::multimap<Clock::time_point, std::weak_ptr<Batch>>;
+  std::mutex mu;
+  std::condition_variable cv;
+  Map deadlines;
+  bool stopping = false;
+};
+
 // One submitted batch. Its work items live in one array inside the batch; transports hold
 // aliasing pointers to them, which keep the batch alive until every transport callback ran.
 class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
@@ -79,6 +95,23 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // Per request: a strided WRITE into the peer's host memory, which the TCP channel sends as
   // strided frames (groups of rows) instead of a frame per row.
   std::vector<uint8_t> strided_wire;
+
+  // The engine's deadline set; set once, before the batch starts.
+  std::shared_ptr<DeadlineWatch> watch;
+
+  // Enters the deadline set unless already final.
+  void Watch() {
+    const std::shared_ptr<DeadlineWatch>& w = watch;
+    bool earliest = false;
+    {
+      std::lock_guard<std::mutex> lock(w->mu);
+      if (final_flag_.load(std::memory_order_acquire)) return;
+      watch_it_ = w->deadlines.emplace(deadline, weak_from_this());
+      watched_ = true;
+      earliest = watch_it_ == w->deadlines.begin();
+    }
+    if (earliest) w->cv.notify_one();
+  }
 
   explicit Batch(std::span<const TransferRequest> requests) {
     requests_.resize(requests.size());
@@ -158,8 +191,11 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // Starts the copies. The requests of each channel go to it as one bulk submission when it
   // takes them (a batch on one channel is handed over as it stands, without a copy); the
   // rest become work items (BuildItems), one SubmitMany per channel.
+  // With `wait_event` (BatchOptions::start_after_event) only a whole-batch bulk submission
+  // that orders its copies after the event on the GPU is tried: returns false, with nothing
+  // started, when the batch's channel does not take it. Otherwise returns true.
   template <typename SliceBytes>
-  void Start(SliceBytes slice_bytes) {
+  bool Start(SliceBytes slice_bytes, void* wait_event = nullptr) {
     auto self = shared_from_this();
     std::vector<PeerChannel*> distinct;
     for (PeerChannel* c : channels) {
@@ -168,10 +204,18 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
         distinct.push_back(c);
       }
     }
+    if (wait_event != nullptr) {
+      if (distinct.size() != 1) return false;
+      BulkSubmission bulk{transfer_requests_, this, self, kWholeBatch, wait_event};
+      for (Request& r : requests_) r.bulk = true;
+      if (distinct[0]->TrySubmitBulk(bulk)) return true;
+      for (Request& r : requests_) r.bulk = false;
+      return false;
+    }
     if (distinct.size() == 1) {
       BulkSubmission bulk{transfer_requests_, this, self, kWholeBatch};
       for (Request& r : requests_) r.bulk = true;
-      if (distinct[0]->TrySubmitBulk(bulk)) return;
+      if (distinct[0]->TrySubmitBulk(bulk)) return true;
       for (Request& r : requests_) r.bulk = false;
     } else {
       bulk_groups_.resize(distinct.size());
@@ -211,7 +255,19 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       groups.back().second.emplace_back(self, &items_[k]);  // aliasing: owns the batch
     }
     for (auto& [channel, items] : groups) channel->SubmitMany(std::move(items));
+    return true;
   }
+
+  // A batch held back until its start event completed (BatchOptions::start_after_event on a
+  // path that cannot wait on the GPU): the engine's gate thread starts it (TakeGate true) or
+  // a deadline or cancel drops it (Abandon fails every request at once).
+  void Gate() { gate_.store(kGated, std::memory_order_release); }
+  bool TakeGate() {
+    uint8_t expected = kGated;
+    return gate_.compare_exchange_strong(expected, kReleased);
+  }
+  // After TakeGate: Start has built and handed over everything (Abandon may look now).
+  void Started() { gate_.store(kStarted, std::memory_order_release); }
 
   void OnBulkDone(const Status& status, uint32_t tag) override {
     bool all_requests_done = false;
@@ -253,6 +309,20 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   // Marks unfinished requests with `why` and asks transports to stop their items.
   void Abandon(const Status& why, bool queued_only) {
+    if (uint8_t expected = kGated; gate_.compare_exchange_strong(expected, kDropped)) {
+      // Never started: nothing was sent, so every request fails now.
+      bool all_requests_done = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (size_t i = 0; i < requests_.size(); ++i) {
+          all_requests_done |= ApplyLocked(i, 0, why, true);
+        }
+      }
+      if (all_requests_done) AfterRequestsDone();
+      return;
+    }
+    // Released by the gate thread, which is inside Start (building the items read below).
+    while (gate_.load(std::memory_order_acquire) == kReleased) std::this_thread::yield();
     std::vector<WorkItem*> snapshot;
     std::shared_ptr<WorkItem> notify;  // keeps the notification item alive while we use it
     {
@@ -322,6 +392,9 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     return cv_.wait_until(lock, until, [&] { return final_; });
   }
 
+  // A batch of no requests (SubmitNotification): sends its notification now.
+  void StartNotificationOnly() { AfterRequestsDone(); }
+
   // Drops the notification item (which holds a reference back to the batch).
   void ReleaseItems() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -367,6 +440,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       final_ = true;
       final_flag_.store(true, std::memory_order_release);
     }
+    Unwatch();
     cv_.notify_all();
     if (on_complete) {
       auto callback = std::move(on_complete);
@@ -411,6 +485,8 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   static constexpr uint32_t kWholeBatch = UINT32_MAX;
   std::vector<BulkGroup> bulk_groups_;
   std::shared_ptr<WorkItem> notify_item_;  // guarded by mu_
+  enum : uint8_t { kNotGated, kGated, kReleased, kStarted, kDropped };
+  std::atomic<uint8_t> gate_{kNotGated};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -424,6 +500,24 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   TransferState state_ = TransferState::kPending;
   bool final_ = false;
   std::atomic<bool> final_flag_{false};  // final_, readable without mu_ (WaitFinal's polling)
+  // This batch's entry in watch->deadlines while watched_; both guarded by watch->mu.
+  DeadlineWatch::Map::iterator watch_it_;
+  bool watched_ = false;
+
+  // Leaves the deadline set (after final_flag_ is set: Watch skips a final batch).
+  void Unwatch() {
+    if (watch == nullptr) return;
+    DeadlineWatch* w = watch.get();
+    std::lock_guard<std::mutex> lock(w->mu);
+    if (watched_) {
+      w->deadlines.erase(watch_it_);
+      watched_ = false;
+    }
+  }
+
+ public:
+  // The watchdog took this batch's entry out of the set. REQUIRES watch mu held.
+  void UnwatchedLocked() { watched_ = false; }
 };
 
 // Waits for one SendNotification acknowledgement.
@@ -505,20 +599,29 @@ class EngineImpl : public TransferEngine {
                        }));
     }
     watchdog_ = std::thread([this] { WatchdogLoop(); });
+    gate_thread_ = std::thread([this] { GateLoop(); });
     return OkStatus();
   }
 
   ~EngineImpl() override {
     {
-      std::lock_guard<std::mutex> lock(watch_mu_);
-      stopping_ = true;
+      std::lock_guard<std::mutex> lock(watch_->mu);
+      watch_->stopping = true;
     }
-    watch_cv_.notify_all();
+    watch_->cv.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
+    {
+      std::lock_guard<std::mutex> lock(gate_mu_);
+      gate_stopping_ = true;
+    }
+    gate_cv_.notify_all();
+    if (gate_thread_.joinable()) gate_thread_.join();
     std::vector<std::shared_ptr<Batch>> batches;
     {
-      std::lock_guard<std::mutex> lock(batches_mu_);
-      for (auto& [id, b] : batches_) batches.push_back(b);
+      for (BatchShard& shard : batch_shards_) {
+        std::lock_guard<std::mutex> lock(shard.mu);
+        for (auto& [id, b] : shard.batches) batches.push_back(b);
+      }
     }
     for (auto& b : batches) b->Abandon(CancelledError("engine shut down"), false);
     std::map<uint64_t, std::shared_ptr<Peer>> peers;
@@ -674,6 +777,7 @@ class EngineImpl : public TransferEngine {
                                   std::to_string(options_.max_message_bytes));
     }
     auto batch = std::make_shared<Batch>(requests);
+    batch->watch = watch_;
     batch->peers.resize(requests.size());
     batch->channels.resize(requests.size());
     batch->strided_wire.assign(requests.size(), 0);
@@ -687,8 +791,17 @@ class EngineImpl : public TransferEngine {
     std::vector<size_t> rows_unresolved;
     const RegionDescriptor* rows_region = nullptr;
     {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      const std::shared_ptr<Peer>* peer = nullptr;
+      // peers_mu_ is taken only to look a segment up (when it changes from the request
+      // before) and to check strided requests against its descriptor: batches of plain
+      // blocks to one peer take it once, however many threads submit.
+      std::unique_lock<std::mutex> lock(peers_mu_, std::defer_lock);
+      auto relock = [&] {
+        if (!lock.owns_lock()) {
+          lock.lock();
+          rows_region = nullptr;  // it pointed into a descriptor read under the lock before
+        }
+      };
+      Peer* peer = nullptr;  // kept alive by batch->peer_refs
       SegmentHandle peer_segment;
       for (size_t i = 0; i < requests.size(); ++i) {
         const TransferRequest& r = requests[i];
@@ -698,33 +811,37 @@ class EngineImpl : public TransferEngine {
         if (r.remote_addr + r.remote_extent() < r.remote_addr) {
           return InvalidArgumentError(where(i) + "remote range wraps the address space");
         }
+        if (!options.notification.empty() && r.segment != requests[0].segment) {
+          return InvalidArgumentError(
+              "a batch with a notification must target one segment (request " +
+              std::to_string(i) + " targets another)");
+        }
         if (peer == nullptr || r.segment != peer_segment) {
+          relock();
           auto it = peers_.find(r.segment.value);
           if (it == peers_.end()) {
             return NotFoundError(where(i) + "unknown segment " + std::to_string(r.segment.value));
           }
-          peer = &it->second;
+          peer = it->second.get();
           peer_segment = r.segment;
           rows_region = nullptr;  // it pointed into another peer's descriptor
-          if (std::find(batch->peer_refs.begin(), batch->peer_refs.end(), *peer) ==
+          if (std::find(batch->peer_refs.begin(), batch->peer_refs.end(), it->second) ==
               batch->peer_refs.end()) {
-            batch->peer_refs.push_back(*peer);
+            batch->peer_refs.push_back(it->second);
           }
         }
-        batch->peers[i] = peer->get();
+        batch->peers[i] = peer;
         if (r.num_rows > 1) {
-          if (!RowsInside(CachedDescriptorLocked(**peer), r, &rows_region)) {
+          relock();
+          if (!RowsInside(CachedDescriptorLocked(*peer), r, &rows_region)) {
             rows_unresolved.push_back(i);
             rows_region = nullptr;
           } else {
             batch->strided_wire[i] =
                 r.op == TransferOp::kWrite && rows_region->kind == MemoryKind::kHost;
           }
-        }
-        if (!options.notification.empty() && r.segment != requests[0].segment) {
-          return InvalidArgumentError(
-              "a batch with a notification must target one segment (request " +
-              std::to_string(i) + " targets another)");
+        } else if (lock.owns_lock()) {
+          lock.unlock();
         }
       }
     }
@@ -754,26 +871,39 @@ class EngineImpl : public TransferEngine {
     for (size_t i = 0; i < requests.size(); ++i) {
       ASSIGN_OR_RETURN(batch->channels[i], ChooseChannel(requests[i], *batch->peers[i], i, &cache));
     }
+    void* wait_event = options.start_after_event;
+    if (wait_event != nullptr) {
+      // Checks the event now (a bad handle is the caller's error); one already passed needs
+      // no wait.
+      auto passed = cuda::EventCompleted(wait_event);
+      if (!passed.ok()) return passed.status().WithContext("start_after_event");
+      if (*passed) wait_event = nullptr;
+    }
     batch->notification = options.notification;
     batch->on_complete = options.on_complete;
     batch->notify_peer = batch->peer_refs[0];
     batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
     batch->deadline = Clock::now() + batch->deadline_ms;
     {
-      std::lock_guard<std::mutex> lock(batches_mu_);
-      batch->id = next_batch_id_++;
-      batches_[batch->id] = batch;
+      batch->id = next_batch_id_.fetch_add(1, std::memory_order_relaxed);
+      BatchShard& shard = ShardOf(batch->id);
+      std::lock_guard<std::mutex> lock(shard.mu);
+      shard.batches[batch->id] = batch;
     }
-    // Started before the deadline watcher can see it: Abandon reads the items Start builds.
-    batch->Start([&](size_t i) {
-      return batch->channels[i] == batch->peers[i]->tcp.get() ? options_.tcp_slice_bytes
-                                                               : UINT64_MAX;
-    });
-    {
-      std::lock_guard<std::mutex> lock(watch_mu_);
-      watch_.emplace(batch->deadline, batch);
+    // Started (or gated) before the deadline watcher can see it: Abandon reads the items
+    // Start builds.
+    auto slice_bytes = [this, raw = batch.get()](size_t i) {
+      return raw->channels[i] == raw->peers[i]->tcp.get() ? options_.tcp_slice_bytes : UINT64_MAX;
+    };
+    if (!batch->Start(slice_bytes, wait_event)) {
+      batch->Gate();
+      {
+        std::lock_guard<std::mutex> lock(gate_mu_);
+        gated_.push_back({batch, wait_event});
+      }
+      gate_cv_.notify_one();
     }
-    watch_cv_.notify_all();
+    batch->Watch();
     return BatchId{batch->id};
   }
 
@@ -804,14 +934,15 @@ class EngineImpl : public TransferEngine {
   Status ReleaseBatch(BatchId id) override {
     std::shared_ptr<Batch> batch;
     {
-      std::lock_guard<std::mutex> lock(batches_mu_);
-      auto it = batches_.find(id.value);
-      if (it == batches_.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
+      BatchShard& shard = ShardOf(id.value);
+      std::lock_guard<std::mutex> lock(shard.mu);
+      auto it = shard.batches.find(id.value);
+      if (it == shard.batches.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
       if (!it->second->final()) {
         return FailedPreconditionError("batch " + std::to_string(id.value) + " is still pending");
       }
       batch = it->second;
-      batches_.erase(it);
+      shard.batches.erase(it);
     }
     batch->ReleaseItems();
     return OkStatus();
@@ -841,6 +972,34 @@ class EngineImpl : public TransferEngine {
       return late;
     }
     return status;
+  }
+
+  StatusOr<BatchId> SubmitNotification(SegmentHandle segment, std::string message,
+                                       const BatchOptions& options) override {
+    if (message.empty()) return InvalidArgumentError("empty notification");
+    if (message.size() > options_.max_message_bytes) {
+      return InvalidArgumentError("notification of " + std::to_string(message.size()) +
+                                  " bytes exceeds max_message_bytes " +
+                                  std::to_string(options_.max_message_bytes));
+    }
+    ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
+    auto batch = std::make_shared<Batch>(std::span<const TransferRequest>());
+    batch->watch = watch_;
+    batch->peer_refs.push_back(peer);
+    batch->notify_peer = peer;
+    batch->notification = std::move(message);
+    batch->on_complete = options.on_complete;
+    batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
+    batch->deadline = Clock::now() + batch->deadline_ms;
+    {
+      batch->id = next_batch_id_.fetch_add(1, std::memory_order_relaxed);
+      BatchShard& shard = ShardOf(batch->id);
+      std::lock_guard<std::mutex> lock(shard.mu);
+      shard.batches[batch->id] = batch;
+    }
+    batch->StartNotificationOnly();
+    batch->Watch();
+    return BatchId{batch->id};
   }
 
   void SetNotificationHandler(NotificationHandler handler) override {
@@ -1003,29 +1162,68 @@ class EngineImpl : public TransferEngine {
   }
 
   StatusOr<std::shared_ptr<Batch>> FindBatch(BatchId id) const {
-    std::lock_guard<std::mutex> lock(batches_mu_);
-    auto it = batches_.find(id.value);
-    if (it == batches_.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
+    const BatchShard& shard = ShardOf(id.value);
+    std::lock_guard<std::mutex> lock(shard.mu);
+    auto it = shard.batches.find(id.value);
+    if (it == shard.batches.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
     return it->second;
+  }
+
+  // Starts gated batches (BatchOptions::start_after_event off the GPU-ordered path) once their
+  // event completed, polling every 10 us while any waits. Runs on its own thread.
+  void GateLoop() {
+    std::unique_lock<std::mutex> lock(gate_mu_);
+    while (!gate_stopping_) {
+      if (gated_.empty()) {
+        gate_cv_.wait(lock, [&] { return gate_stopping_ || !gated_.empty(); });
+        continue;
+      }
+      auto pending = std::move(gated_);
+      gated_.clear();
+      lock.unlock();
+      std::vector<Gated> still;
+      for (Gated& g : pending) {
+        if (g.batch->final()) continue;  // dropped by its deadline or a cancel
+        StatusOr<bool> passed = cuda::EventCompleted(g.event);
+        if (!passed.ok()) {
+          g.batch->Abandon(passed.status().WithContext("start_after_event"), true);
+        } else if (!*passed) {
+          still.push_back(std::move(g));
+        } else if (g.batch->TakeGate()) {
+          auto raw = g.batch.get();
+          raw->Start([this, raw](size_t i) {
+            return raw->channels[i] == raw->peers[i]->tcp.get() ? options_.tcp_slice_bytes
+                                                                 : UINT64_MAX;
+          });
+          raw->Started();
+        }
+      }
+      if (!still.empty()) std::this_thread::sleep_for(std::chrono::microseconds(10));
+      lock.lock();
+      gated_.insert(gated_.end(), std::make_move_iterator(still.begin()),
+                    std::make_move_iterator(still.end()));
+    }
   }
 
   // Fails batches whose deadline passed. Runs on its own thread.
   void WatchdogLoop() {
-    std::unique_lock<std::mutex> lock(watch_mu_);
-    while (!stopping_) {
-      if (watch_.empty()) {
-        watch_cv_.wait(lock);
+    DeadlineWatch& w = *watch_;
+    std::unique_lock<std::mutex> lock(w.mu);
+    while (!w.stopping) {
+      if (w.deadlines.empty()) {
+        w.cv.wait(lock);
         continue;
       }
-      auto next = watch_.begin()->first;
+      auto next = w.deadlines.begin()->first;
       if (Clock::now() < next) {
-        watch_cv_.wait_until(lock, next);
+        w.cv.wait_until(lock, next);
         continue;
       }
-      std::weak_ptr<Batch> weak = watch_.begin()->second;
-      watch_.erase(watch_.begin());
-      std::shared_ptr<Batch> batch = weak.lock();
-      if (batch == nullptr || batch->final()) continue;
+      std::shared_ptr<Batch> batch = w.deadlines.begin()->second.lock();
+      w.deadlines.erase(w.deadlines.begin());
+      if (batch == nullptr) continue;
+      batch->UnwatchedLocked();
+      if (batch->final()) continue;
       lock.unlock();
       BatchStatus s = batch->Snapshot();
       std::string peer = batch->peers.empty() ? "" : batch->peers[0]->address;
@@ -1057,15 +1255,30 @@ class EngineImpl : public TransferEngine {
   std::map<std::string, uint64_t> peer_by_address_;
   std::map<uint64_t, SegmentDescriptor> descriptors_;
 
-  mutable std::mutex batches_mu_;
-  uint64_t next_batch_id_ = 1;
-  std::unordered_map<uint64_t, std::shared_ptr<Batch>> batches_;
+  // Batches by id, in shards so that threads submitting and waiting at once rarely meet on
+  // one lock.
+  struct BatchShard {
+    mutable std::mutex mu;
+    std::unordered_map<uint64_t, std::shared_ptr<Batch>> batches;
+  };
+  static constexpr size_t kBatchShards = 16;
+  BatchShard& ShardOf(uint64_t id) { return batch_shards_[id % kBatchShards]; }
+  const BatchShard& ShardOf(uint64_t id) const { return batch_shards_[id % kBatchShards]; }
+  std::atomic<uint64_t> next_batch_id_{1};
+  std::array<BatchShard, kBatchShards> batch_shards_;
 
-  std::mutex watch_mu_;
-  std::condition_variable watch_cv_;
-  std::multimap<Clock::time_point, std::weak_ptr<Batch>> watch_;
-  bool stopping_ = false;
+  std::shared_ptr<DeadlineWatch> watch_ = std::make_shared<DeadlineWatch>();
   std::thread watchdog_;
+
+  struct Gated {
+    std::shared_ptr<Batch> batch;
+    void* event = nullptr;
+  };
+  std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+  std::vector<Gated> gated_;
+  bool gate_stopping_ = false;
+  std::thread gate_thread_;
 
   std::mutex notify_mu_;
   NotificationHandler handler_;

@@ -38,6 +38,12 @@ StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string
 
 namespace {
 
+// A steady-clock time in nanoseconds since its epoch: comparable between the replay's
+// processes, which share a host.
+int64_t SteadyNs(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 // Everything one instance owns.
 struct Instance {
   InstanceFlags flags;
@@ -592,6 +598,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
                  {"transfer_ms", transfer_ms},
                  {"compute_ms", compute_ms},
                  {"tail_ms", tail_ms},
+                 {"compute_end_ns", SteadyNs(compute_end)},
                  {"layers", model_layers}});
   });
   return in.Serve(info);
@@ -657,6 +664,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
       return Reply(res, 500, {{"ok", false}, {"error", reason}});
     }
     const auto verify_start = Clock::now();
+    const auto success_time = done->final_time;  // when the room turned Success
     auto v = in.Verify(room, *pages, tokens);
     Status aux_ok = in.CheckAuxRow(*row, room);
     auto state_v = in.VerifyState(admitted->state_slot, room);
@@ -674,6 +682,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
                 {"verify_ms", std::chrono::duration<double, std::milli>(Clock::now() - verify_start)
                                   .count()},
                 {"mismatches", pages_mismatched + (aux_ok.ok() ? 0 : 1) + state_v->pages_mismatched},
+                {"success_ns", SteadyNs(success_time)},
                 {"bytes", num_pages * layout.bytes_per_page_all_buffers() +
                               in.aux->layout().row_bytes()}};
     if (pages_mismatched > 0) out["first_mismatch"] = v->second;

@@ -380,7 +380,7 @@ int RunReplay(ReplayFlags flags) {
   PageBudget budget(pool_pages);
   Totals totals;
   std::vector<std::atomic<uint64_t>> pages_sent_per_cp(static_cast<size_t>(flags.prefill_cp));
-  LatencyRecorder latency, tail, ttft, transfer_per_layer;
+  LatencyRecorder latency, tail, tail_decode, ttft, transfer_per_layer;
   std::mutex errors_mu;
   std::vector<std::string> errors;
   ProgressBar progress("replay", requests.size());
@@ -468,6 +468,9 @@ int RunReplay(ReplayFlags flags) {
         // A page counts as verified when every decode rank verified its heads of it.
         uint64_t verified = static_cast<uint64_t>(pages), mism = 0;
         double transfer_ms = 0, tail_ms = 0, verify_ms = 0, per_layer_ms = 0;
+        // Steady-clock ns: the last decode rank's room success, the last prefill rank's end
+        // of compute (processes of one host share the clock).
+        int64_t decode_success_ns = 0, compute_end_ns = 0;
         std::string first;
         for (size_t k = 0; k < bodies.size(); ++k) {
           const json& j = bodies[k];
@@ -479,10 +482,12 @@ int RunReplay(ReplayFlags flags) {
             }
             mism += m;
             totals.bytes += j.value("bytes", 0ull);
+            decode_success_ns = std::max<int64_t>(decode_success_ns, j.value("success_ns", int64_t{0}));
             verify_ms = std::max(verify_ms, j.value("verify_ms", 0.0));
           } else {
             transfer_ms = std::max(transfer_ms, j.value("transfer_ms", 0.0));
             tail_ms = std::max(tail_ms, j.value("tail_ms", 0.0));
+            compute_end_ns = std::max<int64_t>(compute_end_ns, j.value("compute_end_ns", int64_t{0}));
             // Without layerwise transfer the whole transfer runs after compute: its tail over
             // the layer count is the transfer time of one layer.
             per_layer_ms = std::max(per_layer_ms, j.value("tail_ms", 0.0) /
@@ -500,6 +505,9 @@ int RunReplay(ReplayFlags flags) {
         totals.mismatches += mism;
         latency.Add(transfer_ms);
         tail.Add(tail_ms);
+        if (decode_success_ns > 0 && compute_end_ns > 0) {
+          tail_decode.Add(std::max<double>(0.0, static_cast<double>(decode_success_ns - compute_end_ns) / 1e6));
+        }
         transfer_per_layer.Add(per_layer_ms);
         // Arrival to decode success: decode answers after verifying, which is not transfer.
         ttft.Add(std::max(0.0, std::chrono::duration<double, std::milli>(answered - arrival).count() -
@@ -546,6 +554,7 @@ int RunReplay(ReplayFlags flags) {
       {"layerwise", flags.instance.layerwise},
       {"compute_us_per_layer", flags.instance.compute_us_per_layer},
       {"tail_ms", {{"p50", tail.Percentile(50)}, {"p99", tail.Percentile(99)}}},
+      {"tail_to_decode_ms", {{"p50", tail_decode.Percentile(50)}, {"p99", tail_decode.Percentile(99)}}},
       {"ttft_ms", {{"p50", ttft.Percentile(50)}, {"p99", ttft.Percentile(99)}}},
       {"tail_per_layer_ms", {{"p50", transfer_per_layer.Percentile(50)}}},
       {"model", prefill_info["model"]},
@@ -583,6 +592,8 @@ int RunReplay(ReplayFlags flags) {
       {std::string("tail after last layer p50/p99 (ms)") +
            (flags.instance.layerwise ? ", layerwise" : ""),
        Fixed(tail.Percentile(50), 2) + " / " + Fixed(tail.Percentile(99), 2)},
+      {"tail to decode's room success p50/p99 (ms)",
+       Fixed(tail_decode.Percentile(50), 2) + " / " + Fixed(tail_decode.Percentile(99), 2)},
       {"TTFT (arrival to decode success) p50/p99 (ms)",
        Fixed(ttft.Percentile(50), 1) + " / " + Fixed(ttft.Percentile(99), 1)},
   };

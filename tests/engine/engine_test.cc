@@ -6,10 +6,12 @@
 #include <asio.hpp>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "cuda/device_memory.h"
 #include "engine/wire.h"
 #include "testutil/peer_process.h"
 #include "testutil/scale.h"
@@ -287,6 +289,33 @@ TEST_F(EngineTest, NotificationArrivesAfterTheBatchLanded) {
   EXPECT_EQ(got[0].peer_name, "test-peer");
 }
 
+// SubmitNotification: returns at once, reaches the peer (which answers with a hash of its
+// memory after the WRITE before it), and completes through on_complete on the peer's ack.
+TEST_F(EngineTest, SubmittedNotificationIsDeliveredAndCompletes) {
+  std::vector<uint8_t> src(4096, 0x5a);
+  ASSERT_TRUE(Write(src.data(), rw(100), src.size()).ok());
+  std::promise<BatchStatus> acked;
+  BatchOptions o;
+  o.on_complete = [&](BatchId, const BatchStatus& s) { acked.set_value(s); };
+  auto id = engine_->SubmitNotification(segment_, "hash:100:4096", o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  auto done = acked.get_future();
+  ASSERT_EQ(done.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(done.get().state, TransferState::kCompleted);
+  EXPECT_TRUE(engine_->ReleaseBatch(*id).ok());
+  std::vector<Notification> got;
+  for (int i = 0; i < 500 && got.empty(); ++i) {
+    got = engine_->PollNotifications();
+    if (got.empty()) std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].message, "echo:" + std::to_string(testutil::Hash64(src.data(), src.size())));
+  EXPECT_EQ(engine_->SubmitNotification(SegmentHandle{999}, "x", {}).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(engine_->SubmitNotification(segment_, "", {}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_F(EngineTest, KilledPeerFailsInFlightRequestsWithinDeadline) {
   const uint64_t len = 8ull << 20;
   std::vector<uint8_t> src(len, 1);
@@ -382,6 +411,27 @@ TEST_F(EngineTest, BadSubmissionsAreRefused) {
   EXPECT_EQ(engine_->SubmitBatch(std::span(&unknown, 1)).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(engine_->OpenSegment("no-port").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(engine_->OpenSegment("127.0.0.1:1").status().code(), StatusCode::kUnavailable);
+}
+
+// Ordering a batch after a CUDA event needs a GPU: without one the batch is refused by name
+// and nothing is written.
+TEST_F(EngineTest, StartAfterEventWithoutCudaDeviceIsRefused) {
+  if (cuda::CheckDevice(0).ok()) GTEST_SKIP() << "a CUDA device is present (nvlink_gpu_test)";
+  std::vector<uint8_t> src(16, 0xab);
+  ASSERT_TRUE(engine_->RegisterMemory(src.data(), src.size(), {}).ok());
+  TransferRequest r{TransferOp::kWrite, src.data(), segment_, rw(0), 16};
+  BatchOptions o;
+  int fake_event = 0;
+  o.start_after_event = &fake_event;
+  auto id = engine_->SubmitBatch(std::span(&r, 1), o);
+  ASSERT_FALSE(id.ok());
+  EXPECT_NE(id.status().message().find("start_after_event"), std::string::npos)
+      << id.status().ToString();
+  std::vector<uint8_t> got(16, 0);
+  ASSERT_TRUE(engine_->RegisterMemory(got.data(), got.size(), {}).ok());
+  TransferRequest back{TransferOp::kRead, got.data(), segment_, rw(0), 16};
+  ASSERT_TRUE(TransferSync(*engine_, std::span(&back, 1)).ok());
+  EXPECT_NE(got, src);
 }
 
 // Garbage and truncated frames close that connection only; the engine keeps serving.

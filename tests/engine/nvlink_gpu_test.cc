@@ -236,6 +236,59 @@ class NvlinkGpuTest : public ::testing::Test {
     }
   }
 
+  // A WRITE of `blocks` blocks submitted with start_after_event before its source exists: a
+  // stream first sleeps 300 ms (a host function), then copies fresh bytes into local_, then
+  // records the event. The batch must return from SubmitBatch at once and copy the fresh
+  // bytes (without the wait it would copy the zeros local_ held).
+  void WriteAfterEvent(int blocks, uint64_t block_bytes, uint64_t seed) {
+    const uint64_t total = static_cast<uint64_t>(blocks) * block_bytes;
+    void* fresh = nullptr;
+    ASSERT_EQ(cudaMallocHost(&fresh, total), cudaSuccess);
+    std::mt19937_64 rng(seed);
+    for (uint64_t i = 0; i < total; ++i) static_cast<uint8_t*>(fresh)[i] = static_cast<uint8_t>(rng());
+    ASSERT_EQ(cudaMemset(local_, 0, total), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaStream_t stream = nullptr;
+    cudaEvent_t event = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), cudaSuccess);
+    ASSERT_EQ(cudaLaunchHostFunc(
+                  stream, [](void*) { std::this_thread::sleep_for(milliseconds(300)); }, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(local_, fresh, total, cudaMemcpyHostToDevice, stream), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(event, stream), cudaSuccess);
+    std::vector<TransferRequest> reqs;
+    for (int b = 0; b < blocks; ++b) {
+      // Reversed order on the peer: every block lands somewhere else than it came from.
+      reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + b * block_bytes,
+                      segment_, peer_.ipc_base + (blocks - 1 - b) * block_bytes, block_bytes});
+    }
+    BatchOptions o;
+    o.start_after_event = event;
+    const auto before = std::chrono::steady_clock::now();
+    auto id = engine_->SubmitBatch(reqs, o);
+    const auto submit_took = std::chrono::steady_clock::now() - before;
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    EXPECT_LT(submit_took, milliseconds(150)) << "SubmitBatch waited for the event";
+    auto st = engine_->WaitBatch(*id, milliseconds(20000));
+    ASSERT_TRUE(st.ok());
+    ASSERT_EQ(st->state, TransferState::kCompleted) << st->error.ToString();
+    engine_->ReleaseBatch(*id).IgnoreError();
+    ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, total).ok());
+    std::vector<uint8_t> got(total);
+    ASSERT_EQ(cudaMemcpy(got.data(), back_, total, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int b = 0; b < blocks; ++b) {
+      ASSERT_EQ(std::memcmp(got.data() + (blocks - 1 - b) * block_bytes,
+                            static_cast<uint8_t*>(fresh) + b * block_bytes, block_bytes),
+                0)
+          << "block " << b;
+    }
+    cudaStreamSynchronize(stream);
+    cudaEventDestroy(event);
+    cudaStreamDestroy(stream);
+    cudaFreeHost(fresh);
+  }
+
   std::string transport_ = "auto";  // NVLink between the two GPUs
   int peer_device_ = 0;
   GpuPeer peer_;
@@ -446,6 +499,13 @@ TEST_F(NvlinkGpuTest, ConcurrentSmallBatchesFromManyThreadsLandExactly) {
   }
 }
 
+// start_after_event on NVLink: the copies wait on the GPU for the caller's event (a batch
+// small enough for one inline launch, and one of several table slots).
+TEST_F(NvlinkGpuTest, WriteStartsAfterTheCallersEvent) {
+  WriteAfterEvent(64, 16 << 10, 5);
+  WriteAfterEvent(8192, 2048, 6);
+}
+
 // The same GPU memory forced over TCP (`transport tcp`, as to a peer without NVLink): this
 // side's GPU memory goes through pinned bounce buffers in the engine, the peer's through its
 // TCP server's; both directions, random sizes (several MiB: many chunks in flight) and
@@ -479,6 +539,9 @@ TEST_F(GpuOverTcpTest, HostMemoryToPeerGpuMemory) {
 TEST_F(GpuOverTcpTest, ManySmallBlocksInOneBatch) {
   ScatteredBlocksInOneBatch(2048, 769, 9);
 }
+
+// start_after_event off NVLink: the engine holds the batch until the event completed.
+TEST_F(GpuOverTcpTest, WriteStartsAfterTheCallersEvent) { WriteAfterEvent(64, 16 << 10, 7); }
 
 TEST_F(GpuOverTcpTest, RangeOutsideRegisteredMemoryIsRefused) {
   Status s = Do(TransferOp::kWrite, local_, peer_.vmm_base + kRegionBytes - 100, 200);

@@ -30,6 +30,9 @@ constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
 // Bulk submissions (TrySubmitBulk): launched by the submitting thread on one of a few streams,
 // so several submitting threads build and launch their tables in parallel.
 constexpr int kBulkStreams = 4;
+// Launches that wait for a caller's CUDA event (BulkSubmission::wait_event) go to one more
+// stream of their own, in submission order, so that a wait blocks none of the other streams.
+constexpr int kOrderedStream = kBulkStreams;
 constexpr int kBulkSlots = 64;
 // Bulk submissions of at most this many tiles may share a launch (LaunchPending).
 constexpr size_t kCombineMaxTiles = 512;
@@ -170,6 +173,7 @@ class NvlinkChannel : public PeerChannel {
     WorkOwner* owner = nullptr;
     std::shared_ptr<void> keepalive;
     uint32_t tag = 0;
+    void* wait_event = nullptr;  // launched alone on the ordered stream, after this event
   };
   // One launch on the GPU, carrying one or more submissions: done when `event` completed
   // (null: already synchronized).
@@ -253,6 +257,7 @@ class NvlinkChannel : public PeerChannel {
     part->owner = bulk.owner;
     part->tag = bulk.tag;
     part->keepalive = std::move(bulk.keepalive);
+    part->wait_event = bulk.wait_event;
     return true;
   }
 
@@ -276,7 +281,7 @@ class NvlinkChannel : public PeerChannel {
       std::vector<BulkPart> group;
       int group_slots = 0;
       for (BulkPart& part : parts) {
-        if (part.num_tiles > kCombineMaxTiles) {
+        if (part.num_tiles > kCombineMaxTiles || part.wait_event != nullptr) {
           std::vector<BulkPart> alone;
           alone.push_back(std::move(part));
           LaunchGroup(std::move(alone));
@@ -312,31 +317,48 @@ class NvlinkChannel : public PeerChannel {
       }
     }
     cuda::DeviceGuard device(options_.local_device);
+    void* wait_event = parts.size() == 1 ? parts[0].wait_event : nullptr;
     const int stream_index =
-        static_cast<int>(next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) % kBulkStreams);
+        wait_event != nullptr
+            ? kOrderedStream
+            : static_cast<int>(next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) %
+                               kBulkStreams);
     cudaStream_t stream = bulk_streams_[stream_index];
     flight.stream = stream_index;
     // A launch reports through the thread's last error: clear what an earlier call on this
     // (the caller's) thread may have left, so it cannot fail this batch.
     (void)cudaGetLastError();
     cudaError_t e = cudaSuccess;
+    // With a wait event the copies start when the caller's stream passes it, on the GPU, with
+    // no host thread in between; tables are uploaded before the wait. A failed wait copies
+    // nothing.
+    auto wait = [&]() -> cudaError_t {
+      if (wait_event == nullptr) return cudaSuccess;
+      cudaError_t w = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(wait_event), 0);
+      if (w != cudaSuccess) flight.status = InternalError(CudaError("cudaStreamWaitEvent", w));
+      return w;
+    };
     if (parts.size() == 1 && parts[0].num_tiles <= static_cast<size_t>(cuda::kInlineTiles)) {
       const BulkPart& p = parts[0];
       cuda::InlineTiles inline_tiles;
       std::memcpy(inline_tiles.tiles, bulk_slots_[p.slots[0]].host,
                   p.num_tiles * sizeof(cuda::CopyTile));
-      e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(p.num_tiles), stream);
+      e = wait();
+      if (e == cudaSuccess) {
+        e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(p.num_tiles), stream);
+      }
     } else if (parts.size() == 1) {
       const BulkPart& p = parts[0];
+      auto tiles_in = [&](size_t k) { return std::min(kBulkSlotTiles, p.num_tiles - k * kBulkSlotTiles); };
       for (size_t k = 0; k < p.slots.size() && e == cudaSuccess; ++k) {
         const Slot& slot = bulk_slots_[p.slots[k]];
-        const size_t n = std::min(kBulkSlotTiles, p.num_tiles - k * kBulkSlotTiles);
-        e = cudaMemcpyAsync(slot.device, slot.host, n * sizeof(cuda::CopyTile),
+        e = cudaMemcpyAsync(slot.device, slot.host, tiles_in(k) * sizeof(cuda::CopyTile),
                             cudaMemcpyHostToDevice, stream);
-        if (e == cudaSuccess) {
-          e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(slot.device),
-                                      static_cast<int>(n), stream);
-        }
+      }
+      if (e == cudaSuccess) e = wait();
+      for (size_t k = 0; k < p.slots.size() && e == cudaSuccess; ++k) {
+        e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(bulk_slots_[p.slots[k]].device),
+                                    static_cast<int>(tiles_in(k)), stream);
       }
     } else {
       cuda::HostTables tables;
@@ -352,7 +374,9 @@ class NvlinkChannel : public PeerChannel {
       }
       e = cuda::LaunchBatchedCopyHostTables(tables, stream);
     }
-    if (e != cudaSuccess) flight.status = InternalError(CudaError("bulk copy launch", e));
+    if (e != cudaSuccess && flight.status.ok()) {
+      flight.status = InternalError(CudaError("bulk copy launch", e));
+    }
     if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
     if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
       // No event to poll: wait here so that no copy outlives the report.
@@ -673,13 +697,13 @@ class NvlinkChannel : public PeerChannel {
   // options_.peer and imports_: written by the progress thread under an exclusive lock, read
   // by bulk submitters under a shared one (the progress thread reads without it).
   mutable std::shared_mutex map_mu_;
-  cudaStream_t bulk_streams_[kBulkStreams] = {};
+  cudaStream_t bulk_streams_[kBulkStreams + 1] = {};  // the last: kOrderedStream
   std::atomic<uint32_t> next_bulk_stream_{0};
   Slot bulk_slots_[kBulkSlots];
   std::mutex bulk_mu_;                        // guards the two free lists below
   std::vector<int> bulk_free_slots_;
   std::vector<cudaEvent_t> bulk_free_events_;
-  std::array<std::deque<BulkFlight>, kBulkStreams> bulk_inflight_;     // progress thread only
+  std::array<std::deque<BulkFlight>, kBulkStreams + 1> bulk_inflight_;     // progress thread only
 
   std::mutex mu_;
   std::condition_variable cv_;
