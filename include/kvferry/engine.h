@@ -141,12 +141,14 @@ struct BatchOptions {
   std::function<void(BatchId, const BatchStatus&)> on_complete;
   // A cudaEvent_t (recorded by the caller, e.g. on prefill's compute stream after a layer
   // wrote its KV) that the batch's copies must come after, or null. SubmitBatch never waits
-  // for it: on NVLink the wait is enqueued on the GPU (cudaStreamWaitEvent on a stream of its
-  // own, so the copies start as soon as the caller's stream passes the event); other data
-  // paths are started by an engine thread that polls the event. The deadline counts from
-  // submission, the wait included. The event must not be re-recorded or destroyed until the
+  // for it: an engine thread polls the event (every 10 us while any batch waits) and starts
+  // the batch once it completed, so the caller never synchronises. Until then the batch can
+  // be cancelled and times out like any other (nothing of it was sent); the deadline counts
+  // from submission. The event must stay valid (not destroyed, not re-recorded) until the
   // batch is final. Errors: "no CUDA device" (kFailedPrecondition / kUnimplemented without
   // CUDA) and an invalid event at submission; an event that fails later fails the batch.
+  // (The wait is not enqueued on the GPU: a copy committed to a stream behind an event that
+  // never completes could not be timed out, cancelled or withdrawn from a failed room.)
   void* start_after_event = nullptr;
 };
 

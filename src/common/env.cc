@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <utility>
 
 namespace kvferry {
 
@@ -106,14 +107,16 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.nvlink_ce_threshold_bytes = *size;
   }
-  if (const char* v = std::getenv("KVFERRY_SPIN_US"); v != nullptr && *v != '\0') {
+  for (auto [name, field] : {std::pair{"KVFERRY_SPIN_US", &config.spin_us},
+                              std::pair{"KVFERRY_IDLE_SPIN_US", &config.idle_spin_us}}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
     char* end = nullptr;
     long long us = std::strtoll(v, &end, 10);
     if (*end != '\0' || us < 0 || us > 100000) {
-      return InvalidArgumentError(std::string("KVFERRY_SPIN_US='") + v +
-                                  "' must be an integer in 0..100000");
+      return InvalidArgumentError(std::string(name) + "='" + v + "' must be an integer in 0..100000");
     }
-    config.spin_us = us;
+    *field = us;
   }
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
     config.listen_host = std::string(v);

@@ -8,6 +8,8 @@
 //   KVFERRY_NVLINK_CE_THRESHOLD  NVLink blocks of at least this size use the copy engine
 //                                (bytes, KiB/MiB suffix)      default EngineOptions value
 //   KVFERRY_SPIN_US        microseconds a waiter polls before blocking, 0..100000   default 50
+//   KVFERRY_IDLE_SPIN_US   microseconds an NVLink progress thread polls for new work after
+//                          its last before sleeping, 0..100000                     default 200
 #pragma once
 
 #include <cstdint>
@@ -25,6 +27,7 @@ struct EnvConfig {
   std::optional<std::string> listen_host;
   std::optional<uint64_t> nvlink_ce_threshold_bytes;
   std::optional<int64_t> spin_us;
+  std::optional<int64_t> idle_spin_us;
 };
 
 // Reads and validates all variables above. Errors: kInvalidArgument naming the variable.

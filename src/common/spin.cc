@@ -1,5 +1,7 @@
 #include "common/spin.h"
 
+#include <sys/prctl.h>
+
 #include "common/env.h"
 
 namespace kvferry {
@@ -11,5 +13,15 @@ std::chrono::microseconds SpinWindow() {
   }();
   return window;
 }
+
+std::chrono::microseconds IdleSpinWindow() {
+  static const std::chrono::microseconds window = [] {
+    auto env = ReadEnvConfig();
+    return std::chrono::microseconds(env.ok() && env->idle_spin_us ? *env->idle_spin_us : 200);
+  }();
+  return window;
+}
+
+void SetFineTimerSlack() { ::prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); }
 
 }  // namespace kvferry

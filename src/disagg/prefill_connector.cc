@@ -1,11 +1,13 @@
 // Prefill side of the disaggregation connector: senders, decode registrations, chunk batches.
 #include <algorithm>
+#include <deque>
 #include <atomic>
 #include <functional>
 #include <map>
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "common/spin.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
@@ -128,17 +130,16 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     timer_cv_.notify_all();
     if (timer_.joinable()) timer_.join();
-    {
-      std::lock_guard<std::mutex> lock(events_mu_);
-      events_stopping_ = true;
-    }
-    events_cv_.notify_all();
-    if (event_thread_.joinable()) event_thread_.join();
     // Queues close while the engine still lives (their tasks use it); the engine's final
     // callbacks then post into closed queues and are dropped.
     engine_->SetNotificationHandler(nullptr);
     control_->Close();
-    layers_->Close();
+    {
+      std::lock_guard<std::mutex> lock(layer_mu_);
+      layer_stopping_ = true;  // queued layer work still runs; pending events are dropped
+    }
+    layer_cv_.notify_all();
+    if (layer_thread_.joinable()) layer_thread_.join();
     staging_->Close();
     completion_->Close();
     engine_.reset();
@@ -279,7 +280,6 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     auto pass = std::make_shared<LayerPass>();
     pass->marked.assign(pool_->layout().geometry().num_model_layers(), false);
-    pass->events.assign(pass->marked.size(), nullptr);
     pass->deadline = Clock::now() + options_.transfer_timeout;
     for (const LayerwiseChunk& c : chunks) {
       pass->rooms.push_back(c.room);
@@ -301,7 +301,6 @@ class PrefillConnectorImpl : public PrefillConnector {
           t.last = last;
           t.staged = dest.slice.sends && dest.slice.staging;
           t.sends = dest.slice.sends && !t.staged;
-          pass->has_staged |= t.staged;
           ++dest.outstanding_batches;  // the pass itself: released after the last layer
           pass->targets.push_back(std::move(t));
         }
@@ -321,56 +320,41 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   Status MarkLayerReady(uint64_t pass_id, int layer) override {
-    return MarkLayer(pass_id, layer, nullptr);
-  }
-
-  Status MarkLayerReadyOnEvent(uint64_t pass_id, int layer, void* cuda_event) override {
-    if (cuda_event == nullptr) return InvalidArgumentError("null CUDA event");
-    bool ordered = false;
-    {
-      std::lock_guard<std::mutex> lock(passes_mu_);
-      ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
-      ordered = !it->second->has_staged;
-    }
-    RETURN_IF_ERROR(cuda::CheckDevice(0));  // "no CUDA device" on machines without one
-    ASSIGN_OR_RETURN(bool done, cuda::EventCompleted(cuda_event));
-    if (done) return MarkLayerReady(pass_id, layer);
-    // The layer's batches wait for the event themselves (on the GPU over NVLink), so they are
-    // submitted now and leave the moment compute passes the event. Staging gathers are not
-    // ordered after events: a pass with staging destinations polls its events instead.
-    if (ordered) return MarkLayer(pass_id, layer, cuda_event);
-    {
-      std::lock_guard<std::mutex> lock(events_mu_);
-      events_.push_back({pass_id, layer, cuda_event});
-      if (!event_thread_.joinable()) event_thread_ = std::thread([this] { EventLoop(); });
-    }
-    events_cv_.notify_one();
-    return OkStatus();
-  }
-
-  // Marks `layer` of `pass_id` ready, now (`cuda_event` null) or once the event completes
-  // (its batches start after it), and hands every layer now in order to the layer queue.
-  Status MarkLayer(uint64_t pass_id, int layer, void* cuda_event) {
     std::lock_guard<std::mutex> lock(passes_mu_);
     ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
     LayerPass& pass = *it->second;
     const int layers = static_cast<int>(pass.marked.size());
     pass.marked[layer] = true;
-    pass.events[layer] = cuda_event;
-    std::vector<std::pair<int, void*>> ready;
-    while (pass.next_layer < layers && pass.marked[pass.next_layer]) {
-      ready.emplace_back(pass.next_layer, pass.events[pass.next_layer]);
-      ++pass.next_layer;
-    }
+    std::vector<int> ready;
+    while (pass.next_layer < layers && pass.marked[pass.next_layer]) ready.push_back(pass.next_layer++);
     if (ready.empty()) return OkStatus();  // an earlier layer is still computing
     const bool finished = pass.next_layer == layers;
     std::shared_ptr<LayerPass> keep = it->second;
     if (finished) passes_.erase(it);
-    // Posted under the lock: the layer queue sees layers in order whoever marked them.
-    layers_->Post([this, keep, ready, finished] {
-      for (const auto& [l, event] : ready) SubmitLayer(*keep, l, event);
+    // Posted under the lock: the layer thread sees layers in order whoever marked them.
+    PostLayerWork([this, keep, ready, finished] {
+      for (int l : ready) SubmitLayer(*keep, l);
       if (finished) FinishPass(*keep);
     });
+    return OkStatus();
+  }
+
+  Status MarkLayerReadyOnEvent(uint64_t pass_id, int layer, void* cuda_event) override {
+    if (cuda_event == nullptr) return InvalidArgumentError("null CUDA event");
+    {
+      std::lock_guard<std::mutex> lock(passes_mu_);
+      RETURN_IF_ERROR(FindUnmarkedLocked(pass_id, layer).status());
+    }
+    RETURN_IF_ERROR(cuda::CheckDevice(0));  // "no CUDA device" on machines without one
+    ASSIGN_OR_RETURN(bool done, cuda::EventCompleted(cuda_event));
+    if (done) return MarkLayerReady(pass_id, layer);
+    {
+      std::lock_guard<std::mutex> lock(layer_mu_);
+      if (layer_stopping_) return UnavailableError("connector is shutting down");
+      events_.push_back({pass_id, layer, cuda_event});
+      StartLayerThreadLocked();
+    }
+    layer_cv_.notify_one();
     return OkStatus();
   }
 
@@ -638,10 +622,12 @@ class PrefillConnectorImpl : public PrefillConnector {
   void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
               std::string notification, bool finishing,
               std::shared_ptr<void> keepalive = nullptr) {
-    SubmitThen(std::move(requests), std::move(notification), std::move(keepalive),
-               [this, room, dest, finishing](const BatchStatus& status) {
-                 OnBatchDone(room, dest, finishing, status);
-               });
+    SubmitThen(
+        std::move(requests), std::move(notification), std::move(keepalive),
+        [this, room, dest, finishing](const BatchStatus& status) {
+          OnBatchDone(room, dest, finishing, status);
+        },
+        nullptr, /*inline_success=*/true);
   }
 
   // Submits one engine batch (counted in the stats) and runs `done` with its outcome on the
@@ -650,7 +636,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   void SubmitThen(std::vector<TransferRequest> requests, std::string notification,
                   std::shared_ptr<void> keepalive,
                   std::function<void(const BatchStatus&)> done,
-                  std::function<void()> refused = nullptr, void* start_after_event = nullptr) {
+                  std::function<void()> refused = nullptr, bool inline_success = false) {
     uint64_t bytes = 0;
     for (const auto& r : requests) bytes += r.length_bytes;
     transfer_requests_ += requests.size();
@@ -658,8 +644,16 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
-    o.start_after_event = start_after_event;
-    o.on_complete = [this, done, keepalive](BatchId id, const BatchStatus& status) {
+    o.on_complete = [this, done, keepalive, inline_success](BatchId id, const BatchStatus& status) {
+      if (inline_success && status.state == TransferState::kCompleted) {
+        // On the engine thread that saw the copies finish: what follows a completed batch
+        // (the next batch, the done notice) is submitted without a hand-off to the
+        // completion queue, whose idle thread takes ~150 us to wake on some hosts. None of
+        // it blocks.
+        engine_->ReleaseBatch(id).IgnoreError();
+        done(status);
+        return;
+      }
       completion_->Post([this, done, id, status, keepalive] {
         engine_->ReleaseBatch(id).IgnoreError();
         done(status);
@@ -930,6 +924,11 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.on_complete = [this, room, dest](BatchId id, const BatchStatus& status) {
+      if (status.state == TransferState::kCompleted) {  // inline, as SubmitThen's
+        engine_->ReleaseBatch(id).IgnoreError();
+        OnBatchDone(room, dest, true, status, false);
+        return;
+      }
       completion_->Post([this, room, dest, id, status] {
         engine_->ReleaseBatch(id).IgnoreError();
         OnBatchDone(room, dest, true, status, false);
@@ -1005,8 +1004,6 @@ class PrefillConnectorImpl : public PrefillConnector {
     std::vector<PassTarget> targets;
     std::vector<uint64_t> rooms;
     std::vector<bool> marked;  // per model layer; guarded by passes_mu_
-    std::vector<void*> events;  // per model layer: the CUDA event its batches wait for, or null
-    bool has_staged = false;    // a target goes through a staging ring (events are polled)
     int next_layer = 0;        // first layer not yet handed to the layer queue
     Clock::time_point deadline;
   };
@@ -1032,12 +1029,12 @@ class PrefillConnectorImpl : public PrefillConnector {
     return it;
   }
 
-  // Runs on the layer queue: one engine batch per decode rank with this layer's pages (or,
-  // for a linear-attention layer of a room's last chunk, its state) for every room, started
-  // after `cuda_event` when set. The last layer's batch also carries the aux rows of rooms
-  // finishing in this pass (MarkLayerReady's contract: the aux row is final when the last
-  // layer is marked), so only the done notice follows it.
-  void SubmitLayer(const LayerPass& pass, int layer, void* cuda_event) {
+  // Runs on the layer thread: one engine batch per decode rank with this layer's pages (or,
+  // for a linear-attention layer of a room's last chunk, its state) for every room. The last
+  // layer's batch also carries the aux rows of rooms finishing in this pass (MarkLayerReady's
+  // contract: the aux row is final when the last layer is marked), so only the done notice
+  // follows it.
+  void SubmitLayer(const LayerPass& pass, int layer) {
     KVF_LOG_DEBUG("prefill: pass {} submits layer {}", pass.id, layer);
     const ModelGeometry& g = pool_->layout().geometry();
     const ModelGeometry::LayerRef ref = g.ModelLayer(layer);
@@ -1096,9 +1093,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       g_it->requests.insert(g_it->requests.end(), requests.begin(), requests.end());
       g_it->credits.emplace_back(t.room, t.dest);
     }
-    for (Group& group : groups) {
-      SubmitCredited(std::move(group.requests), std::move(group.credits), cuda_event);
-    }
+    for (Group& group : groups) SubmitCredited(std::move(group.requests), std::move(group.credits));
     for (const PassTarget* t : staged) {
       RequestStaging(t->room, t->dest, t->first_page, static_cast<int64_t>(t->src_pages.size()),
                      ref.index, 1);
@@ -1117,29 +1112,57 @@ class PrefillConnectorImpl : public PrefillConnector {
 
   // A batch whose completion counts once for each (room, destination) it carries.
   void SubmitCredited(std::vector<TransferRequest> requests,
-                      std::vector<std::pair<uint64_t, size_t>> credits, void* cuda_event = nullptr) {
+                      std::vector<std::pair<uint64_t, size_t>> credits) {
     SubmitThen(
         std::move(requests), "", nullptr,
         [this, credits = std::move(credits)](const BatchStatus& status) {
           for (const auto& [room, dest] : credits) OnBatchDone(room, dest, false, status);
         },
-        nullptr, cuda_event);
+        nullptr, /*inline_success=*/true);
   }
 
-  // Polls CUDA events of layers marked by MarkLayerReadyOnEvent, sleeping 20 us between
-  // rounds. (Polling without sleeping was tried: it held a core for the whole forward pass
-  // and did not shorten the measured tail, docs/perf/layerwise.md run L.)
-  void EventLoop() {
-    std::unique_lock<std::mutex> lock(events_mu_);
-    while (!events_stopping_) {
-      if (events_.empty()) {
-        events_cv_.wait(lock, [&] { return events_stopping_ || !events_.empty(); });
+  // Queues layerwise work (a layer's submission, a pass's finish) for the layer thread, which
+  // runs it in posting order.
+  void PostLayerWork(std::function<void()> work) {
+    {
+      std::lock_guard<std::mutex> lock(layer_mu_);
+      if (layer_stopping_) return;
+      layer_work_.push_back(std::move(work));
+      StartLayerThreadLocked();
+    }
+    layer_cv_.notify_one();
+  }
+
+  void StartLayerThreadLocked() {
+    if (!layer_thread_.joinable()) layer_thread_ = std::thread([this] { LayerLoop(); });
+  }
+
+  // The layer thread: runs posted layer work in order, and polls the CUDA events of layers
+  // marked by MarkLayerReadyOnEvent, sleeping 20 us between rounds while any is pending. A
+  // completed event marks its layer, whose submission then runs on this same thread in the
+  // next round, with no hand-off to another thread (run L in docs/perf/layerwise.md measured
+  // up to 177 us for that hop). Polling without sleeping held a core for the whole forward
+  // pass and did not shorten the tail (run L). On stopping, runs what is queued and drops
+  // pending events.
+  void LayerLoop() {
+    SetFineTimerSlack();  // its 20 us sleeps would otherwise last 70 us (50 us default slack)
+    std::unique_lock<std::mutex> lock(layer_mu_);
+    while (true) {
+      if (layer_work_.empty() && (events_.empty() || layer_stopping_)) {
+        if (layer_stopping_) return;
+        layer_cv_.wait(lock, [&] {
+          return layer_stopping_ || !layer_work_.empty() || !events_.empty();
+        });
         continue;
       }
-      auto pending = std::move(events_);
-      events_.clear();
+      std::deque<std::function<void()>> work;
+      work.swap(layer_work_);
+      std::vector<PendingEvent> pending;
+      if (!layer_stopping_) pending.swap(events_);
       lock.unlock();
+      for (auto& w : work) w();
       std::vector<PendingEvent> still;
+      bool marked = false;
       for (const PendingEvent& e : pending) {
         {
           // A pass that failed or expired no longer needs (or may keep) its events.
@@ -1152,12 +1175,13 @@ class PrefillConnectorImpl : public PrefillConnector {
                                                      " ready event"));
         } else if (*done) {
           KVF_LOG_DEBUG("prefill: pass {} layer {} event completed", e.pass, e.layer);
-          MarkLayerReady(e.pass, e.layer).IgnoreError();
+          MarkLayerReady(e.pass, e.layer).IgnoreError();  // queues its work for the next round
+          marked = true;
         } else {
           still.push_back(e);
         }
       }
-      if (!still.empty()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      if (!still.empty() && !marked) std::this_thread::sleep_for(std::chrono::microseconds(20));
       lock.lock();
       events_.insert(events_.end(), still.begin(), still.end());
     }
@@ -1528,7 +1552,6 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::unique_ptr<cuda::GpuHeadSlices> gpu_slices_;
   std::vector<std::unique_ptr<cuda::DeviceAllocation>> scratch_free_;
   std::unique_ptr<TaskQueue> staging_ = std::make_unique<TaskQueue>(4);  // staged chunk writes
-  std::unique_ptr<TaskQueue> layers_ = std::make_unique<TaskQueue>(1);   // layerwise submits
   std::unique_ptr<TransferEngine> engine_;
   RoomTable<SenderRoom> rooms_;
 
@@ -1547,11 +1570,13 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::mutex passes_mu_;
   PassMap passes_;
   uint64_t next_pass_id_ = 1;
-  std::mutex events_mu_;
-  std::condition_variable events_cv_;
+  // The layer thread (LayerLoop) and what it waits for.
+  std::mutex layer_mu_;
+  std::condition_variable layer_cv_;
+  std::deque<std::function<void()>> layer_work_;
   std::vector<PendingEvent> events_;
-  bool events_stopping_ = false;
-  std::thread event_thread_;
+  bool layer_stopping_ = false;
+  std::thread layer_thread_;
 
   std::atomic<uint64_t> transfer_requests_{0};
   std::atomic<uint64_t> bytes_{0};

@@ -60,14 +60,23 @@ struct Peer {
 
 class Batch;
 
-// Deadlines of unfinished batches, earliest first. A batch enters when submitted and leaves
-// when it becomes final (Batch::Finish), so the set holds only batches in flight; the
-// watchdog thread is woken only when a new deadline becomes the earliest.
+// Deadlines of unfinished batches. A batch enters when submitted and leaves when it becomes
+// final (Batch::Finish), so the set holds only batches in flight. It is split in shards (by
+// batch id) so that submitting threads and the threads completing batches rarely meet on one
+// lock; the watchdog thread looks at the shards' earliest deadlines every kWatchPeriod while
+// any batch is in flight, and sleeps while none is.
 struct DeadlineWatch {
   using Map = std::multimap<Clock::time_point, std::weak_ptr<Batch>>;
-  std::mutex mu;
+  static constexpr size_t kShards = 16;
+  static constexpr std::chrono::milliseconds kWatchPeriod{2};
+  struct Shard {
+    std::mutex mu;
+    Map deadlines;
+  };
+  std::array<Shard, kShards> shards;
+  std::atomic<size_t> size{0};  // entries over all shards
+  std::mutex mu;                // guards stopping, and the watchdog's sleep
   std::condition_variable cv;
-  Map deadlines;
   bool stopping = false;
 };
 
@@ -101,16 +110,17 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   // Enters the deadline set unless already final.
   void Watch() {
-    const std::shared_ptr<DeadlineWatch>& w = watch;
-    bool earliest = false;
+    DeadlineWatch& w = *watch;
     {
-      std::lock_guard<std::mutex> lock(w->mu);
+      std::lock_guard<std::mutex> lock(w.shards[id % DeadlineWatch::kShards].mu);
       if (final_flag_.load(std::memory_order_acquire)) return;
-      watch_it_ = w->deadlines.emplace(deadline, weak_from_this());
+      watch_it_ = w.shards[id % DeadlineWatch::kShards].deadlines.emplace(deadline, weak_from_this());
       watched_ = true;
-      earliest = watch_it_ == w->deadlines.begin();
     }
-    if (earliest) w->cv.notify_one();
+    if (w.size.fetch_add(1) == 0) {  // the watchdog may be asleep with nothing to watch
+      std::lock_guard<std::mutex> lock(w.mu);
+      w.cv.notify_one();
+    }
   }
 
   explicit Batch(std::span<const TransferRequest> requests) {
@@ -191,11 +201,8 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // Starts the copies. The requests of each channel go to it as one bulk submission when it
   // takes them (a batch on one channel is handed over as it stands, without a copy); the
   // rest become work items (BuildItems), one SubmitMany per channel.
-  // With `wait_event` (BatchOptions::start_after_event) only a whole-batch bulk submission
-  // that orders its copies after the event on the GPU is tried: returns false, with nothing
-  // started, when the batch's channel does not take it. Otherwise returns true.
   template <typename SliceBytes>
-  bool Start(SliceBytes slice_bytes, void* wait_event = nullptr) {
+  void Start(SliceBytes slice_bytes) {
     auto self = shared_from_this();
     std::vector<PeerChannel*> distinct;
     for (PeerChannel* c : channels) {
@@ -204,18 +211,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
         distinct.push_back(c);
       }
     }
-    if (wait_event != nullptr) {
-      if (distinct.size() != 1) return false;
-      BulkSubmission bulk{transfer_requests_, this, self, kWholeBatch, wait_event};
-      for (Request& r : requests_) r.bulk = true;
-      if (distinct[0]->TrySubmitBulk(bulk)) return true;
-      for (Request& r : requests_) r.bulk = false;
-      return false;
-    }
     if (distinct.size() == 1) {
       BulkSubmission bulk{transfer_requests_, this, self, kWholeBatch};
       for (Request& r : requests_) r.bulk = true;
-      if (distinct[0]->TrySubmitBulk(bulk)) return true;
+      if (distinct[0]->TrySubmitBulk(bulk)) return;
       for (Request& r : requests_) r.bulk = false;
     } else {
       bulk_groups_.resize(distinct.size());
@@ -255,19 +254,35 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       groups.back().second.emplace_back(self, &items_[k]);  // aliasing: owns the batch
     }
     for (auto& [channel, items] : groups) channel->SubmitMany(std::move(items));
-    return true;
   }
 
-  // A batch held back until its start event completed (BatchOptions::start_after_event on a
-  // path that cannot wait on the GPU): the engine's gate thread starts it (TakeGate true) or
-  // a deadline or cancel drops it (Abandon fails every request at once).
+  // A batch held back until its start event completed (BatchOptions::start_after_event). Only
+  // the engine's gate thread touches the event, and it alone starts or fails a gated batch:
+  // a deadline, cancel or shutdown asks it to (Abandon), so that the event is never queried
+  // after the batch became final (when its owner may destroy it).
   void Gate() { gate_.store(kGated, std::memory_order_release); }
+  // Gate thread: the batch may start now (true), or was asked to drop (false: call Drop).
   bool TakeGate() {
     uint8_t expected = kGated;
-    return gate_.compare_exchange_strong(expected, kReleased);
+    return gate_.compare_exchange_strong(expected, kStarting);
   }
-  // After TakeGate: Start has built and handed over everything (Abandon may look now).
+  // Gate thread, after TakeGate and Start: Abandon may look at the items now.
   void Started() { gate_.store(kStarted, std::memory_order_release); }
+  bool DropRequested() const { return gate_.load(std::memory_order_acquire) == kDropRequested; }
+  // Gate thread (or the engine after joining it): fails every request of a batch never
+  // started, with the reason Abandon gave or else `why`.
+  void Drop(const Status& why) {
+    bool all_requests_done = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const Status reason = drop_reason_.ok() ? why : drop_reason_;
+      for (size_t i = 0; i < requests_.size(); ++i) {
+        all_requests_done |= ApplyLocked(i, 0, reason, true);
+      }
+    }
+    gate_.store(kDropped, std::memory_order_release);
+    if (all_requests_done) AfterRequestsDone();
+  }
 
   void OnBulkDone(const Status& status, uint32_t tag) override {
     bool all_requests_done = false;
@@ -309,20 +324,14 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   // Marks unfinished requests with `why` and asks transports to stop their items.
   void Abandon(const Status& why, bool queued_only) {
-    if (uint8_t expected = kGated; gate_.compare_exchange_strong(expected, kDropped)) {
-      // Never started: nothing was sent, so every request fails now.
-      bool all_requests_done = false;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        for (size_t i = 0; i < requests_.size(); ++i) {
-          all_requests_done |= ApplyLocked(i, 0, why, true);
-        }
-      }
-      if (all_requests_done) AfterRequestsDone();
+    if (uint8_t expected = kGated; gate_.compare_exchange_strong(expected, kDropRequested)) {
+      // Never started: the gate thread fails it on its next round (within ~10 us).
+      std::lock_guard<std::mutex> lock(mu_);
+      drop_reason_ = why;
       return;
     }
-    // Released by the gate thread, which is inside Start (building the items read below).
-    while (gate_.load(std::memory_order_acquire) == kReleased) std::this_thread::yield();
+    // Being started by the gate thread, which is building the items read below.
+    while (gate_.load(std::memory_order_acquire) == kStarting) std::this_thread::yield();
     std::vector<WorkItem*> snapshot;
     std::shared_ptr<WorkItem> notify;  // keeps the notification item alive while we use it
     {
@@ -485,8 +494,9 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   static constexpr uint32_t kWholeBatch = UINT32_MAX;
   std::vector<BulkGroup> bulk_groups_;
   std::shared_ptr<WorkItem> notify_item_;  // guarded by mu_
-  enum : uint8_t { kNotGated, kGated, kReleased, kStarted, kDropped };
+  enum : uint8_t { kNotGated, kGated, kStarting, kStarted, kDropRequested, kDropped };
   std::atomic<uint8_t> gate_{kNotGated};
+  Status drop_reason_;  // guarded by mu_
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -500,23 +510,24 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   TransferState state_ = TransferState::kPending;
   bool final_ = false;
   std::atomic<bool> final_flag_{false};  // final_, readable without mu_ (WaitFinal's polling)
-  // This batch's entry in watch->deadlines while watched_; both guarded by watch->mu.
+  // This batch's entry in its shard of watch while watched_; both guarded by the shard's mu.
   DeadlineWatch::Map::iterator watch_it_;
   bool watched_ = false;
 
   // Leaves the deadline set (after final_flag_ is set: Watch skips a final batch).
   void Unwatch() {
     if (watch == nullptr) return;
-    DeadlineWatch* w = watch.get();
-    std::lock_guard<std::mutex> lock(w->mu);
+    DeadlineWatch::Shard& shard = watch->shards[id % DeadlineWatch::kShards];
+    std::lock_guard<std::mutex> lock(shard.mu);
     if (watched_) {
-      w->deadlines.erase(watch_it_);
+      shard.deadlines.erase(watch_it_);
       watched_ = false;
+      watch->size.fetch_sub(1);
     }
   }
 
  public:
-  // The watchdog took this batch's entry out of the set. REQUIRES watch mu held.
+  // The watchdog took this batch's entry out of the set. REQUIRES its shard's mu held.
   void UnwatchedLocked() { watched_ = false; }
 };
 
@@ -879,6 +890,7 @@ class EngineImpl : public TransferEngine {
       if (!passed.ok()) return passed.status().WithContext("start_after_event");
       if (*passed) wait_event = nullptr;
     }
+    if (wait_event != nullptr) batch->Gate();  // before anyone can find it by id
     batch->notification = options.notification;
     batch->on_complete = options.on_complete;
     batch->notify_peer = batch->peer_refs[0];
@@ -892,11 +904,9 @@ class EngineImpl : public TransferEngine {
     }
     // Started (or gated) before the deadline watcher can see it: Abandon reads the items
     // Start builds.
-    auto slice_bytes = [this, raw = batch.get()](size_t i) {
-      return raw->channels[i] == raw->peers[i]->tcp.get() ? options_.tcp_slice_bytes : UINT64_MAX;
-    };
-    if (!batch->Start(slice_bytes, wait_event)) {
-      batch->Gate();
+    if (wait_event == nullptr) {
+      batch->Start(SliceBytesOf(*batch));
+    } else {
       {
         std::lock_guard<std::mutex> lock(gate_mu_);
         gated_.push_back({batch, wait_event});
@@ -1169,9 +1179,22 @@ class EngineImpl : public TransferEngine {
     return it->second;
   }
 
-  // Starts gated batches (BatchOptions::start_after_event off the GPU-ordered path) once their
-  // event completed, polling every 10 us while any waits. Runs on its own thread.
+  // Slice size per request of a batch: TCP spreads slices over lanes; other transports take
+  // whole requests.
+  struct SliceBytes {
+    const Batch* batch;
+    uint64_t tcp_slice_bytes;
+    uint64_t operator()(size_t i) const {
+      return batch->channels[i] == batch->peers[i]->tcp.get() ? tcp_slice_bytes : UINT64_MAX;
+    }
+  };
+  SliceBytes SliceBytesOf(const Batch& batch) const { return {&batch, options_.tcp_slice_bytes}; }
+
+  // Starts gated batches (BatchOptions::start_after_event) once their event completed, and
+  // fails those asked to drop, polling every 10 us while any waits. Runs on its own thread;
+  // the only one to query a gated batch's event.
   void GateLoop() {
+    SetFineTimerSlack();
     std::unique_lock<std::mutex> lock(gate_mu_);
     while (!gate_stopping_) {
       if (gated_.empty()) {
@@ -1183,19 +1206,21 @@ class EngineImpl : public TransferEngine {
       lock.unlock();
       std::vector<Gated> still;
       for (Gated& g : pending) {
-        if (g.batch->final()) continue;  // dropped by its deadline or a cancel
+        if (g.batch->DropRequested()) {
+          g.batch->Drop(CancelledError("dropped"));
+          continue;
+        }
         StatusOr<bool> passed = cuda::EventCompleted(g.event);
         if (!passed.ok()) {
-          g.batch->Abandon(passed.status().WithContext("start_after_event"), true);
+          if (g.batch->TakeGate()) g.batch->Drop(passed.status().WithContext("start_after_event"));
+          else g.batch->Drop(CancelledError("dropped"));
         } else if (!*passed) {
           still.push_back(std::move(g));
         } else if (g.batch->TakeGate()) {
-          auto raw = g.batch.get();
-          raw->Start([this, raw](size_t i) {
-            return raw->channels[i] == raw->peers[i]->tcp.get() ? options_.tcp_slice_bytes
-                                                                 : UINT64_MAX;
-          });
-          raw->Started();
+          g.batch->Start(SliceBytesOf(*g.batch));
+          g.batch->Started();
+        } else {
+          g.batch->Drop(CancelledError("dropped"));  // asked to drop meanwhile
         }
       }
       if (!still.empty()) std::this_thread::sleep_for(std::chrono::microseconds(10));
@@ -1203,37 +1228,53 @@ class EngineImpl : public TransferEngine {
       gated_.insert(gated_.end(), std::make_move_iterator(still.begin()),
                     std::make_move_iterator(still.end()));
     }
+    // Shutting down: what still waits never starts.
+    for (Gated& g : gated_) {
+      g.batch->TakeGate();
+      g.batch->Drop(CancelledError("engine shut down"));
+    }
+    gated_.clear();
   }
 
-  // Fails batches whose deadline passed. Runs on its own thread.
+  // Fails batches whose deadline passed (at most DeadlineWatch::kWatchPeriod late). Runs on
+  // its own thread.
   void WatchdogLoop() {
     DeadlineWatch& w = *watch_;
+    std::vector<std::shared_ptr<Batch>> expired;
     std::unique_lock<std::mutex> lock(w.mu);
     while (!w.stopping) {
-      if (w.deadlines.empty()) {
-        w.cv.wait(lock);
+      if (w.size.load() == 0) {
+        w.cv.wait(lock, [&] { return w.stopping || w.size.load() > 0; });
         continue;
       }
-      auto next = w.deadlines.begin()->first;
-      if (Clock::now() < next) {
-        w.cv.wait_until(lock, next);
-        continue;
-      }
-      std::shared_ptr<Batch> batch = w.deadlines.begin()->second.lock();
-      w.deadlines.erase(w.deadlines.begin());
-      if (batch == nullptr) continue;
-      batch->UnwatchedLocked();
-      if (batch->final()) continue;
       lock.unlock();
-      BatchStatus s = batch->Snapshot();
-      std::string peer = batch->peers.empty() ? "" : batch->peers[0]->address;
-      batch->Abandon(DeadlineExceededError(
-                         "batch " + std::to_string(batch->id) + " missed its deadline of " +
-                         std::to_string(batch->deadline_ms.count()) + " ms with " +
-                         std::to_string(s.num_requests - s.num_completed - s.num_failed) + " of " +
-                         std::to_string(s.num_requests) + " requests unfinished (peer " + peer + ")"),
-                     false);
+      const auto now = Clock::now();
+      for (DeadlineWatch::Shard& shard : w.shards) {
+        std::lock_guard<std::mutex> shard_lock(shard.mu);
+        while (!shard.deadlines.empty() && shard.deadlines.begin()->first <= now) {
+          std::shared_ptr<Batch> batch = shard.deadlines.begin()->second.lock();
+          shard.deadlines.erase(shard.deadlines.begin());
+          w.size.fetch_sub(1);
+          if (batch == nullptr) continue;
+          batch->UnwatchedLocked();
+          expired.push_back(std::move(batch));
+        }
+      }
+      for (auto& batch : expired) {
+        if (batch->final()) continue;
+        BatchStatus s = batch->Snapshot();
+        std::string peer = batch->peers.empty() ? "" : batch->peers[0]->address;
+        batch->Abandon(DeadlineExceededError(
+                           "batch " + std::to_string(batch->id) + " missed its deadline of " +
+                           std::to_string(batch->deadline_ms.count()) + " ms with " +
+                           std::to_string(s.num_requests - s.num_completed - s.num_failed) +
+                           " of " + std::to_string(s.num_requests) +
+                           " requests unfinished (peer " + peer + ")"),
+                       false);
+      }
+      expired.clear();
       lock.lock();
+      w.cv.wait_for(lock, DeadlineWatch::kWatchPeriod, [&] { return w.stopping; });
     }
   }
 

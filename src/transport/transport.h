@@ -51,9 +51,6 @@ struct BulkSubmission {
   WorkOwner* owner = nullptr;
   std::shared_ptr<void> keepalive;
   uint32_t tag = 0;  // handed back to OnBulkDone
-  // A cudaEvent_t the copies must wait for on the GPU (BatchOptions::start_after_event), or
-  // null. A channel that cannot order its copies after it takes no such submission.
-  void* wait_event = nullptr;
 };
 
 struct WorkItem {

@@ -499,11 +499,49 @@ TEST_F(NvlinkGpuTest, ConcurrentSmallBatchesFromManyThreadsLandExactly) {
   }
 }
 
-// start_after_event on NVLink: the copies wait on the GPU for the caller's event (a batch
+// start_after_event on NVLink: the copies start only after the caller's event (a batch
 // small enough for one inline launch, and one of several table slots).
 TEST_F(NvlinkGpuTest, WriteStartsAfterTheCallersEvent) {
   WriteAfterEvent(64, 16 << 10, 5);
   WriteAfterEvent(8192, 2048, 6);
+}
+
+// A batch still waiting for its event when its deadline passes fails then, writes nothing
+// (not even after the event completes), and the engine stays usable.
+TEST_F(NvlinkGpuTest, DeadlinePassesWhileWaitingForTheEvent) {
+  std::vector<uint8_t> before(4096), after(4096);
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, 4096).ok());
+  ASSERT_EQ(cudaMemcpy(before.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemset(local_, 0x77, 4096), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  cudaEvent_t event = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaLaunchHostFunc(
+                stream, [](void*) { std::this_thread::sleep_for(milliseconds(1500)); }, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(event, stream), cudaSuccess);
+  TransferRequest r{TransferOp::kWrite, local_, segment_, peer_.ipc_base, 4096};
+  BatchOptions o;
+  o.start_after_event = event;
+  o.deadline = milliseconds(200);
+  const auto start = std::chrono::steady_clock::now();
+  auto id = engine_->SubmitBatch(std::span(&r, 1), o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  auto st = engine_->WaitBatch(*id, milliseconds(5000));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded) << st->error.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1200));
+  engine_->ReleaseBatch(*id).IgnoreError();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // the event has completed now
+  std::this_thread::sleep_for(milliseconds(50));
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, 4096).ok());
+  ASSERT_EQ(cudaMemcpy(after.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(after, before);
+  cudaEventDestroy(event);
+  cudaStreamDestroy(stream);
 }
 
 // The same GPU memory forced over TCP (`transport tcp`, as to a peer without NVLink): this

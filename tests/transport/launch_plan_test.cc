@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <random>
 
@@ -53,6 +54,52 @@ TEST(LaunchPlanTest, RandomDispatchesCoverEveryTileAndItemOnce) {
     }
     ASSERT_EQ(next, std::accumulate(tiles.begin(), tiles.end(), size_t{0}));
     for (int s : seen) ASSERT_EQ(s, 1);
+  }
+}
+
+// First-fit runs: small takes fill the front, a run skips taken units, freed holes are
+// reused, and a request larger than any free run is refused without taking anything. A random
+// sequence is checked against a plain array of flags.
+TEST(UnitRunsTest, TakesConsecutiveRunsFirstFitAndReusesHoles) {
+  UnitRuns r(130);
+  EXPECT_EQ(r.Take(1), 0u);
+  EXPECT_EQ(r.Take(3), 1u);
+  EXPECT_EQ(r.Take(1), 4u);
+  r.Give(1, 3);
+  EXPECT_EQ(r.Take(4), 5u);   // the hole of 3 is too small
+  EXPECT_EQ(r.Take(2), 1u);   // but takes 2
+  EXPECT_EQ(r.Take(120), 9u);
+  EXPECT_EQ(r.free_units(), 2u);  // units 3 and 129
+  EXPECT_EQ(r.Take(2), std::nullopt);
+  EXPECT_EQ(r.Take(0), std::nullopt);
+  EXPECT_EQ(r.free_units(), 2u);
+
+  std::mt19937 rng(7);
+  UnitRuns big(1024);
+  std::vector<bool> used(1024, false);
+  std::vector<std::pair<uint32_t, uint32_t>> held;
+  for (int step = 0; step < 20000; ++step) {
+    if (!held.empty() && rng() % 2) {
+      auto [first, n] = held[rng() % held.size()];
+      held.erase(std::find(held.begin(), held.end(), std::make_pair(first, n)));
+      big.Give(first, n);
+      for (uint32_t i = first; i < first + n; ++i) used[i] = false;
+      continue;
+    }
+    const uint32_t n = 1 + rng() % 40;
+    std::optional<uint32_t> want;
+    for (uint32_t i = 0, run = 0; i < 1024; ++i) {
+      run = used[i] ? 0 : run + 1;
+      if (run == n) {
+        want = i + 1 - n;
+        break;
+      }
+    }
+    auto got = big.Take(n);
+    ASSERT_EQ(got, want) << "step " << step << " n " << n;
+    if (!got) continue;
+    for (uint32_t i = *got; i < *got + n; ++i) used[i] = true;
+    held.emplace_back(*got, n);
   }
 }
 

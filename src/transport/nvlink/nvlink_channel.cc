@@ -15,6 +15,7 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "common/spin.h"
 #include "cuda/copy_kernels.h"
 #include "cuda/cuda_driver.h"
 #include "cuda/device_guard.h"
@@ -30,16 +31,16 @@ constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
 // Bulk submissions (TrySubmitBulk): launched by the submitting thread on one of a few streams,
 // so several submitting threads build and launch their tables in parallel.
 constexpr int kBulkStreams = 4;
-// Launches that wait for a caller's CUDA event (BulkSubmission::wait_event) go to one more
-// stream of their own, in submission order, so that a wait blocks none of the other streams.
-constexpr int kOrderedStream = kBulkStreams;
-constexpr int kBulkSlots = 64;
 // Bulk submissions of at most this many tiles may share a launch (LaunchPending).
 constexpr size_t kCombineMaxTiles = 512;
-// 4Ki tiles (160 KiB of table) per slot: a batch of 8192 small blocks takes two, so 32 such
-// batches can be in flight (with 16 slots of 16Ki tiles, more than 16 batches in flight fell
-// back to the item path and 2 KiB blocks dropped from 340 to 40-75 GB/s).
-constexpr size_t kBulkSlotTiles = 4 << 10;
+// Bulk tile tables live in one arena (pinned host memory, mirrored on the device) of 1024
+// units of 256 tiles (10 KiB of table each): a batch takes a run of consecutive units (64
+// blocks of 16 KiB: one; 8192 blocks of 2 KiB: 32), so its table is one range however many
+// units it spans. (With 64 fixed slots of 4Ki tiles, more than 64 small batches in flight
+// fell back to the item path: 16 KiB blocks in batches of 64 dropped from 300 to 150-200 GB/s
+// with 128-512 batches in flight.)
+constexpr uint32_t kArenaUnits = 1024;
+constexpr size_t kUnitTiles = 256;
 
 std::string CudaError(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorName(e);
@@ -60,28 +61,30 @@ class NvlinkChannel : public PeerChannel {
     for (cudaStream_t& st : bulk_streams_) {
       CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     }
-    for (int i = 0; i < kBulkSlots; ++i) {
-      CUDA_RETURN_IF_ERROR(
-          cudaMallocHost(&bulk_slots_[i].host, kBulkSlotTiles * sizeof(cuda::CopyTile)));
-      CUDA_RETURN_IF_ERROR(
-          cudaMalloc(&bulk_slots_[i].device, kBulkSlotTiles * sizeof(cuda::CopyTile)));
-      bulk_free_slots_.push_back(i);
-    }
+    const size_t arena_bytes = kArenaUnits * kUnitTiles * sizeof(cuda::CopyTile);
+    void* host = nullptr;
+    void* device = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&host, arena_bytes));
+    arena_host_ = static_cast<cuda::CopyTile*>(host);
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, arena_bytes));
+    arena_device_ = static_cast<cuda::CopyTile*>(device);
     thread_ = std::thread([this] { ProgressLoop(); });
     return OkStatus();
   }
 
   ~NvlinkChannel() override {
     Close();
+    KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined), {} "
+                  "fell back to items (no free table space)",
+                  options_.peer.name, stats_parts_.load(), stats_launches_.load(),
+                  stats_combined_.load(), stats_no_slot_.load());
     cudaSetDevice(options_.local_device);
     for (auto& s : slots_) {
       if (s.host) cudaFreeHost(s.host);
       if (s.device) cudaFree(s.device);
     }
-    for (auto& s : bulk_slots_) {
-      if (s.host) cudaFreeHost(s.host);
-      if (s.device) cudaFree(s.device);
-    }
+    if (arena_host_) cudaFreeHost(arena_host_);
+    if (arena_device_) cudaFree(arena_device_);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     for (cudaEvent_t e : bulk_free_events_) cudaEventDestroy(e);
     imports_.clear();
@@ -113,26 +116,24 @@ class NvlinkChannel : public PeerChannel {
   }
 
   bool TrySubmitBulk(BulkSubmission& bulk) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closed_) return false;
-      ++bulk_submitting_;  // the progress thread stays until this submission is handed over
-    }
-    BulkPart part;
-    const bool taken = PrepareBulk(bulk, &part);
-    if (taken) {
-      {
-        std::lock_guard<std::mutex> lock(pending_mu_);
-        pending_parts_.push_back(std::move(part));
+    // No lock the progress thread waits on: submitting threads announce themselves in
+    // bulk_submitting_ (the progress thread stays until they handed over), then check
+    // closed_flag_; Close sets that flag before the progress thread looks at the count.
+    bulk_submitting_.fetch_add(1);
+    bool taken = false;
+    if (!closed_flag_.load()) {
+      BulkPart part;
+      taken = PrepareBulk(bulk, &part);
+      if (taken) {
+        {
+          std::lock_guard<std::mutex> lock(pending_mu_);
+          pending_parts_.push_back(std::move(part));
+        }
+        LaunchPending();
       }
-      LaunchPending();
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      --bulk_submitting_;
-      queued_.store(true, std::memory_order_release);
-    }
-    cv_.notify_one();
+    WakeProgress();
+    bulk_submitting_.fetch_sub(1);
     return taken;
   }
 
@@ -150,6 +151,7 @@ class NvlinkChannel : public PeerChannel {
       std::lock_guard<std::mutex> lock(mu_);
       if (closed_) return;
       closed_ = true;
+      closed_flag_.store(true);
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
@@ -168,12 +170,12 @@ class NvlinkChannel : public PeerChannel {
   };
   // One bulk submission, its tiles written into bulk slots (host memory), not launched yet.
   struct BulkPart {
-    std::vector<int> slots;  // bulk_slots_ indices, filled in order
+    uint32_t first_unit = 0;  // its table: arena units [first_unit, first_unit + num_units)
+    uint32_t num_units = 0;
     size_t num_tiles = 0;
     WorkOwner* owner = nullptr;
     std::shared_ptr<void> keepalive;
     uint32_t tag = 0;
-    void* wait_event = nullptr;  // launched alone on the ordered stream, after this event
   };
   // One launch on the GPU, carrying one or more submissions: done when `event` completed
   // (null: already synchronized).
@@ -205,9 +207,17 @@ class NvlinkChannel : public PeerChannel {
     return c->base + c->region->alloc_offset + (remote - c->region->base);
   }
 
-  // The submitting thread's half of TrySubmitBulk: translates every request into tiles in
-  // bulk table slots (host memory). Returns false with nothing taken when a request needs the
-  // item path (a range not mapped yet or refused, a copy-engine block, no free slot).
+  // A bulk part's tile table in the arena, on the host and on the device.
+  cuda::CopyTile* HostTiles(const BulkPart& p) const {
+    return arena_host_ + p.first_unit * kUnitTiles;
+  }
+  cuda::CopyTile* DeviceTiles(const BulkPart& p) const {
+    return arena_device_ + p.first_unit * kUnitTiles;
+  }
+
+  // The submitting thread's half of TrySubmitBulk: translates every request into tiles in a
+  // run of arena units (host memory). Returns false with nothing taken when a request needs
+  // the item path (a range not mapped yet or refused, a copy-engine block, no free run).
   bool PrepareBulk(BulkSubmission& bulk, BulkPart* part) {
     const std::span<const TransferRequest> requests = bulk.requests;
     size_t num_tiles = 0;
@@ -222,23 +232,20 @@ class NvlinkChannel : public PeerChannel {
       num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
     }
     if (num_tiles == 0) return false;
-    const size_t slots_needed = (num_tiles + kBulkSlotTiles - 1) / kBulkSlotTiles;
+    const uint32_t units = static_cast<uint32_t>((num_tiles + kUnitTiles - 1) / kUnitTiles);
     {
       std::lock_guard<std::mutex> lock(bulk_mu_);
-      if (bulk_free_slots_.size() < slots_needed) return false;
-      part->slots.assign(bulk_free_slots_.end() - static_cast<ptrdiff_t>(slots_needed),
-                         bulk_free_slots_.end());
-      bulk_free_slots_.resize(bulk_free_slots_.size() - slots_needed);
-    }
-    size_t slot_index = 0, in_slot = 0;
-    cuda::CopyTile* out = static_cast<cuda::CopyTile*>(bulk_slots_[part->slots[0]].host);
-    auto emit = [&](const cuda::CopyTile& tile) {
-      if (in_slot == kBulkSlotTiles) {
-        out = static_cast<cuda::CopyTile*>(bulk_slots_[part->slots[++slot_index]].host);
-        in_slot = 0;
+      std::optional<uint32_t> first =
+          units <= kArenaUnits ? arena_units_.Take(units) : std::nullopt;
+      if (!first) {
+        stats_no_slot_.fetch_add(1, std::memory_order_relaxed);
+        return false;
       }
-      out[in_slot++] = tile;
-    };
+      part->first_unit = *first;
+      part->num_units = units;
+    }
+    cuda::CopyTile* out = HostTiles(*part);
+    auto emit = [&](const cuda::CopyTile& tile) { *out++ = tile; };
     for (const TransferRequest& r : requests) {
       const bool write = r.op == TransferOp::kWrite;
       const uint64_t local = reinterpret_cast<uint64_t>(r.local_addr);
@@ -257,7 +264,6 @@ class NvlinkChannel : public PeerChannel {
     part->owner = bulk.owner;
     part->tag = bulk.tag;
     part->keepalive = std::move(bulk.keepalive);
-    part->wait_event = bulk.wait_event;
     return true;
   }
 
@@ -279,21 +285,18 @@ class NvlinkChannel : public PeerChannel {
       // launches alone, its table uploaded to device memory (a kernel reading tens of
       // thousands of tiles over PCIe ran fused unequal-TP replays at 138 instead of ~190 GB/s).
       std::vector<BulkPart> group;
-      int group_slots = 0;
+
       for (BulkPart& part : parts) {
-        if (part.num_tiles > kCombineMaxTiles || part.wait_event != nullptr) {
+        if (part.num_tiles > kCombineMaxTiles) {
           std::vector<BulkPart> alone;
           alone.push_back(std::move(part));
           LaunchGroup(std::move(alone));
           continue;
         }
-        const int n = static_cast<int>(part.slots.size());
-        if (!group.empty() && group_slots + n > cuda::kMaxHostTables) {
+        if (group.size() == static_cast<size_t>(cuda::kMaxHostTables)) {
           LaunchGroup(std::move(group));
           group.clear();
-          group_slots = 0;
         }
-        group_slots += n;
         group.push_back(std::move(part));
       }
       if (!group.empty()) LaunchGroup(std::move(group));
@@ -307,6 +310,9 @@ class NvlinkChannel : public PeerChannel {
   // the launch parameters, larger ones uploaded to its slots' device copies; several parts go
   // as one kernel reading their tables from host memory.
   void LaunchGroup(std::vector<BulkPart> parts) {
+    stats_launches_.fetch_add(1, std::memory_order_relaxed);
+    stats_parts_.fetch_add(parts.size(), std::memory_order_relaxed);
+    if (parts.size() > 1) stats_combined_.fetch_add(1, std::memory_order_relaxed);
     BulkFlight flight;
     cudaEvent_t event = nullptr;
     {
@@ -317,66 +323,39 @@ class NvlinkChannel : public PeerChannel {
       }
     }
     cuda::DeviceGuard device(options_.local_device);
-    void* wait_event = parts.size() == 1 ? parts[0].wait_event : nullptr;
     const int stream_index =
-        wait_event != nullptr
-            ? kOrderedStream
-            : static_cast<int>(next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) %
-                               kBulkStreams);
+        static_cast<int>(next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) % kBulkStreams);
     cudaStream_t stream = bulk_streams_[stream_index];
     flight.stream = stream_index;
     // A launch reports through the thread's last error: clear what an earlier call on this
     // (the caller's) thread may have left, so it cannot fail this batch.
     (void)cudaGetLastError();
     cudaError_t e = cudaSuccess;
-    // With a wait event the copies start when the caller's stream passes it, on the GPU, with
-    // no host thread in between; tables are uploaded before the wait. A failed wait copies
-    // nothing.
-    auto wait = [&]() -> cudaError_t {
-      if (wait_event == nullptr) return cudaSuccess;
-      cudaError_t w = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(wait_event), 0);
-      if (w != cudaSuccess) flight.status = InternalError(CudaError("cudaStreamWaitEvent", w));
-      return w;
-    };
     if (parts.size() == 1 && parts[0].num_tiles <= static_cast<size_t>(cuda::kInlineTiles)) {
       const BulkPart& p = parts[0];
       cuda::InlineTiles inline_tiles;
-      std::memcpy(inline_tiles.tiles, bulk_slots_[p.slots[0]].host,
+      std::memcpy(inline_tiles.tiles, HostTiles(p),
                   p.num_tiles * sizeof(cuda::CopyTile));
-      e = wait();
-      if (e == cudaSuccess) {
-        e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(p.num_tiles), stream);
-      }
+      e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(p.num_tiles), stream);
     } else if (parts.size() == 1) {
       const BulkPart& p = parts[0];
-      auto tiles_in = [&](size_t k) { return std::min(kBulkSlotTiles, p.num_tiles - k * kBulkSlotTiles); };
-      for (size_t k = 0; k < p.slots.size() && e == cudaSuccess; ++k) {
-        const Slot& slot = bulk_slots_[p.slots[k]];
-        e = cudaMemcpyAsync(slot.device, slot.host, tiles_in(k) * sizeof(cuda::CopyTile),
-                            cudaMemcpyHostToDevice, stream);
-      }
-      if (e == cudaSuccess) e = wait();
-      for (size_t k = 0; k < p.slots.size() && e == cudaSuccess; ++k) {
-        e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(bulk_slots_[p.slots[k]].device),
-                                    static_cast<int>(tiles_in(k)), stream);
+      e = cudaMemcpyAsync(DeviceTiles(p), HostTiles(p), p.num_tiles * sizeof(cuda::CopyTile),
+                          cudaMemcpyHostToDevice, stream);
+      if (e == cudaSuccess) {
+        e = cuda::LaunchBatchedCopy(DeviceTiles(p), static_cast<int>(p.num_tiles), stream);
       }
     } else {
       cuda::HostTables tables;
       uint32_t end = 0;
       for (const BulkPart& p : parts) {
-        for (size_t k = 0; k < p.slots.size(); ++k) {
-          end += static_cast<uint32_t>(std::min(kBulkSlotTiles, p.num_tiles - k * kBulkSlotTiles));
-          tables.tables[tables.count] =
-              static_cast<const cuda::CopyTile*>(bulk_slots_[p.slots[k]].host);
-          tables.end[tables.count] = end;
-          ++tables.count;
-        }
+        end += static_cast<uint32_t>(p.num_tiles);
+        tables.tables[tables.count] = HostTiles(p);
+        tables.end[tables.count] = end;
+        ++tables.count;
       }
       e = cuda::LaunchBatchedCopyHostTables(tables, stream);
     }
-    if (e != cudaSuccess && flight.status.ok()) {
-      flight.status = InternalError(CudaError("bulk copy launch", e));
-    }
+    if (e != cudaSuccess) flight.status = InternalError(CudaError("bulk copy launch", e));
     if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
     if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
       // No event to poll: wait here so that no copy outlives the report.
@@ -390,8 +369,19 @@ class NvlinkChannel : public PeerChannel {
     }
     flight.event = event;
     flight.parts = std::move(parts);
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(flights_mu_);
     bulk_new_.push_back(std::move(flight));
+  }
+
+  // Tells the progress thread that something new is queued or launched, waking it only when
+  // it sleeps. (queued_ and sleeping_ are sequentially consistent: either the progress thread
+  // sees queued_ before it sleeps, or this sees sleeping_ and notifies under mu_.)
+  void WakeProgress() {
+    queued_.store(true);
+    if (sleeping_.load()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_one();
+    }
   }
 
   // Completes the bulk flights whose copies finished. A stream runs its launches in order, so
@@ -423,7 +413,7 @@ class NvlinkChannel : public PeerChannel {
     {
       std::lock_guard<std::mutex> lock(bulk_mu_);
       for (const BulkPart& p : done.parts) {
-        bulk_free_slots_.insert(bulk_free_slots_.end(), p.slots.begin(), p.slots.end());
+        arena_units_.Give(p.first_unit, p.num_units);
       }
       if (done.event != nullptr) bulk_free_events_.push_back(done.event);
     }
@@ -436,31 +426,44 @@ class NvlinkChannel : public PeerChannel {
     std::vector<std::shared_ptr<WorkItem>> batch;
     while (true) {
       batch.clear();
-      if (inflight_.empty() && BulkIdle()) {
+      const bool idle = inflight_.empty() && BulkIdle();
+      if (idle) {
         // Spin a little before sleeping: a futex wake-up costs more than a small transfer.
-        auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
-        while (!queued_.load(std::memory_order_acquire) &&
+        auto spin_until = std::chrono::steady_clock::now() + IdleSpinWindow();
+        while (!queued_.load(std::memory_order_acquire) && !closed_flag_.load() &&
                std::chrono::steady_clock::now() < spin_until) {
         }
       }
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        if (queue_.empty() && inflight_.empty() && BulkIdle()) {
-          cv_.wait(lock, [&] { return closed_ || !queue_.empty() || !bulk_new_.empty(); });
+      // mu_ (which submitting threads take only for work items) is taken when something was
+      // queued, to sleep, or to close: while copies are in flight this thread polls them
+      // without meeting the submitters on a lock.
+      const bool was_queued = queued_.exchange(false);
+      if (was_queued || idle || closed_flag_.load()) {
+        bool closing = false;
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          // Nothing queued and nothing in flight: sleep until WakeProgress, SubmitMany or
+          // Close. (A flight announced by was_queued is in bulk_new_: no sleeping then.)
+          if (idle && !was_queued && queue_.empty() && !closed_) {
+            sleeping_.store(true);
+            cv_.wait(lock, [&] { return closed_ || !queue_.empty() || queued_.load(); });
+            sleeping_.store(false);
+            queued_.store(false);
+          }
+          closing = closed_;
+          while (!queue_.empty()) {
+            batch.push_back(std::move(queue_.front()));
+            queue_.pop_front();
+          }
         }
-        queued_.store(false, std::memory_order_relaxed);
-        for (auto& f : bulk_new_) bulk_inflight_[static_cast<size_t>(f.stream)].push_back(std::move(f));
-        bulk_new_.clear();
-        if (closed_ && inflight_.empty() && BulkIdle() && bulk_submitting_ == 0) {
-          for (auto& item : queue_) batch.push_back(std::move(item));
-          queue_.clear();
-          lock.unlock();
-          for (auto& item : batch) item->Complete(UnavailableError("NVLink channel closed"));
-          return;
-        }
-        while (!queue_.empty()) {
-          batch.push_back(std::move(queue_.front()));
-          queue_.pop_front();
+        TakeNewFlights();
+        // Submitters still inside TrySubmitBulk may yet hand over flights: stay for them.
+        if (closing && bulk_submitting_.load() == 0) {
+          TakeNewFlights();
+          if (inflight_.empty() && BulkIdle()) {
+            for (auto& item : batch) item->Complete(UnavailableError("NVLink channel closed"));
+            return;
+          }
         }
       }
       if (!batch.empty()) Dispatch(batch);
@@ -468,6 +471,13 @@ class NvlinkChannel : public PeerChannel {
       PollBulk();
       if (!inflight_.empty() || !BulkIdle()) std::this_thread::yield();
     }
+  }
+
+  // Moves launched bulk flights into the per-stream queues PollBulk polls.
+  void TakeNewFlights() {
+    std::lock_guard<std::mutex> lock(flights_mu_);
+    for (auto& f : bulk_new_) bulk_inflight_[static_cast<size_t>(f.stream)].push_back(std::move(f));
+    bulk_new_.clear();
   }
 
   // Completes finished flights in order; with `block`, waits for at least the oldest.
@@ -693,17 +703,23 @@ class NvlinkChannel : public PeerChannel {
   std::vector<cudaEvent_t> free_events_;                 // progress thread only
   std::map<uint64_t, std::unique_ptr<cuda::ImportedAllocation>> imports_;  // by region key
   MappedRegion last_region_;  // progress thread: the last translated region and its mapping
-  std::atomic<bool> queued_{false};                // items waiting in queue_
+  // Counts for the debug log at close: bulk parts, their launches, launches of several parts,
+  // submissions refused for want of a table slot.
+  std::atomic<uint64_t> stats_parts_{0}, stats_launches_{0}, stats_combined_{0}, stats_no_slot_{0};
+  std::atomic<bool> queued_{false};    // items in queue_ or flights in bulk_new_ (WakeProgress)
+  std::atomic<bool> sleeping_{false};  // the progress thread waits on cv_
+  std::atomic<bool> closed_flag_{false};  // closed_, readable without mu_
   // options_.peer and imports_: written by the progress thread under an exclusive lock, read
   // by bulk submitters under a shared one (the progress thread reads without it).
   mutable std::shared_mutex map_mu_;
-  cudaStream_t bulk_streams_[kBulkStreams + 1] = {};  // the last: kOrderedStream
+  cudaStream_t bulk_streams_[kBulkStreams] = {};
   std::atomic<uint32_t> next_bulk_stream_{0};
-  Slot bulk_slots_[kBulkSlots];
-  std::mutex bulk_mu_;                        // guards the two free lists below
-  std::vector<int> bulk_free_slots_;
+  cuda::CopyTile* arena_host_ = nullptr;    // bulk tile tables (pinned), kArenaUnits units
+  cuda::CopyTile* arena_device_ = nullptr;  // their device copy, for tables too big to inline
+  UnitRuns arena_units_{kArenaUnits};       // guarded by bulk_mu_
+  std::mutex bulk_mu_;  // guards arena_units_ and bulk_free_events_
   std::vector<cudaEvent_t> bulk_free_events_;
-  std::array<std::deque<BulkFlight>, kBulkStreams + 1> bulk_inflight_;     // progress thread only
+  std::array<std::deque<BulkFlight>, kBulkStreams> bulk_inflight_;     // progress thread only
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -714,7 +730,8 @@ class NvlinkChannel : public PeerChannel {
   std::mutex pending_mu_;
   std::vector<BulkPart> pending_parts_;
   std::mutex launch_mu_;  // launched bulk submissions not yet polled
-  int bulk_submitting_ = 0;           // TrySubmitBulk calls between their two locks
+  std::atomic<int> bulk_submitting_{0};  // TrySubmitBulk calls in progress
+  std::mutex flights_mu_;                // guards bulk_new_
   bool closed_ = false;
   std::thread thread_;
 };

@@ -43,12 +43,14 @@ class TcpPeer : public PeerChannel {
   const std::string& address() const { return options_.address; }
 
   void Submit(std::shared_ptr<WorkItem> item) override;
+  void SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) override;
   void Abandon(WorkItem* item, const Status& why) override;
   void Close() override;
 
  private:
   explicit TcpPeer(const TcpPeerOptions& options) : options_(options) {}
   std::shared_ptr<TcpLane> PickLane();
+  void SubmitOne(std::shared_ptr<WorkItem> item, bool allow_inline);
 
   TcpPeerOptions options_;
   SegmentDescriptor descriptor_;

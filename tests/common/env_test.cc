@@ -1,0 +1,38 @@
+#include "common/env.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+namespace kvferry {
+namespace {
+
+// Each variable is read only through ReadEnvConfig: valid values arrive, invalid ones are an
+// error naming the variable and the value.
+TEST(EnvTest, SpinWindowsAreParsedAndBadValuesNamed) {
+  ::setenv("KVFERRY_SPIN_US", "30", 1);
+  ::setenv("KVFERRY_IDLE_SPIN_US", "1000", 1);
+  auto ok = ReadEnvConfig();
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->spin_us, 30);
+  EXPECT_EQ(ok->idle_spin_us, 1000);
+
+  ::setenv("KVFERRY_IDLE_SPIN_US", "-5", 1);
+  auto bad = ReadEnvConfig();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("KVFERRY_IDLE_SPIN_US='-5'"), std::string::npos)
+      << bad.status().ToString();
+
+  ::setenv("KVFERRY_IDLE_SPIN_US", "200000", 1);
+  EXPECT_FALSE(ReadEnvConfig().ok());
+  ::unsetenv("KVFERRY_IDLE_SPIN_US");
+  ::setenv("KVFERRY_SPIN_US", "1x", 1);
+  bad = ReadEnvConfig();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("KVFERRY_SPIN_US"), std::string::npos);
+  ::unsetenv("KVFERRY_SPIN_US");
+  EXPECT_TRUE(ReadEnvConfig().ok());
+}
+
+}  // namespace
+}  // namespace kvferry
