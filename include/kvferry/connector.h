@@ -128,13 +128,13 @@ class PrefillConnector {
   // (marked twice).
   virtual Status MarkLayerReady(uint64_t pass, int layer) = 0;
   // As MarkLayerReady, once `cuda_event` (a cudaEvent_t recorded on the compute stream after
-  // the layer wrote its KV) has completed; the caller's thread does not wait. The layer's
-  // engine batches are submitted at once with BatchOptions::start_after_event, so over NVLink
-  // they start on the GPU the moment compute passes the event (passes with staging
-  // destinations instead poll their events from a connector thread). The event must
-  // stay valid until the pass is finished (all its rooms final, or every layer marked); the
-  // connector stops polling events of a failed or expired pass. Errors: as MarkLayerReady, plus "no CUDA device" / kUnimplemented without CUDA;
-  // an event that fails fails the pass's rooms.
+  // the layer wrote its KV) has completed; the caller's thread does not wait. The connector's
+  // layer thread polls pending events (20 us between rounds) and submits a layer as soon as
+  // its event and those of the layers before it completed. The event must stay valid (not
+  // destroyed, not re-recorded) until every layer of the pass is marked, or the pass failed
+  // or expired (its rooms then report Failed, after which its events are no longer touched).
+  // Errors: as MarkLayerReady, plus "no CUDA device" / kUnimplemented without CUDA; an event
+  // that fails fails the pass's rooms.
   virtual Status MarkLayerReadyOnEvent(uint64_t pass, int layer, void* cuda_event) = 0;
 
   // The pages of a request of `num_pages` this rank sends (everything without CP).

@@ -124,6 +124,10 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   ~PrefillConnectorImpl() override {
+    // Completions stop running inline on engine threads (they go to the completion queue,
+    // closed below while the engine lives); wait out those already running, which use engine_.
+    inline_stopping_.store(true);
+    while (inline_active_.load() > 0) std::this_thread::yield();
     {
       std::lock_guard<std::mutex> lock(timer_mu_);
       stopping_ = true;
@@ -645,13 +649,14 @@ class PrefillConnectorImpl : public PrefillConnector {
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
     o.on_complete = [this, done, keepalive, inline_success](BatchId id, const BatchStatus& status) {
-      if (inline_success && status.state == TransferState::kCompleted) {
+      if (inline_success && status.state == TransferState::kCompleted && EnterInline()) {
         // On the engine thread that saw the copies finish: what follows a completed batch
         // (the next batch, the done notice) is submitted without a hand-off to the
         // completion queue, whose idle thread takes ~150 us to wake on some hosts. None of
-        // it blocks.
+        // it waits on the network.
         engine_->ReleaseBatch(id).IgnoreError();
         done(status);
+        LeaveInline();
         return;
       }
       completion_->Post([this, done, id, status, keepalive] {
@@ -924,9 +929,10 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.on_complete = [this, room, dest](BatchId id, const BatchStatus& status) {
-      if (status.state == TransferState::kCompleted) {  // inline, as SubmitThen's
+      if (status.state == TransferState::kCompleted && EnterInline()) {  // as SubmitThen's
         engine_->ReleaseBatch(id).IgnoreError();
         OnBatchDone(room, dest, true, status, false);
+        LeaveInline();
         return;
       }
       completion_->Post([this, room, dest, id, status] {
@@ -1121,6 +1127,16 @@ class PrefillConnectorImpl : public PrefillConnector {
         nullptr, /*inline_success=*/true);
   }
 
+  // An inline completion may start (false once the destructor began: post to the queue
+  // instead). Sequentially consistent with the destructor's store and wait.
+  bool EnterInline() {
+    inline_active_.fetch_add(1);
+    if (!inline_stopping_.load()) return true;
+    inline_active_.fetch_sub(1);
+    return false;
+  }
+  void LeaveInline() { inline_active_.fetch_sub(1); }
+
   // Queues layerwise work (a layer's submission, a pass's finish) for the layer thread, which
   // runs it in posting order.
   void PostLayerWork(std::function<void()> work) {
@@ -1164,12 +1180,14 @@ class PrefillConnectorImpl : public PrefillConnector {
       std::vector<PendingEvent> still;
       bool marked = false;
       for (const PendingEvent& e : pending) {
+        StatusOr<bool> done = false;
         {
-          // A pass that failed or expired no longer needs (or may keep) its events.
+          // A pass that failed or expired no longer needs (or may keep) its events; queried
+          // under the lock so that it cannot fail (and its owner destroy the event) meanwhile.
           std::lock_guard<std::mutex> plock(passes_mu_);
           if (passes_.find(e.pass) == passes_.end()) continue;
+          done = cuda::EventCompleted(e.event);
         }
-        StatusOr<bool> done = cuda::EventCompleted(e.event);
         if (!done.ok()) {
           FailPass(e.pass, done.status().WithContext("layer " + std::to_string(e.layer) +
                                                      " ready event"));
@@ -1578,6 +1596,8 @@ class PrefillConnectorImpl : public PrefillConnector {
   bool layer_stopping_ = false;
   std::thread layer_thread_;
 
+  std::atomic<bool> inline_stopping_{false};  // EnterInline
+  std::atomic<int> inline_active_{0};
   std::atomic<uint64_t> transfer_requests_{0};
   std::atomic<uint64_t> bytes_{0};
   std::atomic<uint64_t> rooms_succeeded_{0};

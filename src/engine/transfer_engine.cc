@@ -324,11 +324,15 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   // Marks unfinished requests with `why` and asks transports to stop their items.
   void Abandon(const Status& why, bool queued_only) {
-    if (uint8_t expected = kGated; gate_.compare_exchange_strong(expected, kDropRequested)) {
-      // Never started: the gate thread fails it on its next round (within ~10 us).
-      std::lock_guard<std::mutex> lock(mu_);
-      drop_reason_ = why;
-      return;
+    if (gate_.load(std::memory_order_acquire) == kGated) {
+      {
+        // The reason first: the gate thread may drop the batch the moment it sees the request.
+        std::lock_guard<std::mutex> lock(mu_);
+        if (drop_reason_.ok()) drop_reason_ = why;
+      }
+      if (uint8_t expected = kGated; gate_.compare_exchange_strong(expected, kDropRequested)) {
+        return;  // never started: the gate thread fails it on its next round (within ~10 us)
+      }
     }
     // Being started by the gate thread, which is building the items read below.
     while (gate_.load(std::memory_order_acquire) == kStarting) std::this_thread::yield();

@@ -41,18 +41,20 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     }
     item->carrier.store(this);
     outstanding_bytes_ += item->length + 64;
-    if (allow_inline && connected_ && !sending_ && queue_.empty() && InlineSize(*item) &&
-        SendQueueHasRoom()) {
+    // Only on a lane with nothing in flight either: a peer busy answering earlier requests
+    // may not be reading, and this thread may be one that drains answers.
+    if (allow_inline && connected_ && !sending_ && queue_.empty() && inflight_.empty() &&
+        InlineSize(*item) && SendQueueHasRoom()) {
       uint8_t expected = WorkItem::kQueued;
       if (item->state.compare_exchange_strong(expected, WorkItem::kSending)) {
         sending_ = true;
         inflight_.push_back(item);
         lock.unlock();
         std::vector<std::shared_ptr<WorkItem>> one{std::move(item)};
-        const bool sent = SendFrames(one);
+        SendFrames(one, /*inline_caller=*/true);
         lock.lock();
         sending_ = false;
-        if (sent && !queue_.empty()) cv_.notify_one();  // queued meanwhile: the thread's now
+        cv_.notify_all();  // the sender thread (queued work, early answers) or ThreadExit
         return;
       }
       outstanding_bytes_ -= item->length + 64;  // abandoned already
@@ -167,8 +169,19 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       batch.clear();
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return broken_ || (!queue_.empty() && !sending_); });
+        cv_.wait(lock, [&] {
+          return broken_ || !acked_early_.empty() || (!queue_.empty() && !sending_);
+        });
         if (broken_) return;
+        if (!acked_early_.empty()) {
+          // Answered before an inline sender's write returned: completed here, not on the
+          // caller's thread (completion callbacks run on lane threads).
+          std::vector<std::shared_ptr<WorkItem>> early;
+          early.swap(acked_early_);
+          lock.unlock();
+          for (auto& item : early) item->Complete(item->acked_status);
+          continue;
+        }
         uint64_t bytes = 0;
         while (!queue_.empty() && batch.size() < kMaxGather &&
                (batch.empty() || bytes + queue_.front()->length <= kMaxGatherBytes)) {
@@ -195,8 +208,9 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
 
   // Writes the frames of `batch` (already in inflight_, in this order) to the socket. The
   // caller holds the sending turn (sending_). Returns false when the connection failed (the
-  // lane is then failed).
-  bool SendFrames(std::vector<std::shared_ptr<WorkItem>>& batch) {
+  // lane is then failed). Items answered before the write returned (kAcked) are completed
+  // here by the sender thread; an `inline_caller` hands them to the sender thread instead.
+  bool SendFrames(std::vector<std::shared_ptr<WorkItem>>& batch, bool inline_caller = false) {
     std::vector<wire::HeaderBytes>& headers = send_headers_;
     std::vector<std::array<uint8_t, wire::kStridedBodyBytes>>& bodies = send_bodies_;
     std::vector<asio::const_buffer>& buffers = send_buffers_;
@@ -253,7 +267,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     if (ec) {
       // Items the peer already answered are this thread's to complete (see kAcked).
       for (const auto& item : batch) {
-        if (item->state.load() == WorkItem::kAcked) item->Complete(item->acked_status);
+        if (item->state.load() == WorkItem::kAcked) CompleteAcked(item, inline_caller);
       }
       Fail(UnavailableError("connection to peer " + options_.address + " (lane " +
                             std::to_string(index_) + ") failed while sending: " +
@@ -264,10 +278,26 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       uint8_t expected = WorkItem::kSending;
       if (!item->state.compare_exchange_strong(expected, WorkItem::kSent) &&
           expected == WorkItem::kAcked) {
-        item->Complete(item->acked_status);  // answered while write() had not returned
+        CompleteAcked(item, inline_caller);  // answered while write() had not returned
       }
     }
     return true;
+  }
+
+  void CompleteAcked(const std::shared_ptr<WorkItem>& item, bool inline_caller) {
+    if (!inline_caller) {
+      item->Complete(item->acked_status);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (threads_alive_ > 0) {
+        // The sender thread (notified by Enqueue), or the last lane thread to exit, completes it.
+        acked_early_.push_back(item);
+        return;
+      }
+    }
+    item->Complete(item->acked_status);  // no lane thread left: nobody else will
   }
 
   void ReceiverMain() {
@@ -377,16 +407,24 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
 
   void ThreadExit() {
     std::deque<std::shared_ptr<WorkItem>> leftover;
+    std::vector<std::shared_ptr<WorkItem>> answered;  // acknowledged: complete as answered
     Status why;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       if (--threads_alive_ > 0) return;
-      leftover.swap(queue_);
+      // An inline sender (Enqueue) may still be writing: its item's memory and the socket are
+      // in use until it hands the turn back.
+      cv_.wait(lock, [&] { return !sending_; });
+      answered.swap(acked_early_);
+      leftover.insert(leftover.end(), std::make_move_iterator(queue_.begin()),
+                      std::make_move_iterator(queue_.end()));
+      queue_.clear();
       for (auto& item : inflight_) leftover.push_back(std::move(item));
       inflight_.clear();
       outstanding_bytes_ = 0;
       why = reason_.ok() ? UnavailableError("lane to " + options_.address + " closed") : reason_;
     }
+    for (auto& item : answered) item->Complete(item->acked_status);
     for (auto& item : leftover) item->Complete(why);
     if (socket_ != nullptr) {
       asio::error_code ignored;
@@ -415,6 +453,8 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   bool connected_ = false;  // the sender thread connected the socket
   int send_capacity_ = 0;   // SO_SNDBUF, read once connected
   bool sending_ = false;    // a thread (the sender, or an inline Enqueue) is writing frames
+  // Items an inline sender saw answered before its write returned, for the sender thread.
+  std::vector<std::shared_ptr<WorkItem>> acked_early_;
   bool broken_ = false;
   Status reason_;
   int threads_alive_ = 2;
