@@ -1,7 +1,10 @@
 #include "disagg/head_slices.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace kvferry {
@@ -61,7 +64,23 @@ Status Check(const KvPool& pool, std::span<const int32_t> pages, int64_t first_t
   return OkStatus();
 }
 
-// Calls copy(pool_bytes, staging_offset, length) for every (buffer, token) piece.
+// Threads a gather or scatter of `bytes` uses: one for small regions and on small machines;
+// on machines with cores to spare, up to 8 (one region of a chunk is tens to hundreds of MB,
+// and a single thread's copy was the staging path's limit on a 64-core host: 41% of equal TP
+// for TP2 -> TP1 over TCP, docs/perf/hetero-tp.md).
+std::atomic<int> forced_copy_threads{0};
+
+int CopyThreads(uint64_t bytes, size_t buffers) {
+  if (const int forced = forced_copy_threads.load(std::memory_order_relaxed); forced > 0) {
+    return static_cast<int>(std::min<size_t>(buffers, static_cast<size_t>(forced)));
+  }
+  static const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (bytes < (8u << 20) || cores < 8) return 1;
+  return static_cast<int>(std::min<size_t>({buffers, static_cast<size_t>(cores / 4), 8}));
+}
+
+// Calls copy(pool_bytes, staging_offset, length) for every (buffer, token) piece, the buffers
+// shared among CopyThreads threads (each buffer's pieces fill one contiguous staging range).
 template <typename Pool, typename Copy>
 void ForEachPiece(Pool& pool, std::span<const int32_t> pages, int64_t first_token,
                   int64_t num_tokens, int head_start, int num_heads, int first_layer,
@@ -69,19 +88,33 @@ void ForEachPiece(Pool& pool, std::span<const int32_t> pages, int64_t first_toke
   const KvLayout& l = pool.layout();
   const uint64_t piece = static_cast<uint64_t>(num_heads) * l.head_bytes();
   const std::vector<int> buffers = RegionBuffers(l, first_layer, num_layers);
-  for (size_t j = 0; j < buffers.size(); ++j) {
-    const int b = buffers[j];
-    for (int64_t i = 0; i < num_tokens; ++i) {
-      const int64_t t = first_token + i;
-      auto* slot = pool.PageAddress(b, pages[t / l.page_size()]) +
-                   static_cast<uint64_t>(t % l.page_size()) * l.token_bytes() +
-                   static_cast<uint64_t>(head_start) * l.head_bytes();
-      copy(slot, (static_cast<uint64_t>(j) * num_tokens + i) * piece, piece);
+  auto run = [&](size_t first, size_t step) {
+    for (size_t j = first; j < buffers.size(); j += step) {
+      const int b = buffers[j];
+      for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t t = first_token + i;
+        auto* slot = pool.PageAddress(b, pages[t / l.page_size()]) +
+                     static_cast<uint64_t>(t % l.page_size()) * l.token_bytes() +
+                     static_cast<uint64_t>(head_start) * l.head_bytes();
+        copy(slot, (static_cast<uint64_t>(j) * num_tokens + i) * piece, piece);
+      }
     }
+  };
+  const int threads =
+      CopyThreads(piece * static_cast<uint64_t>(num_tokens) * buffers.size(), buffers.size());
+  if (threads <= 1) {
+    run(0, 1);
+    return;
   }
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < threads; ++t) helpers.emplace_back(run, static_cast<size_t>(t), threads);
+  run(0, static_cast<size_t>(threads));
+  for (auto& h : helpers) h.join();
 }
 
 }  // namespace
+
+void SetHeadSliceCopyThreads(int n) { forced_copy_threads.store(std::max(0, n)); }
 
 uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads,
                       int num_layers) {

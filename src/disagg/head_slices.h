@@ -36,4 +36,9 @@ Status ScatterHeads(KvPool& pool, std::span<const int32_t> pages, int64_t first_
                     int64_t num_tokens, int head_start, int num_heads,
                     std::span<const uint8_t> staging, int first_layer = 0, int num_layers = 0);
 
+// Threads GatherHeads and ScatterHeads use: 0 (the default) picks by region size and cores
+// (one thread below 8 MiB or on fewer than 8 cores, else up to 8); n > 0 forces up to n (for
+// tests, which run on small regions and small machines).
+void SetHeadSliceCopyThreads(int n);
+
 }  // namespace kvferry

@@ -77,6 +77,16 @@ void CheckTransfer(int total_heads, int prefill_tp, int decode_tp) {
   }
 }
 
+// The same transfers with the copies split over 3 threads (as on machines with cores to
+// spare): identical bytes.
+TEST(HeadSlicesTest, GatherAndScatterOverSeveralThreadsDeliverTheSameBytes) {
+  SetHeadSliceCopyThreads(3);
+  CheckTransfer(8, 2, 1);
+  CheckTransfer(8, 1, 2);
+  CheckTransfer(4, 4, 2);
+  SetHeadSliceCopyThreads(0);
+}
+
 TEST(HeadSlicesTest, PlanGatherScatterDeliversEveryDecodeRanksHeads) {
   for (int h : {1, 2, 4, 8}) {
     for (int ps : {1, 2, 4}) {
