@@ -896,16 +896,8 @@ class EngineImpl : public TransferEngine {
     }
     if (wait_event != nullptr) batch->Gate();  // before anyone can find it by id
     batch->notification = options.notification;
-    batch->on_complete = options.on_complete;
     batch->notify_peer = batch->peer_refs[0];
-    batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
-    batch->deadline = Clock::now() + batch->deadline_ms;
-    {
-      batch->id = next_batch_id_.fetch_add(1, std::memory_order_relaxed);
-      BatchShard& shard = ShardOf(batch->id);
-      std::lock_guard<std::mutex> lock(shard.mu);
-      shard.batches[batch->id] = batch;
-    }
+    Publish(batch, options);
     // Started (or gated) before the deadline watcher can see it: Abandon reads the items
     // Start builds.
     if (wait_event == nullptr) {
@@ -1002,15 +994,7 @@ class EngineImpl : public TransferEngine {
     batch->peer_refs.push_back(peer);
     batch->notify_peer = peer;
     batch->notification = std::move(message);
-    batch->on_complete = options.on_complete;
-    batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
-    batch->deadline = Clock::now() + batch->deadline_ms;
-    {
-      batch->id = next_batch_id_.fetch_add(1, std::memory_order_relaxed);
-      BatchShard& shard = ShardOf(batch->id);
-      std::lock_guard<std::mutex> lock(shard.mu);
-      shard.batches[batch->id] = batch;
-    }
+    Publish(batch, options);
     batch->StartNotificationOnly();
     batch->Watch();
     return BatchId{batch->id};
@@ -1181,6 +1165,17 @@ class EngineImpl : public TransferEngine {
     auto it = shard.batches.find(id.value);
     if (it == shard.batches.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
     return it->second;
+  }
+
+  // Gives `batch` its callback, deadline and id, and makes it findable by id.
+  void Publish(const std::shared_ptr<Batch>& batch, const BatchOptions& options) {
+    batch->on_complete = options.on_complete;
+    batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
+    batch->deadline = Clock::now() + batch->deadline_ms;
+    batch->id = next_batch_id_.fetch_add(1, std::memory_order_relaxed);
+    BatchShard& shard = ShardOf(batch->id);
+    std::lock_guard<std::mutex> lock(shard.mu);
+    shard.batches[batch->id] = batch;
   }
 
   // Slice size per request of a batch: TCP spreads slices over lanes; other transports take
