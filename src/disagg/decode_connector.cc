@@ -688,26 +688,31 @@ class DecodeConnectorImpl : public DecodeConnector {
                true);
       return;
     }
-    Status s = rooms_.With(m.room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
-      if (IsFinal(r.status.state)) return OkStatus();
+    // The room is pinned, not locked, while its chunk is scattered (tens of MB on the CPU):
+    // other rooms and connections go on meanwhile, and the room cannot fail or be released
+    // under the scatter (RoomTable::Pin).
+    const std::vector<int32_t>* dst_pages = nullptr;
+    Status s = OkStatus();
+    if (rooms_.Pin(m.room, [&](RoomTable<ReceiverRoom>::Room& r) { dst_pages = &r.data.dst_pages; })) {
       const int64_t page_size = pool_->layout().page_size();
       if (m.chunk.offset + m.chunk.bytes > options_.staging_bytes) {
-        return OutOfRangeError("staging region beyond the ring");
+        s = OutOfRangeError("staging region beyond the ring");
+      } else if (head_slices_ != nullptr) {
+        std::lock_guard<std::mutex> lock(gpu_scatter_mu_);  // one stream and page table
+        s = head_slices_->Scatter(GpuGeometry(*pool_), pool_->data(), *dst_pages,
+                                  m.chunk.first_page * page_size, m.chunk.num_pages * page_size,
+                                  m.chunk.dst_head_start, m.chunk.num_heads,
+                                  m.chunk.first_layer, m.chunk.num_layers,
+                                  staging_data_ + m.chunk.offset);
+      } else {
+        s = ScatterHeads(*pool_, *dst_pages, m.chunk.first_page * page_size,
+                         m.chunk.num_pages * page_size, m.chunk.dst_head_start,
+                         m.chunk.num_heads,
+                         std::span<const uint8_t>(staging_data_ + m.chunk.offset, m.chunk.bytes),
+                         m.chunk.first_layer, m.chunk.num_layers);
       }
-      if (head_slices_ != nullptr) {
-        return head_slices_->Scatter(GpuGeometry(*pool_), pool_->data(), r.data.dst_pages,
-                                     m.chunk.first_page * page_size,
-                                     m.chunk.num_pages * page_size, m.chunk.dst_head_start,
-                                     m.chunk.num_heads, m.chunk.first_layer, m.chunk.num_layers,
-                                     staging_data_ + m.chunk.offset);
-      }
-      return ScatterHeads(*pool_, r.data.dst_pages, m.chunk.first_page * page_size,
-                          m.chunk.num_pages * page_size, m.chunk.dst_head_start,
-                          m.chunk.num_heads,
-                          std::span<const uint8_t>(staging_data_ + m.chunk.offset,
-                                                   m.chunk.bytes),
-                          m.chunk.first_layer, m.chunk.num_layers);
-    });
+      rooms_.Unpin(m.room);
+    }
     ReleaseRegion(m.chunk.region_id, m.room);
     KVF_LOG_DEBUG("decode: room {} scattered staging region {}: {}", m.room, m.chunk.region_id,
                   s.ToString());
@@ -842,6 +847,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   bool use_staging_ = false;  // unequal-TP slices go through the staging ring
   bool use_fused_ = false;    // unequal-TP slices go as strided requests (GPU pools)
   std::mutex staging_mu_;
+  std::mutex gpu_scatter_mu_;  // head_slices_ (one stream, one page table) for one scatter at a time
   // A granted region until it is freed (in allocation order: the ring frees FIFO).
   struct LiveRegion {
     RingRegion region;

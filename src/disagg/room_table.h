@@ -29,6 +29,7 @@ class RoomTable {
     Clock::time_point deadline = Clock::time_point::max();  // fails the room when passed
     std::string deadline_reason;
     T data;
+    int pins = 0;  // Pin: while > 0 the room does not become final and is not released
   };
 
   // Errors: kAlreadyExists when the room is active (not yet released).
@@ -51,15 +52,24 @@ class RoomTable {
   bool Advance(uint64_t room, RoomState state,
                std::optional<Clock::time_point> deadline = std::nullopt,
                std::string deadline_reason = {}) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     auto it = rooms_.find(room);
     if (it == rooms_.end()) return false;
     RoomStatus& s = it->second.status;
     if (IsFinal(s.state) || static_cast<int>(state) <= static_cast<int>(s.state)) return false;
     if (state == RoomState::kFailed) return false;  // use Fail
-    s.state = state;
+    if (state == RoomState::kSuccess && it->second.pins > 0) {
+      // Work outside the lock still writes the room's memory: success waits for it.
+      cv_.wait(lock, [&] {
+        it = rooms_.find(room);
+        return it == rooms_.end() || it->second.pins == 0;
+      });
+      if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
+    }
+    RoomStatus& now = it->second.status;
+    now.state = state;
     if (state == RoomState::kSuccess) {
-      s.final_time = std::chrono::steady_clock::now();
+      now.final_time = std::chrono::steady_clock::now();
       it->second.deadline = Clock::time_point::max();
     } else if (deadline) {
       it->second.deadline = *deadline;
@@ -69,11 +79,20 @@ class RoomTable {
     return true;
   }
 
-  // Fails a non-final room. Returns whether it changed.
+  // Fails a non-final room, once no Pin holds it. Returns whether it changed.
   bool Fail(uint64_t room, const Status& why) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     auto it = rooms_.find(room);
     if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
+    if (it->second.pins > 0) {
+      // Work outside the lock still writes the room's memory: a failure reported now would let
+      // the owner reuse that memory under it.
+      cv_.wait(lock, [&] {
+        it = rooms_.find(room);
+        return it == rooms_.end() || it->second.pins == 0;
+      });
+      if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
+    }
     it->second.status.state = RoomState::kFailed;
     it->second.status.error = why;
     it->second.status.final_time = Clock::now();
@@ -121,6 +140,25 @@ class RoomTable {
     return fn(it->second);
   }
 
+  // Holds a non-final room so that it neither becomes final (Fail and Advance to Success wait,
+  // ExpireDeadlines skips it) nor is released until Unpin: for long work on the room's memory
+  // outside the table's lock (a staged chunk's scatter). `fn` runs under the lock first.
+  // Returns false, running nothing, for an unknown or final room. The pinning thread must not
+  // fail or complete the room before its Unpin.
+  bool Pin(uint64_t room, const std::function<void(Room&)>& fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
+    fn(it->second);
+    ++it->second.pins;
+    return true;
+  }
+  void Unpin(uint64_t room) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it != rooms_.end() && it->second.pins > 0 && --it->second.pins == 0) cv_.notify_all();
+  }
+
   // Forgets a room. Errors: kNotFound; kFailedPrecondition when not final (abort it first).
   Status Release(uint64_t room) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -135,11 +173,12 @@ class RoomTable {
   }
 
   // Fails every non-final room whose deadline passed, with its deadline reason; returns them.
+  // A pinned room is left for a later call.
   std::vector<uint64_t> ExpireDeadlines(Clock::time_point now) {
     std::vector<uint64_t> expired;
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, r] : rooms_) {
-      if (!IsFinal(r.status.state) && r.deadline <= now) {
+      if (!IsFinal(r.status.state) && r.deadline <= now && r.pins == 0) {
         r.status.state = RoomState::kFailed;
         r.status.error = DeadlineExceededError("bootstrap room " + std::to_string(id) + ": " +
                                                r.deadline_reason);

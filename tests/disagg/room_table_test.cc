@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <thread>
 
 namespace kvferry {
@@ -82,6 +83,31 @@ TEST(RoomTableTest, WaitWakesOnTransitionsAndTimesOut) {
   EXPECT_EQ(w->state, RoomState::kBootstrapping);
   EXPECT_GE(Clock::now() - start, milliseconds(45));
   EXPECT_EQ(t.Wait(99, RoomState::kSuccess, milliseconds(1)).status().code(), StatusCode::kNotFound);
+}
+
+// A pinned room (work on its memory outside the lock) does not fail, succeed, expire or get
+// released until unpinned; the failure waits for the unpin and then lands. Other rooms go on.
+TEST(RoomTableTest, PinnedRoomBecomesFinalOnlyAfterUnpin) {
+  RoomTable<int> t;
+  ASSERT_TRUE(t.Create(7, 70, Clock::now() - milliseconds(1), "late").ok());
+  ASSERT_TRUE(t.Create(8, 80, Clock::time_point::max(), "").ok());
+  ASSERT_TRUE(t.Advance(7, RoomState::kTransferring));
+  int seen = 0;
+  ASSERT_TRUE(t.Pin(7, [&](RoomTable<int>::Room& r) { seen = r.data; }));
+  EXPECT_EQ(seen, 70);
+  EXPECT_TRUE(t.ExpireDeadlines(Clock::now()).empty());  // pinned: left for later
+  std::atomic<bool> failed{false};
+  std::thread aborter([&] { failed = t.Fail(7, AbortedError("abort")); });
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_FALSE(failed.load());
+  EXPECT_EQ(t.Get(7)->state, RoomState::kTransferring);
+  EXPECT_TRUE(t.Fail(8, AbortedError("other room")));  // others are not held up
+  t.Unpin(7);
+  aborter.join();
+  EXPECT_TRUE(failed.load());
+  EXPECT_EQ(t.Get(7)->state, RoomState::kFailed);
+  EXPECT_FALSE(t.Pin(7, [](RoomTable<int>::Room&) {}));  // final rooms are not pinned
+  EXPECT_TRUE(t.Release(7).ok());
 }
 
 }  // namespace
