@@ -690,15 +690,23 @@ class DecodeConnectorImpl : public DecodeConnector {
     }
     // The room is pinned, not locked, while its chunk is scattered (tens of MB on the CPU):
     // other rooms and connections go on meanwhile, and the room cannot fail or be released
-    // under the scatter (RoomTable::Pin).
+    // under the scatter (RoomTable::Pin). GPU scatters run one at a time; the pin is taken
+    // only once this one's turn came, so that no room stays pinned while it queues.
+    std::unique_lock<std::mutex> gpu_turn(gpu_scatter_mu_, std::defer_lock);
+    if (head_slices_ != nullptr) gpu_turn.lock();
     const std::vector<int32_t>* dst_pages = nullptr;
     Status s = OkStatus();
     if (rooms_.Pin(m.room, [&](RoomTable<ReceiverRoom>::Room& r) { dst_pages = &r.data.dst_pages; })) {
+      struct Unpin {  // also when a scatter throws
+        RoomTable<ReceiverRoom>& rooms;
+        uint64_t room;
+        const Status& outcome;
+        ~Unpin() { rooms.Unpin(room, !outcome.ok()); }
+      } unpin{rooms_, m.room, s};
       const int64_t page_size = pool_->layout().page_size();
       if (m.chunk.offset + m.chunk.bytes > options_.staging_bytes) {
         s = OutOfRangeError("staging region beyond the ring");
       } else if (head_slices_ != nullptr) {
-        std::lock_guard<std::mutex> lock(gpu_scatter_mu_);  // one stream and page table
         s = head_slices_->Scatter(GpuGeometry(*pool_), pool_->data(), *dst_pages,
                                   m.chunk.first_page * page_size, m.chunk.num_pages * page_size,
                                   m.chunk.dst_head_start, m.chunk.num_heads,
@@ -711,8 +719,8 @@ class DecodeConnectorImpl : public DecodeConnector {
                          std::span<const uint8_t>(staging_data_ + m.chunk.offset, m.chunk.bytes),
                          m.chunk.first_layer, m.chunk.num_layers);
       }
-      rooms_.Unpin(m.room);
     }
+    if (gpu_turn.owns_lock()) gpu_turn.unlock();
     ReleaseRegion(m.chunk.region_id, m.room);
     KVF_LOG_DEBUG("decode: room {} scattered staging region {}: {}", m.room, m.chunk.region_id,
                   s.ToString());
@@ -847,7 +855,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   bool use_staging_ = false;  // unequal-TP slices go through the staging ring
   bool use_fused_ = false;    // unequal-TP slices go as strided requests (GPU pools)
   std::mutex staging_mu_;
-  std::mutex gpu_scatter_mu_;  // head_slices_ (one stream, one page table) for one scatter at a time
+  std::mutex gpu_scatter_mu_;  // GPU scatters one at a time, taken before the room's pin
   // A granted region until it is freed (in allocation order: the ring frees FIFO).
   struct LiveRegion {
     RingRegion region;

@@ -30,6 +30,7 @@ class RoomTable {
     std::string deadline_reason;
     T data;
     int pins = 0;  // Pin: while > 0 the room does not become final and is not released
+    bool fail_pending = false;  // a failure waits for the pins: no new pin, no success
   };
 
   // Errors: kAlreadyExists when the room is active (not yet released).
@@ -58,13 +59,16 @@ class RoomTable {
     RoomStatus& s = it->second.status;
     if (IsFinal(s.state) || static_cast<int>(state) <= static_cast<int>(s.state)) return false;
     if (state == RoomState::kFailed) return false;  // use Fail
-    if (state == RoomState::kSuccess && it->second.pins > 0) {
-      // Work outside the lock still writes the room's memory: success waits for it.
+    if (state == RoomState::kSuccess) {
+      // Work outside the lock still writes the room's memory: success waits for it, and does
+      // not come when that work failed (or a failure is waiting).
       cv_.wait(lock, [&] {
         it = rooms_.find(room);
         return it == rooms_.end() || it->second.pins == 0;
       });
-      if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
+      if (it == rooms_.end() || IsFinal(it->second.status.state) || it->second.fail_pending) {
+        return false;
+      }
     }
     RoomStatus& now = it->second.status;
     now.state = state;
@@ -86,7 +90,9 @@ class RoomTable {
     if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
     if (it->second.pins > 0) {
       // Work outside the lock still writes the room's memory: a failure reported now would let
-      // the owner reuse that memory under it.
+      // the owner reuse that memory under it. No new pin is taken meanwhile, so this wait
+      // ends with the work already under way.
+      it->second.fail_pending = true;
       cv_.wait(lock, [&] {
         it = rooms_.find(room);
         return it == rooms_.end() || it->second.pins == 0;
@@ -143,20 +149,26 @@ class RoomTable {
   // Holds a non-final room so that it neither becomes final (Fail and Advance to Success wait,
   // ExpireDeadlines skips it) nor is released until Unpin: for long work on the room's memory
   // outside the table's lock (a staged chunk's scatter). `fn` runs under the lock first.
-  // Returns false, running nothing, for an unknown or final room. The pinning thread must not
-  // fail or complete the room before its Unpin.
+  // Returns false, running nothing, for an unknown or final room, or one a failure waits
+  // for. The pinning thread must not fail or complete the room before its Unpin.
   bool Pin(uint64_t room, const std::function<void(Room&)>& fn) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = rooms_.find(room);
-    if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
+    if (it == rooms_.end() || IsFinal(it->second.status.state) || it->second.fail_pending) {
+      return false;
+    }
     fn(it->second);
     ++it->second.pins;
     return true;
   }
-  void Unpin(uint64_t room) {
+  // Ends a Pin. `failed`: the work did not complete; the room then cannot succeed (the
+  // caller fails it next).
+  void Unpin(uint64_t room, bool failed = false) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = rooms_.find(room);
-    if (it != rooms_.end() && it->second.pins > 0 && --it->second.pins == 0) cv_.notify_all();
+    if (it == rooms_.end() || it->second.pins == 0) return;
+    if (failed) it->second.fail_pending = true;
+    if (--it->second.pins == 0) cv_.notify_all();
   }
 
   // Forgets a room. Errors: kNotFound; kFailedPrecondition when not final (abort it first).
@@ -178,7 +190,11 @@ class RoomTable {
     std::vector<uint64_t> expired;
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, r] : rooms_) {
-      if (!IsFinal(r.status.state) && r.deadline <= now && r.pins == 0) {
+      if (!IsFinal(r.status.state) && r.deadline <= now && r.pins > 0) {
+        r.fail_pending = true;  // no new pins: it expires once the work under way is done
+        continue;
+      }
+      if (!IsFinal(r.status.state) && r.deadline <= now) {
         r.status.state = RoomState::kFailed;
         r.status.error = DeadlineExceededError("bootstrap room " + std::to_string(id) + ": " +
                                                r.deadline_reason);

@@ -96,6 +96,7 @@ TEST(RoomTableTest, PinnedRoomBecomesFinalOnlyAfterUnpin) {
   ASSERT_TRUE(t.Pin(7, [&](RoomTable<int>::Room& r) { seen = r.data; }));
   EXPECT_EQ(seen, 70);
   EXPECT_TRUE(t.ExpireDeadlines(Clock::now()).empty());  // pinned: left for later
+  EXPECT_FALSE(t.Pin(7, [](RoomTable<int>::Room&) {}));  // but no new pins once expired
   std::atomic<bool> failed{false};
   std::thread aborter([&] { failed = t.Fail(7, AbortedError("abort")); });
   std::this_thread::sleep_for(milliseconds(50));
@@ -106,8 +107,33 @@ TEST(RoomTableTest, PinnedRoomBecomesFinalOnlyAfterUnpin) {
   aborter.join();
   EXPECT_TRUE(failed.load());
   EXPECT_EQ(t.Get(7)->state, RoomState::kFailed);
+  EXPECT_EQ(t.Get(7)->error.code(), StatusCode::kAborted);
   EXPECT_FALSE(t.Pin(7, [](RoomTable<int>::Room&) {}));  // final rooms are not pinned
   EXPECT_TRUE(t.Release(7).ok());
+}
+
+// Success waits for the pins, and does not come when the pinned work failed: the room stays
+// open for its failure.
+TEST(RoomTableTest, SuccessWaitsForPinsAndNotAfterFailedWork) {
+  RoomTable<int> t;
+  ASSERT_TRUE(t.Create(9, 0, Clock::time_point::max(), "").ok());
+  ASSERT_TRUE(t.Pin(9, [](RoomTable<int>::Room&) {}));
+  std::atomic<bool> succeeded{true};
+  std::thread done([&] { succeeded = t.Advance(9, RoomState::kSuccess); });
+  std::this_thread::sleep_for(milliseconds(30));
+  EXPECT_EQ(t.Get(9)->state, RoomState::kBootstrapping);
+  t.Unpin(9, /*failed=*/true);
+  done.join();
+  EXPECT_FALSE(succeeded.load());
+  EXPECT_TRUE(t.Fail(9, DataLossError("scatter failed")));
+
+  ASSERT_TRUE(t.Create(10, 0, Clock::time_point::max(), "").ok());
+  ASSERT_TRUE(t.Pin(10, [](RoomTable<int>::Room&) {}));
+  std::thread ok([&] { succeeded = t.Advance(10, RoomState::kSuccess); });
+  t.Unpin(10);
+  ok.join();
+  EXPECT_TRUE(succeeded.load());
+  EXPECT_EQ(t.Get(10)->state, RoomState::kSuccess);
 }
 
 }  // namespace
