@@ -1,7 +1,7 @@
 // Prefill side of the disaggregation connector: senders, decode registrations, chunk batches.
 #include <algorithm>
-#include <deque>
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <map>
 
@@ -649,20 +649,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
     o.on_complete = [this, done, keepalive, inline_success](BatchId id, const BatchStatus& status) {
-      if (inline_success && status.state == TransferState::kCompleted && EnterInline()) {
-        // On the engine thread that saw the copies finish: what follows a completed batch
-        // (the next batch, the done notice) is submitted without a hand-off to the
-        // completion queue, whose idle thread takes ~150 us to wake on some hosts. None of
-        // it waits on the network.
-        engine_->ReleaseBatch(id).IgnoreError();
-        done(status);
-        LeaveInline();
-        return;
-      }
-      completion_->Post([this, done, id, status, keepalive] {
-        engine_->ReleaseBatch(id).IgnoreError();
-        done(status);
-      });
+      Complete(id, status, done, keepalive, inline_success);
     };
     auto id = engine_->SubmitBatch(requests, o);
     if (!id.ok()) {
@@ -672,6 +659,27 @@ class PrefillConnectorImpl : public PrefillConnector {
       failed.error = id.status();
       completion_->Post([done, failed] { done(failed); });
     }
+  }
+
+  // A final batch's callback (BatchOptions::on_complete): releases the batch and runs `done`,
+  // on the engine thread that saw it finish when it completed and `inline_success` (what
+  // follows a completed batch, the next batch or the done notice, is then submitted without a
+  // hand-off to the completion queue, whose idle thread takes ~150 us to wake on some hosts;
+  // none of it waits on the network), else on the completion queue. `keepalive` lives until
+  // `done` ran.
+  void Complete(BatchId id, const BatchStatus& status,
+                const std::function<void(const BatchStatus&)>& done,
+                const std::shared_ptr<void>& keepalive, bool inline_success) {
+    if (inline_success && status.state == TransferState::kCompleted && EnterInline()) {
+      engine_->ReleaseBatch(id).IgnoreError();
+      done(status);
+      LeaveInline();
+      return;
+    }
+    completion_->Post([this, done, id, status, keepalive] {
+      engine_->ReleaseBatch(id).IgnoreError();
+      done(status);
+    });
   }
 
   // How a chunk's slice is cut into staging regions: the whole chunk (0, 0) when it fits in
@@ -929,16 +937,10 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.on_complete = [this, room, dest](BatchId id, const BatchStatus& status) {
-      if (status.state == TransferState::kCompleted && EnterInline()) {  // as SubmitThen's
-        engine_->ReleaseBatch(id).IgnoreError();
-        OnBatchDone(room, dest, true, status, false);
-        LeaveInline();
-        return;
-      }
-      completion_->Post([this, room, dest, id, status] {
-        engine_->ReleaseBatch(id).IgnoreError();
-        OnBatchDone(room, dest, true, status, false);
-      });
+      Complete(
+          id, status,
+          [this, room, dest](const BatchStatus& s) { OnBatchDone(room, dest, true, s, false); },
+          nullptr, /*inline_success=*/true);
     };
     auto id = engine_->SubmitNotification(decode->segment, EncodeControl(note), o);
     if (!id.ok()) {

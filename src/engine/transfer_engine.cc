@@ -74,6 +74,7 @@ struct DeadlineWatch {
     Map deadlines;
   };
   std::array<Shard, kShards> shards;
+  Shard& ShardOf(uint64_t batch_id) { return shards[batch_id % kShards]; }
   std::atomic<size_t> size{0};  // entries over all shards
   std::mutex mu;                // guards stopping, and the watchdog's sleep
   std::condition_variable cv;
@@ -112,9 +113,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   void Watch() {
     DeadlineWatch& w = *watch;
     {
-      std::lock_guard<std::mutex> lock(w.shards[id % DeadlineWatch::kShards].mu);
+      DeadlineWatch::Shard& shard = w.ShardOf(id);
+      std::lock_guard<std::mutex> lock(shard.mu);
       if (final_flag_.load(std::memory_order_acquire)) return;
-      watch_it_ = w.shards[id % DeadlineWatch::kShards].deadlines.emplace(deadline, weak_from_this());
+      watch_it_ = shard.deadlines.emplace(deadline, weak_from_this());
       watched_ = true;
     }
     if (w.size.fetch_add(1) == 0) {  // the watchdog may be asleep with nothing to watch
@@ -521,7 +523,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // Leaves the deadline set (after final_flag_ is set: Watch skips a final batch).
   void Unwatch() {
     if (watch == nullptr) return;
-    DeadlineWatch::Shard& shard = watch->shards[id % DeadlineWatch::kShards];
+    DeadlineWatch::Shard& shard = watch->ShardOf(id);
     std::lock_guard<std::mutex> lock(shard.mu);
     if (watched_) {
       shard.deadlines.erase(watch_it_);
@@ -786,11 +788,7 @@ class EngineImpl : public TransferEngine {
   StatusOr<BatchId> SubmitBatch(std::span<const TransferRequest> requests,
                                 const BatchOptions& options) override {
     if (requests.empty()) return InvalidArgumentError("empty batch");
-    if (options.notification.size() > options_.max_message_bytes) {
-      return InvalidArgumentError("notification of " + std::to_string(options.notification.size()) +
-                                  " bytes exceeds max_message_bytes " +
-                                  std::to_string(options_.max_message_bytes));
-    }
+    RETURN_IF_ERROR(CheckMessageSize(options.notification));
     auto batch = std::make_shared<Batch>(requests);
     batch->watch = watch_;
     batch->peers.resize(requests.size());
@@ -956,11 +954,7 @@ class EngineImpl : public TransferEngine {
 
   Status SendNotification(SegmentHandle segment, const std::string& message,
                           std::chrono::milliseconds timeout) override {
-    if (message.size() > options_.max_message_bytes) {
-      return InvalidArgumentError("notification of " + std::to_string(message.size()) +
-                                  " bytes exceeds max_message_bytes " +
-                                  std::to_string(options_.max_message_bytes));
-    }
+    RETURN_IF_ERROR(CheckMessageSize(message));
     ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
     auto waiter = std::make_shared<NotifyWaiter>();
     auto item = std::make_shared<WorkItem>();
@@ -983,11 +977,7 @@ class EngineImpl : public TransferEngine {
   StatusOr<BatchId> SubmitNotification(SegmentHandle segment, std::string message,
                                        const BatchOptions& options) override {
     if (message.empty()) return InvalidArgumentError("empty notification");
-    if (message.size() > options_.max_message_bytes) {
-      return InvalidArgumentError("notification of " + std::to_string(message.size()) +
-                                  " bytes exceeds max_message_bytes " +
-                                  std::to_string(options_.max_message_bytes));
-    }
+    RETURN_IF_ERROR(CheckMessageSize(message));
     ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
     auto batch = std::make_shared<Batch>(std::span<const TransferRequest>());
     batch->watch = watch_;
@@ -1167,6 +1157,14 @@ class EngineImpl : public TransferEngine {
     return it->second;
   }
 
+  // Errors: kInvalidArgument for a notification longer than max_message_bytes.
+  Status CheckMessageSize(const std::string& message) const {
+    if (message.size() <= options_.max_message_bytes) return OkStatus();
+    return InvalidArgumentError("notification of " + std::to_string(message.size()) +
+                                " bytes exceeds max_message_bytes " +
+                                std::to_string(options_.max_message_bytes));
+  }
+
   // Gives `batch` its callback, deadline and id, and makes it findable by id.
   void Publish(const std::shared_ptr<Batch>& batch, const BatchOptions& options) {
     batch->on_complete = options.on_complete;
@@ -1211,8 +1209,8 @@ class EngineImpl : public TransferEngine {
         }
         StatusOr<bool> passed = cuda::EventCompleted(g.event);
         if (!passed.ok()) {
-          if (g.batch->TakeGate()) g.batch->Drop(passed.status().WithContext("start_after_event"));
-          else g.batch->Drop(CancelledError("dropped"));
+          g.batch->TakeGate();  // or asked to drop meanwhile: Drop keeps Abandon's reason
+          g.batch->Drop(passed.status().WithContext("start_after_event"));
         } else if (!*passed) {
           still.push_back(std::move(g));
         } else if (g.batch->TakeGate()) {

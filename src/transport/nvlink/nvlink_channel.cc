@@ -168,7 +168,8 @@ class NvlinkChannel : public PeerChannel {
     std::vector<std::shared_ptr<WorkItem>> items;
     std::vector<int> slots;
   };
-  // One bulk submission, its tiles written into bulk slots (host memory), not launched yet.
+  // One bulk submission, its tiles written into a run of arena units (host memory), not
+  // launched yet.
   struct BulkPart {
     uint32_t first_unit = 0;  // its table: arena units [first_unit, first_unit + num_units)
     uint32_t num_units = 0;

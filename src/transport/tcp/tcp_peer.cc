@@ -28,10 +28,9 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
 
   // Queues `item` for the sender thread, or, with `allow_inline` when the lane is idle
   // (connected, nothing queued, nobody sending) and the frame is small, sends it from the
-  // calling thread: an idle
-  // sender thread takes ~150 us to wake on some hosts, more than the frame takes to travel.
-  // The inline send never waits for socket space (the kernel's send queue must have room for
-  // the frame twice over), so the caller is not blocked by a slow peer.
+  // calling thread: an idle sender thread takes ~150 us to wake on some hosts, more than the
+  // frame takes to travel. The inline send goes only where the kernel's send queue has room
+  // for the frame twice over, so a slow peer does not hold the caller.
   void Enqueue(std::shared_ptr<WorkItem> item, bool allow_inline) {
     std::unique_lock<std::mutex> lock(mu_);
     if (broken_) {
