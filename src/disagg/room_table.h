@@ -62,10 +62,7 @@ class RoomTable {
     if (state == RoomState::kSuccess) {
       // Work outside the lock still writes the room's memory: success waits for it, and does
       // not come when that work failed (or a failure is waiting).
-      cv_.wait(lock, [&] {
-        it = rooms_.find(room);
-        return it == rooms_.end() || it->second.pins == 0;
-      });
+      WaitUnpinned(lock, room, &it);
       if (it == rooms_.end() || IsFinal(it->second.status.state) || it->second.fail_pending) {
         return false;
       }
@@ -93,10 +90,7 @@ class RoomTable {
       // the owner reuse that memory under it. No new pin is taken meanwhile, so this wait
       // ends with the work already under way.
       it->second.fail_pending = true;
-      cv_.wait(lock, [&] {
-        it = rooms_.find(room);
-        return it == rooms_.end() || it->second.pins == 0;
-      });
+      WaitUnpinned(lock, room, &it);
       if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
     }
     it->second.status.state = RoomState::kFailed;
@@ -222,6 +216,16 @@ class RoomTable {
   }
 
  private:
+  // Waits (releasing `lock`, which holds mu_) until `room` has no pins or is gone; `*it` is
+  // then its entry again (end() when gone).
+  void WaitUnpinned(std::unique_lock<std::mutex>& lock, uint64_t room,
+                    typename std::map<uint64_t, Room>::iterator* it) {
+    cv_.wait(lock, [&] {
+      *it = rooms_.find(room);
+      return *it == rooms_.end() || (*it)->second.pins == 0;
+    });
+  }
+
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, Room> rooms_;
