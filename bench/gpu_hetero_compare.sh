@@ -4,13 +4,14 @@
 # call, for docs/perf/hetero-tp.md. Equal TP runs before and after the unequal runs of each
 # page size; logs and JSON go to $OUT/all.tgz.
 # Env: LIMIT (500), PAGE_SIZES ("64 1"), PAIRS ("2:1 1:2"), KV_PATHS ("staging fused"),
-#      EXTRA (more replay flags, e.g. "--staging-size 256MiB").
+#      EXTRA (more replay flags, e.g. "--staging-size 256MiB"), DEVICE (cuda; cpu runs the same
+#      comparison over TCP between host-memory pools), TAG (prefix of the archive's name).
 export LD_LIBRARY_PATH=$PWD/.devbuild/lib
 B=$PWD/.devbuild; TRACE=$B/traces/conversation_trace.jsonl
 OUT=${OUT:-/tmp/out}
 date -u
 run() { local name=$1; shift
-  timeout 90 "$B/kvferry" replay --device cuda --trace "$TRACE" --model llama-3.1-8b --pool-size 16GiB \
+  timeout 90 "$B/kvferry" replay --device "${DEVICE:-cuda}" --trace "$TRACE" --model llama-3.1-8b --pool-size 16GiB \
     --concurrency 8 --json "$OUT/$name.json" ${EXTRA:-} "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? $(grep -E 'requests failed|mismatches|throughput|engine transfer requests' "$OUT/$name.log" |
     awk '{print $NF}' | tr '\n' ' ') $(grep -iE 'error|warn' "$OUT/$name.log" | head -2)"
@@ -26,4 +27,4 @@ for ps in ${PAGE_SIZES:-64 1}; do
   done
   run "eq_p${ps}_b" --limit "${LIMIT:-500}" --page-size "$ps"
 done
-(cd "$OUT" && tar czf all.tgz ./*.json ./*.log && rm -f ./*.json ./*.log)
+(cd "$OUT" && tar czf "${TAG:-}all.tgz" ./*.json ./*.log && rm -f ./*.json ./*.log)

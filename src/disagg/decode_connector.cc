@@ -87,6 +87,11 @@ class DecodeConnectorImpl : public DecodeConnector {
       options_.engine.name = "decode-tp" + std::to_string(options_.tp_rank);
     }
     bootstrap_ = std::make_unique<TaskQueue>(options_.bootstrap_threads);
+    // GPU scatters run one at a time (one stream and page table); host scatters, each split
+    // over up to 8 threads already, up to 4 at once on machines with the cores for it.
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    scatter_ = std::make_unique<TaskQueue>(
+        pool_->location().kind == MemoryKind::kCuda ? 1 : std::clamp(cores / 8, 1, 4));
     ASSIGN_OR_RETURN(engine_, TransferEngine::Create(options_.engine));
     RETURN_IF_ERROR(RegisterConnectorPools(*engine_, *pool_, *aux_, options_.state_pool,
                                            options_.tp_size, kAccessRemoteWrite));
@@ -119,6 +124,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (heartbeat_.joinable()) heartbeat_.join();
     engine_->SetNotificationHandler(nullptr);
     bootstrap_->Close();
+    if (scatter_ != nullptr) scatter_->Close();  // frees regions: may post grants and aborts
     grants_->Close();   // before control_: a failed grant posts its abort notice there
     control_->Close();
     engine_.reset();
@@ -455,8 +461,9 @@ class DecodeConnectorImpl : public DecodeConnector {
         control_->Post([this, m = *m, from = n.peer_address] { GrantStaging(m, from); });
         break;
       case ControlType::kStagingReady:
-        // Inline: the writer's batch completes only after this returns, so a chunk is in the
-        // pages before prefill can report the room done.
+        // The room is pinned here, before the notice is acknowledged, and the chunk scattered
+        // on the scatter queue: the connection goes on receiving meanwhile, and the room cannot
+        // succeed (prefill's done notice may come first) or fail until the scatter ended.
         ScatterStaged(*m);
         break;
       case ControlType::kStagingCancel:
@@ -661,7 +668,8 @@ class DecodeConnectorImpl : public DecodeConnector {
     watermark_.check = WatermarkCell::Check(w.round, w.offset);
   }
 
-  // Scatters a written staging region into the room's pages and frees what is consumed.
+  // Scatters a written staging region into the room's pages and frees what is consumed: pins
+  // the room on the caller's thread, scatters on scatter_.
   void ScatterStaged(const ControlMessage& m) {
     bool granted = false;
     {
@@ -689,47 +697,51 @@ class DecodeConnectorImpl : public DecodeConnector {
       return;
     }
     // The room is pinned, not locked, while its chunk is scattered (tens of MB on the CPU):
-    // other rooms and connections go on meanwhile, and the room cannot fail or be released
-    // under the scatter (RoomTable::Pin). GPU scatters run one at a time; the pin is taken
-    // only once this one's turn came, so that no room stays pinned while it queues.
-    std::unique_lock<std::mutex> gpu_turn(gpu_scatter_mu_, std::defer_lock);
-    if (head_slices_ != nullptr) gpu_turn.lock();
+    // other rooms go on meanwhile, and the room cannot fail, succeed or be released under the
+    // scatter (RoomTable::Pin). Its pages stay where they are while it is pinned.
     const std::vector<int32_t>* dst_pages = nullptr;
-    Status s = OkStatus();
-    if (rooms_.Pin(m.room, [&](RoomTable<ReceiverRoom>::Room& r) { dst_pages = &r.data.dst_pages; })) {
-      struct Unpin {  // also when a scatter throws
-        RoomTable<ReceiverRoom>& rooms;
-        uint64_t room;
-        const Status& outcome;
-        ~Unpin() { rooms.Unpin(room, !outcome.ok()); }
-      } unpin{rooms_, m.room, s};
-      const int64_t page_size = pool_->layout().page_size();
-      if (m.chunk.offset + m.chunk.bytes > options_.staging_bytes) {
-        s = OutOfRangeError("staging region beyond the ring");
-      } else if (head_slices_ != nullptr) {
-        s = head_slices_->Scatter(GpuGeometry(*pool_), pool_->data(), *dst_pages,
-                                  m.chunk.first_page * page_size, m.chunk.num_pages * page_size,
-                                  m.chunk.dst_head_start, m.chunk.num_heads,
-                                  m.chunk.first_layer, m.chunk.num_layers,
-                                  staging_data_ + m.chunk.offset);
-      } else {
-        s = ScatterHeads(*pool_, *dst_pages, m.chunk.first_page * page_size,
-                         m.chunk.num_pages * page_size, m.chunk.dst_head_start,
-                         m.chunk.num_heads,
-                         std::span<const uint8_t>(staging_data_ + m.chunk.offset, m.chunk.bytes),
-                         m.chunk.first_layer, m.chunk.num_layers);
-      }
-    }
-    if (gpu_turn.owns_lock()) gpu_turn.unlock();
-    ReleaseRegion(m.chunk.region_id, m.room);
-    KVF_LOG_DEBUG("decode: room {} scattered staging region {}: {}", m.room, m.chunk.region_id,
-                  s.ToString());
-    if (!s.ok() && s.code() != StatusCode::kNotFound) {
-      FailRoom(m.room, s.WithContext("scattering a staged chunk"), true);
+    if (!rooms_.Pin(m.room, [&](RoomTable<ReceiverRoom>::Room& r) { dst_pages = &r.data.dst_pages; })) {
+      ReleaseRegion(m.chunk.region_id, m.room);  // final or gone: nothing to scatter into
       return;
     }
-    rooms_.Advance(m.room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
-                   WaitingReason());
+    auto scatter = [this, m, dst_pages] {
+      Status s = OkStatus();
+      {
+        struct Unpin {  // also when a scatter throws
+          RoomTable<ReceiverRoom>& rooms;
+          uint64_t room;
+          const Status& outcome;
+          ~Unpin() { rooms.Unpin(room, !outcome.ok()); }
+        } unpin{rooms_, m.room, s};
+        const int64_t page_size = pool_->layout().page_size();
+        if (m.chunk.offset + m.chunk.bytes > options_.staging_bytes) {
+          s = OutOfRangeError("staging region beyond the ring");
+        } else if (head_slices_ != nullptr) {
+          s = head_slices_->Scatter(GpuGeometry(*pool_), pool_->data(), *dst_pages,
+                                    m.chunk.first_page * page_size, m.chunk.num_pages * page_size,
+                                    m.chunk.dst_head_start, m.chunk.num_heads,
+                                    m.chunk.first_layer, m.chunk.num_layers,
+                                    staging_data_ + m.chunk.offset);
+        } else {
+          s = ScatterHeads(*pool_, *dst_pages, m.chunk.first_page * page_size,
+                           m.chunk.num_pages * page_size, m.chunk.dst_head_start,
+                           m.chunk.num_heads,
+                           std::span<const uint8_t>(staging_data_ + m.chunk.offset, m.chunk.bytes),
+                           m.chunk.first_layer, m.chunk.num_layers);
+        }
+      }
+      ReleaseRegion(m.chunk.region_id, m.room);
+      KVF_LOG_DEBUG("decode: room {} scattered staging region {}: {}", m.room,
+                    m.chunk.region_id, s.ToString());
+      if (!s.ok()) {
+        FailRoom(m.room, s.WithContext("scattering a staged chunk"), true);
+        return;
+      }
+      rooms_.Advance(m.room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
+                     WaitingReason());
+    };
+    // A handler still running while the connector closes scatters here: the pin must end.
+    if (!scatter_->Post(scatter)) scatter();
   }
 
   void RecordBytes(uint64_t room) {
@@ -837,6 +849,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   std::unique_ptr<TaskQueue> bootstrap_;
   std::unique_ptr<TaskQueue> control_ = std::make_unique<TaskQueue>(1);
   std::unique_ptr<TaskQueue> grants_ = std::make_unique<TaskQueue>(1);  // deferred grants
+  std::unique_ptr<TaskQueue> scatter_;  // staged chunks' scatters (ScatterStaged)
   std::unique_ptr<TransferEngine> engine_;
   RoomTable<ReceiverRoom> rooms_;
 
@@ -855,7 +868,6 @@ class DecodeConnectorImpl : public DecodeConnector {
   bool use_staging_ = false;  // unequal-TP slices go through the staging ring
   bool use_fused_ = false;    // unequal-TP slices go as strided requests (GPU pools)
   std::mutex staging_mu_;
-  std::mutex gpu_scatter_mu_;  // GPU scatters one at a time, taken before the room's pin
   // A granted region until it is freed (in allocation order: the ring frees FIFO).
   struct LiveRegion {
     RingRegion region;

@@ -837,10 +837,10 @@ class PrefillConnectorImpl : public PrefillConnector {
                                 grant.chunk.num_layers, buffer.get());
       }
     } else {
-      auto host = std::make_shared<std::vector<uint8_t>>(grant.chunk.bytes);
+      buffer = AcquireHostScratch(grant.chunk.bytes);
       g = GatherHeads(*pool_, pages, 0, chunk_tokens, src_head_start, grant.chunk.num_heads,
-                      *host, grant.chunk.first_layer, grant.chunk.num_layers);
-      buffer = std::shared_ptr<uint8_t>(host, host->data());
+                      std::span(buffer.get(), grant.chunk.bytes), grant.chunk.first_layer,
+                      grant.chunk.num_layers);
     }
     if (!g.ok()) {
       FailRoom(grant.room, g.WithContext("gathering a chunk for staging"));
@@ -917,6 +917,46 @@ class PrefillConnectorImpl : public PrefillConnector {
     return std::shared_ptr<uint8_t>(data, [this, raw = alloc.release()](uint8_t*) {
       std::lock_guard<std::mutex> lock(scratch_mu_);
       scratch_free_.emplace_back(raw);
+    });
+  }
+
+  // A host staging buffer of at least `bytes`: the smallest free one that fits, else a new
+  // one (not zero-filled). Reusing them spares each chunk a fresh allocation, whose page
+  // faults and zeroing cost as much as the gather itself. It returns to the free list (at
+  // most kMaxHostScratch kept) when the last reference goes.
+  std::shared_ptr<uint8_t> AcquireHostScratch(uint64_t bytes) {
+    HostScratch scratch;
+    {
+      std::lock_guard<std::mutex> lock(scratch_mu_);
+      auto best = host_scratch_free_.end();
+      for (auto it = host_scratch_free_.begin(); it != host_scratch_free_.end(); ++it) {
+        if (it->bytes >= bytes && (best == host_scratch_free_.end() || it->bytes < best->bytes)) {
+          best = it;
+        }
+      }
+      if (best != host_scratch_free_.end()) {
+        scratch = std::move(*best);
+        host_scratch_free_.erase(best);
+      }
+    }
+    if (scratch.data == nullptr) {
+      scratch.data = std::make_unique_for_overwrite<uint8_t[]>(bytes);
+      scratch.bytes = bytes;
+    }
+    uint8_t* data = scratch.data.get();
+    return std::shared_ptr<uint8_t>(data, [this, raw = scratch.data.release(),
+                                           size = scratch.bytes](uint8_t*) {
+      HostScratch back{std::unique_ptr<uint8_t[]>(raw), size};
+      std::lock_guard<std::mutex> lock(scratch_mu_);
+      if (host_scratch_free_.size() < kMaxHostScratch) {
+        host_scratch_free_.push_back(std::move(back));
+      } else {
+        // Keep the larger buffers.
+        auto smallest = std::min_element(
+            host_scratch_free_.begin(), host_scratch_free_.end(),
+            [](const HostScratch& a, const HostScratch& b) { return a.bytes < b.bytes; });
+        if (smallest->bytes < back.bytes) *smallest = std::move(back);
+      }
     });
   }
 
@@ -1571,6 +1611,12 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::mutex scratch_mu_;
   std::unique_ptr<cuda::GpuHeadSlices> gpu_slices_;
   std::vector<std::unique_ptr<cuda::DeviceAllocation>> scratch_free_;
+  struct HostScratch {
+    std::unique_ptr<uint8_t[]> data;
+    uint64_t bytes = 0;
+  };
+  static constexpr size_t kMaxHostScratch = 8;
+  std::vector<HostScratch> host_scratch_free_;  // host pools' staging buffers (scratch_mu_)
   std::unique_ptr<TaskQueue> staging_ = std::make_unique<TaskQueue>(4);  // staged chunk writes
   std::unique_ptr<TransferEngine> engine_;
   RoomTable<SenderRoom> rooms_;

@@ -32,13 +32,15 @@ class TaskQueue {
   TaskQueue(const TaskQueue&) = delete;
   TaskQueue& operator=(const TaskQueue&) = delete;
 
-  void Post(std::function<void()> task) {
+  // Queues `task`; returns false (and drops it) once Close began.
+  bool Post(std::function<void()> task) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
+      if (stopping_) return false;
       tasks_.push_back(std::move(task));
     }
     cv_.notify_one();
+    return true;
   }
 
  private:
