@@ -118,6 +118,15 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     *field = us;
   }
+  if (const char* v = std::getenv("KVFERRY_NVLINK_RESIDENT_BLOCKS"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    long blocks = std::strtol(v, &end, 10);
+    if (*end != '\0' || blocks < -1 || blocks > 4096) {
+      return InvalidArgumentError(std::string("KVFERRY_NVLINK_RESIDENT_BLOCKS='") + v +
+                                  "' must be an integer in -1..4096 (-1: one per SM, 0: off)");
+    }
+    config.nvlink_resident_blocks = static_cast<int>(blocks);
+  }
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
     config.listen_host = std::string(v);
   }

@@ -9,7 +9,10 @@
 //                                (bytes, KiB/MiB suffix)      default EngineOptions value
 //   KVFERRY_SPIN_US        microseconds a waiter polls before blocking, 0..100000   default 50
 //   KVFERRY_IDLE_SPIN_US   microseconds an NVLink progress thread polls for new work after
-//                          its last before sleeping, 0..100000                     default 200
+//                          its last before sleeping (and the resident NVLink copy kernel
+//                          waits before leaving the GPU), 0..100000               default 200
+//   KVFERRY_NVLINK_RESIDENT_BLOCKS  thread blocks of the resident NVLink copy kernel, -1..4096;
+//                          -1 one per SM, 0 off          default EngineOptions value (0: off)
 #pragma once
 
 #include <cstdint>
@@ -28,6 +31,7 @@ struct EnvConfig {
   std::optional<uint64_t> nvlink_ce_threshold_bytes;
   std::optional<int64_t> spin_us;
   std::optional<int64_t> idle_spin_us;
+  std::optional<int> nvlink_resident_blocks;
 };
 
 // Reads and validates all variables above. Errors: kInvalidArgument naming the variable.

@@ -108,6 +108,129 @@ __global__ void BatchedCopyHostTablesKernel(const HostTables tables) {
   }
 }
 
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A ring slot read from host memory, bypassing caches (the host rewrites slots).
+__device__ __forceinline__ RingTile LoadRingTile(const RingTile* slot) {
+  uint4 v[4];
+  const uint4* p = reinterpret_cast<const uint4*>(slot);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __ldcv(p + i);
+  RingTile t;
+  memcpy(&t, v, sizeof(t));
+  return t;
+}
+
+// The published tile count, refreshed from host memory by whichever block holds the poll
+// token (the others keep `known`), so that idle blocks do not all poll over PCIe.
+__device__ unsigned long long RefreshPublished(const ResidentArgs& a, unsigned long long known) {
+  // Test before the compare-and-swap: while the holder reads host memory (~1 us over PCIe)
+  // the others see it held through plain loads instead of contending on the line.
+  if (*reinterpret_cast<volatile unsigned int*>(&a.state->poll_token) != 0u ||
+      atomicCAS(&a.state->poll_token, 0u, 1u) != 0u) {
+    return known;
+  }
+  const unsigned long long host =
+      __ldcv(reinterpret_cast<const unsigned long long*>(&a.control->published));
+  if (host > known) atomicMax(&a.state->published, host);
+  atomicExch(&a.state->poll_token, 0u);
+  return host > known ? host : known;
+}
+
+// Resident blocks are larger than the batched kernels' (16 warps), so that fewer blocks
+// compete for claims, each taking up to one tile per warp.
+constexpr int kResidentThreads = 512;
+constexpr int kResidentWarps = kResidentThreads / 32;
+
+// Claims up to kResidentWarps published tiles for the calling block (run by one thread):
+// returns the count (0: nothing published is unclaimed) and sets *from. A claim never
+// reaches past the published count, so no block ever holds tiles it cannot copy yet, and
+// blocks may leave at any time without stranding work. Test before the compare-and-swap,
+// and back off briefly after losing one, to keep the claim line from being hammered.
+__device__ int ClaimTiles(const ResidentArgs& a, unsigned long long* from) {
+  volatile unsigned long long* next = &a.state->next_tile;
+  volatile unsigned long long* published = &a.state->published;
+  unsigned int backoff = 32;
+  while (true) {
+    const unsigned long long cur = *next;
+    unsigned long long pub = *published;
+    if (cur >= pub) {
+      pub = RefreshPublished(a, pub);
+      if (cur >= pub) return 0;
+    }
+    const unsigned long long want = cur + kResidentWarps < pub ? cur + kResidentWarps : pub;
+    if (atomicCAS(&a.state->next_tile, cur, want) == cur) {
+      *from = cur;
+      return static_cast<int>(want - cur);
+    }
+    __nanosleep(backoff + (blockIdx.x & 31) * 8);
+    if (backoff < 512) backoff *= 2;
+  }
+}
+
+__global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const ResidentArgs a) {
+  __shared__ unsigned long long s_from;
+  __shared__ int s_count;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const uint64_t started = GlobalTimerNs();
+  volatile unsigned long long* last_active = &a.state->last_active_ns;
+  volatile unsigned long long* exit_generation = &a.state->exit_generation;
+  while (true) {
+    if (threadIdx.x == 0) {
+      unsigned int pause = 64;
+      unsigned long long from = 0;
+      int count = 0;
+      while (true) {
+        if (*exit_generation >= a.generation) {  // the launch is leaving
+          count = -1;
+          break;
+        }
+        if ((count = ClaimTiles(a, &from)) > 0) {
+          *last_active = GlobalTimerNs();
+          break;
+        }
+        const uint64_t busy = *last_active > started ? *last_active : started;
+        const uint64_t now = GlobalTimerNs();
+        if (__ldcv(reinterpret_cast<const unsigned int*>(&a.control->stop)) != 0u ||
+            (now > busy && now - busy > a.idle_ns)) {
+          atomicMax(&a.state->exit_generation, static_cast<unsigned long long>(a.generation));
+          count = -1;
+          break;
+        }
+        __nanosleep(pause);
+        if (pause < 1024) pause *= 2;
+      }
+      s_from = from;
+      s_count = count;
+    }
+    __syncthreads();
+    const int count = s_count;
+    if (count < 0) return;
+    if (warp < count) {
+      const RingTile tile = LoadRingTile(a.ring + ((s_from + warp) & a.ring_mask));
+      CopyTileWarp(tile.tile, lane);
+      // Every lane's stores are visible system-wide before the tile is counted; the warp
+      // completing the job publishes its flag after them.
+      __threadfence_system();
+      __syncwarp();
+      if (lane == 0) {
+        const unsigned int done = atomicAdd(&a.job_count[tile.job_slot], 1u) + 1u;
+        if (done == tile.job_tiles) {
+          atomicExch(&a.job_count[tile.job_slot], 0u);
+          __threadfence_system();
+          *reinterpret_cast<volatile uint64_t*>(&a.job_done[tile.job_slot]) = tile.job_seq + 1;
+        }
+      }
+    }
+    __syncthreads();  // s_from / s_count are rewritten next round
+  }
+}
+
 int GridFor(int num_tiles) {
   static int max_blocks = [] {
     int device = 0, sms = 0;
@@ -127,6 +250,25 @@ cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t s
   if (total == 0) return cudaSuccess;
   BatchedCopyHostTablesKernel<<<GridFor(static_cast<int>(total)), kThreads, 0, stream>>>(tables);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchResidentCopy(const ResidentArgs& args, int blocks, cudaStream_t stream) {
+  if (blocks <= 0 || args.ring == nullptr || args.control == nullptr ||
+      args.job_done == nullptr || args.job_count == nullptr || args.state == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  ResidentCopyKernel<<<blocks, kResidentThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+int ResidentBlocksPerSm() {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, ResidentCopyKernel,
+                                                    kResidentThreads, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  return blocks > 0 ? blocks : 1;
 }
 
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream) {

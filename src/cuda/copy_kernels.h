@@ -82,6 +82,63 @@ struct HostTables {
   int count = 0;
 };
 
+// The resident copy kernel: thread blocks that stay on the GPU while copies keep coming and
+// leave together after an idle spell, so that a stream of small batches costs no launch each.
+// Batches ("jobs") are appended to a ring of tiles in pinned host memory and published by a
+// count of tiles. A block claims up to one tile per warp (16 warps) with a compare-and-swap
+// on a device counter that never passes the published count, copies them, and the warp
+// finishing a job's last tile writes the job's done flag into host memory after a
+// system-scope fence, so the peer's later kernels see the bytes once the host sees the flag.
+// (Tickets taken ahead of publication with atomicAdd claimed faster, but tied tiles to
+// blocks: a ticket whose block was not running stalled its job until the kernel relaunched.)
+//
+// A ring slot, one cache line: the tile and the job it belongs to.
+struct alignas(64) RingTile {
+  CopyTile tile;
+  uint32_t job_slot = 0;   // index into job_count / job_done
+  uint32_t job_tiles = 0;  // tiles of the job
+  uint64_t job_seq = 0;    // the job's number; job_done[job_slot] becomes job_seq + 1
+  uint64_t pad = 0;
+};
+static_assert(sizeof(RingTile) == 64, "one cache line per ring slot");
+
+// Written by the host (pinned memory), read by the kernel.
+struct ResidentControl {
+  alignas(64) uint64_t published = 0;  // tiles [0, published) of the ring sequence are written
+  alignas(64) uint32_t stop = 0;       // non-zero: blocks leave as soon as they find no work
+};
+
+// Device-memory state of the resident kernel, kept across its launches (zeroed once). Each
+// field has its own cache line: blocks poll them.
+struct ResidentDeviceState {
+  alignas(128) unsigned long long next_tile;  // first tile not claimed yet
+  alignas(128) unsigned long long published;  // the blocks' copy of ResidentControl::published
+  alignas(128) unsigned int poll_token;       // held by the block reading host memory for work
+  alignas(128) unsigned long long last_active_ns;  // %globaltimer when a block last got work
+  // The latest launch whose blocks are leaving: once one block found the kernel idle, every
+  // block of that launch leaves (blocks leaving one by one would thin the kernel out).
+  alignas(128) unsigned long long exit_generation;
+};
+
+struct ResidentArgs {
+  const RingTile* ring = nullptr;  // pinned host memory, ring_mask + 1 slots (a power of two)
+  uint64_t ring_mask = 0;
+  const ResidentControl* control = nullptr;  // pinned host memory
+  uint64_t* job_done = nullptr;              // pinned host memory, one per job slot
+  unsigned int* job_count = nullptr;         // device memory, one per job slot, zeroed
+  ResidentDeviceState* state = nullptr;      // device memory
+  // Blocks leave together once no block got work for this long (a block leaving on its own
+  // idle spell would thin the kernel out whenever fewer tiles than warps are waiting).
+  uint64_t idle_ns = 0;
+  uint64_t generation = 0;  // this launch's number, from 1, growing
+};
+
+// Launches `blocks` resident blocks on `stream`. Asynchronous; the kernel ends once every
+// block left.
+cudaError_t LaunchResidentCopy(const ResidentArgs& args, int blocks, cudaStream_t stream);
+// How many resident blocks fit on one SM of the current device at once (1 if unknown).
+int ResidentBlocksPerSm();
+
 // Copies `num_tiles` tiles read from device memory `tiles`. Asynchronous on `stream`.
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream);
 // Same with the table in the launch parameters. REQUIRES num_tiles <= kInlineTiles.

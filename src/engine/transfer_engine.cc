@@ -1122,6 +1122,8 @@ class EngineImpl : public TransferEngine {
       o.peer = peer.tcp->descriptor();
       o.local_device = local_device_id;
       o.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
+      o.resident_blocks = options_.nvlink_resident_blocks;
+      o.resident_min_tiles = options_.nvlink_resident_min_tiles;
       uint64_t id = peer.id;
       o.refresh = [this, id] { return RefreshSegment(SegmentHandle{id}); };
       ASSIGN_OR_RETURN(channel, CreateNvlinkChannel(o));
@@ -1333,6 +1335,7 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   if (env.nvlink_ce_threshold_bytes) {
     resolved.nvlink_copy_engine_threshold_bytes = *env.nvlink_ce_threshold_bytes;
   }
+  if (env.nvlink_resident_blocks) resolved.nvlink_resident_blocks = *env.nvlink_resident_blocks;
   if (env.listen_host && options.listen_host == EngineOptions().listen_host) {
     resolved.listen_host = *env.listen_host;
   }

@@ -34,5 +34,24 @@ TEST(EnvTest, SpinWindowsAreParsedAndBadValuesNamed) {
   EXPECT_TRUE(ReadEnvConfig().ok());
 }
 
+TEST(EnvTest, ResidentBlocksAreParsedAndBadValuesNamed) {
+  ::setenv("KVFERRY_NVLINK_RESIDENT_BLOCKS", "-1", 1);
+  auto ok = ReadEnvConfig();
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->nvlink_resident_blocks, -1);
+  for (const char* v : {"-2", "5000", "two"}) {
+    ::setenv("KVFERRY_NVLINK_RESIDENT_BLOCKS", v, 1);
+    auto bad = ReadEnvConfig();
+    ASSERT_FALSE(bad.ok()) << v;
+    EXPECT_NE(bad.status().message().find(std::string("KVFERRY_NVLINK_RESIDENT_BLOCKS='") + v),
+              std::string::npos)
+        << bad.status().ToString();
+  }
+  ::unsetenv("KVFERRY_NVLINK_RESIDENT_BLOCKS");
+  ok = ReadEnvConfig();
+  ASSERT_TRUE(ok.ok());
+  EXPECT_FALSE(ok->nvlink_resident_blocks.has_value());
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -441,60 +441,96 @@ TEST_F(NvlinkGpuTest, KilledPeerFailsTheBatchWithinDeadlineAndWeSurvive) {
 // Many threads with several small batches each in flight at once: their submissions are
 // combined into shared launches (one kernel over several host tile tables). Every batch
 // lands its blocks at its own permutation of destinations; every byte is checked.
-TEST_F(NvlinkGpuTest, ConcurrentSmallBatchesFromManyThreadsLandExactly) {
-  constexpr int kThreads = 8, kIters = 32, kBlocks = 64;
+// `threads` threads each submit `iters` batches of 64 blocks of 4 KiB (up to 4 in flight per
+// thread), block b of thread k's batch i to a slot permuted by (k, i, b, round) in the peer's
+// cuMem region; everything is read back and compared byte for byte. Source bytes differ per
+// `round`.
+void ConcurrentSmallBatches(TransferEngine& engine, SegmentHandle segment, uint64_t peer_base,
+                            void* local, void* back, int threads_n, int iters, int round,
+                            size_t inflight = 4) {
+  constexpr int kBlocks = 64;
   constexpr uint64_t kBlock = 4096, kShare = kBlocks * kBlock;  // 256 KiB per batch
-  std::mt19937_64 rng(41);
-  std::vector<uint8_t> src(kThreads * kShare);
+  std::mt19937_64 rng(41 + round);
+  std::vector<uint8_t> src(threads_n * kShare);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
-  ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(local, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  auto dest_slot = [](int thread, int iter, int block) {
-    return static_cast<uint64_t>(((block * 37 + iter * 11 + thread) % kBlocks));
+  auto dest_slot = [round](int thread, int iter, int block) {
+    return static_cast<uint64_t>(((block * 37 + iter * 11 + thread + round * 5) % kBlocks));
   };
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
-  for (int k = 0; k < kThreads; ++k) {
+  for (int k = 0; k < threads_n; ++k) {
     threads.emplace_back([&, k] {
       std::deque<BatchId> pending;
       auto wait_oldest = [&] {
-        auto st = engine_->WaitBatch(pending.front(), milliseconds(20000));
+        auto st = engine.WaitBatch(pending.front(), milliseconds(20000));
         if (!st.ok() || st->state != TransferState::kCompleted) ++failures;
-        engine_->ReleaseBatch(pending.front()).IgnoreError();
+        engine.ReleaseBatch(pending.front()).IgnoreError();
         pending.pop_front();
       };
-      for (int i = 0; i < kIters; ++i) {
+      for (int i = 0; i < iters; ++i) {
         std::vector<TransferRequest> reqs;
-        const uint64_t dest = peer_.vmm_base + (static_cast<uint64_t>(k) * kIters + i) * kShare;
+        const uint64_t dest = peer_base + (static_cast<uint64_t>(k) * iters + i) * kShare;
         for (int b = 0; b < kBlocks; ++b) {
           reqs.push_back({TransferOp::kWrite,
-                          static_cast<uint8_t*>(local_) + k * kShare + b * kBlock, segment_,
+                          static_cast<uint8_t*>(local) + k * kShare + b * kBlock, segment,
                           dest + dest_slot(k, i, b) * kBlock, kBlock});
         }
-        auto id = engine_->SubmitBatch(reqs, {});
+        auto id = engine.SubmitBatch(reqs, {});
         if (!id.ok()) {
           ++failures;
           continue;
         }
         pending.push_back(*id);
-        if (pending.size() >= 4) wait_oldest();
+        if (pending.size() >= inflight) wait_oldest();
       }
       while (!pending.empty()) wait_oldest();
     });
   }
   for (auto& t : threads) t.join();
   ASSERT_EQ(failures.load(), 0);
-  const uint64_t total = static_cast<uint64_t>(kThreads) * kIters * kShare;  // 64 MiB
-  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, total).ok());
+  const uint64_t total = static_cast<uint64_t>(threads_n) * iters * kShare;
+  TransferRequest read{TransferOp::kRead, back, segment, peer_base, total};
+  ASSERT_TRUE(TransferSync(engine, std::span(&read, 1)).ok());
   std::vector<uint8_t> got(total);
-  ASSERT_EQ(cudaMemcpy(got.data(), back_, total, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (int k = 0; k < kThreads; ++k) {
-    for (int i = 0; i < kIters; ++i) {
+  ASSERT_EQ(cudaMemcpy(got.data(), back, total, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int k = 0; k < threads_n; ++k) {
+    for (int i = 0; i < iters; ++i) {
       for (int b = 0; b < kBlocks; ++b) {
-        const uint64_t at = (static_cast<uint64_t>(k) * kIters + i) * kShare + dest_slot(k, i, b) * kBlock;
+        const uint64_t at =
+            (static_cast<uint64_t>(k) * iters + i) * kShare + dest_slot(k, i, b) * kBlock;
         ASSERT_EQ(std::memcmp(got.data() + at, src.data() + k * kShare + b * kBlock, kBlock), 0)
-            << "thread " << k << " batch " << i << " block " << b;
+            << "round " << round << " thread " << k << " batch " << i << " block " << b;
       }
+    }
+  }
+}
+
+TEST_F(NvlinkGpuTest, ConcurrentSmallBatchesFromManyThreadsLandExactly) {
+  ConcurrentSmallBatches(*engine_, segment_, peer_.vmm_base, local_, back_, 8, 32, 0);
+}
+
+// Small batches through the resident copy kernel (turned on; from the first tile in flight,
+// and at the default threshold with 16 batches in flight per thread): five rounds of 20,480 tiles wrap
+// its ring of 65,536, and the pause between rounds (well past KVFERRY_IDLE_SPIN_US) lets the
+// kernel leave the GPU, so each round also has to bring it back.
+TEST_F(NvlinkGpuTest, ResidentKernelWrapsItsRingAndReturnsAfterIdling) {
+  for (int64_t min_tiles : {int64_t{0}, EngineOptions().nvlink_resident_min_tiles}) {
+    EngineOptions options;
+    options.transport = "nvlink";
+    options.nvlink_resident_blocks = -1;
+    options.nvlink_resident_min_tiles = min_tiles;
+    auto engine = TransferEngine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    ASSERT_TRUE((*engine)->RegisterMemory(local_, kRegionBytes, {MemoryKind::kCuda, 0}).ok());
+    ASSERT_TRUE((*engine)->RegisterMemory(back_, kRegionBytes, {MemoryKind::kCuda, 0}).ok());
+    auto segment = (*engine)->OpenSegment(peer_.address);
+    ASSERT_TRUE(segment.ok()) << segment.status().ToString();
+    for (int round = 0; round < 5; ++round) {
+      ConcurrentSmallBatches(**engine, *segment, peer_.vmm_base, local_, back_, 8, 40, round, 16);
+      if (HasFatalFailure()) return;
+      std::this_thread::sleep_for(milliseconds(20));
     }
   }
 }

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -10,8 +11,10 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <new>
 #include <shared_mutex>
 #include <thread>
+#include <vector>
 
 #include "common/checks.h"
 #include "common/logging.h"
@@ -41,6 +44,11 @@ constexpr size_t kCombineMaxTiles = 512;
 // with 128-512 batches in flight.)
 constexpr uint32_t kArenaUnits = 1024;
 constexpr size_t kUnitTiles = 256;
+// The resident copy kernel's ring (pinned host memory, 64 bytes a tile: 4 MiB) and its job
+// slots. A bulk submission of at most kCombineMaxTiles tiles goes there while both have room.
+constexpr uint64_t kRingTiles = uint64_t{1} << 16;
+constexpr uint64_t kJobSlots = uint64_t{1} << 13;
+// ... but only while NvlinkChannelOptions::resident_min_tiles bulk tiles are in flight.
 
 std::string CudaError(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorName(e);
@@ -68,6 +76,7 @@ class NvlinkChannel : public PeerChannel {
     arena_host_ = static_cast<cuda::CopyTile*>(host);
     CUDA_RETURN_IF_ERROR(cudaMalloc(&device, arena_bytes));
     arena_device_ = static_cast<cuda::CopyTile*>(device);
+    RETURN_IF_ERROR(InitResident());
     thread_ = std::thread([this] { ProgressLoop(); });
     return OkStatus();
   }
@@ -75,10 +84,23 @@ class NvlinkChannel : public PeerChannel {
   ~NvlinkChannel() override {
     Close();
     KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined), {} "
-                  "fell back to items (no free table space)",
+                  "fell back to items (no free table space); {} through the resident kernel "
+                  "in {} launches, {} found its ring full",
                   options_.peer.name, stats_parts_.load(), stats_launches_.load(),
-                  stats_combined_.load(), stats_no_slot_.load());
+                  stats_combined_.load(), stats_no_slot_.load(), stats_resident_jobs_.load(),
+                  stats_resident_launches_.load(), stats_ring_full_.load());
     cudaSetDevice(options_.local_device);
+    if (resident_stream_ != nullptr) {
+      // Every job completed before the progress thread ended; idle blocks leave at once now.
+      std::atomic_ref<uint32_t>(resident_control_->stop).store(1, std::memory_order_release);
+      cudaStreamSynchronize(resident_stream_);
+      cudaStreamDestroy(resident_stream_);
+    }
+    if (resident_event_) cudaEventDestroy(resident_event_);
+    if (ring_) cudaFreeHost(ring_);
+    if (resident_control_) cudaFreeHost(resident_control_);
+    if (job_done_) cudaFreeHost(job_done_);
+    if (resident_device_) cudaFree(resident_device_);
     for (auto& s : slots_) {
       if (s.host) cudaFreeHost(s.host);
       if (s.device) cudaFree(s.device);
@@ -124,7 +146,8 @@ class NvlinkChannel : public PeerChannel {
     if (!closed_flag_.load()) {
       BulkPart part;
       taken = PrepareBulk(bulk, &part);
-      if (taken) {
+      if (taken) bulk_tiles_in_flight_.fetch_add(static_cast<int64_t>(part.num_tiles));
+      if (taken && !PublishResident(part)) {
         {
           std::lock_guard<std::mutex> lock(pending_mu_);
           pending_parts_.push_back(std::move(part));
@@ -374,6 +397,180 @@ class NvlinkChannel : public PeerChannel {
     bulk_new_.push_back(std::move(flight));
   }
 
+  // Sets up the resident copy kernel's ring, control block, job flags and device state.
+  Status InitResident() {
+    int sms = 0;
+    CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, options_.local_device));
+    // Default: as many blocks as fit on the GPU at once (one per SM of 16 warps on H200), so
+    // that every block runs from the launch on.
+    {
+      cuda::DeviceGuard device(options_.local_device);
+      const int fit = sms * cuda::ResidentBlocksPerSm();
+      resident_blocks_ = options_.resident_blocks < 0 ? std::min(sms, fit) : options_.resident_blocks;
+    }
+    if (resident_blocks_ == 0) return OkStatus();
+    void* p = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, kRingTiles * sizeof(cuda::RingTile)));
+    ring_ = static_cast<cuda::RingTile*>(p);
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, sizeof(cuda::ResidentControl)));
+    resident_control_ = new (p) cuda::ResidentControl();
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, kJobSlots * sizeof(uint64_t)));
+    job_done_ = static_cast<uint64_t*>(p);
+    std::memset(job_done_, 0, kJobSlots * sizeof(uint64_t));
+    // ResidentDeviceState, then a tile counter per job slot.
+    const size_t device_bytes =
+        sizeof(cuda::ResidentDeviceState) + kJobSlots * sizeof(unsigned int);
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&resident_device_, device_bytes));
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&resident_stream_, cudaStreamNonBlocking));
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&resident_event_, cudaEventDisableTiming));
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(resident_device_, 0, device_bytes, resident_stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(resident_stream_));
+    jobs_.resize(kJobSlots);
+    resident_ok_.store(true);
+    return OkStatus();
+  }
+
+  cuda::ResidentArgs ResidentArgsFor() const {
+    cuda::ResidentArgs a;
+    a.ring = ring_;
+    a.ring_mask = kRingTiles - 1;
+    a.control = resident_control_;
+    a.job_done = job_done_;
+    a.state = static_cast<cuda::ResidentDeviceState*>(resident_device_);
+    a.job_count = reinterpret_cast<unsigned int*>(static_cast<uint8_t*>(resident_device_) +
+                                                  sizeof(cuda::ResidentDeviceState));
+    a.idle_ns = static_cast<uint64_t>(IdleSpinWindow().count()) * 1000;
+    return a;
+  }
+
+  // Appends a prepared small submission to the resident kernel's ring as one job and makes
+  // sure the kernel runs; false (the part untouched) when it is too large, the kernel is off
+  // or failed, or the ring or the job slots are full. Submitters append under ring_mu_, so
+  // the published count only ever covers fully written slots.
+  bool PublishResident(BulkPart& part) {
+    if (part.num_tiles > kCombineMaxTiles || !resident_ok_.load(std::memory_order_acquire) ||
+        bulk_tiles_in_flight_.load(std::memory_order_relaxed) < options_.resident_min_tiles) {
+      return false;
+    }
+    const uint64_t n = part.num_tiles;
+    {
+      std::lock_guard<std::mutex> lock(ring_mu_);
+      if (job_head_ - job_tail_.load(std::memory_order_acquire) >= kJobSlots ||
+          ring_head_ + n - ring_free_.load(std::memory_order_acquire) > kRingTiles) {
+        stats_ring_full_.fetch_add(1, std::memory_order_relaxed);
+        return false;
+      }
+      const uint64_t seq = job_head_;
+      const uint32_t slot = static_cast<uint32_t>(seq & (kJobSlots - 1));
+      const cuda::CopyTile* tiles = HostTiles(part);
+      for (uint64_t i = 0; i < n; ++i) {
+        cuda::RingTile& r = ring_[(ring_head_ + i) & (kRingTiles - 1)];
+        r.tile = tiles[i];
+        r.job_slot = slot;
+        r.job_tiles = static_cast<uint32_t>(n);
+        r.job_seq = seq;
+      }
+      ring_head_ += n;
+      ResidentJob& job = jobs_[slot];
+      job.owner = part.owner;
+      job.tag = part.tag;
+      job.keepalive = std::move(part.keepalive);
+      job.tile_end = ring_head_;
+      job.tiles = n;
+      job_head_ = seq + 1;
+      std::atomic_ref<uint64_t>(resident_control_->published)
+          .store(ring_head_, std::memory_order_release);
+      job_published_.store(job_head_, std::memory_order_release);
+    }
+    {
+      std::lock_guard<std::mutex> lock(bulk_mu_);
+      arena_units_.Give(part.first_unit, part.num_units);
+    }
+    stats_resident_jobs_.fetch_add(1, std::memory_order_relaxed);
+    EnsureResident();
+    return true;
+  }
+
+  // Launches the resident kernel unless it runs. A launch error turns the ring off: the
+  // progress thread fails the jobs left in it, later submissions launch their own kernels.
+  // A kernel taken for running may have left already: the awake progress thread notices
+  // that within a round and relaunches; while it sleeps, the caller looks at the event.
+  void EnsureResident() {
+    if (resident_running_.load(std::memory_order_acquire) && !sleeping_.load()) return;
+    std::lock_guard<std::mutex> lock(resident_mu_);
+    if (!resident_ok_.load()) return;
+    cuda::DeviceGuard device(options_.local_device);
+    if (resident_running_.load()) {
+      const cudaError_t e = cudaEventQuery(resident_event_);
+      if (e == cudaErrorNotReady) return;
+      resident_running_.store(false);
+      if (e != cudaSuccess) {
+        resident_error_ = InternalError(CudaError("NVLink copy (resident kernel)", e));
+        resident_ok_.store(false);
+        return;
+      }
+    }
+    (void)cudaGetLastError();
+    cuda::ResidentArgs args = ResidentArgsFor();
+    args.generation = ++resident_generation_;
+    cudaError_t e = cuda::LaunchResidentCopy(args, resident_blocks_, resident_stream_);
+    if (e == cudaSuccess) e = cudaEventRecord(resident_event_, resident_stream_);
+    if (e != cudaSuccess) {
+      resident_error_ = InternalError(CudaError("resident copy kernel launch", e));
+      resident_ok_.store(false);
+      return;
+    }
+    stats_resident_launches_.fetch_add(1, std::memory_order_relaxed);
+    resident_running_.store(true, std::memory_order_release);
+  }
+
+  bool ResidentIdle() const {
+    return job_tail_.load(std::memory_order_relaxed) ==
+           job_published_.load(std::memory_order_acquire);
+  }
+
+  // Progress thread: notices the resident kernel's end (its blocks left, idle, or it failed),
+  // completes finished jobs in order, fails the rest once the kernel failed, and relaunches
+  // the kernel when jobs remain that no block claimed. Flags are read after the end was seen,
+  // so a job the ended kernel finished is never taken for unclaimed.
+  void PollResident() {
+    if (resident_blocks_ == 0) return;
+    if (resident_running_.load(std::memory_order_acquire)) {
+      const cudaError_t e = cudaEventQuery(resident_event_);
+      if (e == cudaErrorNotReady) {
+        // still running
+      } else {
+        std::lock_guard<std::mutex> lock(resident_mu_);
+        resident_running_.store(false);
+        if (e != cudaSuccess) {
+          resident_error_ = InternalError(CudaError("NVLink copy (resident kernel)", e));
+          resident_ok_.store(false);
+        }
+      }
+    }
+    Status failed;
+    if (!resident_ok_.load() && !resident_running_.load()) {
+      std::lock_guard<std::mutex> lock(resident_mu_);
+      failed = resident_error_.ok() ? InternalError("resident copy kernel stopped") : resident_error_;
+    }
+    const uint64_t published = job_published_.load(std::memory_order_acquire);
+    uint64_t tail = job_tail_.load(std::memory_order_relaxed);
+    while (tail < published) {
+      const uint32_t slot = static_cast<uint32_t>(tail & (kJobSlots - 1));
+      const bool done = std::atomic_ref<uint64_t>(job_done_[slot]).load(std::memory_order_acquire) ==
+                        tail + 1;
+      if (!done && failed.ok()) break;
+      ResidentJob job = std::move(jobs_[slot]);
+      jobs_[slot] = ResidentJob{};
+      ring_free_.store(job.tile_end, std::memory_order_release);
+      job_tail_.store(++tail, std::memory_order_release);
+      bulk_tiles_in_flight_.fetch_sub(static_cast<int64_t>(job.tiles));
+      job.owner->OnBulkDone(done ? OkStatus() : failed, job.tag);
+    }
+    if (tail < published && !resident_running_.load()) EnsureResident();
+  }
+
   // Tells the progress thread that something new is queued or launched, waking it only when
   // it sleeps. (queued_ and sleeping_ are sequentially consistent: either the progress thread
   // sees queued_ before it sleeps, or this sees sleeping_ and notifies under mu_.)
@@ -402,7 +599,7 @@ class NvlinkChannel : public PeerChannel {
     for (const auto& queue : bulk_inflight_) {
       if (!queue.empty()) return false;
     }
-    return true;
+    return ResidentIdle();
   }
 
   // Completes `f` if its copies finished; false (and nothing done) while they run.
@@ -418,7 +615,10 @@ class NvlinkChannel : public PeerChannel {
       }
       if (done.event != nullptr) bulk_free_events_.push_back(done.event);
     }
-    for (const BulkPart& p : done.parts) p.owner->OnBulkDone(done.status, p.tag);
+    for (const BulkPart& p : done.parts) {
+      bulk_tiles_in_flight_.fetch_sub(static_cast<int64_t>(p.num_tiles));
+      p.owner->OnBulkDone(done.status, p.tag);
+    }
     return true;
   }
 
@@ -445,7 +645,9 @@ class NvlinkChannel : public PeerChannel {
           std::unique_lock<std::mutex> lock(mu_);
           // Nothing queued and nothing in flight: sleep until WakeProgress, SubmitMany or
           // Close. (A flight announced by was_queued is in bulk_new_: no sleeping then.)
-          if (idle && !was_queued && queue_.empty() && !closed_) {
+          // While the resident kernel is up, stay awake: a job's flag is then seen at once,
+          // and the kernel's end (its idle spell) is noticed without a wake-up.
+          if (idle && !was_queued && queue_.empty() && !closed_ && !resident_running_.load()) {
             sleeping_.store(true);
             cv_.wait(lock, [&] { return closed_ || !queue_.empty() || queued_.load(); });
             sleeping_.store(false);
@@ -470,6 +672,7 @@ class NvlinkChannel : public PeerChannel {
       if (!batch.empty()) Dispatch(batch);
       PollFlights(/*block=*/false);
       PollBulk();
+      PollResident();
       if (!inflight_.empty() || !BulkIdle()) std::this_thread::yield();
     }
   }
@@ -721,6 +924,38 @@ class NvlinkChannel : public PeerChannel {
   std::mutex bulk_mu_;  // guards arena_units_ and bulk_free_events_
   std::vector<cudaEvent_t> bulk_free_events_;
   std::array<std::deque<BulkFlight>, kBulkStreams> bulk_inflight_;     // progress thread only
+
+  // The resident copy kernel (small bulk submissions; PublishResident, PollResident).
+  struct ResidentJob {
+    WorkOwner* owner = nullptr;
+    uint32_t tag = 0;
+    std::shared_ptr<void> keepalive;
+    uint64_t tile_end = 0;  // ring sequence just past its tiles
+    uint64_t tiles = 0;
+  };
+  std::atomic<int64_t> bulk_tiles_in_flight_{0};  // tiles of bulk parts not completed yet
+  int resident_blocks_ = 0;  // 0: no resident kernel
+  std::atomic<bool> resident_ok_{false};  // jobs may go to the ring (off after a failure)
+  cuda::RingTile* ring_ = nullptr;                       // pinned, kRingTiles slots
+  cuda::ResidentControl* resident_control_ = nullptr;    // pinned
+  uint64_t* job_done_ = nullptr;                         // pinned, kJobSlots flags
+  void* resident_device_ = nullptr;  // ResidentDeviceState, then kJobSlots tile counters
+  cudaStream_t resident_stream_ = nullptr;
+  cudaEvent_t resident_event_ = nullptr;  // recorded after each launch
+  std::mutex ring_mu_;      // submitters appending to the ring
+  uint64_t ring_head_ = 0;  // ring_mu_: tiles written (and published)
+  uint64_t job_head_ = 0;   // ring_mu_: jobs appended
+  // A slot is written under ring_mu_ before job_published_ covers it, then read and cleared
+  // by the progress thread, which hands it back through job_tail_.
+  std::vector<ResidentJob> jobs_;
+  std::atomic<uint64_t> job_published_{0};
+  std::atomic<uint64_t> job_tail_{0};   // first job not completed yet
+  std::atomic<uint64_t> ring_free_{0};  // ring slots below this sequence may be rewritten
+  std::mutex resident_mu_;  // launches; guards resident_error_ and resident_generation_
+  uint64_t resident_generation_ = 0;
+  std::atomic<bool> resident_running_{false};
+  Status resident_error_;
+  std::atomic<uint64_t> stats_resident_jobs_{0}, stats_resident_launches_{0}, stats_ring_full_{0};
 
   std::mutex mu_;
   std::condition_variable cv_;

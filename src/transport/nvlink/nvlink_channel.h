@@ -21,6 +21,17 @@ struct NvlinkChannelOptions {
   // Blocks at least this long go through the copy engine (cudaMemcpyAsync), smaller ones
   // through one batched copy kernel per submission.
   uint64_t copy_engine_threshold_bytes = UINT64_MAX;
+  // Thread blocks of the resident copy kernel, which carries small bulk submissions without a
+  // launch each while they keep coming (see cuda::ResidentArgs): -1 one per SM, 0 none (each
+  // submission, or a group of them, is its own launch).
+  int resident_blocks = 0;
+  // A bulk submission goes to the resident kernel only while at least this many tiles of bulk
+  // submissions (its own included) are in flight on the channel. Default 4096 (64 MiB of
+  // 16 KiB tiles): below it launches kept up (4 threads x 4 batches of 64 blocks of 16 KiB:
+  // 285 GB/s launched, 30 GB/s resident, whose batches waited ~250 us each, a cause not found
+  // yet; docs/perf/nvlink-h200.md); above it the resident kernel ran at 93% of
+  // cudaMemcpyPeer where launches reached 67-86%.
+  int64_t resident_min_tiles = 4096;
 };
 
 // True when this build has CUDA and a device is present.
