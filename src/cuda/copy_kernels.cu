@@ -136,6 +136,10 @@ __device__ unsigned long long RefreshPublished(const ResidentArgs& a, unsigned l
   }
   const unsigned long long host =
       __ldcv(reinterpret_cast<const unsigned long long*>(&a.control->published));
+  // The stop request rides along: idle blocks read the device copy, not host memory.
+  if (__ldcv(reinterpret_cast<const unsigned int*>(&a.control->stop)) != 0u) {
+    atomicExch(&a.state->stop, 1u);
+  }
   if (host > known) atomicMax(&a.state->published, host);
   atomicExch(&a.state->poll_token, 0u);
   return host > known ? host : known;
@@ -164,6 +168,8 @@ __device__ int ClaimTiles(const ResidentArgs& a, unsigned long long* from) {
     }
     const unsigned long long want = cur + kResidentWarps < pub ? cur + kResidentWarps : pub;
     if (atomicCAS(&a.state->next_tile, cur, want) == cur) {
+      // The ring slots read next were written before the count was published.
+      __threadfence_system();
       *from = cur;
       return static_cast<int>(want - cur);
     }
@@ -196,7 +202,7 @@ __global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const Res
         }
         const uint64_t busy = *last_active > started ? *last_active : started;
         const uint64_t now = GlobalTimerNs();
-        if (__ldcv(reinterpret_cast<const unsigned int*>(&a.control->stop)) != 0u ||
+        if (*reinterpret_cast<volatile unsigned int*>(&a.state->stop) != 0u ||
             (now > busy && now - busy > a.idle_ns)) {
           atomicMax(&a.state->exit_generation, static_cast<unsigned long long>(a.generation));
           count = -1;
@@ -224,6 +230,10 @@ __global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const Res
           atomicExch(&a.job_count[tile.job_slot], 0u);
           __threadfence_system();
           *reinterpret_cast<volatile uint64_t*>(&a.job_done[tile.job_slot]) = tile.job_seq + 1;
+          // Pushes the flag out to host memory now. Without it nothing guaranteed when the
+          // store became visible; a likely cause of sparse batches completing only when the
+          // kernel ended (~250 us, docs/perf/nvlink-h200.md). Not measured yet.
+          __threadfence_system();
         }
       }
     }

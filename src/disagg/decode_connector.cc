@@ -706,6 +706,10 @@ class DecodeConnectorImpl : public DecodeConnector {
     }
     auto scatter = [this, m, dst_pages] {
       Status s = OkStatus();
+      // GPU scatters one at a time (one stream and page table): the queue has one thread, and
+      // this also covers a scatter run by a connection thread while the connector closes.
+      std::unique_lock<std::mutex> gpu_turn(gpu_scatter_mu_, std::defer_lock);
+      if (head_slices_ != nullptr) gpu_turn.lock();
       {
         struct Unpin {  // also when a scatter throws
           RoomTable<ReceiverRoom>& rooms;
@@ -730,11 +734,16 @@ class DecodeConnectorImpl : public DecodeConnector {
                            m.chunk.first_layer, m.chunk.num_layers);
         }
       }
+      if (gpu_turn.owns_lock()) gpu_turn.unlock();
       ReleaseRegion(m.chunk.region_id, m.room);
       KVF_LOG_DEBUG("decode: room {} scattered staging region {}: {}", m.room,
                     m.chunk.region_id, s.ToString());
       if (!s.ok()) {
-        FailRoom(m.room, s.WithContext("scattering a staged chunk"), true);
+        // Not here: Fail waits for the room's other pins, which may belong to scatters queued
+        // behind this one on this very queue.
+        control_->Post([this, room = m.room, why = s.WithContext("scattering a staged chunk")] {
+          FailRoom(room, why, true);
+        });
         return;
       }
       rooms_.Advance(m.room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
@@ -868,6 +877,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   bool use_staging_ = false;  // unequal-TP slices go through the staging ring
   bool use_fused_ = false;    // unequal-TP slices go as strided requests (GPU pools)
   std::mutex staging_mu_;
+  std::mutex gpu_scatter_mu_;  // GPU scatters one at a time (one stream and page table)
   // A granted region until it is freed (in allocation order: the ring frees FIFO).
   struct LiveRegion {
     RingRegion region;

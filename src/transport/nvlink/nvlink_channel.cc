@@ -407,7 +407,9 @@ class NvlinkChannel : public PeerChannel {
     {
       cuda::DeviceGuard device(options_.local_device);
       const int fit = sms * cuda::ResidentBlocksPerSm();
-      resident_blocks_ = options_.resident_blocks < 0 ? std::min(sms, fit) : options_.resident_blocks;
+      // More than fit would start late and keep the kernel up past its idle spell.
+      resident_blocks_ = options_.resident_blocks < 0 ? std::min(sms, fit)
+                                                      : std::min(options_.resident_blocks, fit);
     }
     if (resident_blocks_ == 0) return OkStatus();
     void* p = nullptr;
@@ -440,7 +442,9 @@ class NvlinkChannel : public PeerChannel {
     a.state = static_cast<cuda::ResidentDeviceState*>(resident_device_);
     a.job_count = reinterpret_cast<unsigned int*>(static_cast<uint8_t*>(resident_device_) +
                                                   sizeof(cuda::ResidentDeviceState));
-    a.idle_ns = static_cast<uint64_t>(IdleSpinWindow().count()) * 1000;
+    // At least 20 us: with none, blocks would leave at their first miss and nearly every
+    // batch would relaunch the kernel.
+    a.idle_ns = std::max<uint64_t>(20000, static_cast<uint64_t>(IdleSpinWindow().count()) * 1000);
     return a;
   }
 
@@ -536,12 +540,13 @@ class NvlinkChannel : public PeerChannel {
   // so a job the ended kernel finished is never taken for unclaimed.
   void PollResident() {
     if (resident_blocks_ == 0) return;
-    if (resident_running_.load(std::memory_order_acquire)) {
+    if (resident_running_.load(std::memory_order_acquire) &&
+        cudaEventQuery(resident_event_) != cudaErrorNotReady) {
+      std::lock_guard<std::mutex> lock(resident_mu_);
+      // Asked again under the lock: a submitter may have relaunched the kernel (and recorded
+      // the event anew) since.
       const cudaError_t e = cudaEventQuery(resident_event_);
-      if (e == cudaErrorNotReady) {
-        // still running
-      } else {
-        std::lock_guard<std::mutex> lock(resident_mu_);
+      if (e != cudaErrorNotReady) {
         resident_running_.store(false);
         if (e != cudaSuccess) {
           resident_error_ = InternalError(CudaError("NVLink copy (resident kernel)", e));
