@@ -885,6 +885,20 @@ class PrefillConnectorImpl : public PrefillConnector {
     TellDecode(decode, cancel);
   }
 
+  // Removes and returns the smallest entry of `free` whose size(entry) is at least `bytes`;
+  // a default-constructed T (empty) when none fits.
+  template <typename T, typename Size>
+  static T TakeSmallestFitting(std::vector<T>& free, uint64_t bytes, Size size) {
+    auto best = free.end();
+    for (auto it = free.begin(); it != free.end(); ++it) {
+      if (size(*it) >= bytes && (best == free.end() || size(*it) < size(*best))) best = it;
+    }
+    if (best == free.end()) return T{};
+    T taken = std::move(*best);
+    free.erase(best);
+    return taken;
+  }
+
   // A staging buffer of at least `bytes` on the pool's GPU, registered with the engine: a
   // free one reused, else a new one. It returns to the free list when the last reference
   // goes (after the WRITE that carries it completed). The first call creates the gather
@@ -896,17 +910,8 @@ class PrefillConnectorImpl : public PrefillConnector {
       if (gpu_slices_ == nullptr) {
         ASSIGN_OR_RETURN(gpu_slices_, cuda::GpuHeadSlices::Create(pool_->location().device_id));
       }
-      auto best = scratch_free_.end();
-      for (auto it = scratch_free_.begin(); it != scratch_free_.end(); ++it) {
-        if ((*it)->size_bytes() >= bytes &&
-            (best == scratch_free_.end() || (*it)->size_bytes() < (*best)->size_bytes())) {
-          best = it;
-        }
-      }
-      if (best != scratch_free_.end()) {
-        alloc = std::move(*best);
-        scratch_free_.erase(best);
-      }
+      alloc = TakeSmallestFitting(scratch_free_, bytes,
+                                  [](const auto& a) { return a->size_bytes(); });
     }
     if (alloc == nullptr) {
       ASSIGN_OR_RETURN(alloc, cuda::DeviceAllocation::Create(pool_->location().device_id, bytes));
@@ -928,16 +933,8 @@ class PrefillConnectorImpl : public PrefillConnector {
     HostScratch scratch;
     {
       std::lock_guard<std::mutex> lock(scratch_mu_);
-      auto best = host_scratch_free_.end();
-      for (auto it = host_scratch_free_.begin(); it != host_scratch_free_.end(); ++it) {
-        if (it->bytes >= bytes && (best == host_scratch_free_.end() || it->bytes < best->bytes)) {
-          best = it;
-        }
-      }
-      if (best != host_scratch_free_.end()) {
-        scratch = std::move(*best);
-        host_scratch_free_.erase(best);
-      }
+      scratch = TakeSmallestFitting(host_scratch_free_, bytes,
+                                    [](const HostScratch& h) { return h.bytes; });
     }
     if (scratch.data == nullptr) {
       scratch.data = std::make_unique_for_overwrite<uint8_t[]>(bytes);

@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <random>
@@ -236,6 +237,20 @@ class NvlinkGpuTest : public ::testing::Test {
     }
   }
 
+  // A non-blocking stream whose work starts only once a host function on it slept `delay`,
+  // and an event for the caller to record on it. The caller destroys both.
+  void StreamStartingAfter(milliseconds delay, cudaStream_t* stream, cudaEvent_t* event) {
+    ASSERT_EQ(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaEventCreateWithFlags(event, cudaEventDisableTiming), cudaSuccess);
+    ASSERT_EQ(cudaLaunchHostFunc(
+                  *stream,
+                  [](void* ms) {
+                    std::this_thread::sleep_for(milliseconds(reinterpret_cast<intptr_t>(ms)));
+                  },
+                  reinterpret_cast<void*>(static_cast<intptr_t>(delay.count()))),
+              cudaSuccess);
+  }
+
   // A WRITE of `blocks` blocks submitted with start_after_event before its source exists: a
   // stream first sleeps 300 ms (a host function), then copies fresh bytes into local_, then
   // records the event. The batch must return from SubmitBatch at once and copy the fresh
@@ -250,11 +265,8 @@ class NvlinkGpuTest : public ::testing::Test {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     cudaStream_t stream = nullptr;
     cudaEvent_t event = nullptr;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    ASSERT_EQ(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), cudaSuccess);
-    ASSERT_EQ(cudaLaunchHostFunc(
-                  stream, [](void*) { std::this_thread::sleep_for(milliseconds(300)); }, nullptr),
-              cudaSuccess);
+    StreamStartingAfter(milliseconds(300), &stream, &event);
+    if (HasFatalFailure()) return;
     ASSERT_EQ(cudaMemcpyAsync(local_, fresh, total, cudaMemcpyHostToDevice, stream), cudaSuccess);
     ASSERT_EQ(cudaEventRecord(event, stream), cudaSuccess);
     std::vector<TransferRequest> reqs;
@@ -552,11 +564,8 @@ TEST_F(NvlinkGpuTest, DeadlinePassesWhileWaitingForTheEvent) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaStream_t stream = nullptr;
   cudaEvent_t event = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), cudaSuccess);
-  ASSERT_EQ(cudaLaunchHostFunc(
-                stream, [](void*) { std::this_thread::sleep_for(milliseconds(1500)); }, nullptr),
-            cudaSuccess);
+  StreamStartingAfter(milliseconds(1500), &stream, &event);
+  if (HasFatalFailure()) return;
   ASSERT_EQ(cudaEventRecord(event, stream), cudaSuccess);
   TransferRequest r{TransferOp::kWrite, local_, segment_, peer_.ipc_base, 4096};
   BatchOptions o;

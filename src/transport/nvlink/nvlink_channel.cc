@@ -505,16 +505,8 @@ class NvlinkChannel : public PeerChannel {
     std::lock_guard<std::mutex> lock(resident_mu_);
     if (!resident_ok_.load()) return;
     cuda::DeviceGuard device(options_.local_device);
-    if (resident_running_.load()) {
-      const cudaError_t e = cudaEventQuery(resident_event_);
-      if (e == cudaErrorNotReady) return;
-      resident_running_.store(false);
-      if (e != cudaSuccess) {
-        resident_error_ = InternalError(CudaError("NVLink copy (resident kernel)", e));
-        resident_ok_.store(false);
-        return;
-      }
-    }
+    if (resident_running_.load() && !ResidentEndedLocked()) return;
+    if (!resident_ok_.load()) return;  // it ended with an error
     (void)cudaGetLastError();
     cuda::ResidentArgs args = ResidentArgsFor();
     args.generation = ++resident_generation_;
@@ -527,6 +519,19 @@ class NvlinkChannel : public PeerChannel {
     }
     stats_resident_launches_.fetch_add(1, std::memory_order_relaxed);
     resident_running_.store(true, std::memory_order_release);
+  }
+
+  // Whether the kernel taken for running has ended; if so marks it stopped, and a failed
+  // kernel turns the ring off with its error. REQUIRES resident_mu_.
+  bool ResidentEndedLocked() {
+    const cudaError_t e = cudaEventQuery(resident_event_);
+    if (e == cudaErrorNotReady) return false;
+    resident_running_.store(false);
+    if (e != cudaSuccess) {
+      resident_error_ = InternalError(CudaError("NVLink copy (resident kernel)", e));
+      resident_ok_.store(false);
+    }
+    return true;
   }
 
   bool ResidentIdle() const {
@@ -545,14 +550,7 @@ class NvlinkChannel : public PeerChannel {
       std::lock_guard<std::mutex> lock(resident_mu_);
       // Asked again under the lock: a submitter may have relaunched the kernel (and recorded
       // the event anew) since.
-      const cudaError_t e = cudaEventQuery(resident_event_);
-      if (e != cudaErrorNotReady) {
-        resident_running_.store(false);
-        if (e != cudaSuccess) {
-          resident_error_ = InternalError(CudaError("NVLink copy (resident kernel)", e));
-          resident_ok_.store(false);
-        }
-      }
+      ResidentEndedLocked();
     }
     Status failed;
     if (!resident_ok_.load() && !resident_running_.load()) {
