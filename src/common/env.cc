@@ -127,6 +127,15 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.nvlink_resident_blocks = static_cast<int>(blocks);
   }
+  if (const char* v = std::getenv("KVFERRY_NVLINK_RESIDENT_MIN_TILES"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    long long tiles = std::strtoll(v, &end, 10);
+    if (*end != '\0' || tiles < 0 || tiles > (1LL << 30)) {
+      return InvalidArgumentError(std::string("KVFERRY_NVLINK_RESIDENT_MIN_TILES='") + v +
+                                  "' must be an integer in 0..1073741824");
+    }
+    config.nvlink_resident_min_tiles = tiles;
+  }
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
     config.listen_host = std::string(v);
   }

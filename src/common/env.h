@@ -13,6 +13,9 @@
 //                          waits before leaving the GPU), 0..100000               default 200
 //   KVFERRY_NVLINK_RESIDENT_BLOCKS  thread blocks of the resident NVLink copy kernel, -1..4096;
 //                          -1 one per SM, 0 off          default EngineOptions value (0: off)
+//   KVFERRY_NVLINK_RESIDENT_MIN_TILES  16 KiB tiles of small batches that must be in flight on
+//                          a channel before they go to the resident kernel, 0..2^30
+//                          default EngineOptions value (4096)
 #pragma once
 
 #include <cstdint>
@@ -32,6 +35,7 @@ struct EnvConfig {
   std::optional<int64_t> spin_us;
   std::optional<int64_t> idle_spin_us;
   std::optional<int> nvlink_resident_blocks;
+  std::optional<int64_t> nvlink_resident_min_tiles;
 };
 
 // Reads and validates all variables above. Errors: kInvalidArgument naming the variable.

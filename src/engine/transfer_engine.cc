@@ -1336,6 +1336,9 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
     resolved.nvlink_copy_engine_threshold_bytes = *env.nvlink_ce_threshold_bytes;
   }
   if (env.nvlink_resident_blocks) resolved.nvlink_resident_blocks = *env.nvlink_resident_blocks;
+  if (env.nvlink_resident_min_tiles) {
+    resolved.nvlink_resident_min_tiles = *env.nvlink_resident_min_tiles;
+  }
   if (env.listen_host && options.listen_host == EngineOptions().listen_host) {
     resolved.listen_host = *env.listen_host;
   }

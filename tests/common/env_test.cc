@@ -53,5 +53,22 @@ TEST(EnvTest, ResidentBlocksAreParsedAndBadValuesNamed) {
   EXPECT_FALSE(ok->nvlink_resident_blocks.has_value());
 }
 
+TEST(EnvTest, ResidentMinTilesAreParsedAndBadValuesNamed) {
+  ::setenv("KVFERRY_NVLINK_RESIDENT_MIN_TILES", "0", 1);
+  auto ok = ReadEnvConfig();
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->nvlink_resident_min_tiles, 0);
+  for (const char* v : {"-1", "1073741825", "many"}) {
+    ::setenv("KVFERRY_NVLINK_RESIDENT_MIN_TILES", v, 1);
+    auto bad = ReadEnvConfig();
+    ASSERT_FALSE(bad.ok()) << v;
+    EXPECT_NE(bad.status().message().find(std::string("KVFERRY_NVLINK_RESIDENT_MIN_TILES='") + v),
+              std::string::npos)
+        << bad.status().ToString();
+  }
+  ::unsetenv("KVFERRY_NVLINK_RESIDENT_MIN_TILES");
+  EXPECT_FALSE(ReadEnvConfig()->nvlink_resident_min_tiles.has_value());
+}
+
 }  // namespace
 }  // namespace kvferry
