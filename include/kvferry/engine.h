@@ -151,6 +151,13 @@ struct BatchOptions {
   // When set, called once when the batch becomes final, on an engine thread (must not block
   // or call WaitBatch/CancelBatch on this batch). The batch stays queryable until released.
   std::function<void(BatchId, const BatchStatus&)> on_complete;
+  // When set, called once on an engine thread as soon as every request of the batch
+  // completed without error (its bytes are in the peer's memory, visible to the peer's later
+  // reads and kernels), before the notification leaves; not called when any request failed.
+  // For a notification-only batch (SubmitNotification) it runs as the message leaves. Must
+  // not block. The connector uses it to flag completion to a same-node decode in shared
+  // memory ahead of the TCP notification (done_mailbox.h).
+  std::function<void()> on_landed;
   // A cudaEvent_t (recorded by the caller, e.g. on prefill's compute stream after a layer
   // wrote its KV) that the batch's copies must come after, or null. SubmitBatch never waits
   // for it: an engine thread polls the event (every 10 us while any batch waits) and starts

@@ -108,7 +108,8 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     config.nvlink_ce_threshold_bytes = *size;
   }
   for (auto [name, field] : {std::pair{"KVFERRY_SPIN_US", &config.spin_us},
-                              std::pair{"KVFERRY_IDLE_SPIN_US", &config.idle_spin_us}}) {
+                              std::pair{"KVFERRY_IDLE_SPIN_US", &config.idle_spin_us},
+                              std::pair{"KVFERRY_DONE_POLL_US", &config.done_poll_us}}) {
     const char* v = std::getenv(name);
     if (v == nullptr || *v == '\0') continue;
     char* end = nullptr;

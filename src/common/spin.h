@@ -21,6 +21,18 @@ std::chrono::microseconds IdleSpinWindow();
 // thread's timer slack, 50 us by default, which turns a 20 us polling sleep into ~70 us.
 void SetFineTimerSlack();
 
+// SetFineTimerSlack for a scope of a caller's thread: restores the thread's previous slack.
+class ScopedFineTimerSlack {
+ public:
+  ScopedFineTimerSlack();
+  ~ScopedFineTimerSlack();
+  ScopedFineTimerSlack(const ScopedFineTimerSlack&) = delete;
+  ScopedFineTimerSlack& operator=(const ScopedFineTimerSlack&) = delete;
+
+ private:
+  long previous_ns_;
+};
+
 // A hint to the CPU that this is a spin loop.
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)

@@ -5,7 +5,7 @@
 namespace kvferry {
 namespace {
 constexpr uint32_t kControlMagic = 0x4346564Bu;  // "KVFC"
-constexpr uint16_t kControlVersion = 2;
+constexpr uint16_t kControlVersion = 3;
 constexpr uint32_t kMaxControlString = 4096;
 constexpr uint32_t kMaxBuffers = 1u << 16;
 }  // namespace
@@ -42,6 +42,8 @@ std::string EncodeControl(const ControlMessage& m) {
         w.U64(i < a.state_slot_bytes.size() ? a.state_slot_bytes[i] : 0);
       }
       w.U32(static_cast<uint32_t>(a.num_state_slots));
+      w.Str(a.node_id);
+      w.Str(a.done_mailbox);
       break;
     }
     case ControlType::kTransferInfo:
@@ -144,7 +146,10 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       for (uint32_t i = 0; i < num_state; ++i) {
         if (!r.U64(&a.state_bases[i]) || !r.U64(&a.state_slot_bytes[i])) return bad("");
       }
-      if (!r.U32(&state_slots)) return bad("");
+      if (!r.U32(&state_slots) || !r.Str(&a.node_id, "node id") ||
+          !r.Str(&a.done_mailbox, "done mailbox")) {
+        return bad("");
+      }
       a.num_state_slots = static_cast<int32_t>(state_slots);
       if (a.num_state_slots < 0) return bad("negative state slot count");
       if (a.tp_size < 1 || a.heads_per_token < 0) return bad("bad TP size or head count");

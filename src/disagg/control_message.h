@@ -59,6 +59,10 @@ struct DecodeKvArgs {
   std::vector<uint64_t> state_bases;
   std::vector<uint64_t> state_slot_bytes;
   int32_t num_state_slots = 0;
+  // Same-node completion flags (done_mailbox.h): decode's host (engine node id) and the name of
+  // its shared-memory done mailbox, one cell per aux row; empty name: none.
+  std::string node_id;
+  std::string done_mailbox;
 };
 
 // The staging ring's watermark as decode publishes it for one-sided READs: a reader that sees

@@ -6,10 +6,13 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "common/spin.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
+#include "common/env.h"
 #include "disagg/control_message.h"
+#include "disagg/done_mailbox.h"
 #include "disagg/room_table.h"
 #include "disagg/task_queue.h"
 #include "kvferry/bootstrap.h"
@@ -31,6 +34,7 @@ struct PrefillPeer {
   std::string engine_address;
   SegmentHandle segment;
   std::atomic<int> heartbeat_failures{0};
+  bool same_node = false;  // its engine runs on this node: it can report in the done mailbox
 };
 
 // What one bootstrap address (one prefill instance) means for this decode rank: the head
@@ -54,7 +58,8 @@ struct ReceiverRoom {
   int32_t aux_row = -1;
   int32_t state_slot = -1;
   int expected_responses = 1;  // prefill ranks that must report done
-  int responses = 0;
+  int responses = 0;           // done notices received over TCP
+  bool mailbox = false;        // every prefill rank of the room can report in the done mailbox
 
   bool uses(const std::shared_ptr<PrefillPeer>& peer) const {
     return std::find(prefills.begin(), prefills.end(), peer) != prefills.end();
@@ -108,6 +113,23 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (use_staging_ && options_.staging_bytes == 0) {
       return InvalidArgumentError("staging_bytes must be > 0");
     }
+    ASSIGN_OR_RETURN(EnvConfig env, ReadEnvConfig());
+    if (env.done_poll_us) options_.done_poll_us = static_cast<int>(*env.done_poll_us);
+    if (options_.done_poll_us < -1) {
+      return InvalidArgumentError("done_poll_us must be >= -1, got " +
+                                  std::to_string(options_.done_poll_us));
+    }
+    if (options_.done_poll_us == -1) options_.done_poll_us = cores >= 16 ? 20 : 0;
+    node_id_ = engine_->LocalDescriptor().node_id;
+    if (options_.done_mailbox) {
+      auto mailbox = DoneMailbox::Create(aux_->num_rows());
+      if (mailbox.ok()) {
+        mailbox_ = std::move(*mailbox);
+      } else {
+        // Not fatal: rooms then complete on TCP done notices only.
+        KVF_LOG_INFO("decode: no done mailbox: {}", mailbox.status().message());
+      }
+    }
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     timer_ = std::thread([this] { TimerLoop(); });
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
@@ -157,14 +179,53 @@ class DecodeConnectorImpl : public DecodeConnector {
                                   "bootstrap with prefill " + bootstrap_address +
                                       " did not finish within " +
                                       std::to_string(options_.bootstrap_timeout.count()) + " ms"));
+    // Armed before prefill learns the destination; a duplicate room was refused above and
+    // leaves the row of the room already using it alone.
+    if (mailbox_ != nullptr) mailbox_->Arm(aux_row, room);
     bootstrap_->Post([this, room] { Bootstrap(room); });
     return OkStatus();
   }
 
-  StatusOr<RoomStatus> Poll(uint64_t room) const override { return rooms_.Get(room); }
+  StatusOr<RoomStatus> Poll(uint64_t room) const override {
+    // Completing a room from its mailbox changes the table: Poll is const to callers only.
+    const_cast<DecodeConnectorImpl*>(this)->FinishIfComplete(room, 0, /*may_wait=*/false);
+    return rooms_.Get(room);
+  }
 
   StatusOr<RoomStatus> Wait(uint64_t room, RoomState state, milliseconds timeout) override {
-    return rooms_.Wait(room, state, timeout);
+    const auto until = Clock::now() + timeout;
+    if (mailbox_ == nullptr || options_.done_poll_us == 0 ||
+        static_cast<int>(state) < static_cast<int>(RoomState::kSuccess)) {
+      return rooms_.WaitUntil(room, state, until);
+    }
+    const auto poll = std::chrono::microseconds(options_.done_poll_us);
+    std::optional<ScopedFineTimerSlack> fine_sleeps;  // while polling: 20 us, not 70 us
+    while (true) {
+      ASSIGN_OR_RETURN(RoomStatus s, rooms_.Get(room));
+      if (s.state == RoomState::kFailed || static_cast<int>(s.state) >= static_cast<int>(state)) {
+        return s;
+      }
+      bool polls = false;
+      rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+        polls = r.data.mailbox && r.status.state != RoomState::kBootstrapping;
+        return OkStatus();
+      }).IgnoreError();
+      const auto now = Clock::now();
+      if (now >= until) return s;
+      if (!polls) {
+        // Until prefill knows the destination nothing can land: wait for the next state (or a
+        // completion over TCP) without polling.
+        const RoomState next = s.state == RoomState::kBootstrapping ? RoomState::kWaitingForInput
+                                                                    : state;
+        RETURN_IF_ERROR(rooms_.WaitUntil(room, next, until).status());
+        continue;
+      }
+      // Short sleeps keep this thread quick to run again (a thread idle for milliseconds
+      // takes ~150 us to wake on some hosts), so a mailbox report is seen within one poll.
+      if (!fine_sleeps) fine_sleeps.emplace();
+      RETURN_IF_ERROR(rooms_.WaitUntil(room, state, std::min(until, now + poll)).status());
+      FinishIfComplete(room, 0, /*may_wait=*/false);
+    }
   }
 
   Status Abort(uint64_t room, const std::string& reason) override {
@@ -180,6 +241,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     ConnectorStats s;
     s.rooms_succeeded = rooms_succeeded_.load();
     s.rooms_failed = rooms_failed_.load();
+    s.rooms_done_by_mailbox = rooms_done_by_mailbox_.load();
     s.bytes = bytes_.load();
     return s;
   }
@@ -258,6 +320,8 @@ class DecodeConnectorImpl : public DecodeConnector {
       }
       a.num_state_slots = state->num_slots();
     }
+    a.node_id = node_id_;
+    if (mailbox_ != nullptr) a.done_mailbox = mailbox_->name();
     auto is_whole = [&](const HeadSlice& slice) {
       return slice.src_head_start == 0 && slice.dst_head_start == 0 &&
              slice.num_heads == plan.prefill_heads && slice.num_heads == plan.decode_heads;
@@ -286,6 +350,8 @@ class DecodeConnectorImpl : public DecodeConnector {
         peer->prefill_rank = slice.prefill_rank;
         peer->engine_address = rank.engine_address;
         peer->segment = segment;
+        auto descriptor = engine_->GetSegmentDescriptor(segment);
+        peer->same_node = descriptor.ok() && descriptor->node_id == node_id_;
       }
       peers.push_back(peer);
       group->decode_ranks_of_prefill.push_back(
@@ -367,6 +433,9 @@ class DecodeConnectorImpl : public DecodeConnector {
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       r.data.prefills = g.peers;
       r.data.expected_responses = static_cast<int>(g.slices.size());
+      r.data.mailbox =
+          mailbox_ != nullptr && r.data.expected_responses <= DoneMailbox::kMaxCount &&
+          std::all_of(g.peers.begin(), g.peers.end(), [](const auto& p) { return p->same_node; });
       return OkStatus();
     }).IgnoreError();
     for (size_t i = 0; i < g.slices.size(); ++i) {
@@ -424,38 +493,11 @@ class DecodeConnectorImpl : public DecodeConnector {
         rooms_.Advance(room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
                        WaitingReason());
         break;
-      case ControlType::kRoomDone: {
+      case ControlType::kRoomDone:
         // Every prefill rank of the room reports done; only one of them carries the aux row,
         // and the others may report first, so the row is checked once all have.
-        Status corrupt;
-        bool complete = false;
-        rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
-          ReceiverRoom& d = r.data;
-          complete = ++d.responses >= d.expected_responses;
-          if (!complete) return OkStatus();
-          uint64_t in_row = aux_->ReadRoom(d.aux_row);
-          if (in_row != room) {
-            corrupt = DataLossError("metadata corruption: aux row " + std::to_string(d.aux_row) +
-                                    " holds bootstrap room " + std::to_string(in_row) +
-                                    ", expected " + std::to_string(room));
-          }
-          return OkStatus();
-        }).IgnoreError();
-        if (!corrupt.ok()) {
-          FailRoom(room, corrupt, false);
-        } else if (complete) {
-          rooms_.Advance(room, RoomState::kTransferring);
-          if (rooms_.Advance(room, RoomState::kSuccess)) {
-            KVF_LOG_DEBUG("decode: room {} succeeded", room);
-            ++rooms_succeeded_;
-            RecordBytes(room);
-          }
-        } else {
-          rooms_.Advance(room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
-                         WaitingReason());
-        }
+        FinishIfComplete(room, 1, /*may_wait=*/true);
         break;
-      }
       case ControlType::kStagingRequest:
         // Allocation may wait for ring space: off the connection's thread.
         control_->Post([this, m = *m, from = n.peer_address] { GrantStaging(m, from); });
@@ -753,6 +795,56 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (!scatter_->Post(scatter)) scatter();
   }
 
+  // Counts `tcp_reports` more done notices for `room` and completes it once every prefill
+  // rank reported done, over TCP or in the done mailbox (each source alone must have seen
+  // all: a rank reports in both, so their sum would count it twice), its aux row checked.
+  // `may_wait`: Success may wait for the room's pins (staged scatters under way); without it
+  // a pinned room is left for a later call.
+  void FinishIfComplete(uint64_t room, int tcp_reports, bool may_wait) {
+    Status corrupt;
+    bool complete = false, waiting = false;
+    rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+      ReceiverRoom& d = r.data;
+      d.responses += tcp_reports;
+      if (IsFinal(r.status.state) || r.status.state == RoomState::kBootstrapping) {
+        return OkStatus();
+      }
+      int reports = d.responses;
+      if (d.mailbox) reports = std::max(reports, mailbox_->Count(d.aux_row, room));
+      complete = reports >= d.expected_responses;
+      if (!complete) {
+        waiting = tcp_reports > 0;
+        return OkStatus();
+      }
+      if (!may_wait && (r.pins > 0 || r.fail_pending)) {
+        complete = false;
+        return OkStatus();
+      }
+      uint64_t in_row = aux_->ReadRoom(d.aux_row);
+      if (in_row != room) {
+        corrupt = DataLossError("metadata corruption: aux row " + std::to_string(d.aux_row) +
+                                " holds bootstrap room " + std::to_string(in_row) +
+                                ", expected " + std::to_string(room));
+      }
+      return OkStatus();
+    }).IgnoreError();
+    if (!corrupt.ok()) {
+      FailRoom(room, corrupt, false);
+    } else if (complete) {
+      rooms_.Advance(room, RoomState::kTransferring);
+      if (rooms_.Advance(room, RoomState::kSuccess)) {
+        KVF_LOG_DEBUG("decode: room {} succeeded ({})", room, tcp_reports > 0 ? "done notice"
+                                                                               : "done mailbox");
+        ++rooms_succeeded_;
+        if (tcp_reports == 0) ++rooms_done_by_mailbox_;
+        RecordBytes(room);
+      }
+    } else if (waiting) {
+      rooms_.Advance(room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
+                     WaitingReason());
+    }
+  }
+
   void RecordBytes(uint64_t room) {
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       bytes_ += r.data.dst_pages.size() * pool_->layout().bytes_per_page_all_buffers() +
@@ -861,6 +953,8 @@ class DecodeConnectorImpl : public DecodeConnector {
   std::unique_ptr<TaskQueue> scatter_;  // staged chunks' scatters (ScatterStaged)
   std::unique_ptr<TransferEngine> engine_;
   RoomTable<ReceiverRoom> rooms_;
+  std::string node_id_;                  // this engine's node (engine descriptor)
+  std::unique_ptr<DoneMailbox> mailbox_;  // same-node done reports (null: none)
 
   std::mutex peers_mu_;
   std::map<std::string, std::shared_ptr<PrefillGroup>> groups_;  // by bootstrap address
@@ -893,6 +987,7 @@ class DecodeConnectorImpl : public DecodeConnector {
 
   std::atomic<uint64_t> rooms_succeeded_{0};
   std::atomic<uint64_t> rooms_failed_{0};
+  std::atomic<uint64_t> rooms_done_by_mailbox_{0};
   std::atomic<uint64_t> bytes_{0};
 
   std::mutex timer_mu_;

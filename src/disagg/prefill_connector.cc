@@ -12,6 +12,7 @@
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
 #include "disagg/control_message.h"
+#include "disagg/done_mailbox.h"
 #include "disagg/head_slices.h"
 #include "kvferry/ring_allocator.h"
 #include "disagg/room_table.h"
@@ -29,6 +30,8 @@ struct DecodePeer {
   SegmentHandle segment;
   Status refused;  // set when its layout cannot pair with ours
   Clock::time_point last_heartbeat;
+  // Decode's done mailbox when it runs on this node (done_mailbox.h), else null.
+  std::shared_ptr<DoneMailbox> mailbox;
 };
 
 // One decode rank receiving (part of) a room: with unequal TP a prefill rank may serve
@@ -631,7 +634,27 @@ class PrefillConnectorImpl : public PrefillConnector {
         [this, room, dest, finishing](const BatchStatus& status) {
           OnBatchDone(room, dest, finishing, status);
         },
-        nullptr, /*inline_success=*/true);
+        nullptr, /*inline_success=*/true, finishing ? MailboxReport(room, dest) : nullptr);
+  }
+
+  // For a batch carrying a destination's done notice: reports the room done in the
+  // destination's same-node mailbox once the batch's data landed, ahead of the notice
+  // (BatchOptions::on_landed). Null when that decode has no mailbox we can reach.
+  std::function<void()> MailboxReport(uint64_t room, size_t dest) {
+    std::shared_ptr<DoneMailbox> mailbox;
+    int32_t row = -1;
+    rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+      const Destination& d = r.data.destinations[dest];
+      if (d.decode != nullptr) mailbox = d.decode->mailbox;
+      row = d.dst_aux_row;
+      return OkStatus();
+    }).IgnoreError();
+    if (mailbox == nullptr) return nullptr;
+    return [mailbox = std::move(mailbox), row, room] {
+      if (!mailbox->Report(row, room)) {
+        KVF_LOG_DEBUG("prefill: room {}: done mailbox row {} not armed for it", room, row);
+      }
+    };
   }
 
   // Submits one engine batch (counted in the stats) and runs `done` with its outcome on the
@@ -640,7 +663,8 @@ class PrefillConnectorImpl : public PrefillConnector {
   void SubmitThen(std::vector<TransferRequest> requests, std::string notification,
                   std::shared_ptr<void> keepalive,
                   std::function<void(const BatchStatus&)> done,
-                  std::function<void()> refused = nullptr, bool inline_success = false) {
+                  std::function<void()> refused = nullptr, bool inline_success = false,
+                  std::function<void()> on_landed = nullptr) {
     uint64_t bytes = 0;
     for (const auto& r : requests) bytes += r.length_bytes;
     transfer_requests_ += requests.size();
@@ -648,6 +672,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
+    o.on_landed = std::move(on_landed);
     o.on_complete = [this, done, keepalive, inline_success](BatchId id, const BatchStatus& status) {
       Complete(id, status, done, keepalive, inline_success);
     };
@@ -973,6 +998,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     // completes the room's destination on the completion queue once decode acknowledged it.
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
+    o.on_landed = MailboxReport(room, dest);  // everything of this destination landed already
     o.on_complete = [this, room, dest](BatchId id, const BatchStatus& status) {
       Complete(
           id, status,
@@ -1377,6 +1403,17 @@ class PrefillConnectorImpl : public PrefillConnector {
           " bytes, decode " + std::to_string(a.aux_row_bytes));
     }
     if (peer->refused.ok()) peer->refused = CheckStatePairing(a);
+    if (peer->refused.ok() && !a.done_mailbox.empty() &&
+        a.node_id == engine_->LocalDescriptor().node_id) {
+      auto mailbox = DoneMailbox::Open(a.done_mailbox, a.num_aux_rows);
+      if (mailbox.ok()) {
+        peer->mailbox = std::move(*mailbox);
+      } else {
+        // Not fatal: done notices still go over TCP.
+        KVF_LOG_INFO("prefill: decode {}: no done mailbox: {}", a.decode_address,
+                     mailbox.status().message());
+      }
+    }
     // Connect even to a refused decode, so that its rooms hear why instead of timing out.
     auto seg = engine_->OpenSegment(a.decode_address);
     if (seg.ok()) {

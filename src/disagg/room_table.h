@@ -111,8 +111,11 @@ class RoomTable {
   // Blocks until the room reaches `state` (or later) or fails, or `timeout` passes; returns
   // the status then. Errors: kNotFound.
   StatusOr<RoomStatus> Wait(uint64_t room, RoomState state, std::chrono::milliseconds timeout) {
+    return WaitUntil(room, state, Clock::now() + timeout);
+  }
+  // As Wait, until the time point `until`.
+  StatusOr<RoomStatus> WaitUntil(uint64_t room, RoomState state, Clock::time_point until) {
     std::unique_lock<std::mutex> lock(mu_);
-    auto until = Clock::now() + timeout;
     while (true) {
       auto it = rooms_.find(room);
       if (it == rooms_.end()) {

@@ -98,6 +98,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::chrono::milliseconds deadline_ms{0};
   std::string notification;
   std::function<void(BatchId, const BatchStatus&)> on_complete;
+  std::function<void()> on_landed;
   std::shared_ptr<Peer> notify_peer;
   std::vector<Peer*> peers;                      // per request
   std::vector<std::shared_ptr<Peer>> peer_refs;  // each distinct peer once: keeps channels alive
@@ -418,11 +419,13 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
  private:
   void AfterRequestsDone() {
-    bool send_notify = false;
+    bool send_notify = false, landed = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       send_notify = !notification.empty() && num_failed_ == 0;
+      landed = num_failed_ == 0 && first_error_.ok() && !final_;
     }
+    if (landed && on_landed) on_landed();
     if (!send_notify) {
       Finish(OkStatus());
       return;
@@ -1170,6 +1173,7 @@ class EngineImpl : public TransferEngine {
   // Gives `batch` its callback, deadline and id, and makes it findable by id.
   void Publish(const std::shared_ptr<Batch>& batch, const BatchOptions& options) {
     batch->on_complete = options.on_complete;
+    batch->on_landed = options.on_landed;
     batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
     batch->deadline = Clock::now() + batch->deadline_ms;
     batch->id = next_batch_id_.fetch_add(1, std::memory_order_relaxed);

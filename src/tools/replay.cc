@@ -533,6 +533,12 @@ int RunReplay(ReplayFlags flags) {
       transfer_requests += st->value("transfer_requests", 0ull);
     }
   }
+  uint64_t done_by_mailbox = 0;
+  for (const std::string& ctl : decode_ctl) {
+    if (auto st = GetJson(ctl, "/stats"); st.ok()) {
+      done_by_mailbox += st->value("rooms_done_by_mailbox", 0ull);
+    }
+  }
   for (auto& child : children) child->Stop();
 
   const double gbps = seconds > 0 ? static_cast<double>(totals.bytes.load()) / seconds / 1e9 : 0;
@@ -551,6 +557,7 @@ int RunReplay(ReplayFlags flags) {
        {{"p50", latency.Percentile(50)}, {"p90", latency.Percentile(90)},
         {"p99", latency.Percentile(99)}}},
       {"transfer_requests", transfer_requests},
+      {"rooms_done_by_mailbox", done_by_mailbox},
       {"layerwise", flags.instance.layerwise},
       {"compute_us_per_layer", flags.instance.compute_us_per_layer},
       {"tail_ms", {{"p50", tail.Percentile(50)}, {"p99", tail.Percentile(99)}}},
@@ -589,6 +596,7 @@ int RunReplay(ReplayFlags flags) {
        Fixed(latency.Percentile(50), 1) + " / " + Fixed(latency.Percentile(90), 1) + " / " +
            Fixed(latency.Percentile(99), 1)},
       {"engine transfer requests", std::to_string(transfer_requests)},
+      {"rooms done by mailbox", std::to_string(done_by_mailbox)},
       {std::string("tail after last layer p50/p99 (ms)") +
            (flags.instance.layerwise ? ", layerwise" : ""),
        Fixed(tail.Percentile(50), 2) + " / " + Fixed(tail.Percentile(99), 2)},
