@@ -198,33 +198,37 @@ class DecodeConnectorImpl : public DecodeConnector {
         static_cast<int>(state) < static_cast<int>(RoomState::kSuccess)) {
       return rooms_.WaitUntil(room, state, until);
     }
+    // Until prefill knows the destination nothing can land: wait without polling for the
+    // room to leave Bootstrapping (or finish).
+    ASSIGN_OR_RETURN(RoomStatus s, rooms_.WaitUntil(room, RoomState::kWaitingForInput, until));
+    if (IsFinal(s.state) || static_cast<int>(s.state) >= static_cast<int>(state) ||
+        Clock::now() >= until) {
+      return s;
+    }
+    // Fixed once the room left Bootstrapping: its row, and how many reports complete it.
+    bool polls = false;
+    int32_t row = -1;
+    int expected = 0;
+    rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+      polls = r.data.mailbox;
+      row = r.data.aux_row;
+      expected = r.data.expected_responses;
+      return OkStatus();
+    }).IgnoreError();
+    if (!polls) return rooms_.WaitUntil(room, state, until);
+    // Short sleeps keep this thread quick to run again (a thread idle for milliseconds takes
+    // ~150 us to wake on some hosts), so a mailbox report is seen within one poll. Each poll
+    // takes the room table's lock once (the wait) and reads the cell without it.
     const auto poll = std::chrono::microseconds(options_.done_poll_us);
-    std::optional<ScopedFineTimerSlack> fine_sleeps;  // while polling: 20 us, not 70 us
+    ScopedFineTimerSlack fine_sleeps;  // 20 us sleeps, not 70 us
     while (true) {
-      ASSIGN_OR_RETURN(RoomStatus s, rooms_.Get(room));
-      if (s.state == RoomState::kFailed || static_cast<int>(s.state) >= static_cast<int>(state)) {
+      const auto now = Clock::now();
+      ASSIGN_OR_RETURN(s, rooms_.WaitUntil(room, state, std::min(until, now + poll)));
+      if (IsFinal(s.state) || static_cast<int>(s.state) >= static_cast<int>(state) ||
+          Clock::now() >= until) {
         return s;
       }
-      bool polls = false;
-      rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
-        polls = r.data.mailbox && r.status.state != RoomState::kBootstrapping;
-        return OkStatus();
-      }).IgnoreError();
-      const auto now = Clock::now();
-      if (now >= until) return s;
-      if (!polls) {
-        // Until prefill knows the destination nothing can land: wait for the next state (or a
-        // completion over TCP) without polling.
-        const RoomState next = s.state == RoomState::kBootstrapping ? RoomState::kWaitingForInput
-                                                                    : state;
-        RETURN_IF_ERROR(rooms_.WaitUntil(room, next, until).status());
-        continue;
-      }
-      // Short sleeps keep this thread quick to run again (a thread idle for milliseconds
-      // takes ~150 us to wake on some hosts), so a mailbox report is seen within one poll.
-      if (!fine_sleeps) fine_sleeps.emplace();
-      RETURN_IF_ERROR(rooms_.WaitUntil(room, state, std::min(until, now + poll)).status());
-      FinishIfComplete(room, 0, /*may_wait=*/false);
+      if (mailbox_->Count(row, room) >= expected) FinishIfComplete(room, 0, /*may_wait=*/false);
     }
   }
 
@@ -806,9 +810,10 @@ class DecodeConnectorImpl : public DecodeConnector {
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       ReceiverRoom& d = r.data;
       d.responses += tcp_reports;
-      if (IsFinal(r.status.state) || r.status.state == RoomState::kBootstrapping) {
-        return OkStatus();
-      }
+      // A room may still be Bootstrapping here: its prefill ranks can finish before
+      // Bootstrap, which sent them the destination, advanced it. Its expected count and
+      // mailbox flag were set before any destination left.
+      if (IsFinal(r.status.state)) return OkStatus();
       int reports = d.responses;
       if (d.mailbox) reports = std::max(reports, mailbox_->Count(d.aux_row, room));
       complete = reports >= d.expected_responses;

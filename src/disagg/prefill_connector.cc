@@ -1171,14 +1171,16 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
   }
 
-  // Runs on the layer queue after the last layer: each target's hold on its destination is
-  // released (its aux row and done notice follow its last batch).
+  // Runs on the layer thread after the last layer's submission: each target's hold on its
+  // destination is released (its aux row and done notice follow its last batch). Released
+  // here, not on the completion queue: that queue's thread, idle through the forward pass,
+  // took ~150 us to wake, and when the last layer's copy finished first the done report
+  // waited for it (session 7 trace in docs/perf/layerwise.md). Nothing here blocks: what
+  // follows (a done notice, an aux row batch) is submitted without waiting.
   void FinishPass(const LayerPass& pass) {
     BatchStatus ok;
     ok.state = TransferState::kCompleted;
-    for (const PassTarget& t : pass.targets) {
-      completion_->Post([this, room = t.room, dest = t.dest, ok] { OnBatchDone(room, dest, false, ok); });
-    }
+    for (const PassTarget& t : pass.targets) OnBatchDone(t.room, t.dest, false, ok);
   }
 
   // A batch whose completion counts once for each (room, destination) it carries.
