@@ -61,4 +61,16 @@ bool SpinFor(Ready&& ready,
   return ready();
 }
 
+// Polls `ready` without sleeping until it holds or `until` passes; returns its last answer.
+template <typename Ready>
+bool SpinUntil(Ready&& ready, std::chrono::steady_clock::time_point until) {
+  do {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      CpuRelax();
+    }
+  } while (std::chrono::steady_clock::now() < until);
+  return ready();
+}
+
 }  // namespace kvferry

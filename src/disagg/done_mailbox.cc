@@ -118,7 +118,7 @@ bool DoneMailbox::Report(int32_t row, uint64_t room) {
   const uint64_t armed = Armed(room);
   std::atomic<uint64_t>* c = cell(row);
   uint64_t now = c->load(std::memory_order_relaxed);
-  while ((now & ~uint64_t{0xff}) == armed && (now & 0xff) < kMaxCount) {
+  while (Key(now) == armed && (now & kCountMask) < kMaxCount) {
     // acq_rel: the data this report vouches for was written before it (the engine saw the
     // batch complete), and decode's acquire load of the cell pairs with this release.
     if (c->compare_exchange_weak(now, now + 1, std::memory_order_acq_rel,
@@ -129,11 +129,28 @@ bool DoneMailbox::Report(int32_t row, uint64_t room) {
   return false;
 }
 
-int DoneMailbox::Count(int32_t row, uint64_t room) const {
+bool DoneMailbox::Announce(int32_t row, uint64_t room) {
+  if (row < 0 || row >= num_rows_) return false;
+  const uint64_t armed = Armed(room);
+  std::atomic<uint64_t>* c = cell(row);
+  uint64_t now = c->load(std::memory_order_relaxed);
+  while (Key(now) == armed) {
+    if ((now & kImminentBit) != 0) return true;
+    if (c->compare_exchange_weak(now, now | kImminentBit, std::memory_order_release,
+                                 std::memory_order_relaxed)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+int DoneMailbox::Count(int32_t row, uint64_t room, bool* imminent) const {
+  if (imminent != nullptr) *imminent = false;
   if (row < 0 || row >= num_rows_) return -1;
   const uint64_t now = cell(row)->load(std::memory_order_acquire);
-  if ((now & ~uint64_t{0xff}) != Armed(room)) return -1;
-  return static_cast<int>(now & 0xff);
+  if (Key(now) != Armed(room)) return -1;
+  if (imminent != nullptr) *imminent = (now & kImminentBit) != 0;
+  return static_cast<int>(now & kCountMask);
 }
 
 }  // namespace kvferry

@@ -3,9 +3,11 @@
 // store instead of a TCP message whose receiving thread may have slept through prefill's
 // forward pass (waking such a thread costs ~150 us on some hosts: docs/perf/layerwise.md).
 //
-// One 64-bit cell per decode aux row: (room tag << 9) | armed << 8 | count, where the room
-// tag is the room's low 55 bits and count the number of prefill ranks that reported done (at
-// most 255); a zero cell is unarmed.
+// One 64-bit cell per decode aux row: (room tag << 10) | imminent << 9 | armed << 8 | count,
+// where the room tag is the room's low 54 bits, count the number of prefill ranks that
+// reported done (at most 255) and imminent says a prefill rank submitted its last data for the
+// room (decode may then busy-poll the cell for a short while instead of sleeping between
+// polls); a zero cell is unarmed.
 // Decode arms a row's cell for a room before telling prefill where to write (count 0);
 // prefill adds one with a compare-and-swap that succeeds only while the cell still holds that
 // room's tag, so a report for a room whose row was since re-armed changes nothing. The TCP
@@ -53,8 +55,12 @@ class DoneMailbox {
   // Prefill: adds one to `row`'s count if it is armed for `room` (and below kMaxCount).
   // Returns whether it did. Out-of-range rows return false. Never blocks.
   bool Report(int32_t row, uint64_t room);
-  // Decode: the count of `row` if it is armed for `room`, else -1. Out-of-range rows: -1.
-  int Count(int32_t row, uint64_t room) const;
+  // Prefill: marks `row` imminent if it is armed for `room` (its last data is on its way).
+  // Returns whether it did. Never blocks.
+  bool Announce(int32_t row, uint64_t room);
+  // Decode: the count of `row` if it is armed for `room`, else -1 (out-of-range rows too);
+  // `imminent`, when given, is set to whether a rank announced its last data.
+  int Count(int32_t row, uint64_t room, bool* imminent = nullptr) const;
 
  private:
   DoneMailbox(std::string name, int32_t num_rows, void* base, size_t bytes, bool owner)
@@ -62,10 +68,15 @@ class DoneMailbox {
   std::atomic<uint64_t>* cell(int32_t row) const {
     return static_cast<std::atomic<uint64_t>*>(base_) + row;
   }
-  // The armed cell of `room` with count 0.
+  static constexpr uint64_t kCountMask = 0xff;
+  static constexpr uint64_t kArmedBit = uint64_t{1} << 8;
+  static constexpr uint64_t kImminentBit = uint64_t{1} << 9;
+  // The armed cell of `room` with count 0, not imminent.
   static uint64_t Armed(uint64_t room) {
-    return ((room & ((uint64_t{1} << 55) - 1)) << 9) | (uint64_t{1} << 8);
+    return ((room & ((uint64_t{1} << 54) - 1)) << 10) | kArmedBit;
   }
+  // A cell's room tag and armed bit (count and imminent masked off).
+  static uint64_t Key(uint64_t cell) { return cell & ~(kCountMask | kImminentBit); }
 
   std::string name_;
   int32_t num_rows_ = 0;

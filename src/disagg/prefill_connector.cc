@@ -634,13 +634,15 @@ class PrefillConnectorImpl : public PrefillConnector {
         [this, room, dest, finishing](const BatchStatus& status) {
           OnBatchDone(room, dest, finishing, status);
         },
-        nullptr, /*inline_success=*/true, finishing ? MailboxReport(room, dest) : nullptr);
+        nullptr, /*inline_success=*/true,
+        finishing ? MailboxReport(room, dest, /*announce=*/true) : nullptr);
   }
 
   // For a batch carrying a destination's done notice: reports the room done in the
   // destination's same-node mailbox once the batch's data landed, ahead of the notice
-  // (BatchOptions::on_landed). Null when that decode has no mailbox we can reach.
-  std::function<void()> MailboxReport(uint64_t room, size_t dest) {
+  // (BatchOptions::on_landed). With `announce`, first marks the room imminent there (the
+  // batch is about to leave). Null when that decode has no mailbox we can reach.
+  std::function<void()> MailboxReport(uint64_t room, size_t dest, bool announce = false) {
     std::shared_ptr<DoneMailbox> mailbox;
     int32_t row = -1;
     rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
@@ -650,6 +652,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       return OkStatus();
     }).IgnoreError();
     if (mailbox == nullptr) return nullptr;
+    if (announce) mailbox->Announce(row, room);
     return [mailbox = std::move(mailbox), row, room] {
       if (!mailbox->Report(row, room)) {
         KVF_LOG_DEBUG("prefill: room {}: done mailbox row {} not armed for it", room, row);
@@ -1145,8 +1148,12 @@ class PrefillConnectorImpl : public PrefillConnector {
         } else {
           AppendChunkRequests(dest, t.first_page, t.src_pages, &requests, buffers);
         }
-        if (layer + 1 == static_cast<int>(pass.marked.size()) && t.last && t.sends &&
-            dest.slice.sends_aux) {
+        const bool last_layer = layer + 1 == static_cast<int>(pass.marked.size());
+        if (last_layer && t.last && dest.decode != nullptr && dest.decode->mailbox != nullptr) {
+          // The room's last data leaves now: decode may watch its mailbox cell closely.
+          dest.decode->mailbox->Announce(dest.dst_aux_row, t.room);
+        }
+        if (last_layer && t.last && t.sends && dest.slice.sends_aux) {
           requests.push_back(AuxRequest(r.data, dest));
           dest.aux_sent = true;
         }

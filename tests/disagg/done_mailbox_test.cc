@@ -36,7 +36,23 @@ TEST(DoneMailboxTest, ReportsCountOnlyForTheArmedRoom) {
   EXPECT_FALSE((*prefill)->Report(8, 77));
   EXPECT_FALSE((*prefill)->Report(-1, 77));
   EXPECT_EQ((*decode)->Count(8, 77), -1);
-  // Rooms differing only above the tag's 55 bits share a tag; the count saturates.
+  // Announcing the last data sets a flag that neither counts nor survives re-arming.
+  bool imminent = true;
+  EXPECT_EQ((*decode)->Count(3, 77, &imminent), 0);
+  EXPECT_FALSE(imminent);
+  EXPECT_FALSE((*prefill)->Announce(3, 1234));
+  EXPECT_TRUE((*prefill)->Announce(3, 77));
+  EXPECT_TRUE((*prefill)->Announce(3, 77));
+  EXPECT_EQ((*decode)->Count(3, 77, &imminent), 0);
+  EXPECT_TRUE(imminent);
+  EXPECT_TRUE((*prefill)->Report(3, 77));
+  EXPECT_EQ((*decode)->Count(3, 77, &imminent), 1);
+  EXPECT_TRUE(imminent);
+  (*decode)->Arm(3, 78);
+  EXPECT_EQ((*decode)->Count(3, 78, &imminent), 0);
+  EXPECT_FALSE(imminent);
+  EXPECT_FALSE((*prefill)->Announce(9, 78));
+  // The count saturates.
   (*decode)->Arm(0, 5);
   for (int i = 0; i < DoneMailbox::kMaxCount; ++i) ASSERT_TRUE((*prefill)->Report(0, 5)) << i;
   EXPECT_FALSE((*prefill)->Report(0, 5));
