@@ -27,10 +27,10 @@ struct NvlinkChannelOptions {
   int resident_blocks = 0;
   // A bulk submission goes to the resident kernel only while at least this many tiles of bulk
   // submissions (its own included) are in flight on the channel. Default 4096 (64 MiB of
-  // 16 KiB tiles): below it launches kept up (4 threads x 4 batches of 64 blocks of 16 KiB:
-  // 285 GB/s launched, 30 GB/s resident, whose batches waited ~250 us each, a cause not found
-  // yet; docs/perf/nvlink-h200.md); above it the resident kernel ran at 93% of
-  // cudaMemcpyPeer where launches reached 67-86%.
+  // 16 KiB tiles): below it launches keep up and a lone batch's latency is a launch's
+  // (resident: ~10 us more per sparse batch of 64 blocks; before a fence after its done flag,
+  // ~250 us); above it the resident kernel ran at 93% of cudaMemcpyPeer where launches
+  // reached 75-86% (docs/perf/nvlink-h200.md).
   int64_t resident_min_tiles = 4096;
 };
 
