@@ -50,13 +50,15 @@ struct EngineOptions {
   uint64_t nvlink_copy_engine_threshold_bytes = UINT64_MAX;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small
   // batches (up to 512 tiles of 16 KiB) keep coming, so that each costs no kernel launch, and
-  // leaves after KVFERRY_IDLE_SPIN_US without work. -1 (default): one block per SM of the
-  // local GPU (as many as fit at once); N > 0: N blocks; 0: off, every batch (or a group of
-  // them) is its own launch. On 4 x H200 it moved batches of 64 blocks of 16 and 64 KiB at
-  // 93% of cudaMemcpyPeer with >= 64 MiB in flight (launches: 75-85%), with lone 4 KiB
-  // WRITEs unchanged at 11.2 us (they go as launches below the threshold below)
-  // (docs/perf/nvlink-h200.md).
-  int nvlink_resident_blocks = -1;
+  // leaves after KVFERRY_IDLE_SPIN_US without work. 0 (default): off, every batch (or a group
+  // of them) is its own launch; -1: one block per SM of the local GPU (as many as fit at
+  // once); N > 0: N blocks. On 4 x H200 it moved batches of 64 blocks of 16 and 64 KiB at
+  // 93% of cudaMemcpyPeer with >= 64 MiB in flight (launches: 75-86%) and left lone 4 KiB
+  // WRITEs at 11.2 us. Off by default because while it runs it holds every SM it was given:
+  // other kernels of the process's GPU (prefill's forward pass, the staging gather) wait for
+  // it to go idle, and one of six unequal-TP staging replays with it on stalled (cause not
+  // isolated; docs/perf/nvlink-h200.md). With 16 or 32 blocks it fell to 47-93%.
+  int nvlink_resident_blocks = 0;
   // ... used only while at least this many 16 KiB tiles of small batches are in flight on the
   // channel; fewer go as launches.
   int64_t nvlink_resident_min_tiles = 4096;
