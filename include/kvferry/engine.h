@@ -153,12 +153,16 @@ struct BatchOptions {
   // When set, called once when the batch becomes final, on an engine thread (must not block
   // or call WaitBatch/CancelBatch on this batch). The batch stays queryable until released.
   std::function<void(BatchId, const BatchStatus&)> on_complete;
-  // When set, called once on an engine thread as soon as every request of the batch
-  // completed without error (its bytes are in the peer's memory, visible to the peer's later
-  // reads and kernels), before the notification leaves; not called when any request failed.
-  // For a notification-only batch (SubmitNotification) it runs as the message leaves. Must
-  // not block. The connector uses it to flag completion to a same-node decode in shared
-  // memory ahead of the TCP notification (done_mailbox.h).
+  // When set, called once as soon as every request of the batch completed without error,
+  // before the notification leaves; not called when any request failed, was cancelled or
+  // passed its deadline. On an engine thread; for a notification-only batch
+  // (SubmitNotification) on the caller's thread, inside SubmitNotification (do not hold a
+  // lock the callback takes). Must not block. "Completed" means, with the TCP transport, the
+  // peer acknowledged the bytes after copying them into its memory and, over NVLink, the copy
+  // kernel's completion was seen (both make the bytes visible to the peer's later reads and
+  // kernels); a transport without that guarantee must not complete requests earlier. The
+  // connector uses it to flag completion to a same-node decode in shared memory ahead of the
+  // TCP notification (done_mailbox.h).
   std::function<void()> on_landed;
   // A cudaEvent_t (recorded by the caller, e.g. on prefill's compute stream after a layer
   // wrote its KV) that the batch's copies must come after, or null. SubmitBatch never waits

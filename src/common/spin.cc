@@ -24,12 +24,15 @@ std::chrono::microseconds IdleSpinWindow() {
 
 void SetFineTimerSlack() { ::prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); }
 
-ScopedFineTimerSlack::ScopedFineTimerSlack() : previous_ns_(::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)) {
+ScopedFineTimerSlack::ScopedFineTimerSlack()
+    : previous_ns_(::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)) {
   SetFineTimerSlack();
 }
 
 ScopedFineTimerSlack::~ScopedFineTimerSlack() {
-  if (previous_ns_ > 0) ::prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(previous_ns_), 0, 0, 0);
+  if (previous_ns_ > 0) {
+    ::prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(previous_ns_), 0, 0, 0);
+  }
 }
 
 }  // namespace kvferry

@@ -1,16 +1,18 @@
 // Decode side of the disaggregation connector: receivers, bootstrap, heartbeats.
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <deque>
 #include <map>
 
 #include "common/checks.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "common/spin.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
-#include "common/env.h"
 #include "disagg/control_message.h"
 #include "disagg/done_mailbox.h"
 #include "disagg/room_table.h"
@@ -31,6 +33,14 @@ using std::chrono::milliseconds;
 // about the copy of one large layer (a 64 MiB layer takes ~180 us over NVLink), bounded so that
 // a long final transfer (TCP) costs at most this much of a core per room.
 constexpr auto kImminentSpin = std::chrono::microseconds(1000);
+
+// CPUs this process may run on (its affinity mask; hardware_concurrency ignores it).
+int UsableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
 
 // A prefill rank this decode rank takes KV from.
 struct PrefillPeer {
@@ -120,11 +130,11 @@ class DecodeConnectorImpl : public DecodeConnector {
     }
     ASSIGN_OR_RETURN(EnvConfig env, ReadEnvConfig());
     if (env.done_poll_us) options_.done_poll_us = static_cast<int>(*env.done_poll_us);
-    if (options_.done_poll_us < -1) {
-      return InvalidArgumentError("done_poll_us must be >= -1, got " +
+    if (options_.done_poll_us < -1 || options_.done_poll_us > 100000) {
+      return InvalidArgumentError("done_poll_us must be in -1..100000, got " +
                                   std::to_string(options_.done_poll_us));
     }
-    if (options_.done_poll_us == -1) options_.done_poll_us = cores >= 16 ? 20 : 0;
+    if (options_.done_poll_us == -1) options_.done_poll_us = UsableCores() >= 16 ? 20 : 0;
     node_id_ = engine_->LocalDescriptor().node_id;
     if (options_.done_mailbox) {
       auto mailbox = DoneMailbox::Create(aux_->num_rows());
@@ -228,6 +238,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     ScopedFineTimerSlack fine_sleeps;  // 20 us sleeps, not 70 us
     bool spun = false;
     while (true) {
+      if (mailbox_->Count(row, room) >= expected) FinishIfComplete(room, 0, /*may_wait=*/false);
       const auto now = Clock::now();
       ASSIGN_OR_RETURN(s, rooms_.WaitUntil(room, state, std::min(until, now + poll)));
       if (IsFinal(s.state) || static_cast<int>(s.state) >= static_cast<int>(state) ||
@@ -243,7 +254,6 @@ class DecodeConnectorImpl : public DecodeConnector {
         const auto spin_until = std::min(until, Clock::now() + kImminentSpin);
         SpinUntil([&] { return mailbox_->Count(row, room) >= expected; }, spin_until);
       }
-      if (mailbox_->Count(row, room) >= expected) FinishIfComplete(room, 0, /*may_wait=*/false);
     }
   }
 
@@ -817,11 +827,13 @@ class DecodeConnectorImpl : public DecodeConnector {
   // Counts `tcp_reports` more done notices for `room` and completes it once every prefill
   // rank reported done, over TCP or in the done mailbox (each source alone must have seen
   // all: a rank reports in both, so their sum would count it twice), its aux row checked.
-  // `may_wait`: Success may wait for the room's pins (staged scatters under way); without it
-  // a pinned room is left for a later call.
+  // `may_wait` (a done notice's handler): Success may wait for the room's pins (staged
+  // scatters under way). Without it (Poll, Wait) nothing here blocks: a pinned room is left
+  // for a later call or the done notice, and a corrupt aux row fails the room from the
+  // control queue.
   void FinishIfComplete(uint64_t room, int tcp_reports, bool may_wait) {
     Status corrupt;
-    bool complete = false, waiting = false;
+    bool complete = false, waiting = false, by_mailbox = false;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       ReceiverRoom& d = r.data;
       d.responses += tcp_reports;
@@ -829,9 +841,8 @@ class DecodeConnectorImpl : public DecodeConnector {
       // Bootstrap, which sent them the destination, advanced it. Its expected count and
       // mailbox flag were set before any destination left.
       if (IsFinal(r.status.state)) return OkStatus();
-      int reports = d.responses;
-      if (d.mailbox) reports = std::max(reports, mailbox_->Count(d.aux_row, room));
-      complete = reports >= d.expected_responses;
+      const int in_mailbox = d.mailbox ? mailbox_->Count(d.aux_row, room) : -1;
+      complete = std::max(d.responses, in_mailbox) >= d.expected_responses;
       if (!complete) {
         waiting = tcp_reports > 0;
         return OkStatus();
@@ -840,6 +851,7 @@ class DecodeConnectorImpl : public DecodeConnector {
         complete = false;
         return OkStatus();
       }
+      by_mailbox = d.responses < d.expected_responses;
       uint64_t in_row = aux_->ReadRoom(d.aux_row);
       if (in_row != room) {
         corrupt = DataLossError("metadata corruption: aux row " + std::to_string(d.aux_row) +
@@ -849,14 +861,20 @@ class DecodeConnectorImpl : public DecodeConnector {
       return OkStatus();
     }).IgnoreError();
     if (!corrupt.ok()) {
-      FailRoom(room, corrupt, false);
+      if (may_wait) {
+        FailRoom(room, corrupt, false);
+      } else {
+        control_->Post([this, room, corrupt] { FailRoom(room, corrupt, false); });
+      }
     } else if (complete) {
-      rooms_.Advance(room, RoomState::kTransferring);
-      if (rooms_.Advance(room, RoomState::kSuccess)) {
-        KVF_LOG_DEBUG("decode: room {} succeeded ({})", room, tcp_reports > 0 ? "done notice"
-                                                                               : "done mailbox");
+      const bool succeeded = may_wait ? (rooms_.Advance(room, RoomState::kTransferring),
+                                         rooms_.Advance(room, RoomState::kSuccess))
+                                      : rooms_.TrySucceed(room);
+      if (succeeded) {
+        KVF_LOG_DEBUG("decode: room {} succeeded ({})", room,
+                      by_mailbox ? "done mailbox" : "done notice");
         ++rooms_succeeded_;
-        if (tcp_reports == 0) ++rooms_done_by_mailbox_;
+        if (by_mailbox) ++rooms_done_by_mailbox_;
         RecordBytes(room);
       }
     } else if (waiting) {

@@ -80,6 +80,22 @@ class RoomTable {
     return true;
   }
 
+  // As Advance(room, kSuccess) but never waits: returns false, changing nothing, while a Pin
+  // holds the room or a failure waits for one (or when it is final or unknown).
+  bool TrySucceed(uint64_t room) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || IsFinal(it->second.status.state) || it->second.pins > 0 ||
+        it->second.fail_pending) {
+      return false;
+    }
+    it->second.status.state = RoomState::kSuccess;
+    it->second.status.final_time = Clock::now();
+    it->second.deadline = Clock::time_point::max();
+    cv_.notify_all();
+    return true;
+  }
+
   // Fails a non-final room, once no Pin holds it. Returns whether it changed.
   bool Fail(uint64_t room, const Status& why) {
     std::unique_lock<std::mutex> lock(mu_);

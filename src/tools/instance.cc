@@ -634,7 +634,8 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   auto stats = [&] {
     ConnectorStats st = c.stats();
     return json{{"bytes", st.bytes}, {"rooms_succeeded", st.rooms_succeeded},
-                {"rooms_failed", st.rooms_failed}, {"rooms_done_by_mailbox", st.rooms_done_by_mailbox}};
+                {"rooms_failed", st.rooms_failed},
+                {"rooms_done_by_mailbox", st.rooms_done_by_mailbox}};
   };
   in.AddCommonRoutes(info, stats);
   in.server.Post("/decode", [&](const httplib::Request& req, httplib::Response& res) {

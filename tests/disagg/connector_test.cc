@@ -380,7 +380,9 @@ class LayerwiseConnectorTest : public ::testing::Test {
     auto p = PrefillConnector::Create(po, prefill_->pool.get(), prefill_->aux.get());
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     prefill_conn_ = std::move(*p);
-    auto d = DecodeConnector::Create({}, decode_->pool.get(), decode_->aux.get());
+    DecodeConnectorOptions dopt;
+    dopt.done_poll_us = 20;  // Wait polls the done mailbox here also on small machines
+    auto d = DecodeConnector::Create(dopt, decode_->pool.get(), decode_->aux.get());
     ASSERT_TRUE(d.ok()) << d.status().ToString();
     decode_conn_ = std::move(*d);
   }

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -32,6 +33,10 @@ TEST(DoneMailboxTest, ReportsCountOnlyForTheArmedRoom) {
   (*decode)->Arm(3, 77);
   EXPECT_FALSE((*prefill)->Report(3, 1234));
   EXPECT_EQ((*decode)->Count(3, 77), 0);
+  // Ids that differ only in their high bits get different tags.
+  (*decode)->Arm(1, 7);
+  EXPECT_FALSE((*prefill)->Report(1, 7 | (uint64_t{1} << 60)));
+  EXPECT_EQ((*decode)->Count(1, 7), 0);
   // Rows outside the mailbox.
   EXPECT_FALSE((*prefill)->Report(8, 77));
   EXPECT_FALSE((*prefill)->Report(-1, 77));
@@ -100,24 +105,51 @@ TEST(DoneMailboxTest, NameIsRemovedWithItsCreatorAndOrphansBySomeoneElse) {
     ASSERT_TRUE(decode.ok());
     name = (*decode)->name();
     ASSERT_TRUE(DoneMailbox::Open(name, 2).ok());
+    // A live creator holds its segment: the sweep leaves it, however old.
+    DoneMailbox::RemoveOrphans(std::chrono::seconds(0));
+    ASSERT_TRUE(DoneMailbox::Open(name, 2).ok());
+    // A forked child (sharing the creator's lock) does not unlink it when it destroys its
+    // copy of the object.
+    pid_t child = ::fork();
+    if (child == 0) {
+      decode->reset();
+      ::_exit(0);
+    }
+    ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+    EXPECT_TRUE(DoneMailbox::Open(name, 2).ok());
   }
   EXPECT_EQ(DoneMailbox::Open(name, 2).status().code(), StatusCode::kUnavailable);
 
-  // A mailbox left by a process that died: its pid no longer exists.
-  pid_t child = ::fork();
-  if (child == 0) ::_exit(0);
-  ASSERT_GT(child, 0);
-  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
-  const std::string orphan = "/kvferry-done-" + std::to_string(child) + "-0";
+  // A mailbox whose creator died without unlinking it: nobody holds its lock.
+  const std::string orphan = "/kvferry-done-1-orphanedfortest";
   int fd = ::shm_open(orphan.c_str(), O_RDWR | O_CREAT, 0600);
   ASSERT_GE(fd, 0);
-  ASSERT_EQ(::ftruncate(fd, 64), 0);
+  ASSERT_EQ(::ftruncate(fd, 128), 0);
   ::close(fd);
   ASSERT_TRUE(DoneMailbox::Open(orphan, 2).ok());
-  auto next = DoneMailbox::Create(2);
-  ASSERT_TRUE(next.ok());
+  EXPECT_GE(DoneMailbox::RemoveOrphans(std::chrono::seconds(0)), 1);
   EXPECT_EQ(DoneMailbox::Open(orphan, 2).status().code(), StatusCode::kUnavailable);
   ::shm_unlink(orphan.c_str());  // in case the check above failed
+}
+
+TEST(DoneMailboxTest, ReportsCrossProcesses) {
+  auto decode = DoneMailbox::Create(4);
+  ASSERT_TRUE(decode.ok());
+  (*decode)->Arm(2, 0xabcdef);
+  pid_t child = ::fork();
+  if (child == 0) {
+    auto prefill = DoneMailbox::Open((*decode)->name(), 4);
+    const bool ok = prefill.ok() && (*prefill)->Announce(2, 0xabcdef) &&
+                    (*prefill)->Report(2, 0xabcdef) && !(*prefill)->Report(2, 0xabcdee);
+    ::_exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  bool imminent = false;
+  EXPECT_EQ((*decode)->Count(2, 0xabcdef, &imminent), 1);
+  EXPECT_TRUE(imminent);
 }
 
 }  // namespace

@@ -127,6 +127,10 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
     o.tp_size = ds;
     o.kv_path = kv_path;
     o.staging_bytes = staging_bytes;
+    // Decode's Wait polls the same-node done mailbox here also on small machines (where it
+    // is off by default): rooms with several prefill ranks, replicas and staging pins
+    // complete through it as well.
+    o.done_poll_us = 20;
     auto c = DecodeConnector::Create(o, decode[d]->pool.get(), decode[d]->aux.get());
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     if (!c.ok()) return 0;

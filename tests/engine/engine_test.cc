@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <asio.hpp>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -314,6 +315,63 @@ TEST_F(EngineTest, SubmittedNotificationIsDeliveredAndCompletes) {
             StatusCode::kNotFound);
   EXPECT_EQ(engine_->SubmitNotification(segment_, "", {}).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// BatchOptions::on_landed: once, after every request completed and before the batch's
+// notification (so before its completion); never for a batch with a failed request.
+TEST_F(EngineTest, OnLandedRunsOnceBeforeTheNotificationAndNotAfterAFailure) {
+  std::vector<uint8_t> src(1 << 20, 0x3c);
+  std::atomic<int> step{0}, landed_at{-1}, completed_at{-1}, landed_calls{0};
+  std::promise<BatchStatus> done;
+  std::vector<TransferRequest> reqs;
+  for (uint64_t off = 0; off < src.size(); off += 64 << 10) {
+    reqs.push_back({TransferOp::kWrite, src.data() + off, segment_, rw(off), 64 << 10});
+  }
+  BatchOptions o;
+  o.notification = "hash:0:" + std::to_string(src.size());
+  o.on_landed = [&] {
+    ++landed_calls;
+    landed_at = step++;
+  };
+  o.on_complete = [&](BatchId, const BatchStatus& s) {
+    completed_at = step++;
+    done.set_value(s);
+  };
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  auto f = done.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(f.get().state, TransferState::kCompleted);
+  EXPECT_EQ(landed_calls.load(), 1);
+  EXPECT_EQ(landed_at.load(), 0);
+  EXPECT_EQ(completed_at.load(), 1);
+  EXPECT_TRUE(engine_->ReleaseBatch(*id).ok());
+
+  // A request outside registered memory: the batch fails and on_landed never runs.
+  landed_calls = 0;
+  std::promise<BatchStatus> failed;
+  reqs.push_back({TransferOp::kWrite, src.data(), segment_, rw(kRegionBytes - 4096), 8192});
+  o.on_complete = [&](BatchId, const BatchStatus& s) { failed.set_value(s); };
+  id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  auto g = failed.get_future();
+  ASSERT_EQ(g.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(g.get().state, TransferState::kFailed);
+  EXPECT_EQ(landed_calls.load(), 0);
+  EXPECT_TRUE(engine_->ReleaseBatch(*id).ok());
+
+  // A notification-only batch: on the caller's thread, before SubmitNotification returns.
+  BatchOptions n;
+  n.on_landed = [&] { ++landed_calls; };
+  id = engine_->SubmitNotification(segment_, "hash:0:16", n);
+  ASSERT_TRUE(id.ok());
+  EXPECT_EQ(landed_calls.load(), 1);
+  ASSERT_TRUE(engine_->WaitBatch(*id, milliseconds(10000)).ok());
+  EXPECT_TRUE(engine_->ReleaseBatch(*id).ok());
+  // Drain the peer's answers so they do not reach other tests' pollers.
+  for (int i = 0; i < 300 && engine_->PollNotifications().size() < 1; ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
 }
 
 TEST_F(EngineTest, KilledPeerFailsInFlightRequestsWithinDeadline) {
