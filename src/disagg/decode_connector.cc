@@ -834,6 +834,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   void FinishIfComplete(uint64_t room, int tcp_reports, bool may_wait) {
     Status corrupt;
     bool complete = false, waiting = false, by_mailbox = false;
+    int32_t aux_row = -1;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       ReceiverRoom& d = r.data;
       d.responses += tcp_reports;
@@ -852,14 +853,19 @@ class DecodeConnectorImpl : public DecodeConnector {
         return OkStatus();
       }
       by_mailbox = d.responses < d.expected_responses;
-      uint64_t in_row = aux_->ReadRoom(d.aux_row);
+      aux_row = d.aux_row;
+      return OkStatus();
+    }).IgnoreError();
+    if (complete) {
+      // Read outside the table's lock: for GPU aux rows this is a synchronous device copy,
+      // which waits for the work queued on the decode GPU (a scatter, a verification).
+      const uint64_t in_row = aux_->ReadRoom(aux_row);
       if (in_row != room) {
-        corrupt = DataLossError("metadata corruption: aux row " + std::to_string(d.aux_row) +
+        corrupt = DataLossError("metadata corruption: aux row " + std::to_string(aux_row) +
                                 " holds bootstrap room " + std::to_string(in_row) +
                                 ", expected " + std::to_string(room));
       }
-      return OkStatus();
-    }).IgnoreError();
+    }
     if (!corrupt.ok()) {
       if (may_wait) {
         FailRoom(room, corrupt, false);
