@@ -42,25 +42,6 @@ inline void CpuRelax() {
 #endif
 }
 
-// Polls `ready` for up to SpinWindow(), never past `deadline`; returns true as soon as it
-// does, else its last answer.
-template <typename Ready>
-bool SpinFor(Ready&& ready,
-             std::chrono::steady_clock::time_point deadline =
-                 std::chrono::steady_clock::time_point::max()) {
-  const auto window = SpinWindow();
-  if (window.count() <= 0) return ready();
-  const auto now = std::chrono::steady_clock::now();
-  const auto until = deadline - now < window ? deadline : now + window;
-  do {
-    for (int i = 0; i < 64; ++i) {
-      if (ready()) return true;
-      CpuRelax();
-    }
-  } while (std::chrono::steady_clock::now() < until);
-  return ready();
-}
-
 // Polls `ready` without sleeping until it holds or `until` passes; returns its last answer.
 template <typename Ready>
 bool SpinUntil(Ready&& ready, std::chrono::steady_clock::time_point until) {
@@ -71,6 +52,18 @@ bool SpinUntil(Ready&& ready, std::chrono::steady_clock::time_point until) {
     }
   } while (std::chrono::steady_clock::now() < until);
   return ready();
+}
+
+// Polls `ready` for up to SpinWindow(), never past `deadline`; returns true as soon as it
+// does, else its last answer.
+template <typename Ready>
+bool SpinFor(Ready&& ready,
+             std::chrono::steady_clock::time_point deadline =
+                 std::chrono::steady_clock::time_point::max()) {
+  const auto window = SpinWindow();
+  if (window.count() <= 0) return ready();
+  const auto now = std::chrono::steady_clock::now();
+  return SpinUntil(ready, deadline - now < window ? deadline : now + window);
 }
 
 }  // namespace kvferry
