@@ -1359,20 +1359,20 @@ class PrefillConnectorImpl : public PrefillConnector {
           // Its watermark wait may block: never behind other control work.
           staging_->Post([this, msg] { WriteStaged(msg, msg.decode_address); });
           break;
-        case ControlType::kAbort:
-          if (rooms_.Get(msg.room).ok()) {
-            FailRoom(msg.room, AbortedError("aborted by decode: " + msg.reason));
-          } else {
-            // The sender is not created yet: it fails as soon as it is, instead of waiting out
-            // its bootstrap timeout for a destination that will not come.
-            std::lock_guard<std::mutex> lock(pending_mu_);
-            aborted_early_[msg.room] = {msg.reason, Clock::now()};
-          }
+        case ControlType::kAbort: {
+          bool exists = false;
           {
+            // Checked under pending_mu_, which CreateSender takes after creating the room: a
+            // sender not created yet collects the abort as soon as it is, instead of waiting
+            // out its bootstrap timeout for a destination that will not come.
             std::lock_guard<std::mutex> lock(pending_mu_);
+            exists = rooms_.Get(msg.room).ok();
+            if (!exists) aborted_early_[msg.room] = {msg.reason, Clock::now()};
             pending_.erase(msg.room);
           }
+          if (exists) FailRoom(msg.room, AbortedError("aborted by decode: " + msg.reason));
           break;
+        }
         default:
           KVF_LOG_WARN("prefill: unexpected control message type {} from {}",
                        static_cast<int>(msg.type), msg.decode_address);
@@ -1505,16 +1505,26 @@ class PrefillConnectorImpl : public PrefillConnector {
       return OkStatus();
     });
     if (s.code() == StatusCode::kNotFound) {
-      std::lock_guard<std::mutex> lock(pending_mu_);
-      auto& waiting = pending_[m.room];
-      for (const Pending& p : waiting) {
-        if (p.message.decode_address == m.decode_address) {
-          refuse(AlreadyExistsError("bootstrap room " + std::to_string(m.room) +
-                                    " already awaited from this decode (duplicate room id)"));
+      {
+        std::lock_guard<std::mutex> lock(pending_mu_);
+        // CreateSender creates the room, then takes pending_mu_ to collect what came early:
+        // a room created since the check above has collected already, and this destination
+        // would wait in pending_ forever (the room Bootstrapping until its timeout). Checked
+        // again under the lock: not there now means CreateSender collects after us.
+        if (!rooms_.Get(m.room).ok()) {
+          auto& waiting = pending_[m.room];
+          for (const Pending& p : waiting) {
+            if (p.message.decode_address == m.decode_address) {
+              refuse(AlreadyExistsError("bootstrap room " + std::to_string(m.room) +
+                                        " already awaited from this decode (duplicate room id)"));
+              return;
+            }
+          }
+          waiting.push_back(Pending{m, Clock::now()});
           return;
         }
       }
-      waiting.push_back(Pending{m, Clock::now()});
+      HandleTransferInfo(m);  // the room exists now: handle it as if it had been there
       return;
     }
     if (s.code() == StatusCode::kAlreadyExists) {
