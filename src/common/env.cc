@@ -4,7 +4,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <optional>
+#include <string>
 #include <utility>
+
+#include "common/checks.h"
 
 namespace kvferry {
 
@@ -69,6 +73,28 @@ std::string FormatBytes(uint64_t bytes) {
   return buf;
 }
 
+namespace {
+
+// Reads the integer variable `name` into `*out` when it is set and not empty. Errors:
+// kInvalidArgument naming the variable and its value when it is not an integer in lo..hi
+// (`note` is appended to the message).
+template <typename T>
+Status ReadInteger(const char* name, long long lo, long long hi, std::optional<T>* out,
+                   const char* note = "") {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return OkStatus();
+  char* end = nullptr;
+  const long long value = std::strtoll(v, &end, 10);
+  if (*end != '\0' || value < lo || value > hi) {
+    return InvalidArgumentError(std::string(name) + "='" + v + "' must be an integer in " +
+                                std::to_string(lo) + ".." + std::to_string(hi) + note);
+  }
+  *out = static_cast<T>(value);
+  return OkStatus();
+}
+
+}  // namespace
+
 StatusOr<EnvConfig> ReadEnvConfig() {
   EnvConfig config;
   if (const char* v = std::getenv("KVFERRY_LOG_LEVEL"); v != nullptr && *v != '\0') {
@@ -82,15 +108,7 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.log_level = level;
   }
-  if (const char* v = std::getenv("KVFERRY_TCP_LANES"); v != nullptr && *v != '\0') {
-    char* end = nullptr;
-    long lanes = std::strtol(v, &end, 10);
-    if (*end != '\0' || lanes < 1 || lanes > 64) {
-      return InvalidArgumentError(std::string("KVFERRY_TCP_LANES='") + v +
-                                  "' must be an integer in 1..64");
-    }
-    config.tcp_lanes = static_cast<int>(lanes);
-  }
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_TCP_LANES", 1, 64, &config.tcp_lanes));
   if (const char* v = std::getenv("KVFERRY_TCP_SLICE"); v != nullptr && *v != '\0') {
     auto size = ParseByteSize(v);
     if (!size.ok() || *size < 4096) {
@@ -107,36 +125,13 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.nvlink_ce_threshold_bytes = *size;
   }
-  for (auto [name, field] : {std::pair{"KVFERRY_SPIN_US", &config.spin_us},
-                              std::pair{"KVFERRY_IDLE_SPIN_US", &config.idle_spin_us},
-                              std::pair{"KVFERRY_DONE_POLL_US", &config.done_poll_us}}) {
-    const char* v = std::getenv(name);
-    if (v == nullptr || *v == '\0') continue;
-    char* end = nullptr;
-    long long us = std::strtoll(v, &end, 10);
-    if (*end != '\0' || us < 0 || us > 100000) {
-      return InvalidArgumentError(std::string(name) + "='" + v + "' must be an integer in 0..100000");
-    }
-    *field = us;
-  }
-  if (const char* v = std::getenv("KVFERRY_NVLINK_RESIDENT_BLOCKS"); v != nullptr && *v != '\0') {
-    char* end = nullptr;
-    long blocks = std::strtol(v, &end, 10);
-    if (*end != '\0' || blocks < -1 || blocks > 4096) {
-      return InvalidArgumentError(std::string("KVFERRY_NVLINK_RESIDENT_BLOCKS='") + v +
-                                  "' must be an integer in -1..4096 (-1: one per SM, 0: off)");
-    }
-    config.nvlink_resident_blocks = static_cast<int>(blocks);
-  }
-  if (const char* v = std::getenv("KVFERRY_NVLINK_RESIDENT_MIN_TILES"); v != nullptr && *v != '\0') {
-    char* end = nullptr;
-    long long tiles = std::strtoll(v, &end, 10);
-    if (*end != '\0' || tiles < 0 || tiles > (1LL << 30)) {
-      return InvalidArgumentError(std::string("KVFERRY_NVLINK_RESIDENT_MIN_TILES='") + v +
-                                  "' must be an integer in 0..1073741824");
-    }
-    config.nvlink_resident_min_tiles = tiles;
-  }
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_SPIN_US", 0, 100000, &config.spin_us));
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_IDLE_SPIN_US", 0, 100000, &config.idle_spin_us));
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_DONE_POLL_US", 0, 100000, &config.done_poll_us));
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_NVLINK_RESIDENT_BLOCKS", -1, 4096,
+                              &config.nvlink_resident_blocks, " (-1: one per SM, 0: off)"));
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_NVLINK_RESIDENT_MIN_TILES", 0, 1LL << 30,
+                              &config.nvlink_resident_min_tiles));
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
     config.listen_host = std::string(v);
   }

@@ -527,18 +527,16 @@ int RunReplay(ReplayFlags flags) {
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   progress.Finish();
 
-  uint64_t transfer_requests = 0;
-  for (const std::string& ctl : prefill_ctl) {
-    if (auto st = GetJson(ctl, "/stats"); st.ok()) {
-      transfer_requests += st->value("transfer_requests", 0ull);
+  // One counter of the instances' /stats, summed (an instance that does not answer adds 0).
+  auto sum_stat = [](const std::vector<std::string>& ctls, const char* key) {
+    uint64_t sum = 0;
+    for (const std::string& ctl : ctls) {
+      if (auto st = GetJson(ctl, "/stats"); st.ok()) sum += st->value(key, 0ull);
     }
-  }
-  uint64_t done_by_mailbox = 0;
-  for (const std::string& ctl : decode_ctl) {
-    if (auto st = GetJson(ctl, "/stats"); st.ok()) {
-      done_by_mailbox += st->value("rooms_done_by_mailbox", 0ull);
-    }
-  }
+    return sum;
+  };
+  const uint64_t transfer_requests = sum_stat(prefill_ctl, "transfer_requests");
+  const uint64_t done_by_mailbox = sum_stat(decode_ctl, "rooms_done_by_mailbox");
   for (auto& child : children) child->Stop();
 
   const double gbps = seconds > 0 ? static_cast<double>(totals.bytes.load()) / seconds / 1e9 : 0;

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <initializer_list>
+#include <string>
 
 namespace kvferry {
 namespace {
@@ -34,20 +36,25 @@ TEST(EnvTest, SpinWindowsAreParsedAndBadValuesNamed) {
   EXPECT_TRUE(ReadEnvConfig().ok());
 }
 
+// Sets `var` to each of `values` in turn: each is refused with a message naming the variable
+// and the value. Leaves `var` unset.
+void ExpectEachRefusedByName(const char* var, std::initializer_list<const char*> values) {
+  for (const char* v : values) {
+    ::setenv(var, v, 1);
+    auto bad = ReadEnvConfig();
+    ASSERT_FALSE(bad.ok()) << var << "=" << v;
+    EXPECT_NE(bad.status().message().find(std::string(var) + "='" + v), std::string::npos)
+        << bad.status().ToString();
+  }
+  ::unsetenv(var);
+}
+
 TEST(EnvTest, ResidentBlocksAreParsedAndBadValuesNamed) {
   ::setenv("KVFERRY_NVLINK_RESIDENT_BLOCKS", "-1", 1);
   auto ok = ReadEnvConfig();
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
   EXPECT_EQ(ok->nvlink_resident_blocks, -1);
-  for (const char* v : {"-2", "5000", "two"}) {
-    ::setenv("KVFERRY_NVLINK_RESIDENT_BLOCKS", v, 1);
-    auto bad = ReadEnvConfig();
-    ASSERT_FALSE(bad.ok()) << v;
-    EXPECT_NE(bad.status().message().find(std::string("KVFERRY_NVLINK_RESIDENT_BLOCKS='") + v),
-              std::string::npos)
-        << bad.status().ToString();
-  }
-  ::unsetenv("KVFERRY_NVLINK_RESIDENT_BLOCKS");
+  ExpectEachRefusedByName("KVFERRY_NVLINK_RESIDENT_BLOCKS", {"-2", "5000", "two"});
   ok = ReadEnvConfig();
   ASSERT_TRUE(ok.ok());
   EXPECT_FALSE(ok->nvlink_resident_blocks.has_value());
@@ -58,15 +65,7 @@ TEST(EnvTest, ResidentMinTilesAreParsedAndBadValuesNamed) {
   auto ok = ReadEnvConfig();
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
   EXPECT_EQ(ok->nvlink_resident_min_tiles, 0);
-  for (const char* v : {"-1", "1073741825", "many"}) {
-    ::setenv("KVFERRY_NVLINK_RESIDENT_MIN_TILES", v, 1);
-    auto bad = ReadEnvConfig();
-    ASSERT_FALSE(bad.ok()) << v;
-    EXPECT_NE(bad.status().message().find(std::string("KVFERRY_NVLINK_RESIDENT_MIN_TILES='") + v),
-              std::string::npos)
-        << bad.status().ToString();
-  }
-  ::unsetenv("KVFERRY_NVLINK_RESIDENT_MIN_TILES");
+  ExpectEachRefusedByName("KVFERRY_NVLINK_RESIDENT_MIN_TILES", {"-1", "1073741825", "many"});
   EXPECT_FALSE(ReadEnvConfig()->nvlink_resident_min_tiles.has_value());
 }
 
