@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -14,25 +16,106 @@
 
 namespace kvferry::cuda {
 
-// cudaMemcpy from pageable memory to the device and cudaMemset may return before the device
-// memory holds the bytes (the DMA or the memset still runs on the legacy default stream), and
-// kvferry's copies run on non-blocking streams that do not wait for it: each call below waits
-// for the default stream, so that the bytes are in place when it returns.
-Status CopyToDevice(void* dst, const void* src, uint64_t bytes) {
-  DeviceGuard guard(DeviceOf(dst));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
+namespace {
+
+// kvferry's own stream on one device for the small synchronous operations below, with a
+// pinned scratch buffer that host bytes pass through. Non-blocking: the legacy default stream,
+// where frameworks such as PyTorch run their model by default, never holds it up (a decode
+// room's aux-row check used to wait behind the whole forward step queued there). Calls on one
+// device take turns (mu); the streams live as long as the process.
+struct PrivateStream {
+  std::mutex mu;
+  cudaStream_t stream = nullptr;
+  uint8_t* scratch = nullptr;
+};
+constexpr uint64_t kScratchBytes = uint64_t{1} << 20;
+constexpr int kMaxDevices = 64;
+
+// Locks and returns the device's private stream (created on first use), with `device` current
+// for the caller's scope (guard).
+StatusOr<PrivateStream*> LockPrivateStream(int device, std::unique_lock<std::mutex>* lock) {
+  if (device < 0 || device >= kMaxDevices) {
+    return InvalidArgumentError("address is not CUDA device memory (device " +
+                                std::to_string(device) + ")");
+  }
+  static std::mutex table_mu;
+  static PrivateStream* table[kMaxDevices] = {};
+  PrivateStream* p;
+  {
+    std::lock_guard<std::mutex> table_lock(table_mu);
+    if (table[device] == nullptr) table[device] = new PrivateStream();  // lives until exit
+    p = table[device];
+  }
+  *lock = std::unique_lock<std::mutex>(p->mu);
+  if (p->stream == nullptr) {
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking));
+    void* scratch = nullptr;
+    if (cudaMallocHost(&scratch, kScratchBytes) != cudaSuccess) {
+      cudaGetLastError();
+      cudaStreamDestroy(p->stream);
+      p->stream = nullptr;
+      return ResourceExhaustedError("cannot allocate pinned scratch for device copies");
+    }
+    p->scratch = static_cast<uint8_t*>(scratch);
+  }
+  return p;
+}
+
+// Copies `bytes` between host memory and device memory in scratch-sized pieces on the private
+// stream of `device`, waiting for each piece.
+Status CopyThroughScratch(int device, uint8_t* dst, const uint8_t* src, uint64_t bytes,
+                          bool to_device) {
+  DeviceGuard guard(device);
+  std::unique_lock<std::mutex> lock;
+  ASSIGN_OR_RETURN(PrivateStream * p, LockPrivateStream(device, &lock));
+  for (uint64_t done = 0; done < bytes;) {
+    const uint64_t n = std::min(kScratchBytes, bytes - done);
+    if (to_device) {
+      std::memcpy(p->scratch, src + done, n);
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(dst + done, p->scratch, n, cudaMemcpyHostToDevice, p->stream));
+      CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(p->stream));
+    } else {
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(p->scratch, src + done, n, cudaMemcpyDeviceToHost, p->stream));
+      CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(p->stream));
+      std::memcpy(dst + done, p->scratch, n);
+    }
+    done += n;
+  }
   return OkStatus();
+}
+
+}  // namespace
+
+// Each returns once the bytes are in place, waiting only for its own work (see PrivateStream).
+Status CopyToDevice(void* dst, const void* src, uint64_t bytes) {
+  return CopyThroughScratch(DeviceOf(dst), static_cast<uint8_t*>(dst),
+                            static_cast<const uint8_t*>(src), bytes, /*to_device=*/true);
 }
 Status CopyToHost(void* dst, const void* src, uint64_t bytes) {
-  DeviceGuard guard(DeviceOf(src));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
-  return OkStatus();
+  return CopyThroughScratch(DeviceOf(src), static_cast<uint8_t*>(dst),
+                            static_cast<const uint8_t*>(src), bytes, /*to_device=*/false);
+}
+void PrimeCopyToHost(const void* src) {
+  const int device = DeviceOf(src);
+  DeviceGuard guard(device);
+  std::unique_lock<std::mutex> lock;
+  auto p = LockPrivateStream(device, &lock);
+  if (!p.ok()) return;
+  // Into the scratch's last bytes; CopyThroughScratch's copies on the same stream come after.
+  if (cudaMemcpyAsync((*p)->scratch + kScratchBytes - 8, src, 8, cudaMemcpyDeviceToHost,
+                      (*p)->stream) != cudaSuccess) {
+    cudaGetLastError();
+  }
 }
 Status MemsetDevice(void* dst, int value, uint64_t bytes) {
-  DeviceGuard guard(DeviceOf(dst));
-  CUDA_RETURN_IF_ERROR(cudaMemset(dst, value, bytes));
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy));
+  const int device = DeviceOf(dst);
+  DeviceGuard guard(device);
+  std::unique_lock<std::mutex> lock;
+  ASSIGN_OR_RETURN(PrivateStream * p, LockPrivateStream(device, &lock));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, value, bytes, p->stream));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(p->stream));
   return OkStatus();
 }
 
@@ -161,19 +244,23 @@ namespace {
 
 class ComputeStreamImpl : public ComputeStream {
  public:
-  explicit ComputeStreamImpl(int device) : device_(device) {}
+  ComputeStreamImpl(int device, bool legacy) : device_(device), legacy_(legacy) {}
   ~ComputeStreamImpl() override {
     cudaSetDevice(device_);
     if (stream_) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
-    if (stream_) cudaStreamDestroy(stream_);
+    if (stream_ && !legacy_) cudaStreamDestroy(stream_);
   }
 
   Status Init(int max_events) {
     if (max_events < 1) return InvalidArgumentError("a compute stream needs at least one event");
     RETURN_IF_ERROR(CheckDevice(device_));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    if (legacy_) {
+      stream_ = cudaStreamLegacy;
+    } else {
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    }
     events_.resize(static_cast<size_t>(max_events), nullptr);
     for (cudaEvent_t& e : events_) {
       CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -200,6 +287,7 @@ class ComputeStreamImpl : public ComputeStream {
 
  private:
   int device_;
+  bool legacy_;  // spins on the legacy default stream
   cudaStream_t stream_ = nullptr;
   std::vector<cudaEvent_t> events_;
   size_t next_ = 0;
@@ -207,8 +295,9 @@ class ComputeStreamImpl : public ComputeStream {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int device, int max_events) {
-  auto s = std::make_unique<ComputeStreamImpl>(device);
+StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int device, int max_events,
+                                                              bool legacy_default_stream) {
+  auto s = std::make_unique<ComputeStreamImpl>(device, legacy_default_stream);
   RETURN_IF_ERROR(s->Init(max_events));
   return std::unique_ptr<ComputeStream>(std::move(s));
 }

@@ -12,9 +12,19 @@
 
 namespace kvferry::cuda {
 
+// Synchronous copies between host memory and the memory of one CUDA device, and a memset of
+// device memory: each returns once the bytes are in place. They run on a non-blocking stream
+// of kvferry's own (one per device, calls take turns) through a pinned scratch buffer, so
+// they never wait for other work on the device, such as a model on the legacy default stream.
+// Errors: kInvalidArgument when the device-side address is not CUDA device memory, and CUDA's.
 Status CopyToDevice(void* dst, const void* src, uint64_t bytes);
 Status CopyToHost(void* dst, const void* src, uint64_t bytes);
 Status MemsetDevice(void* dst, int value, uint64_t bytes);
+// Starts an 8-byte copy from device memory `src` on that device's private stream and returns
+// without waiting; errors are ignored. A GPU idle for a few milliseconds takes ~20 us instead of
+// ~7 us for its next small device-to-host copy (H200, docs/perf/layerwise.md session 8):
+// priming tens of microseconds before a latency-critical CopyToHost of the same device hides it.
+void PrimeCopyToHost(const void* src);
 // Whether the work before a recorded cudaEvent_t has finished (cudaEventQuery): true, false
 // (still running), or the error the event reports.
 StatusOr<bool> EventCompleted(void* event);
@@ -58,10 +68,14 @@ class GpuHeadSlices {
 // on this object's stream and returns a cudaEvent_t recorded after it, for
 // PrefillConnector::MarkLayerReadyOnEvent. Events are owned here, up to `max_events` of them,
 // handed out round-robin: an event is reused `max_events` Spin calls later, so keep at most
-// that many in flight (Synchronize between chunks). One per thread.
+// that many in flight (Synchronize between chunks). One per thread. With
+// `legacy_default_stream` the kernels go to the legacy default stream instead of a stream of
+// its own, where frameworks such as PyTorch run their model by default (tests use it to check
+// that kvferry's work never waits behind such a model).
 class ComputeStream {
  public:
-  static StatusOr<std::unique_ptr<ComputeStream>> Create(int device, int max_events);
+  static StatusOr<std::unique_ptr<ComputeStream>> Create(int device, int max_events,
+                                                         bool legacy_default_stream = false);
   virtual ~ComputeStream() = default;
   virtual StatusOr<void*> Spin(int64_t microseconds) = 0;
   // Blocks until everything enqueued so far has run.

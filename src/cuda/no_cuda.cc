@@ -23,8 +23,11 @@ DeviceAllocation::~DeviceAllocation() = default;
 Status CopyToDevice(void*, const void*, uint64_t) { return NoCuda(); }
 Status CopyToHost(void*, const void*, uint64_t) { return NoCuda(); }
 Status MemsetDevice(void*, int, uint64_t) { return NoCuda(); }
+void PrimeCopyToHost(const void*) {}
 StatusOr<bool> EventCompleted(void*) { return NoCuda(); }
-StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int) { return NoCuda(); }
+StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int, bool) {
+  return NoCuda();
+}
 StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(int) { return NoCuda(); }
 StatusOr<std::unique_ptr<GpuPattern>> GpuPattern::Create(int) { return NoCuda(); }
 StatusOr<std::unique_ptr<BounceBuffers>> BounceBuffers::Create(int, int, uint64_t) {

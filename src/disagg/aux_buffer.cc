@@ -160,4 +160,8 @@ uint64_t AuxBuffer::ReadRoom(int32_t row) const {
   return room;
 }
 
+void AuxBuffer::PrimeReadRoom(int32_t row) const {
+  if (device_memory_ != nullptr) cuda::PrimeCopyToHost(Row(row) + layout_.room_offset());
+}
+
 }  // namespace kvferry
