@@ -75,6 +75,7 @@ struct ReceiverRoom {
   int expected_responses = 1;  // prefill ranks that must report done
   int responses = 0;           // done notices received over TCP
   bool mailbox = false;        // every prefill rank of the room can report in the done mailbox
+  bool primed = false;         // the aux row's read was primed (AuxBuffer::PrimeReadRoom)
 
   bool uses(const std::shared_ptr<PrefillPeer>& peer) const {
     return std::find(prefills.begin(), prefills.end(), peer) != prefills.end();
@@ -251,6 +252,7 @@ class DecodeConnectorImpl : public DecodeConnector {
         // (a timed sleep lasts 40-60 us on these hosts, not the 20 asked) for up to
         // kImminentSpin, once per wait.
         spun = true;
+        PrimeAuxRead(room);
         const auto spin_until = std::min(until, Clock::now() + kImminentSpin);
         SpinUntil([&] { return mailbox_->Count(row, room) >= expected; }, spin_until);
       }
@@ -833,8 +835,9 @@ class DecodeConnectorImpl : public DecodeConnector {
   // control queue.
   void FinishIfComplete(uint64_t room, int tcp_reports, bool may_wait) {
     Status corrupt;
-    bool complete = false, waiting = false, by_mailbox = false;
+    bool complete = false, waiting = false, by_mailbox = false, prime = false;
     int32_t aux_row = -1;
+    double check_us = 0;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       ReceiverRoom& d = r.data;
       d.responses += tcp_reports;
@@ -842,10 +845,14 @@ class DecodeConnectorImpl : public DecodeConnector {
       // Bootstrap, which sent them the destination, advanced it. Its expected count and
       // mailbox flag were set before any destination left.
       if (IsFinal(r.status.state)) return OkStatus();
-      const int in_mailbox = d.mailbox ? mailbox_->Count(d.aux_row, room) : -1;
+      bool imminent = false;
+      const int in_mailbox = d.mailbox ? mailbox_->Count(d.aux_row, room, &imminent) : -1;
       complete = std::max(d.responses, in_mailbox) >= d.expected_responses;
       if (!complete) {
         waiting = tcp_reports > 0;
+        prime = imminent && !d.primed;  // for a caller polling the room (Poll)
+        d.primed = d.primed || prime;
+        aux_row = d.aux_row;
         return OkStatus();
       }
       if (!may_wait && (r.pins > 0 || r.fail_pending)) {
@@ -856,10 +863,15 @@ class DecodeConnectorImpl : public DecodeConnector {
       aux_row = d.aux_row;
       return OkStatus();
     }).IgnoreError();
+    if (prime) aux_->PrimeReadRoom(aux_row);
     if (complete) {
-      // Read outside the table's lock: for GPU aux rows this is a synchronous device copy,
-      // which waits for the work queued on the decode GPU (a scatter, a verification).
+      KVF_LOG_DEBUG("decode: room {} complete ({}), checking aux row {}", room,
+                    by_mailbox ? "done mailbox" : "done notice", aux_row);
+      // Read outside the table's lock: for GPU aux rows this is a small synchronous device
+      // copy on kvferry's own stream (it waits for nothing else queued on the GPU).
+      const auto check_start = Clock::now();
       const uint64_t in_row = aux_->ReadRoom(aux_row);
+      check_us = std::chrono::duration<double, std::micro>(Clock::now() - check_start).count();
       if (in_row != room) {
         corrupt = DataLossError("metadata corruption: aux row " + std::to_string(aux_row) +
                                 " holds bootstrap room " + std::to_string(in_row) +
@@ -877,8 +889,8 @@ class DecodeConnectorImpl : public DecodeConnector {
                                          rooms_.Advance(room, RoomState::kSuccess))
                                       : rooms_.TrySucceed(room);
       if (succeeded) {
-        KVF_LOG_DEBUG("decode: room {} succeeded ({})", room,
-                      by_mailbox ? "done mailbox" : "done notice");
+        KVF_LOG_DEBUG("decode: room {} succeeded ({}, aux row checked in {:.1f} us)", room,
+                      by_mailbox ? "done mailbox" : "done notice", check_us);
         ++rooms_succeeded_;
         if (by_mailbox) ++rooms_done_by_mailbox_;
         RecordBytes(room);
@@ -887,6 +899,17 @@ class DecodeConnectorImpl : public DecodeConnector {
       rooms_.Advance(room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
                      WaitingReason());
     }
+  }
+
+  // Primes the room's aux-row read once (a waiter saw prefill announce the room's last data).
+  void PrimeAuxRead(uint64_t room) {
+    int32_t row = -1;
+    rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+      if (!r.data.primed) row = r.data.aux_row;
+      r.data.primed = true;
+      return OkStatus();
+    }).IgnoreError();
+    if (row >= 0) aux_->PrimeReadRoom(row);
   }
 
   void RecordBytes(uint64_t room) {

@@ -25,6 +25,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How long the layer thread polls a pass's computing last layer without sleeping before it
+// falls back to 20 us sleeps (a layer that computes longer than this gains little from it).
+constexpr auto kLastLayerSpin = std::chrono::milliseconds(2);
+
 struct DecodePeer {
   DecodeKvArgs args;
   SegmentHandle segment;
@@ -656,6 +660,8 @@ class PrefillConnectorImpl : public PrefillConnector {
     return [mailbox = std::move(mailbox), row, room] {
       if (!mailbox->Report(row, room)) {
         KVF_LOG_DEBUG("prefill: room {}: done mailbox row {} not armed for it", room, row);
+      } else {
+        KVF_LOG_DEBUG("prefill: room {} reported done in the mailbox", room);
       }
     };
   }
@@ -994,6 +1000,9 @@ class PrefillConnectorImpl : public PrefillConnector {
       return OkStatus();
     }).IgnoreError();
     if (decode == nullptr) return;
+    // Everything of this destination landed already: a same-node decode learns it now, before
+    // the notice is built and sent.
+    if (auto report = MailboxReport(room, dest)) report();
     ControlMessage note;
     note.type = ControlType::kRoomDone;
     note.room = room;
@@ -1001,7 +1010,6 @@ class PrefillConnectorImpl : public PrefillConnector {
     // completes the room's destination on the completion queue once decode acknowledged it.
     BatchOptions o;
     o.deadline = options_.transfer_timeout;
-    o.on_landed = MailboxReport(room, dest);  // everything of this destination landed already
     o.on_complete = [this, room, dest](BatchId id, const BatchStatus& status) {
       Complete(
           id, status,
@@ -1232,10 +1240,12 @@ class PrefillConnectorImpl : public PrefillConnector {
   // completed event marks its layer, whose submission then runs on this same thread in the
   // next round, with no hand-off to another thread (run L in docs/perf/layerwise.md measured
   // up to 177 us for that hop). Polling without sleeping held a core for the whole forward
-  // pass and did not shorten the tail (run L). On stopping, runs what is queued and drops
-  // pending events.
+  // pass (run L); it is done only while a pass's last layer computes, every earlier layer
+  // handed over (the tail starts when it ends), for at most kLastLayerSpin at a time. On
+  // stopping, runs what is queued and drops pending events.
   void LayerLoop() {
     SetFineTimerSlack();  // its 20 us sleeps would otherwise last 70 us (50 us default slack)
+    auto spin_since = Clock::time_point::max();  // since when a last layer is being watched
     std::unique_lock<std::mutex> lock(layer_mu_);
     while (true) {
       if (layer_work_.empty() && (events_.empty() || layer_stopping_)) {
@@ -1252,15 +1262,21 @@ class PrefillConnectorImpl : public PrefillConnector {
       lock.unlock();
       for (auto& w : work) w();
       std::vector<PendingEvent> still;
-      bool marked = false;
+      bool marked = false, last_layer_computes = false;
       for (const PendingEvent& e : pending) {
         StatusOr<bool> done = false;
         {
           // A pass that failed or expired no longer needs (or may keep) its events; queried
           // under the lock so that it cannot fail (and its owner destroy the event) meanwhile.
           std::lock_guard<std::mutex> plock(passes_mu_);
-          if (passes_.find(e.pass) == passes_.end()) continue;
+          auto it = passes_.find(e.pass);
+          if (it == passes_.end()) continue;
           done = cuda::EventCompleted(e.event);
+          const LayerPass& p = *it->second;
+          if (done.ok() && !*done && e.layer + 1 == static_cast<int>(p.marked.size()) &&
+              p.next_layer == e.layer) {
+            last_layer_computes = true;
+          }
         }
         if (!done.ok()) {
           FailPass(e.pass, done.status().WithContext("layer " + std::to_string(e.layer) +
@@ -1273,7 +1289,16 @@ class PrefillConnectorImpl : public PrefillConnector {
           still.push_back(e);
         }
       }
-      if (!still.empty() && !marked) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      if (!last_layer_computes) spin_since = Clock::time_point::max();
+      if (!still.empty() && !marked) {
+        const auto now = Clock::now();
+        if (last_layer_computes && spin_since == Clock::time_point::max()) spin_since = now;
+        if (!last_layer_computes || now - spin_since > kLastLayerSpin) {
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+        } else {
+          CpuRelax();
+        }
+      }
       lock.lock();
       events_.insert(events_.end(), still.begin(), still.end());
     }
