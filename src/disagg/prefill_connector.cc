@@ -1452,6 +1452,14 @@ class PrefillConnectorImpl : public PrefillConnector {
     auto seg = engine_->OpenSegment(a.decode_address);
     if (seg.ok()) {
       peer->segment = *seg;
+      if (peer->refused.ok()) {
+        // Same-node GPUs: map decode's pools now, not when its first room's KV is ready.
+        Status prepared = engine_->PrepareTransfers(*seg, pool_->BufferBase(0));
+        if (!prepared.ok()) {
+          KVF_LOG_DEBUG("prefill: decode {}: no early transfer setup: {}", a.decode_address,
+                        prepared.message());
+        }
+      }
     } else if (peer->refused.ok()) {
       peer->refused = seg.status();
     }

@@ -738,6 +738,17 @@ class EngineImpl : public TransferEngine {
     return SegmentHandle{peer->id};
   }
 
+  Status PrepareTransfers(SegmentHandle segment, const void* local_addr) override {
+    ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
+    TransferRequest r;
+    r.local_addr = local_addr;
+    r.length_bytes = 1;
+    ChannelCache cache;
+    ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *peer, 0, &cache));
+    channel->Prepare();
+    return OkStatus();
+  }
+
   StatusOr<SegmentDescriptor> RefreshSegment(SegmentHandle segment) override {
     ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
     auto waiter = std::make_shared<NotifyWaiter>();

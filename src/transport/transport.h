@@ -115,6 +115,9 @@ class PeerChannel {
   }
   // Completes `item` early with `why` (see the contract above).
   virtual void Abandon(WorkItem* item, const Status& why) = 0;
+  // Starts, in the background, what the first transfers would otherwise set up themselves
+  // (TransferEngine::PrepareTransfers). Never blocks.
+  virtual void Prepare() {}
   // Fails everything queued with kUnavailable and closes connections. Blocks until threads
   // stopped.
   virtual void Close() = 0;

@@ -471,6 +471,18 @@ TEST_F(EngineTest, BadSubmissionsAreRefused) {
   EXPECT_EQ(engine_->OpenSegment("127.0.0.1:1").status().code(), StatusCode::kUnavailable);
 }
 
+// Early setup toward a host-memory (TCP) peer has nothing to map and leaves transfers working;
+// an unknown segment is refused.
+TEST_F(EngineTest, PrepareTransfersToATcpPeer) {
+  std::vector<uint8_t> src(4096, 0x5a), got(4096);
+  EXPECT_TRUE(engine_->PrepareTransfers(segment_, src.data()).ok());
+  EXPECT_EQ(engine_->PrepareTransfers(SegmentHandle{999}, src.data()).code(),
+            StatusCode::kNotFound);
+  ASSERT_TRUE(Write(src.data(), rw(64), src.size()).ok());
+  ASSERT_TRUE(Read(got.data(), rw(64), got.size()).ok());
+  EXPECT_EQ(got, src);
+}
+
 // Ordering a batch after a CUDA event needs a GPU: without one the batch is refused by name
 // and nothing is written.
 TEST_F(EngineTest, StartAfterEventWithoutCudaDeviceIsRefused) {

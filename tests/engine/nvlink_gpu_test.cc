@@ -342,6 +342,16 @@ TEST_F(NvlinkGpuTest, ManySmallBlocksInOneBatch) {
   ScatteredBlocksInOneBatch(8192, 7919, 5);  // scattered destinations
 }
 
+// The peer's regions (IPC and file-descriptor shared) mapped ahead of the first batch by the
+// channel's thread; batches submitted while that runs, and after, land exactly.
+TEST_F(NvlinkGpuTest, PreparedTransfersLandExactly) {
+  ASSERT_TRUE(engine_->PrepareTransfers(segment_, local_).ok());
+  ScatteredBlocksInOneBatch(8192, 7919, 9);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(engine_->PrepareTransfers(segment_, local_).ok());  // again: nothing left to map
+  RandomSizesRoundTrip(13, kRegionBytes, 10, 10, 4ull << 20);
+}
+
 // Strided requests (rows of a head slice at two token strides) of random shapes, 16-byte
 // aligned and not, many per batch (the submitting thread's bulk path) and one per batch;
 // WRITE then READ back into a strided local buffer; a host mirror of the peer's region says

@@ -160,6 +160,11 @@ class NvlinkChannel : public PeerChannel {
     return taken;
   }
 
+  void Prepare() override {
+    import_all_.store(true);
+    WakeProgress();
+  }
+
   void Abandon(WorkItem* item, const Status& why) override {
     // Queued items complete at once; copies already launched finish on the GPU shortly and
     // complete with their real outcome (a kernel cannot be interrupted safely).
@@ -672,6 +677,7 @@ class NvlinkChannel : public PeerChannel {
           }
         }
       }
+      if (import_all_.exchange(false)) ImportAll();
       if (!batch.empty()) Dispatch(batch);
       PollFlights(/*block=*/false);
       PollBulk();
@@ -775,33 +781,53 @@ class NvlinkChannel : public PeerChannel {
                                      range + " lies in a region registered without remote " +
                                      (write ? "write" : "read") + " access");
     }
-    auto it = imports_.find(region->key);
-    if (it == imports_.end()) {
-      StatusOr<std::unique_ptr<cuda::ImportedAllocation>> imported =
-          UnimplementedError("region is not shareable");
-      KVF_LOG_DEBUG("nvlink: mapping peer region {:x} ({} bytes on GPU {})", region->base,
-                    region->alloc_bytes, region->device_id);
-      if (region->share_type == ShareHandleType::kCudaIpc) {
-        imported = cuda::ImportedAllocation::FromIpcHandle(region->share_handle,
-                                                           options_.local_device);
-      } else if (region->share_type == ShareHandleType::kPosixFd) {
-        auto fd = RequestFd(options_.peer.ipc_socket, region->key);
-        if (!fd.ok()) return fd.status();
-        imported = cuda::ImportedAllocation::FromFd(*fd, region->alloc_bytes, region->device_id,
-                                                    options_.local_device);
-      }
-      if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
-      if (region->device_id != options_.local_device) {
-        // IPC mappings may have enabled it already; either way the call leaves its result as
-        // the thread's last error, which the next launch check would report: clear it.
-        if (cudaDeviceEnablePeerAccess(region->device_id, 0) != cudaSuccess) cudaGetLastError();
-      }
-      KVF_LOG_DEBUG("nvlink: mapped peer region {:x}", region->base);
-      std::unique_lock<std::shared_mutex> map_lock(map_mu_);
-      it = imports_.emplace(region->key, std::move(*imported)).first;
+    ASSIGN_OR_RETURN(uint8_t * base, Import(*region));
+    last_region_ = {region, base};
+    return base + region->alloc_offset + (remote - region->base);
+  }
+
+  // The local mapping of the peer allocation holding `region`, made now if there is none yet.
+  // Progress thread only (the sole writer of imports_).
+  StatusOr<uint8_t*> Import(const RegionDescriptor& region) {
+    auto it = imports_.find(region.key);
+    if (it != imports_.end()) return it->second->base();
+    StatusOr<std::unique_ptr<cuda::ImportedAllocation>> imported =
+        UnimplementedError("region is not shareable");
+    KVF_LOG_DEBUG("nvlink: mapping peer region {:x} ({} bytes on GPU {})", region.base,
+                  region.alloc_bytes, region.device_id);
+    if (region.share_type == ShareHandleType::kCudaIpc) {
+      imported = cuda::ImportedAllocation::FromIpcHandle(region.share_handle, options_.local_device);
+    } else if (region.share_type == ShareHandleType::kPosixFd) {
+      auto fd = RequestFd(options_.peer.ipc_socket, region.key);
+      if (!fd.ok()) return fd.status();
+      imported = cuda::ImportedAllocation::FromFd(*fd, region.alloc_bytes, region.device_id,
+                                                  options_.local_device);
     }
-    last_region_ = {region, it->second->base()};
-    return it->second->base() + region->alloc_offset + (remote - region->base);
+    if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
+    if (region.device_id != options_.local_device) {
+      // IPC mappings may have enabled it already; either way the call leaves its result as
+      // the thread's last error, which the next launch check would report: clear it.
+      if (cudaDeviceEnablePeerAccess(region.device_id, 0) != cudaSuccess) cudaGetLastError();
+    }
+    KVF_LOG_DEBUG("nvlink: mapped peer region {:x}", region.base);
+    std::unique_lock<std::shared_mutex> map_lock(map_mu_);
+    return imports_.emplace(region.key, std::move(*imported)).first->second->base();
+  }
+
+  // Progress thread, once after Prepare: maps every GPU region the peer lets us write or
+  // read. A failure is left for the transfer that needs the region to report.
+  void ImportAll() {
+    for (const RegionDescriptor& region : options_.peer.regions) {
+      if (region.kind != MemoryKind::kCuda ||
+          (region.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
+        continue;
+      }
+      auto imported = Import(region);
+      if (!imported.ok()) {
+        KVF_LOG_DEBUG("nvlink: early mapping of peer region {:x} failed: {}", region.base,
+                      imported.status().ToString());
+      }
+    }
   }
 
   const RegionDescriptor* FindRegion(uint64_t addr, uint64_t length) const {
@@ -915,6 +941,7 @@ class NvlinkChannel : public PeerChannel {
   std::atomic<uint64_t> stats_parts_{0}, stats_launches_{0}, stats_combined_{0}, stats_no_slot_{0};
   std::atomic<bool> queued_{false};    // items in queue_ or flights in bulk_new_ (WakeProgress)
   std::atomic<bool> sleeping_{false};  // the progress thread waits on cv_
+  std::atomic<bool> import_all_{false};  // Prepare asked for every peer region to be mapped
   std::atomic<bool> closed_flag_{false};  // closed_, readable without mu_
   // options_.peer and imports_: written by the progress thread under an exclusive lock, read
   // by bulk submitters under a shared one (the progress thread reads without it).
