@@ -103,7 +103,9 @@ class AuxBuffer {
   // Takes a free row (lowest-numbered rows first, freed rows are reused last). Never blocks.
   // Errors: kResourceExhausted when every row is allocated.
   StatusOr<int32_t> AllocateRow();
-  // Zeroes the row and returns it to the free list.
+  // Zeroes the row and returns it to the free list. GPU rows are zeroed on kvferry's own
+  // stream, which waits for no other work: the caller first synchronizes its own kernels and
+  // copies that read or write the row (e.g. the step that consumed its first token).
   // Errors: kFailedPrecondition when the row is out of range or not allocated.
   Status FreeRow(int32_t row);
 
@@ -111,7 +113,8 @@ class AuxBuffer {
   // synchronous 8-byte copy that waits for no other work on the device (cuda::CopyToHost).
   uint64_t ReadRoom(int32_t row) const;
   // For GPU rows: wakes the device's copy path for a ReadRoom of `row` expected soon (an idle
-  // GPU's first small copy takes ~3x longer); never waits. Nothing for host rows.
+  // GPU's first small copy takes ~3x longer); never waits (skipped while another device copy
+  // of this process runs). Nothing for host rows.
   void PrimeReadRoom(int32_t row) const;
 
  private:

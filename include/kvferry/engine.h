@@ -220,8 +220,10 @@ class TransferEngine {
   // the first transfer. Between GPUs of one node it opens the NVLink channel and maps the
   // peer's GPU regions on that channel's thread in the background: mapping a 16 GiB pool takes
   // 100-220 ms on H200 (docs/perf/hetero-tp.md), which the first batches would otherwise wait
-  // for, copying through a slower path meanwhile. Returns without waiting for the mapping;
-  // nothing to do for other paths. A mapping that fails is retried (and reported) by the
+  // for, copying through a slower path meanwhile. Opening the channel (pinned tables, streams:
+  // milliseconds) happens in the call; it returns without waiting for the mapping. Nothing
+  // more to do toward host memory; GPU memory to a peer without NVLink gets its pinned
+  // bounce channel now. A mapping that fails is retried (and reported) by the
   // first transfer that needs it. Errors: kNotFound (unknown segment), the channel errors of
   // SubmitBatch (e.g. `transport` forced to nvlink for a peer without it).
   virtual Status PrepareTransfers(SegmentHandle segment, const void* local_addr) {

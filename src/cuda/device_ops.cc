@@ -26,14 +26,19 @@ namespace {
 struct PrivateStream {
   std::mutex mu;
   cudaStream_t stream = nullptr;
-  uint8_t* scratch = nullptr;
+  uint8_t* scratch = nullptr;  // kScratchBytes, then kPrimeBytes where primers land
 };
 constexpr uint64_t kScratchBytes = uint64_t{1} << 20;
+// Primers land past the scratch: they are not waited for, and a later CopyToDevice fills the
+// scratch on the CPU before its copy is queued behind them.
+constexpr uint64_t kPrimeBytes = 64;
 constexpr int kMaxDevices = 64;
 
-// Locks and returns the device's private stream (created on first use), with `device` current
-// for the caller's scope (guard).
-StatusOr<PrivateStream*> LockPrivateStream(int device, std::unique_lock<std::mutex>* lock) {
+// Locks and returns the device's private stream (created on first use); the caller makes
+// `device` current (DeviceGuard) for its scope. With `try_only`, kUnavailable instead of
+// waiting when another call holds it.
+StatusOr<PrivateStream*> LockPrivateStream(int device, std::unique_lock<std::mutex>* lock,
+                                           bool try_only = false) {
   if (device < 0 || device >= kMaxDevices) {
     return InvalidArgumentError("address is not CUDA device memory (device " +
                                 std::to_string(device) + ")");
@@ -46,11 +51,13 @@ StatusOr<PrivateStream*> LockPrivateStream(int device, std::unique_lock<std::mut
     if (table[device] == nullptr) table[device] = new PrivateStream();  // lives until exit
     p = table[device];
   }
-  *lock = std::unique_lock<std::mutex>(p->mu);
+  *lock = try_only ? std::unique_lock<std::mutex>(p->mu, std::try_to_lock)
+                   : std::unique_lock<std::mutex>(p->mu);
+  if (!lock->owns_lock()) return UnavailableError("private stream busy");
   if (p->stream == nullptr) {
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking));
     void* scratch = nullptr;
-    if (cudaMallocHost(&scratch, kScratchBytes) != cudaSuccess) {
+    if (cudaMallocHost(&scratch, kScratchBytes + kPrimeBytes) != cudaSuccess) {
       cudaGetLastError();
       cudaStreamDestroy(p->stream);
       p->stream = nullptr;
@@ -101,10 +108,9 @@ void PrimeCopyToHost(const void* src) {
   const int device = DeviceOf(src);
   DeviceGuard guard(device);
   std::unique_lock<std::mutex> lock;
-  auto p = LockPrivateStream(device, &lock);
-  if (!p.ok()) return;
-  // Into the scratch's last bytes; CopyThroughScratch's copies on the same stream come after.
-  if (cudaMemcpyAsync((*p)->scratch + kScratchBytes - 8, src, 8, cudaMemcpyDeviceToHost,
+  auto p = LockPrivateStream(device, &lock, /*try_only=*/true);
+  if (!p.ok()) return;  // not CUDA memory, or the stream is busy (so the copy path is awake)
+  if (cudaMemcpyAsync((*p)->scratch + kScratchBytes, src, 8, cudaMemcpyDeviceToHost,
                       (*p)->stream) != cudaSuccess) {
     cudaGetLastError();
   }

@@ -15,13 +15,16 @@ namespace kvferry::cuda {
 // Synchronous copies between host memory and the memory of one CUDA device, and a memset of
 // device memory: each returns once the bytes are in place. They run on a non-blocking stream
 // of kvferry's own (one per device, calls take turns) through a pinned scratch buffer, so
-// they never wait for other work on the device, such as a model on the legacy default stream.
-// Errors: kInvalidArgument when the device-side address is not CUDA device memory, and CUDA's.
+// they never wait for other work on the device, such as a model on the legacy default stream:
+// a caller whose own kernels or copies on other streams touch the same bytes synchronizes
+// those first. Errors: kInvalidArgument when the device-side address is not CUDA device memory
+// (host, pinned host or managed memory), and CUDA's.
 Status CopyToDevice(void* dst, const void* src, uint64_t bytes);
 Status CopyToHost(void* dst, const void* src, uint64_t bytes);
 Status MemsetDevice(void* dst, int value, uint64_t bytes);
 // Starts an 8-byte copy from device memory `src` on that device's private stream and returns
-// without waiting; errors are ignored. A GPU idle for a few milliseconds takes ~20 us instead of
+// without waiting for it (nor for the stream: when another call holds it, nothing is started);
+// errors are ignored. A GPU idle for a few milliseconds takes ~20 us instead of
 // ~7 us for its next small device-to-host copy (H200, docs/perf/layerwise.md session 8):
 // priming tens of microseconds before a latency-critical CopyToHost of the same device hides it.
 void PrimeCopyToHost(const void* src);

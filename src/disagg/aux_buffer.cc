@@ -1,6 +1,7 @@
 #include "kvferry/aux_buffer.h"
 
 #include "common/checks.h"
+#include "common/logging.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 
@@ -152,8 +153,10 @@ Status AuxBuffer::FreeRow(int32_t row) {
 uint64_t AuxBuffer::ReadRoom(int32_t row) const {
   uint64_t room = 0;
   if (device_memory_ != nullptr) {
-    // A failed copy leaves 0, which no live room equals: the caller reports corruption.
-    cuda::CopyToHost(&room, Row(row) + layout_.room_offset(), sizeof(room)).IgnoreError();
+    // A failed copy leaves 0, which no live room equals: the caller reports corruption (the
+    // copy's own error is logged here).
+    Status read = cuda::CopyToHost(&room, Row(row) + layout_.room_offset(), sizeof(room));
+    if (!read.ok()) KVF_LOG_WARN("aux row {}: cannot read its room: {}", row, read.ToString());
   } else {
     std::memcpy(&room, Row(row) + layout_.room_offset(), sizeof(room));
   }

@@ -152,6 +152,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     layer_cv_.notify_all();
     if (layer_thread_.joinable()) layer_thread_.join();
     staging_->Close();
+    setup_->Close();
     completion_->Close();
     engine_.reset();
   }
@@ -1296,7 +1297,9 @@ class PrefillConnectorImpl : public PrefillConnector {
         if (!last_layer_computes || now - spin_since > kLastLayerSpin) {
           std::this_thread::sleep_for(std::chrono::microseconds(20));
         } else {
-          CpuRelax();
+          // ~1 us without locks between rounds: the forward thread marking layers or
+          // starting passes gets passes_mu_ and layer_mu_ in between.
+          while (Clock::now() - now < std::chrono::microseconds(1)) CpuRelax();
         }
       }
       lock.lock();
@@ -1454,11 +1457,13 @@ class PrefillConnectorImpl : public PrefillConnector {
       peer->segment = *seg;
       if (peer->refused.ok()) {
         // Same-node GPUs: map decode's pools now, not when its first room's KV is ready.
-        Status prepared = engine_->PrepareTransfers(*seg, pool_->BufferBase(0));
-        if (!prepared.ok()) {
-          KVF_LOG_DEBUG("prefill: decode {}: no early transfer setup: {}", a.decode_address,
-                        prepared.message());
-        }
+        setup_->Post([this, segment = *seg, address = a.decode_address] {
+          Status prepared = engine_->PrepareTransfers(segment, pool_->BufferBase(0));
+          if (!prepared.ok()) {
+            KVF_LOG_DEBUG("prefill: decode {}: no early transfer setup: {}", address,
+                          prepared.message());
+          }
+        });
       }
     } else if (peer->refused.ok()) {
       peer->refused = seg.status();
@@ -1704,6 +1709,9 @@ class PrefillConnectorImpl : public PrefillConnector {
   static constexpr size_t kMaxHostScratch = 8;
   std::vector<HostScratch> host_scratch_free_;  // host pools' staging buffers (scratch_mu_)
   std::unique_ptr<TaskQueue> staging_ = std::make_unique<TaskQueue>(4);  // staged chunk writes
+  // Per-decode transfer setup (PrepareTransfers: tens of milliseconds to open an NVLink
+  // channel), off the control queue that bootstraps rooms.
+  std::unique_ptr<TaskQueue> setup_ = std::make_unique<TaskQueue>(1);
   std::unique_ptr<TransferEngine> engine_;
   RoomTable<SenderRoom> rooms_;
 

@@ -1115,23 +1115,23 @@ class EngineImpl : public TransferEngine {
       }
       // No NVLink to this peer: the TCP channel, through pinned bounce buffers.
       std::lock_guard<std::mutex> lock(peer.nvlink_mu);
-      auto& channel = peer.gpu_tcp[local_device_id];
-      if (channel == nullptr) {
+      auto it = peer.gpu_tcp.find(local_device_id);
+      if (it == peer.gpu_tcp.end()) {
         GpuBounceOptions o;
         o.tcp = peer.tcp.get();
         o.local_device = local_device_id;
         auto made = CreateGpuBounceChannel(o);
-        if (!made.ok()) {
+        if (!made.ok()) {  // nothing stored: the close loops never meet a null channel
           return made.status().WithContext(where() + "GPU memory to peer " + peer.address +
                                            " over TCP");
         }
-        channel = std::move(*made);
+        it = peer.gpu_tcp.emplace(local_device_id, std::move(*made)).first;
       }
-      return channel.get();
+      return it->second.get();
     }
     std::lock_guard<std::mutex> lock(peer.nvlink_mu);
-    auto& channel = peer.nvlink[local_device_id];
-    if (channel == nullptr) {
+    auto it = peer.nvlink.find(local_device_id);
+    if (it == peer.nvlink.end()) {
       NvlinkChannelOptions o;
       o.peer = peer.tcp->descriptor();
       o.local_device = local_device_id;
@@ -1140,9 +1140,10 @@ class EngineImpl : public TransferEngine {
       o.resident_min_tiles = options_.nvlink_resident_min_tiles;
       uint64_t id = peer.id;
       o.refresh = [this, id] { return RefreshSegment(SegmentHandle{id}); };
-      ASSIGN_OR_RETURN(channel, CreateNvlinkChannel(o));
+      ASSIGN_OR_RETURN(auto made, CreateNvlinkChannel(o));  // stored only once it exists
+      it = peer.nvlink.emplace(local_device_id, std::move(made)).first;
     }
-    return channel.get();
+    return it->second.get();
   }
 
   void Deliver(Notification n) {

@@ -60,6 +60,7 @@ TEST(AuxBufferGpuTest, DeviceCopiesRefuseHostAddressesAndCrossTheScratchSize) {
   const uint64_t n = (3u << 20) + 5;
   std::vector<uint8_t> in(n), out(n, 0);
   for (uint64_t i = 0; i < n; ++i) in[i] = static_cast<uint8_t>(i * 131 + (i >> 11));
+  (*aux)->PrimeReadRoom(0);  // not waited for: must not land in the upload's bytes
   ASSERT_TRUE(cuda::CopyToDevice((*aux)->data() + 3, in.data(), n - 3).ok());
   ASSERT_TRUE(cuda::CopyToHost(out.data(), (*aux)->data() + 3, n - 3).ok());
   EXPECT_EQ(0, std::memcmp(in.data(), out.data(), n - 3));

@@ -655,7 +655,8 @@ class NvlinkChannel : public PeerChannel {
           // Close. (A flight announced by was_queued is in bulk_new_: no sleeping then.)
           // While the resident kernel is up, stay awake: a job's flag is then seen at once,
           // and the kernel's end (its idle spell) is noticed without a wake-up.
-          if (idle && !was_queued && queue_.empty() && !closed_ && !resident_running_.load()) {
+          if (idle && !was_queued && queue_.empty() && !closed_ && !resident_running_.load() &&
+              !import_all_.load()) {
             sleeping_.store(true);
             cv_.wait(lock, [&] { return closed_ || !queue_.empty() || queued_.load(); });
             sleeping_.store(false);
@@ -677,7 +678,13 @@ class NvlinkChannel : public PeerChannel {
           }
         }
       }
-      if (import_all_.exchange(false)) ImportAll();
+      if (import_all_.load() && !closed_flag_.load()) {
+        if (import_next_ == kNoImport) import_next_ = 0;
+        if (!ImportNext()) {
+          import_all_.store(false);
+          import_next_ = kNoImport;
+        }
+      }
       if (!batch.empty()) Dispatch(batch);
       PollFlights(/*block=*/false);
       PollBulk();
@@ -814,11 +821,15 @@ class NvlinkChannel : public PeerChannel {
     return imports_.emplace(region.key, std::move(*imported)).first->second->base();
   }
 
-  // Progress thread, once after Prepare: maps every GPU region the peer lets us write or
-  // read. A failure is left for the transfer that needs the region to report.
-  void ImportAll() {
-    for (const RegionDescriptor& region : options_.peer.regions) {
-      if (region.kind != MemoryKind::kCuda ||
+  // Progress thread, after Prepare: maps the next GPU region the peer lets us write or read
+  // (one per round, so that copies and queued work are looked after between mappings, each
+  // 100-200 ms for a large pool). Returns whether regions remain. A failure is left for the
+  // transfer that needs the region to report.
+  bool ImportNext() {
+    const auto& regions = options_.peer.regions;
+    while (import_next_ < regions.size()) {
+      const RegionDescriptor& region = regions[import_next_++];
+      if (region.kind != MemoryKind::kCuda || imports_.count(region.key) != 0 ||
           (region.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
         continue;
       }
@@ -827,7 +838,9 @@ class NvlinkChannel : public PeerChannel {
         KVF_LOG_DEBUG("nvlink: early mapping of peer region {:x} failed: {}", region.base,
                       imported.status().ToString());
       }
+      return import_next_ < regions.size();
     }
+    return false;
   }
 
   const RegionDescriptor* FindRegion(uint64_t addr, uint64_t length) const {
@@ -942,6 +955,8 @@ class NvlinkChannel : public PeerChannel {
   std::atomic<bool> queued_{false};    // items in queue_ or flights in bulk_new_ (WakeProgress)
   std::atomic<bool> sleeping_{false};  // the progress thread waits on cv_
   std::atomic<bool> import_all_{false};  // Prepare asked for every peer region to be mapped
+  static constexpr size_t kNoImport = SIZE_MAX;
+  size_t import_next_ = kNoImport;  // ImportNext's cursor into options_.peer.regions
   std::atomic<bool> closed_flag_{false};  // closed_, readable without mu_
   // options_.peer and imports_: written by the progress thread under an exclusive lock, read
   // by bulk submitters under a shared one (the progress thread reads without it).
