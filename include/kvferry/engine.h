@@ -50,18 +50,20 @@ struct EngineOptions {
   uint64_t nvlink_copy_engine_threshold_bytes = UINT64_MAX;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small
   // batches (up to 512 tiles of 16 KiB) keep coming, so that each costs no kernel launch, and
-  // leaves after KVFERRY_IDLE_SPIN_US without work. 0 (default): off, every batch (or a group
-  // of them) is its own launch; -1: one block per SM of the local GPU (as many as fit at
-  // once); N > 0: N blocks. On 4 x H200 it moved batches of 64 blocks of 16 and 64 KiB at
-  // 93% of cudaMemcpyPeer with >= 64 MiB in flight (launches: 75-86%) and left lone 4 KiB
-  // WRITEs at 11.2 us. Off by default because while it runs it holds every SM it was given:
-  // other kernels of the process's GPU (prefill's forward pass, the staging gather) wait for
-  // it to go idle, and one of six unequal-TP staging replays with it on stalled (cause not
-  // isolated; docs/perf/nvlink-h200.md). With 16 or 32 blocks it fell to 47-93%.
-  int nvlink_resident_blocks = 0;
+  // leaves after KVFERRY_IDLE_SPIN_US without work. -1 (default): one block per SM of the
+  // local GPU (as many as fit at once); N > 0: N blocks (16 or 32 fell to 47-93%); 0: off,
+  // every batch (or a group of them) is its own launch. On 4 x H200 it moved batches of 64
+  // blocks of 16 and 64 KiB at 93% of cudaMemcpyPeer with >= 64 MiB in flight (launches:
+  // 75-86%) and left lone 4 KiB WRITEs at 11.2 us (they go as launches, see below). Its
+  // blocks share the SMs with other kernels: a bf16 GEMM running on the same GPU during a
+  // copy of 16 KiB x 64 batches kept 65% of its speed against 54% next to launches
+  // (docs/perf/nvlink-h200.md, session 8).
+  int nvlink_resident_blocks = -1;
   // ... used only while at least this many 16 KiB tiles of small batches are in flight on the
-  // channel; fewer go as launches.
-  int64_t nvlink_resident_min_tiles = 4096;
+  // channel (2048: 32 MiB); fewer go as launches, so a lone batch keeps a launch's latency.
+  // On 4 x H200, 2048 put batches of 64 blocks of 16 KiB at 93% from 64 MiB in flight, where
+  // 4096 left them as launches at 75% (docs/perf/nvlink-h200.md, session 8).
+  int64_t nvlink_resident_min_tiles = 2048;
   // TCP connections (lanes) per peer. More lanes spread large requests over several
   // streams and cores; bounded to keep file descriptors in check. Default 4, range 1..64.
   int tcp_lanes_per_peer = 4;

@@ -12,13 +12,13 @@
 //                          its last before sleeping (and the resident NVLink copy kernel
 //                          waits before leaving the GPU), 0..100000               default 200
 //   KVFERRY_NVLINK_RESIDENT_BLOCKS  thread blocks of the resident NVLink copy kernel, -1..4096;
-//                          -1 one per SM, 0 off          default EngineOptions value (0: off)
+//                          -1 one per SM, 0 off          default EngineOptions value (-1)
 //   KVFERRY_DONE_POLL_US   microseconds between a decode waiter's checks of the same-node
 //                          done mailbox, 0..100000 (0: Wait does not poll)
 //                          default DecodeConnectorOptions (-1: 20 on >= 16 hardware threads)
 //   KVFERRY_NVLINK_RESIDENT_MIN_TILES  16 KiB tiles of small batches that must be in flight on
 //                          a channel before they go to the resident kernel, 0..2^30
-//                          default EngineOptions value (4096)
+//                          default EngineOptions value (2048)
 #pragma once
 
 #include <cstdint>

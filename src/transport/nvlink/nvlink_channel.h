@@ -23,15 +23,16 @@ struct NvlinkChannelOptions {
   uint64_t copy_engine_threshold_bytes = UINT64_MAX;
   // Thread blocks of the resident copy kernel, which carries small bulk submissions without a
   // launch each while they keep coming (see cuda::ResidentArgs): -1 one per SM, 0 none (each
-  // submission, or a group of them, is its own launch).
+  // submission, or a group of them, is its own launch). The engine passes
+  // EngineOptions::nvlink_resident_blocks (default -1).
   int resident_blocks = 0;
   // A bulk submission goes to the resident kernel only while at least this many tiles of bulk
-  // submissions (its own included) are in flight on the channel. Default 4096 (64 MiB of
-  // 16 KiB tiles): below it launches keep up and a lone batch's latency is a launch's
-  // (resident: ~10 us more per sparse batch of 64 blocks; before a fence after its done flag,
-  // ~250 us); above it the resident kernel ran at 93% of cudaMemcpyPeer where launches
-  // reached 75-86% (docs/perf/nvlink-h200.md).
-  int64_t resident_min_tiles = 4096;
+  // submissions (its own included) are in flight on the channel (the engine's default 2048:
+  // 32 MiB of 16 KiB tiles). Below it launches keep up and a lone batch's latency is a
+  // launch's (resident: ~10 us more per sparse batch of 64 blocks); above it the resident
+  // kernel ran at 93% of cudaMemcpyPeer where launches reached 75-86%
+  // (docs/perf/nvlink-h200.md).
+  int64_t resident_min_tiles = 2048;
 };
 
 // True when this build has CUDA and a device is present.
