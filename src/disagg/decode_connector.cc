@@ -851,8 +851,6 @@ class DecodeConnectorImpl : public DecodeConnector {
       if (!complete) {
         waiting = tcp_reports > 0;
         prime = imminent && !d.primed;  // for a caller polling the room (Poll)
-        d.primed = d.primed || prime;
-        aux_row = d.aux_row;
         return OkStatus();
       }
       if (!may_wait && (r.pins > 0 || r.fail_pending)) {
@@ -863,7 +861,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       aux_row = d.aux_row;
       return OkStatus();
     }).IgnoreError();
-    if (prime) aux_->PrimeReadRoom(aux_row);
+    if (prime) PrimeAuxRead(room);
     if (complete) {
       KVF_LOG_DEBUG("decode: room {} complete ({}), checking aux row {}", room,
                     by_mailbox ? "done mailbox" : "done notice", aux_row);

@@ -678,13 +678,7 @@ class NvlinkChannel : public PeerChannel {
           }
         }
       }
-      if (import_all_.load() && !closed_flag_.load()) {
-        if (import_next_ == kNoImport) import_next_ = 0;
-        if (!ImportNext()) {
-          import_all_.store(false);
-          import_next_ = kNoImport;
-        }
-      }
+      if (import_all_.load() && !closed_flag_.load() && !ImportNext()) import_all_.store(false);
       if (!batch.empty()) Dispatch(batch);
       PollFlights(/*block=*/false);
       PollBulk();
@@ -823,8 +817,9 @@ class NvlinkChannel : public PeerChannel {
 
   // Progress thread, after Prepare: maps the next GPU region the peer lets us write or read
   // (one per round, so that copies and queued work are looked after between mappings, each
-  // 100-200 ms for a large pool). Returns whether regions remain. A failure is left for the
-  // transfer that needs the region to report.
+  // 100-200 ms for a large pool). Returns whether regions remain (at the end, the cursor goes
+  // back to the start for a later Prepare). A failure is left for the transfer that needs the
+  // region to report.
   bool ImportNext() {
     const auto& regions = options_.peer.regions;
     while (import_next_ < regions.size()) {
@@ -838,8 +833,9 @@ class NvlinkChannel : public PeerChannel {
         KVF_LOG_DEBUG("nvlink: early mapping of peer region {:x} failed: {}", region.base,
                       imported.status().ToString());
       }
-      return import_next_ < regions.size();
+      if (import_next_ < regions.size()) return true;
     }
+    import_next_ = 0;
     return false;
   }
 
@@ -955,8 +951,7 @@ class NvlinkChannel : public PeerChannel {
   std::atomic<bool> queued_{false};    // items in queue_ or flights in bulk_new_ (WakeProgress)
   std::atomic<bool> sleeping_{false};  // the progress thread waits on cv_
   std::atomic<bool> import_all_{false};  // Prepare asked for every peer region to be mapped
-  static constexpr size_t kNoImport = SIZE_MAX;
-  size_t import_next_ = kNoImport;  // ImportNext's cursor into options_.peer.regions
+  size_t import_next_ = 0;  // ImportNext's cursor into options_.peer.regions
   std::atomic<bool> closed_flag_{false};  // closed_, readable without mu_
   // options_.peer and imports_: written by the progress thread under an exclusive lock, read
   // by bulk submitters under a shared one (the progress thread reads without it).
