@@ -643,10 +643,11 @@ class PrefillConnectorImpl : public PrefillConnector {
         finishing ? MailboxReport(room, dest, /*announce=*/true) : nullptr);
   }
 
-  // For a batch carrying a destination's done notice: reports the room done in the
-  // destination's same-node mailbox once the batch's data landed, ahead of the notice
-  // (BatchOptions::on_landed). With `announce`, first marks the room imminent there (the
-  // batch is about to leave). Null when that decode has no mailbox we can reach.
+  // The report of the room done in the destination's same-node mailbox, ahead of its done
+  // notice, to run once everything of the destination landed: as the on_landed of the batch
+  // carrying the notice, or at once when nothing is left in flight (NotifyDone). With
+  // `announce`, first marks the room imminent there (its last batch is about to leave). Null
+  // when that decode has no mailbox we can reach.
   std::function<void()> MailboxReport(uint64_t room, size_t dest, bool announce = false) {
     std::shared_ptr<DoneMailbox> mailbox;
     int32_t row = -1;

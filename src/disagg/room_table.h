@@ -67,12 +67,12 @@ class RoomTable {
         return false;
       }
     }
-    RoomStatus& now = it->second.status;
-    now.state = state;
     if (state == RoomState::kSuccess) {
-      now.final_time = std::chrono::steady_clock::now();
-      it->second.deadline = Clock::time_point::max();
-    } else if (deadline) {
+      FinishLocked(it->second, RoomState::kSuccess);
+      return true;
+    }
+    it->second.status.state = state;
+    if (deadline) {
       it->second.deadline = *deadline;
       it->second.deadline_reason = std::move(deadline_reason);
     }
@@ -89,10 +89,7 @@ class RoomTable {
         it->second.fail_pending) {
       return false;
     }
-    it->second.status.state = RoomState::kSuccess;
-    it->second.status.final_time = Clock::now();
-    it->second.deadline = Clock::time_point::max();
-    cv_.notify_all();
+    FinishLocked(it->second, RoomState::kSuccess);
     return true;
   }
 
@@ -109,11 +106,8 @@ class RoomTable {
       WaitUnpinned(lock, room, &it);
       if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
     }
-    it->second.status.state = RoomState::kFailed;
     it->second.status.error = why;
-    it->second.status.final_time = Clock::now();
-    it->second.deadline = Clock::time_point::max();
-    cv_.notify_all();
+    FinishLocked(it->second, RoomState::kFailed);
     return true;
   }
 
@@ -235,6 +229,14 @@ class RoomTable {
   }
 
  private:
+  // Makes `r` final in `state` (Success or Failed) now and wakes the waiters. REQUIRES mu_.
+  void FinishLocked(Room& r, RoomState state) {
+    r.status.state = state;
+    r.status.final_time = Clock::now();
+    r.deadline = Clock::time_point::max();
+    cv_.notify_all();
+  }
+
   // Waits (releasing `lock`, which holds mu_) until `room` has no pins or is gone; `*it` is
   // then its entry again (end() when gone).
   void WaitUnpinned(std::unique_lock<std::mutex>& lock, uint64_t room,
