@@ -217,7 +217,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     if (distinct.size() == 1) {
       BulkSubmission bulk{transfer_requests_, this, self, kWholeBatch};
       for (Request& r : requests_) r.bulk = true;
-      if (distinct[0]->TrySubmitBulk(bulk)) return;
+      if (distinct[0]->TrySubmitBulk(bulk)) {
+        TookBulk(distinct[0], kWholeBatch);
+        return;
+      }
       for (Request& r : requests_) r.bulk = false;
     } else {
       bulk_groups_.resize(distinct.size());
@@ -234,7 +237,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
         }
         for (uint32_t i : group.index) requests_[i].bulk = true;
         BulkSubmission bulk{group.requests, this, self, static_cast<uint32_t>(g)};
-        if (distinct[g]->TrySubmitBulk(bulk)) continue;
+        if (distinct[g]->TrySubmitBulk(bulk)) {
+          TookBulk(distinct[g], static_cast<uint32_t>(g));
+          continue;
+        }
         for (uint32_t i : group.index) requests_[i].bulk = false;
         group = BulkGroup();
       }
@@ -257,6 +263,12 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       groups.back().second.emplace_back(self, &items_[k]);  // aliasing: owns the batch
     }
     for (auto& [channel, items] : groups) channel->SubmitMany(std::move(items));
+  }
+
+  // Remembers a bulk submission a channel took, for Abandon.
+  void TookBulk(PeerChannel* channel, uint32_t tag) {
+    std::lock_guard<std::mutex> lock(mu_);
+    bulk_taken_.emplace_back(channel, tag);
   }
 
   // A batch held back until its start event completed (BatchOptions::start_after_event). Only
@@ -341,6 +353,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     while (gate_.load(std::memory_order_acquire) == kStarting) std::this_thread::yield();
     std::vector<WorkItem*> snapshot;
     std::shared_ptr<WorkItem> notify;  // keeps the notification item alive while we use it
+    std::vector<std::pair<PeerChannel*, uint32_t>> bulk;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (final_) return;
@@ -351,7 +364,11 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       for (size_t k = 0; k < num_items_; ++k) snapshot.push_back(&items_[k]);
       notify = notify_item_;
       if (notify != nullptr) snapshot.push_back(notify.get());
+      bulk = bulk_taken_;
     }
+    // Bulk submissions still queued in their channel (waiting for a mapping) end now; started
+    // ones finish on the GPU shortly, like launched items.
+    for (const auto& [channel, tag] : bulk) channel->AbandonBulk(this, tag, why);
     for (WorkItem* item : snapshot) {
       if (item->state.load() == WorkItem::kDone) continue;
       if (queued_only) {
@@ -502,6 +519,8 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   };
   static constexpr uint32_t kWholeBatch = UINT32_MAX;
   std::vector<BulkGroup> bulk_groups_;
+  // Bulk submissions taken by a channel (channel, tag), for Abandon. Guarded by mu_.
+  std::vector<std::pair<PeerChannel*, uint32_t>> bulk_taken_;
   std::shared_ptr<WorkItem> notify_item_;  // guarded by mu_
   enum : uint8_t { kNotGated, kGated, kStarting, kStarted, kDropRequested, kDropped };
   std::atomic<uint8_t> gate_{kNotGated};

@@ -107,11 +107,20 @@ class PeerChannel {
   }
   // Takes every request of `bulk` and later calls bulk.owner->OnBulkDone exactly once (true),
   // or takes none and starts nothing (false: the caller submits WorkItems instead). Channels
-  // without a bulk path, and channels that cannot take this one now (a range they have not
-  // mapped yet, no table space left), return false. Never blocks on the device.
+  // without a bulk path, and channels that cannot take this one (a range outside what they
+  // can reach, no table space left), return false. A channel may hold a taken submission
+  // queued (NVLink: until the peer memory it needs is mapped). Never blocks on the device.
   virtual bool TrySubmitBulk(BulkSubmission& bulk) {
     (void)bulk;
     return false;
+  }
+  // Completes a taken bulk submission of `owner` with `tag` at once with `why` (OnBulkDone
+  // on this thread) if it is still queued; one already started finishes with its real
+  // outcome. Never blocks on the device.
+  virtual void AbandonBulk(WorkOwner* owner, uint32_t tag, const Status& why) {
+    (void)owner;
+    (void)tag;
+    (void)why;
   }
   // Completes `item` early with `why` (see the contract above).
   virtual void Abandon(WorkItem* item, const Status& why) = 0;

@@ -14,14 +14,18 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <random>
 #include <thread>
 
 #include "cuda/device_memory.h"
+#include "transport/nvlink/fd_passing.h"
+#include "transport/nvlink/nvlink_channel.h"
 
 namespace kvferry {
 namespace {
@@ -350,6 +354,162 @@ TEST_F(NvlinkGpuTest, PreparedTransfersLandExactly) {
   if (HasFatalFailure()) return;
   ASSERT_TRUE(engine_->PrepareTransfers(segment_, local_).ok());  // again: nothing left to map
   RandomSizesRoundTrip(13, kRegionBytes, 10, 10, 4ull << 20);
+}
+
+// Records a channel's OnBulkDone calls.
+class BulkRecorder : public WorkOwner {
+ public:
+  void OnWorkDone(WorkItem*, const Status&) override { ADD_FAILURE() << "no work items here"; }
+  void OnBulkDone(const Status& status, uint32_t tag) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++calls_;
+    status_ = status;
+    tag_ = tag;
+    cv_.notify_all();
+  }
+  // Waits up to 20 s for the first call; its status (kDeadlineExceeded if none came).
+  Status Wait(uint32_t* tag) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, std::chrono::seconds(20), [&] { return calls_ > 0; })) {
+      return DeadlineExceededError("no OnBulkDone");
+    }
+    *tag = tag_;
+    return status_;
+  }
+  int calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int calls_ = 0;
+  Status status_;
+  uint32_t tag_ = 0;
+};
+
+// `count` WRITEs of 4 KiB from local_ into the peer's region at `base`, block i to slot
+// (i * 37) % count.
+std::vector<TransferRequest> ScatteredWrites(void* local, SegmentHandle segment, uint64_t base,
+                                             int count) {
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < count; ++i) {
+    reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local) + i * 4096, segment,
+                    base + static_cast<uint64_t>((i * 37) % count) * 4096, 4096});
+  }
+  return reqs;
+}
+
+// A bulk submission into peer regions its channel has not mapped yet (the IPC and the file-
+// descriptor shared one) is taken at once and waits in the channel for the mappings instead
+// of being declined to the item path; it lands exactly. One reaching outside the peer's GPU
+// memory is declined, with nothing started (the item path says why).
+TEST_F(NvlinkGpuTest, BulkSubmissionWaitsForItsRegionsToBeMapped) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  constexpr int kBlocks = 64;
+  std::vector<uint8_t> src(2 * kBlocks * 4096);
+  std::mt19937_64 rng(31);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  ASSERT_EQ(cudaMemcpy(local_, src.data(), src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable copies may still be landing
+  std::vector<TransferRequest> reqs = ScatteredWrites(local_, segment_, peer_.ipc_base, kBlocks);
+  for (TransferRequest r : ScatteredWrites(local_, segment_, peer_.vmm_base, kBlocks)) {
+    r.local_addr = static_cast<const uint8_t*>(r.local_addr) + kBlocks * 4096;
+    reqs.push_back(r);
+  }
+  BulkRecorder owner, outside_owner;
+  TransferRequest outside{TransferOp::kWrite, local_, segment_, 4096, 4096};
+  auto keepalive = std::make_shared<int>(0);
+  {
+    NvlinkChannelOptions options;
+    options.peer = *descriptor;
+    auto channel = CreateNvlinkChannel(options);
+    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+    BulkSubmission bulk{reqs, &owner, keepalive, 7};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(bulk)) << "declined while its regions were unmapped";
+    uint32_t tag = 0;
+    Status s = owner.Wait(&tag);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(tag, 7u);
+    BulkSubmission outside_bulk{std::span(&outside, 1), &outside_owner, nullptr, 1};
+    EXPECT_FALSE((*channel)->TrySubmitBulk(outside_bulk));
+  }  // closed
+  EXPECT_EQ(owner.calls(), 1);
+  EXPECT_EQ(outside_owner.calls(), 0);
+  EXPECT_EQ(keepalive.use_count(), 1) << "the channel kept the submission's keepalive";
+  std::vector<uint8_t> got(4096);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(Do(TransferOp::kRead, back_, reqs[i].remote_addr, 4096).ok());
+    ASSERT_EQ(cudaMemcpy(got.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(std::memcmp(got.data(), src.data() + i * 4096, 4096), 0) << "block " << i;
+  }
+}
+
+// A channel whose peer's file-descriptor server answers after 300 ms, refusing: submissions
+// parked for the region it shares fail together with that error (one attempt), one withdrawn
+// meanwhile (AbandonBulk, as a batch deadline does) completes at once with its reason, one
+// for another region lands, and one still parked at Close completes with kUnavailable. Each
+// exactly once, keepalives released, nothing written by the failed ones.
+TEST_F(NvlinkGpuTest, ParkedBulkSubmissionsFailAbandonAndCloseCleanly) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  const std::string slow_name = "kvferry-test-slow-fd-" + std::to_string(::getpid());
+  auto slow = FdServer::Create(slow_name, [](uint64_t) -> StatusOr<int> {
+    std::this_thread::sleep_for(milliseconds(300));
+    return NotFoundError("refused by the test");
+  });
+  ASSERT_TRUE(slow.ok()) << slow.status().ToString();
+  ASSERT_EQ(cudaMemset(local_, 0x5a, 64 * 4096), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto to_vmm = ScatteredWrites(local_, segment_, peer_.vmm_base, 16);
+  const auto to_ipc = ScatteredWrites(local_, segment_, peer_.ipc_base, 16);
+  BulkRecorder failed_a, failed_b, abandoned, landed, at_close;
+  auto keepalive = std::make_shared<int>(0);
+  uint32_t tag = 0;
+  {
+    NvlinkChannelOptions options;
+    options.peer = *descriptor;
+    options.peer.ipc_socket = slow_name;
+    auto channel = CreateNvlinkChannel(options);
+    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+    BulkSubmission a{to_vmm, &failed_a, keepalive, 1}, b{to_vmm, &failed_b, keepalive, 2},
+        c{to_vmm, &abandoned, keepalive, 3}, d{to_ipc, &landed, keepalive, 4};
+    for (BulkSubmission* bulk : {&a, &b, &c, &d}) ASSERT_TRUE((*channel)->TrySubmitBulk(*bulk));
+    const auto start = std::chrono::steady_clock::now();
+    (*channel)->AbandonBulk(&abandoned, 3, DeadlineExceededError("test deadline"));
+    EXPECT_EQ(abandoned.Wait(&tag).code(), StatusCode::kDeadlineExceeded);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(100));
+    EXPECT_EQ(failed_a.Wait(&tag).code(), StatusCode::kNotFound);
+    EXPECT_EQ(failed_b.Wait(&tag).code(), StatusCode::kNotFound);
+    Status s = landed.Wait(&tag);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    // Closed while one submission waits for the slow mapping and another, parked behind it,
+    // for the read-only region's (a READ): the first fails with the mapping's error, the
+    // second with the close.
+    BulkRecorder first;
+    TransferRequest read_ro{TransferOp::kRead, back_, segment_, peer_.ro_base, 4096};
+    BulkSubmission e{to_vmm, &first, keepalive, 5};
+    BulkSubmission f{std::span(&read_ro, 1), &at_close, keepalive, 6};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(e));
+    std::this_thread::sleep_for(milliseconds(50));  // the thread is inside the mapping now
+    ASSERT_TRUE((*channel)->TrySubmitBulk(f));
+    (*channel)->Close();
+    EXPECT_EQ(first.calls(), 1);
+    EXPECT_EQ(first.Wait(&tag).code(), StatusCode::kNotFound);
+    ASSERT_EQ(at_close.calls(), 1);
+    s = at_close.Wait(&tag);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+    EXPECT_NE(s.message().find("closed"), std::string::npos) << s.ToString();
+  }
+  for (BulkRecorder* r : {&failed_a, &failed_b, &abandoned, &landed}) EXPECT_EQ(r->calls(), 1);
+  EXPECT_EQ(keepalive.use_count(), 1) << "the channel kept a submission's keepalive";
+  // Nothing of the failed submissions reached the cuMem region: still the peer's pattern.
+  std::vector<uint8_t> got(16 * 4096);
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, got.size()).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], Pattern(i)) << i;
 }
 
 // Strided requests (rows of a head slice at two token strides) of random shapes, 16-byte

@@ -84,11 +84,12 @@ class NvlinkChannel : public PeerChannel {
   ~NvlinkChannel() override {
     Close();
     KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined), {} "
-                  "fell back to items (no free table space); {} through the resident kernel "
-                  "in {} launches, {} found its ring full",
+                  "fell back to items (no free table space), {} waited for a mapping; {} "
+                  "through the resident kernel in {} launches, {} found its ring full",
                   options_.peer.name, stats_parts_.load(), stats_launches_.load(),
-                  stats_combined_.load(), stats_no_slot_.load(), stats_resident_jobs_.load(),
-                  stats_resident_launches_.load(), stats_ring_full_.load());
+                  stats_combined_.load(), stats_no_slot_.load(), stats_parked_.load(),
+                  stats_resident_jobs_.load(), stats_resident_launches_.load(),
+                  stats_ring_full_.load());
     cudaSetDevice(options_.local_device);
     if (resident_stream_ != nullptr) {
       // Every job completed before the progress thread ended; idle blocks leave at once now.
@@ -144,15 +145,30 @@ class NvlinkChannel : public PeerChannel {
     bulk_submitting_.fetch_add(1);
     bool taken = false;
     if (!closed_flag_.load()) {
+      // While submissions are parked, later ones queue behind them (first come, first
+      // launched): taking arena space ahead of a parked one could starve it.
+      const bool behind = has_parked_.load();
       BulkPart part;
-      taken = PrepareBulk(bulk, &part);
-      if (taken) bulk_tiles_in_flight_.fetch_add(static_cast<int64_t>(part.num_tiles));
-      if (taken && !PublishResident(part)) {
-        {
-          std::lock_guard<std::mutex> lock(pending_mu_);
-          pending_parts_.push_back(std::move(part));
-        }
-        LaunchPending();
+      switch (PrepareBulk(bulk.requests, &part, nullptr, /*take_space=*/!behind)) {
+        case BulkFit::kPrepared:
+          LaunchPart(std::move(part), bulk);
+          taken = true;
+          break;
+        case BulkFit::kUnmapped:
+          // Its peer region is being (or about to be) mapped: wait for that here rather than
+          // go the item path, which took a whole fused unequal-TP room at a time through the
+          // progress thread while a large pool was mapped (the first rooms took 0.6-1.1 s).
+          stats_parked_.fetch_add(1, std::memory_order_relaxed);
+          [[fallthrough]];
+        case BulkFit::kFits:
+          Park(std::move(bulk), /*front=*/false);
+          taken = true;
+          break;
+        case BulkFit::kNoSpace:
+          stats_no_slot_.fetch_add(1, std::memory_order_relaxed);
+          break;
+        case BulkFit::kItemPath:
+          break;
       }
     }
     WakeProgress();
@@ -163,6 +179,21 @@ class NvlinkChannel : public PeerChannel {
   void Prepare() override {
     import_all_.store(true);
     WakeProgress();
+  }
+
+  void AbandonBulk(WorkOwner* owner, uint32_t tag, const Status& why) override {
+    BulkSubmission bulk;
+    {
+      std::lock_guard<std::mutex> lock(parked_mu_);
+      auto it = std::find_if(parked_.begin(), parked_.end(), [&](const BulkSubmission& b) {
+        return b.owner == owner && b.tag == tag;
+      });
+      if (it == parked_.end()) return;  // launched (or being launched): its real outcome
+      bulk = std::move(*it);
+      parked_.erase(it);
+      has_parked_.store(!parked_.empty());
+    }
+    owner->OnBulkDone(why, tag);
   }
 
   void Abandon(WorkItem* item, const Status& why) override {
@@ -244,34 +275,51 @@ class NvlinkChannel : public PeerChannel {
     return arena_device_ + p.first_unit * kUnitTiles;
   }
 
-  // The submitting thread's half of TrySubmitBulk: translates every request into tiles in a
-  // run of arena units (host memory). Returns false with nothing taken when a request needs
-  // the item path (a range not mapped yet or refused, a copy-engine block, no free run).
-  bool PrepareBulk(BulkSubmission& bulk, BulkPart* part) {
-    const std::span<const TransferRequest> requests = bulk.requests;
+  // What PrepareBulk made of a submission.
+  enum class BulkFit {
+    kPrepared,  // its tiles are in the arena
+    kFits,      // would be prepared, but take_space was false: nothing taken
+    kUnmapped,  // fits the bulk path, but a peer region it writes or reads is not mapped yet
+    kItemPath,  // needs the item path: a range outside the peer's shareable GPU regions (the
+                // item path refreshes the descriptor or reports why), a copy-engine block, or
+                // a table larger than the whole arena
+    kNoSpace,   // no free run of arena units now
+  };
+
+  // The submitting thread's half of TrySubmitBulk (and the progress thread's, for a parked
+  // submission): translates every request into tiles in a run of arena units (host memory).
+  // Anything but kPrepared leaves nothing taken. `missing` (optional) receives the first
+  // region found unmapped. Without `take_space` it stops at kFits.
+  BulkFit PrepareBulk(std::span<const TransferRequest> requests, BulkPart* part,
+                      const RegionDescriptor** missing, bool take_space) {
     size_t num_tiles = 0;
+    bool unmapped = false;
     std::shared_lock<std::shared_mutex> map_lock(map_mu_);
     MappedRegion cache;
     for (const TransferRequest& r : requests) {
       const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
-      if (r.length_bytes >= options_.copy_engine_threshold_bytes ||
-          MapMapped(r.remote_addr, r.remote_extent(), need, &cache) == nullptr) {
-        return false;
+      if (r.length_bytes >= options_.copy_engine_threshold_bytes) return BulkFit::kItemPath;
+      if (MapMapped(r.remote_addr, r.remote_extent(), need, &cache) == nullptr) {
+        const RegionDescriptor* region = FindRegion(r.remote_addr, r.remote_extent());
+        if (region == nullptr || region->kind != MemoryKind::kCuda ||
+            (region->access & need) != need) {
+          return BulkFit::kItemPath;
+        }
+        if (!unmapped && missing != nullptr) *missing = region;
+        unmapped = true;
       }
       num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
     }
-    if (num_tiles == 0) return false;
-    const uint32_t units = static_cast<uint32_t>((num_tiles + kUnitTiles - 1) / kUnitTiles);
+    const uint64_t units = (num_tiles + kUnitTiles - 1) / kUnitTiles;
+    if (num_tiles == 0 || units > kArenaUnits) return BulkFit::kItemPath;
+    if (unmapped) return BulkFit::kUnmapped;
+    if (!take_space) return BulkFit::kFits;
     {
       std::lock_guard<std::mutex> lock(bulk_mu_);
-      std::optional<uint32_t> first =
-          units <= kArenaUnits ? arena_units_.Take(units) : std::nullopt;
-      if (!first) {
-        stats_no_slot_.fetch_add(1, std::memory_order_relaxed);
-        return false;
-      }
+      std::optional<uint32_t> first = arena_units_.Take(static_cast<uint32_t>(units));
+      if (!first) return BulkFit::kNoSpace;
       part->first_unit = *first;
-      part->num_units = units;
+      part->num_units = static_cast<uint32_t>(units);
     }
     cuda::CopyTile* out = HostTiles(*part);
     auto emit = [&](const cuda::CopyTile& tile) { *out++ = tile; };
@@ -290,10 +338,116 @@ class NvlinkChannel : public PeerChannel {
       }
     }
     part->num_tiles = num_tiles;
-    part->owner = bulk.owner;
-    part->tag = bulk.tag;
-    part->keepalive = std::move(bulk.keepalive);
-    return true;
+    return BulkFit::kPrepared;
+  }
+
+  // Sends a prepared part of `bulk` on its way: to the resident kernel's ring, or to a launch
+  // of its own or shared with other waiting parts.
+  void LaunchPart(BulkPart&& part, BulkSubmission& bulk) {
+    part.owner = bulk.owner;
+    part.tag = bulk.tag;
+    part.keepalive = std::move(bulk.keepalive);
+    bulk_tiles_in_flight_.fetch_add(static_cast<int64_t>(part.num_tiles));
+    if (PublishResident(part)) return;
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      pending_parts_.push_back(std::move(part));
+    }
+    LaunchPending();
+  }
+
+  // Queues a taken submission for the progress thread (ServiceParked): at the back, or at the
+  // front when it goes back to where it was.
+  void Park(BulkSubmission&& bulk, bool front) {
+    std::lock_guard<std::mutex> lock(parked_mu_);
+    if (front) {
+      parked_.push_front(std::move(bulk));
+    } else {
+      parked_.push_back(std::move(bulk));
+    }
+    has_parked_.store(true);
+  }
+
+  // Progress thread: launches parked submissions in the order they came, mapping at most one
+  // missing peer region per call (100-200 ms for a large pool; returns whether it mapped one).
+  // A submission waiting for a mapping or for arena space stays parked, first in line, where
+  // AbandonBulk can still withdraw it. A mapping that fails fails every parked submission
+  // that needs the region.
+  bool ServiceParked() {
+    if (!has_parked_.load()) return false;
+    bool mapped_one = false;
+    while (true) {
+      BulkSubmission bulk;
+      {
+        std::lock_guard<std::mutex> lock(parked_mu_);
+        if (parked_.empty()) {
+          has_parked_.store(false);
+          return mapped_one;
+        }
+        bulk = std::move(parked_.front());
+        parked_.pop_front();
+      }
+      BulkPart part;
+      const RegionDescriptor* missing = nullptr;
+      switch (PrepareBulk(bulk.requests, &part, &missing, /*take_space=*/true)) {
+        case BulkFit::kPrepared:
+          LaunchPart(std::move(part), bulk);
+          queued_.store(true);  // its flight is in bulk_new_: the loop takes it next round
+          break;
+        case BulkFit::kNoSpace:  // copies in flight give space back: next round
+          Park(std::move(bulk), /*front=*/true);
+          return mapped_one;
+        case BulkFit::kUnmapped: {
+          Park(std::move(bulk), /*front=*/true);
+          if (mapped_one) return true;
+          mapped_one = true;
+          StatusOr<uint8_t*> imported = Import(*missing);
+          if (!imported.ok()) FailParkedIn(*missing, imported.status());
+          break;
+        }
+        case BulkFit::kFits:
+        case BulkFit::kItemPath:
+          // Only when the peer's descriptor changed (a refresh) after the submission parked.
+          bulk.owner->OnBulkDone(
+              FailedPreconditionError("NVLink bulk submission to " + options_.peer.name +
+                                      ": a range is no longer inside GPU memory the peer "
+                                      "registered"),
+              bulk.tag);
+          break;
+      }
+    }
+  }
+
+  // Fails the parked submissions with a request in `region` (which could not be mapped).
+  void FailParkedIn(const RegionDescriptor& region, const Status& why) {
+    std::deque<BulkSubmission> failed;
+    {
+      std::lock_guard<std::mutex> lock(parked_mu_);
+      for (auto it = parked_.begin(); it != parked_.end();) {
+        const bool needs = std::any_of(
+            it->requests.begin(), it->requests.end(),
+            [&](const TransferRequest& r) { return region.Contains(r.remote_addr, 1); });
+        if (needs) {
+          failed.push_back(std::move(*it));
+          it = parked_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      has_parked_.store(!parked_.empty());
+    }
+    for (BulkSubmission& bulk : failed) bulk.owner->OnBulkDone(why, bulk.tag);
+  }
+
+  // Progress thread, closing: fails every parked submission.
+  void FailParked(const Status& why) {
+    std::deque<BulkSubmission> parked;
+    {
+      std::lock_guard<std::mutex> lock(parked_mu_);
+      parked.swap(parked_);
+      has_parked_.store(false);
+    }
+    for (BulkSubmission& bulk : parked) bulk.owner->OnBulkDone(why, bulk.tag);
   }
 
   // Launches every prepared submission, combining those that wait together into one kernel
@@ -604,6 +758,7 @@ class NvlinkChannel : public PeerChannel {
   }
 
   bool BulkIdle() const {
+    if (has_parked_.load()) return false;
     for (const auto& queue : bulk_inflight_) {
       if (!queue.empty()) return false;
     }
@@ -671,6 +826,7 @@ class NvlinkChannel : public PeerChannel {
         TakeNewFlights();
         // Submitters still inside TrySubmitBulk may yet hand over flights: stay for them.
         if (closing && bulk_submitting_.load() == 0) {
+          FailParked(UnavailableError("NVLink channel to " + options_.peer.name + " closed"));
           TakeNewFlights();
           if (inflight_.empty() && BulkIdle()) {
             for (auto& item : batch) item->Complete(UnavailableError("NVLink channel closed"));
@@ -678,7 +834,10 @@ class NvlinkChannel : public PeerChannel {
           }
         }
       }
-      if (import_all_.load() && !closed_flag_.load() && !ImportNext()) import_all_.store(false);
+      const bool mapped = !closed_flag_.load() && ServiceParked();
+      if (!mapped && import_all_.load() && !closed_flag_.load() && !ImportNext()) {
+        import_all_.store(false);
+      }
       if (!batch.empty()) Dispatch(batch);
       PollFlights(/*block=*/false);
       PollBulk();
@@ -948,6 +1107,7 @@ class NvlinkChannel : public PeerChannel {
   // Counts for the debug log at close: bulk parts, their launches, launches of several parts,
   // submissions refused for want of a table slot.
   std::atomic<uint64_t> stats_parts_{0}, stats_launches_{0}, stats_combined_{0}, stats_no_slot_{0};
+  std::atomic<uint64_t> stats_parked_{0};  // bulk submissions that waited for a mapping
   std::atomic<bool> queued_{false};    // items in queue_ or flights in bulk_new_ (WakeProgress)
   std::atomic<bool> sleeping_{false};  // the progress thread waits on cv_
   std::atomic<bool> import_all_{false};  // Prepare asked for every peer region to be mapped
@@ -1005,6 +1165,10 @@ class NvlinkChannel : public PeerChannel {
   // thread launching them.
   std::mutex pending_mu_;
   std::vector<BulkPart> pending_parts_;
+  // Bulk submissions waiting for a peer region to be mapped (ServiceParked), oldest first.
+  std::mutex parked_mu_;
+  std::deque<BulkSubmission> parked_;
+  std::atomic<bool> has_parked_{false};  // parked_ is not empty
   std::mutex launch_mu_;  // launched bulk submissions not yet polled
   std::atomic<int> bulk_submitting_{0};  // TrySubmitBulk calls in progress
   std::mutex flights_mu_;                // guards bulk_new_
