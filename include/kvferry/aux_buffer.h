@@ -37,6 +37,7 @@ namespace kvferry {
 
 namespace cuda {
 class DeviceAllocation;
+class DeviceWordProbes;
 }  // namespace cuda
 
 // One field of an aux row: bytes [offset_bytes, offset_bytes + size_bytes) of the row.
@@ -112,10 +113,14 @@ class AuxBuffer {
   // The bootstrap room stored in `row`. REQUIRES 0 <= row < num_rows(). For GPU rows a
   // synchronous 8-byte copy that waits for no other work on the device (cuda::CopyToHost).
   uint64_t ReadRoom(int32_t row) const;
-  // For GPU rows: wakes the device's copy path for a ReadRoom of `row` expected soon (an idle
-  // GPU's first small copy takes ~3x longer); never waits (skipped while another device copy
-  // of this process runs). Nothing for host rows.
-  void PrimeReadRoom(int32_t row) const;
+  // Whether `row` was seen holding `room`, without waiting: for GPU rows the answer of the
+  // row's last finished background read (cuda::DeviceWordProbes), and another read is started
+  // unless that one showed `room`; for host rows ReadRoom(row) == room. Call it repeatedly
+  // while the row is expected to land (a decode waiter between its last data being announced
+  // and the room's completion): a true answer spares the synchronous ReadRoom afterwards,
+  // and the reads keep the device's copy path warm (an idle GPU's first small copy takes ~3x
+  // longer). REQUIRES 0 <= row < num_rows().
+  bool RoomSeen(int32_t row, uint64_t room) const;
 
  private:
   AuxBuffer(const AuxLayout& layout, int32_t num_rows, uint8_t* data);
@@ -125,6 +130,7 @@ class AuxBuffer {
   uint8_t* data_;
   MemoryLocation location_;
   std::unique_ptr<cuda::DeviceAllocation> device_memory_;  // set for GPU rows
+  std::unique_ptr<cuda::DeviceWordProbes> probes_;         // GPU rows: one per row (RoomSeen)
   std::mutex mu_;
   std::deque<int32_t> free_rows_;      // guarded by mu_
   std::vector<uint8_t> is_allocated_;  // guarded by mu_

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -26,12 +27,9 @@ namespace {
 struct PrivateStream {
   std::mutex mu;
   cudaStream_t stream = nullptr;
-  uint8_t* scratch = nullptr;  // kScratchBytes, then kPrimeBytes where primers land
+  uint8_t* scratch = nullptr;  // kScratchBytes
 };
 constexpr uint64_t kScratchBytes = uint64_t{1} << 20;
-// Primers land past the scratch: they are not waited for, and a later CopyToDevice fills the
-// scratch on the CPU before its copy is queued behind them.
-constexpr uint64_t kPrimeBytes = 64;
 constexpr int kMaxDevices = 64;
 
 // Locks and returns the device's private stream (created on first use); the caller makes
@@ -57,7 +55,7 @@ StatusOr<PrivateStream*> LockPrivateStream(int device, std::unique_lock<std::mut
   if (p->stream == nullptr) {
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking));
     void* scratch = nullptr;
-    if (cudaMallocHost(&scratch, kScratchBytes + kPrimeBytes) != cudaSuccess) {
+    if (cudaMallocHost(&scratch, kScratchBytes) != cudaSuccess) {
       cudaGetLastError();
       cudaStreamDestroy(p->stream);
       p->stream = nullptr;
@@ -104,17 +102,6 @@ Status CopyToHost(void* dst, const void* src, uint64_t bytes) {
   return CopyThroughScratch(DeviceOf(src), static_cast<uint8_t*>(dst),
                             static_cast<const uint8_t*>(src), bytes, /*to_device=*/false);
 }
-void PrimeCopyToHost(const void* src) {
-  const int device = DeviceOf(src);
-  DeviceGuard guard(device);
-  std::unique_lock<std::mutex> lock;
-  auto p = LockPrivateStream(device, &lock, /*try_only=*/true);
-  if (!p.ok()) return;  // not CUDA memory, or the stream is busy (so the copy path is awake)
-  if (cudaMemcpyAsync((*p)->scratch + kScratchBytes, src, 8, cudaMemcpyDeviceToHost,
-                      (*p)->stream) != cudaSuccess) {
-    cudaGetLastError();
-  }
-}
 Status MemsetDevice(void* dst, int value, uint64_t bytes) {
   const int device = DeviceOf(dst);
   DeviceGuard guard(device);
@@ -123,6 +110,102 @@ Status MemsetDevice(void* dst, int value, uint64_t bytes) {
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, value, bytes, p->stream));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(p->stream));
   return OkStatus();
+}
+
+namespace {
+
+class DeviceWordProbesImpl : public DeviceWordProbes {
+ public:
+  DeviceWordProbesImpl(int device, int32_t slots) : device_(device), slots_(slots) {}
+
+  Status Init() {
+    DeviceGuard guard(device_);
+    void* words = nullptr;
+    if (cudaMallocHost(&words, slots_.size() * sizeof(uint64_t)) != cudaSuccess) {
+      cudaGetLastError();
+      return ResourceExhaustedError("cannot allocate " + std::to_string(slots_.size()) +
+                                    " pinned words for device reads");
+    }
+    words_ = static_cast<uint64_t*>(words);
+    return OkStatus();
+  }
+
+  ~DeviceWordProbesImpl() override {
+    DeviceGuard guard(device_);
+    for (Slot& s : slots_) {
+      if (s.event == nullptr) continue;
+      if (s.in_flight) cudaEventSynchronize(s.event);
+      cudaEventDestroy(s.event);
+    }
+    if (words_ != nullptr) cudaFreeHost(words_);
+  }
+
+  bool Seen(int32_t slot, const void* src, uint64_t want) override {
+    Slot& s = slots_[static_cast<size_t>(slot)];
+    std::lock_guard<std::mutex> lock(s.mu);
+    DeviceGuard guard(device_);
+    if (s.in_flight) {
+      const cudaError_t e = cudaEventQuery(s.event);
+      if (e == cudaErrorNotReady) return s.has_value && s.value == want;
+      s.in_flight = false;
+      s.has_value = e == cudaSuccess && !s.forgotten;
+      s.forgotten = false;
+      if (e != cudaSuccess) cudaGetLastError();
+      // The copy finished (the event says so): the word is final in host memory.
+      s.value = std::atomic_ref<uint64_t>(words_[slot]).load(std::memory_order_acquire);
+    }
+    if (s.has_value && s.value == want) return true;
+    std::unique_lock<std::mutex> stream_lock;
+    auto p = LockPrivateStream(device_, &stream_lock, /*try_only=*/true);
+    if (!p.ok()) return false;  // busy: the next call tries again
+    if (s.event == nullptr &&
+        cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      s.event = nullptr;
+      return false;
+    }
+    if (cudaMemcpyAsync(&words_[slot], src, sizeof(uint64_t), cudaMemcpyDeviceToHost,
+                        (*p)->stream) != cudaSuccess ||
+        cudaEventRecord(s.event, (*p)->stream) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    s.in_flight = true;
+    return false;
+  }
+
+  void Forget(int32_t slot) override {
+    Slot& s = slots_[static_cast<size_t>(slot)];
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.has_value = false;
+    s.forgotten = s.in_flight;
+  }
+
+ private:
+  struct Slot {
+    std::mutex mu;  // guards the rest
+    cudaEvent_t event = nullptr;
+    bool in_flight = false;  // a read was queued and its event not seen complete yet
+    bool has_value = false;  // `value` holds the last finished read
+    bool forgotten = false;  // the read under way was started before Forget: ignore it
+    uint64_t value = 0;
+  };
+  const int device_;
+  std::vector<Slot> slots_;
+  uint64_t* words_ = nullptr;  // pinned, one per slot: where the reads land
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<DeviceWordProbes>> DeviceWordProbes::Create(int device, int32_t slots) {
+  if (slots < 1) {
+    return InvalidArgumentError("device word probes need at least one slot, got " +
+                                std::to_string(slots));
+  }
+  RETURN_IF_ERROR(CheckDevice(device));
+  auto probes = std::make_unique<DeviceWordProbesImpl>(device, slots);
+  RETURN_IF_ERROR(probes->Init());
+  return std::unique_ptr<DeviceWordProbes>(std::move(probes));
 }
 
 StatusOr<bool> EventCompleted(void* event) {

@@ -22,12 +22,30 @@ namespace kvferry::cuda {
 Status CopyToDevice(void* dst, const void* src, uint64_t bytes);
 Status CopyToHost(void* dst, const void* src, uint64_t bytes);
 Status MemsetDevice(void* dst, int value, uint64_t bytes);
-// Starts an 8-byte copy from device memory `src` on that device's private stream and returns
-// without waiting for it (nor for the stream: when another call holds it, nothing is started);
-// errors are ignored. A GPU idle for a few milliseconds takes ~20 us instead of
-// ~7 us for its next small device-to-host copy (H200, docs/perf/layerwise.md session 8):
-// priming tens of microseconds before a latency-critical CopyToHost of the same device hides it.
-void PrimeCopyToHost(const void* src);
+// Background reads of 8-byte words of one GPU's memory, one slot per word watched, so that a
+// value can be checked off the latency path: an 8-byte device-to-host copy takes ~7 us on a
+// warm H200 and ~20 us after a few milliseconds idle (docs/perf/layerwise.md, session 8).
+// Seen answers from the slot's last finished read and starts the next one on the device's
+// private stream (above), which waits for no other work. Thread-safe (a lock per slot).
+class DeviceWordProbes {
+ public:
+  // `slots` probes of memory on `device`: a pinned host word each (cudaMallocHost) and a CUDA
+  // event, made on the slot's first read. Errors: kUnimplemented / kFailedPrecondition
+  // without CUDA or device, kInvalidArgument for slots < 1, kResourceExhausted.
+  static StatusOr<std::unique_ptr<DeviceWordProbes>> Create(int device, int32_t slots);
+  // Waits for the reads under way.
+  virtual ~DeviceWordProbes() = default;
+  // Whether the last finished read of `slot` returned `want`. Unless it did, starts another
+  // read of the 8 bytes at `src` (8-byte aligned, in this object's device's memory) when none
+  // of this slot is under way and the private stream is free (so a caller polling in a loop
+  // keeps one read after another going, each ~7 us); never waits. A failed read counts as
+  // not seen. A read started before the word was written may still return the old value:
+  // only a true answer says something. REQUIRES 0 <= slot < slots.
+  virtual bool Seen(int32_t slot, const void* src, uint64_t want) = 0;
+  // Drops what `slot` has read (the word is about to mean something else, e.g. its row was
+  // freed): a read under way is not answered from either. Never waits.
+  virtual void Forget(int32_t slot) = 0;
+};
 // Whether the work before a recorded cudaEvent_t has finished (cudaEventQuery): true, false
 // (still running), or the error the event reports.
 StatusOr<bool> EventCompleted(void* event);

@@ -23,7 +23,9 @@ DeviceAllocation::~DeviceAllocation() = default;
 Status CopyToDevice(void*, const void*, uint64_t) { return NoCuda(); }
 Status CopyToHost(void*, const void*, uint64_t) { return NoCuda(); }
 Status MemsetDevice(void*, int, uint64_t) { return NoCuda(); }
-void PrimeCopyToHost(const void*) {}
+StatusOr<std::unique_ptr<DeviceWordProbes>> DeviceWordProbes::Create(int, int32_t) {
+  return NoCuda();
+}
 StatusOr<bool> EventCompleted(void*) { return NoCuda(); }
 StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int, bool) {
   return NoCuda();

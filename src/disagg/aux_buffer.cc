@@ -116,6 +116,11 @@ StatusOr<std::unique_ptr<AuxBuffer>> AuxBuffer::CreateOnDevice(const AuxLayout& 
   std::unique_ptr<AuxBuffer> aux(new AuxBuffer(layout, num_rows, (*memory)->data()));
   aux->location_ = MemoryLocation{MemoryKind::kCuda, device};
   aux->device_memory_ = std::move(*memory);
+  auto probes = cuda::DeviceWordProbes::Create(device, num_rows);
+  if (!probes.ok()) {
+    return probes.status().WithContext("aux rows on CUDA device " + std::to_string(device));
+  }
+  aux->probes_ = std::move(*probes);
   return aux;
 }
 
@@ -142,6 +147,7 @@ Status AuxBuffer::FreeRow(int32_t row) {
   // Zero before the row can be handed out again, so a stale room never survives into it.
   if (device_memory_ != nullptr) {
     RETURN_IF_ERROR(cuda::MemsetDevice(Row(row), 0, layout_.row_bytes()));
+    probes_->Forget(row);
   } else {
     std::memset(Row(row), 0, layout_.row_bytes());
   }
@@ -163,8 +169,9 @@ uint64_t AuxBuffer::ReadRoom(int32_t row) const {
   return room;
 }
 
-void AuxBuffer::PrimeReadRoom(int32_t row) const {
-  if (device_memory_ != nullptr) cuda::PrimeCopyToHost(Row(row) + layout_.room_offset());
+bool AuxBuffer::RoomSeen(int32_t row, uint64_t room) const {
+  if (probes_ == nullptr) return ReadRoom(row) == room;
+  return probes_->Seen(row, Row(row) + layout_.room_offset(), room);
 }
 
 }  // namespace kvferry
