@@ -1,5 +1,7 @@
 #include "common/spin.h"
 
+#include <algorithm>
+
 #include <sys/prctl.h>
 
 #include "common/env.h"
@@ -20,6 +22,26 @@ std::chrono::microseconds IdleSpinWindow() {
     return std::chrono::microseconds(env.ok() && env->idle_spin_us ? *env->idle_spin_us : 200);
   }();
   return window;
+}
+
+void SubmitCadence::Note() {
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  const int64_t previous = last_ns_.exchange(now, std::memory_order_relaxed);
+  // Submissions closer together than the base window are one burst (a layer's pages, then its
+  // aux row): the cadence is the gap between bursts.
+  const int64_t gap = now - previous;
+  if (previous != 0 && gap >= IdleSpinWindow().count() * 1000) {
+    gap_ns_.store(gap, std::memory_order_relaxed);
+  }
+}
+
+std::chrono::microseconds SubmitCadence::IdleWindow() const {
+  const std::chrono::microseconds base = IdleSpinWindow();
+  const int64_t gap_us = gap_ns_.load(std::memory_order_relaxed) / 1000;
+  if (base.count() == 0 || gap_us < 0 || gap_us > kMaxCadenceGap.count()) return base;
+  return std::max(base, std::chrono::microseconds(2 * gap_us));
 }
 
 void SetFineTimerSlack() { ::prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); }

@@ -4,7 +4,9 @@
 // batch takes to copy; a waiter that polls for a short window first sees it at once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 
 namespace kvferry {
 
@@ -12,10 +14,29 @@ namespace kvferry {
 std::chrono::microseconds SpinWindow();
 
 // How long a progress thread with no work left polls for more before sleeping:
-// KVFERRY_IDLE_SPIN_US microseconds (0 sleeps at once), default 200. Read once. A longer window
-// keeps the thread awake between layers of a layerwise pass (e.g. 1000 for 500 us layers) at
-// the cost of a busy core for that long after the last work.
+// KVFERRY_IDLE_SPIN_US microseconds (0 sleeps at once), default 200. Read once. NVLink
+// channels stretch it while submissions keep a steady cadence (SubmitCadence below).
 std::chrono::microseconds IdleSpinWindow();
+
+// When work arrives at a steady cadence (the layers of a layerwise prefill pass, one every few
+// hundred microseconds), how long an idle progress thread should keep polling: twice the gap
+// between the last two bursts of submissions (submissions closer than IdleSpinWindow() are
+// one burst), so that it is awake for the next one (a sleeping thread
+// took 150-600 us to notice a new copy on the H200 hosts, longer than a layer's copy:
+// docs/perf/layerwise.md session 9), but never less than IdleSpinWindow() and never for gaps
+// over kMaxCadenceGap (then: IdleSpinWindow()). IdleSpinWindow() of 0 turns it off. Thread-safe.
+class SubmitCadence {
+ public:
+  static constexpr std::chrono::microseconds kMaxCadenceGap{5000};
+  // Records a submission now.
+  void Note();
+  // The polling window for an idle progress thread now.
+  std::chrono::microseconds IdleWindow() const;
+
+ private:
+  std::atomic<int64_t> last_ns_{0};  // steady clock, 0: none yet
+  std::atomic<int64_t> gap_ns_{-1};  // between the last two bursts, -1: unknown
+};
 
 // Makes this thread's short sleeps as short as asked: Linux lets a sleep overrun by the
 // thread's timer slack, 50 us by default, which turns a 20 us polling sleep into ~70 us.

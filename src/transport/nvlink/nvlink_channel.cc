@@ -124,6 +124,7 @@ class NvlinkChannel : public PeerChannel {
   }
 
   void SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) override {
+    cadence_.Note();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!closed_) {
@@ -143,6 +144,7 @@ class NvlinkChannel : public PeerChannel {
     // bulk_submitting_ (the progress thread stays until they handed over), then check
     // closed_flag_; Close sets that flag before the progress thread looks at the count.
     bulk_submitting_.fetch_add(1);
+    cadence_.Note();
     bool taken = false;
     if (!closed_flag_.load()) {
       // While submissions are parked, later ones queue behind them (first come, first
@@ -793,7 +795,7 @@ class NvlinkChannel : public PeerChannel {
       const bool idle = inflight_.empty() && BulkIdle();
       if (idle) {
         // Spin a little before sleeping: a futex wake-up costs more than a small transfer.
-        auto spin_until = std::chrono::steady_clock::now() + IdleSpinWindow();
+        auto spin_until = std::chrono::steady_clock::now() + cadence_.IdleWindow();
         while (!queued_.load(std::memory_order_acquire) && !closed_flag_.load() &&
                std::chrono::steady_clock::now() < spin_until) {
         }
@@ -1109,6 +1111,7 @@ class NvlinkChannel : public PeerChannel {
   std::atomic<uint64_t> stats_parts_{0}, stats_launches_{0}, stats_combined_{0}, stats_no_slot_{0};
   std::atomic<uint64_t> stats_parked_{0};  // bulk submissions that waited for a mapping
   std::atomic<bool> queued_{false};    // items in queue_ or flights in bulk_new_ (WakeProgress)
+  SubmitCadence cadence_;  // how long the idle progress thread polls before sleeping
   std::atomic<bool> sleeping_{false};  // the progress thread waits on cv_
   std::atomic<bool> import_all_{false};  // Prepare asked for every peer region to be mapped
   size_t import_next_ = 0;  // ImportNext's cursor into options_.peer.regions
