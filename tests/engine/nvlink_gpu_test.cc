@@ -447,6 +447,63 @@ TEST_F(NvlinkGpuTest, BulkSubmissionWaitsForItsRegionsToBeMapped) {
   }
 }
 
+// With a copy-engine threshold, a bulk submission's long blocks go through the copy engine
+// (contiguous, and strided rows through cudaMemcpy2DAsync) in the same submission as its short
+// ones (the copy kernel); a submission of long blocks only, too. Every byte lands where it
+// should, and the bytes between strided rows stay untouched.
+TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  NvlinkChannelOptions options;
+  options.peer = *descriptor;
+  options.copy_engine_threshold_bytes = 64 << 10;
+  constexpr uint64_t kSpan = 8 << 20;  // bytes of local_ and of the peer's region used
+  std::vector<uint8_t> src(kSpan);
+  std::mt19937_64 rng(41);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  ASSERT_EQ(cudaMemcpy(local_, src.data(), kSpan, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // A host mirror of the peer's region [vmm_base, + kSpan): its pattern, then each WRITE.
+  std::vector<uint8_t> mirror(kSpan);
+  for (uint64_t i = 0; i < kSpan; ++i) mirror[i] = Pattern(i);
+  auto* local = static_cast<uint8_t*>(local_);
+  std::vector<TransferRequest> mixed, engine_only;
+  auto add = [&](std::vector<TransferRequest>& to, uint64_t src_off, uint64_t dst_off,
+                 uint64_t len, uint32_t rows, uint64_t src_stride, uint64_t dst_stride) {
+    TransferRequest r{TransferOp::kWrite, local + src_off, segment_, peer_.vmm_base + dst_off,
+                      len};
+    r.num_rows = rows;
+    r.local_stride = src_stride;
+    r.remote_stride = dst_stride;
+    to.push_back(r);
+    for (uint32_t row = 0; row < rows; ++row) {
+      std::memcpy(mirror.data() + dst_off + row * dst_stride, src.data() + src_off + row * src_stride,
+                  len);
+    }
+  };
+  for (int i = 0; i < 32; ++i) add(mixed, i * 4096, (i * 7 % 32) * 4096, 4096, 1, 0, 0);
+  add(mixed, 1 << 20, 1 << 20, 1 << 20, 1, 0, 0);                        // copy engine
+  add(mixed, 2 << 20, (2 << 20) + 100, 96 << 10, 8, 128 << 10, 160 << 10);  // 2D, copy engine
+  add(mixed, 200 << 10, (4 << 20) + 16, 1000, 64, 1024, 1040);            // strided, kernel
+  add(engine_only, 5 << 20, (6 << 20) + 8, (1 << 20) + 3, 1, 0, 0);
+  add(engine_only, 3 << 20, 5 << 20, 64 << 10, 4, 100 << 10, 120 << 10);
+  auto channel = CreateNvlinkChannel(options);
+  ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+  for (auto* reqs : {&mixed, &engine_only}) {
+    BulkRecorder owner;
+    BulkSubmission bulk{*reqs, &owner, nullptr, 9};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(bulk));
+    uint32_t tag = 0;
+    Status s = owner.Wait(&tag);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  (*channel)->Close();
+  std::vector<uint8_t> got(kSpan);
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, kSpan).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, kSpan, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint64_t i = 0; i < kSpan; ++i) ASSERT_EQ(got[i], mirror[i]) << "byte " << i;
+}
+
 // A channel whose peer's file-descriptor server answers after 300 ms, refusing: submissions
 // parked for the region it shares fail together with that error (one attempt), one withdrawn
 // meanwhile (AbandonBulk, as a batch deadline does) completes at once with its reason, one

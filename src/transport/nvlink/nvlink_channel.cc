@@ -231,10 +231,16 @@ class NvlinkChannel : public PeerChannel {
   };
   // One bulk submission, its tiles written into a run of arena units (host memory), not
   // launched yet.
+  // A block of a bulk submission at least options_.copy_engine_threshold_bytes long, copied by
+  // the copy engine (rows > 1: a strided block, cudaMemcpy2DAsync).
+  struct EngineBlock {
+    uint64_t src = 0, dst = 0, width = 0, rows = 1, src_pitch = 0, dst_pitch = 0;
+  };
   struct BulkPart {
     uint32_t first_unit = 0;  // its table: arena units [first_unit, first_unit + num_units)
     uint32_t num_units = 0;
     size_t num_tiles = 0;
+    std::vector<EngineBlock> engine;  // its copy-engine blocks (such a part launches alone)
     WorkOwner* owner = nullptr;
     std::shared_ptr<void> keepalive;
     uint32_t tag = 0;
@@ -294,13 +300,12 @@ class NvlinkChannel : public PeerChannel {
   // region found unmapped. Without `take_space` it stops at kFits.
   BulkFit PrepareBulk(std::span<const TransferRequest> requests, BulkPart* part,
                       const RegionDescriptor** missing, bool take_space) {
-    size_t num_tiles = 0;
+    size_t num_tiles = 0, engine_blocks = 0;
     bool unmapped = false;
     std::shared_lock<std::shared_mutex> map_lock(map_mu_);
     MappedRegion cache;
     for (const TransferRequest& r : requests) {
       const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
-      if (r.length_bytes >= options_.copy_engine_threshold_bytes) return BulkFit::kItemPath;
       if (MapMapped(r.remote_addr, r.remote_extent(), need, &cache) == nullptr) {
         const RegionDescriptor* region = FindRegion(r.remote_addr, r.remote_extent());
         if (region == nullptr || region->kind != MemoryKind::kCuda ||
@@ -310,13 +315,17 @@ class NvlinkChannel : public PeerChannel {
         if (!unmapped && missing != nullptr) *missing = region;
         unmapped = true;
       }
-      num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
+      if (r.length_bytes >= options_.copy_engine_threshold_bytes) {
+        ++engine_blocks;
+      } else {
+        num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
+      }
     }
     const uint64_t units = (num_tiles + kUnitTiles - 1) / kUnitTiles;
-    if (num_tiles == 0 || units > kArenaUnits) return BulkFit::kItemPath;
+    if ((num_tiles == 0 && engine_blocks == 0) || units > kArenaUnits) return BulkFit::kItemPath;
     if (unmapped) return BulkFit::kUnmapped;
     if (!take_space) return BulkFit::kFits;
-    {
+    if (units > 0) {
       std::lock_guard<std::mutex> lock(bulk_mu_);
       std::optional<uint32_t> first = arena_units_.Take(static_cast<uint32_t>(units));
       if (!first) return BulkFit::kNoSpace;
@@ -325,13 +334,19 @@ class NvlinkChannel : public PeerChannel {
     }
     cuda::CopyTile* out = HostTiles(*part);
     auto emit = [&](const cuda::CopyTile& tile) { *out++ = tile; };
+    part->engine.clear();
+    part->engine.reserve(engine_blocks);
     for (const TransferRequest& r : requests) {
       const bool write = r.op == TransferOp::kWrite;
       const uint64_t local = reinterpret_cast<uint64_t>(r.local_addr);
       const uint64_t remote = reinterpret_cast<uint64_t>(
           MapMapped(r.remote_addr, r.remote_extent(),
                     write ? kAccessRemoteWrite : kAccessRemoteRead, &cache));
-      if (write) {
+      if (r.length_bytes >= options_.copy_engine_threshold_bytes) {
+        part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
+                                r.num_rows, write ? r.local_stride : r.remote_stride,
+                                write ? r.remote_stride : r.local_stride});
+      } else if (write) {
         cuda::ForEachTile(local, remote, r.length_bytes, r.num_rows, r.local_stride,
                           r.remote_stride, emit);
       } else {
@@ -472,7 +487,7 @@ class NvlinkChannel : public PeerChannel {
       std::vector<BulkPart> group;
 
       for (BulkPart& part : parts) {
-        if (part.num_tiles > kCombineMaxTiles) {
+        if (part.num_tiles > kCombineMaxTiles || !part.engine.empty()) {
           std::vector<BulkPart> alone;
           alone.push_back(std::move(part));
           LaunchGroup(std::move(alone));
@@ -516,7 +531,10 @@ class NvlinkChannel : public PeerChannel {
     // (the caller's) thread may have left, so it cannot fail this batch.
     (void)cudaGetLastError();
     cudaError_t e = cudaSuccess;
-    if (parts.size() == 1 && parts[0].num_tiles <= static_cast<size_t>(cuda::kInlineTiles)) {
+    if (parts.size() == 1 && parts[0].num_tiles == 0) {
+      // Copy-engine blocks only: below.
+    } else if (parts.size() == 1 &&
+               parts[0].num_tiles <= static_cast<size_t>(cuda::kInlineTiles)) {
       const BulkPart& p = parts[0];
       cuda::InlineTiles inline_tiles;
       std::memcpy(inline_tiles.tiles, HostTiles(p),
@@ -539,6 +557,16 @@ class NvlinkChannel : public PeerChannel {
         ++tables.count;
       }
       e = cuda::LaunchBatchedCopyHostTables(tables, stream);
+    }
+    if (parts.size() == 1) {
+      for (const EngineBlock& b : parts[0].engine) {
+        if (e != cudaSuccess) break;
+        void* dst = reinterpret_cast<void*>(b.dst);
+        const void* src = reinterpret_cast<const void*>(b.src);
+        e = b.rows <= 1 ? cudaMemcpyAsync(dst, src, b.width, cudaMemcpyDefault, stream)
+                        : cudaMemcpy2DAsync(dst, b.dst_pitch, src, b.src_pitch, b.width, b.rows,
+                                            cudaMemcpyDefault, stream);
+      }
     }
     if (e != cudaSuccess) flight.status = InternalError(CudaError("bulk copy launch", e));
     if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
@@ -614,7 +642,8 @@ class NvlinkChannel : public PeerChannel {
   // or failed, or the ring or the job slots are full. Submitters append under ring_mu_, so
   // the published count only ever covers fully written slots.
   bool PublishResident(BulkPart& part) {
-    if (part.num_tiles > kCombineMaxTiles || !resident_ok_.load(std::memory_order_acquire) ||
+    if (part.num_tiles > kCombineMaxTiles || !part.engine.empty() ||
+        !resident_ok_.load(std::memory_order_acquire) ||
         bulk_tiles_in_flight_.load(std::memory_order_relaxed) < options_.resident_min_tiles) {
       return false;
     }
@@ -776,7 +805,7 @@ class NvlinkChannel : public PeerChannel {
     {
       std::lock_guard<std::mutex> lock(bulk_mu_);
       for (const BulkPart& p : done.parts) {
-        arena_units_.Give(p.first_unit, p.num_units);
+        if (p.num_units > 0) arena_units_.Give(p.first_unit, p.num_units);
       }
       if (done.event != nullptr) bulk_free_events_.push_back(done.event);
     }

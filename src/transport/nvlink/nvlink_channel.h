@@ -18,8 +18,10 @@ struct NvlinkChannelOptions {
   // Re-reads the peer's descriptor when a range is not found (it may have registered more).
   std::function<StatusOr<SegmentDescriptor>()> refresh;
   int local_device = 0;
-  // Blocks at least this long go through the copy engine (cudaMemcpyAsync), smaller ones
-  // through one batched copy kernel per submission.
+  // Blocks at least this long go through the copy engine (cudaMemcpyAsync, cudaMemcpy2DAsync
+  // for strided rows), smaller ones through one batched copy kernel per submission; a bulk
+  // submission with both launches alone, its copy-engine blocks after its kernel on its
+  // stream.
   uint64_t copy_engine_threshold_bytes = UINT64_MAX;
   // Thread blocks of the resident copy kernel, which carries small bulk submissions without a
   // launch each while they keep coming (see cuda::ResidentArgs): -1 one per SM, 0 none (each
