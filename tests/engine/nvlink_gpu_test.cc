@@ -457,6 +457,7 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   NvlinkChannelOptions options;
   options.peer = *descriptor;
   options.copy_engine_threshold_bytes = 64 << 10;
+  options.resident_min_tiles = 0;  // short-only submissions may take the resident kernel
   constexpr uint64_t kSpan = 8 << 20;  // bytes of local_ and of the peer's region used
   std::vector<uint8_t> src(kSpan);
   std::mt19937_64 rng(41);
@@ -481,15 +482,18 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
                   len);
     }
   };
-  for (int i = 0; i < 32; ++i) add(mixed, i * 4096, (i * 7 % 32) * 4096, 4096, 1, 0, 0);
+  // 96 short blocks: a table too long for the launch parameters (uploaded to the device).
+  for (int i = 0; i < 96; ++i) add(mixed, i * 2048, (i * 7 % 96) * 2048, 2048, 1, 0, 0);
   add(mixed, 1 << 20, 1 << 20, 1 << 20, 1, 0, 0);                        // copy engine
   add(mixed, 2 << 20, (2 << 20) + 100, 96 << 10, 8, 128 << 10, 160 << 10);  // 2D, copy engine
   add(mixed, 200 << 10, (4 << 20) + 16, 1000, 64, 1024, 1040);            // strided, kernel
   add(engine_only, 5 << 20, (6 << 20) + 8, (1 << 20) + 3, 1, 0, 0);
   add(engine_only, 3 << 20, 5 << 20, 64 << 10, 4, 100 << 10, 120 << 10);
+  std::vector<TransferRequest> short_only;
+  add(short_only, 7 << 20, (7 << 20) + 64, 8192, 1, 0, 0);
   auto channel = CreateNvlinkChannel(options);
   ASSERT_TRUE(channel.ok()) << channel.status().ToString();
-  for (auto* reqs : {&mixed, &engine_only}) {
+  for (auto* reqs : {&mixed, &engine_only, &short_only}) {
     BulkRecorder owner;
     BulkSubmission bulk{*reqs, &owner, nullptr, 9};
     ASSERT_TRUE((*channel)->TrySubmitBulk(bulk));
@@ -502,6 +506,37 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, kSpan).ok());
   ASSERT_EQ(cudaMemcpy(got.data(), back_, kSpan, cudaMemcpyDeviceToHost), cudaSuccess);
   for (uint64_t i = 0; i < kSpan; ++i) ASSERT_EQ(got[i], mirror[i]) << "byte " << i;
+  // READs back through the copy engine (contiguous and strided) and the kernel, into back_.
+  ASSERT_EQ(cudaMemset(back_, 0, kSpan), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto* back = static_cast<uint8_t*>(back_);
+  std::vector<TransferRequest> reads;
+  reads.push_back({TransferOp::kRead, back, segment_, peer_.vmm_base + (1 << 20), 1 << 20});
+  TransferRequest strided{TransferOp::kRead, back + (2 << 20), segment_,
+                          peer_.vmm_base + (2 << 20) + 100, 96 << 10};
+  strided.num_rows = 8;
+  strided.local_stride = 100 << 10;
+  strided.remote_stride = 160 << 10;
+  reads.push_back(strided);
+  reads.push_back({TransferOp::kRead, back + (4 << 20), segment_, peer_.vmm_base, 4096});
+  channel = CreateNvlinkChannel(options);
+  ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+  BulkRecorder owner;
+  BulkSubmission bulk{reads, &owner, nullptr, 10};
+  ASSERT_TRUE((*channel)->TrySubmitBulk(bulk));
+  uint32_t tag = 0;
+  Status s = owner.Wait(&tag);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  (*channel)->Close();
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, kSpan, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(std::memcmp(got.data(), mirror.data() + (1 << 20), 1 << 20), 0);
+  for (int row = 0; row < 8; ++row) {
+    ASSERT_EQ(std::memcmp(got.data() + (2 << 20) + row * (100 << 10),
+                          mirror.data() + (2 << 20) + 100 + row * (160 << 10), 96 << 10),
+              0)
+        << "strided row " << row;
+  }
+  ASSERT_EQ(std::memcmp(got.data() + (4 << 20), mirror.data(), 4096), 0);
 }
 
 // A channel whose peer's file-descriptor server answers after 300 ms, refusing: submissions

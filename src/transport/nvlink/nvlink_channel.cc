@@ -76,6 +76,10 @@ class NvlinkChannel : public PeerChannel {
     arena_host_ = static_cast<cuda::CopyTile*>(host);
     CUDA_RETURN_IF_ERROR(cudaMalloc(&device, arena_bytes));
     arena_device_ = static_cast<cuda::CopyTile*>(device);
+    int max_pitch = 0;
+    CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, options_.local_device));
+    max_pitch_ = static_cast<uint64_t>(max_pitch);
     RETURN_IF_ERROR(InitResident());
     thread_ = std::thread([this] { ProgressLoop(); });
     return OkStatus();
@@ -283,14 +287,22 @@ class NvlinkChannel : public PeerChannel {
     return arena_device_ + p.first_unit * kUnitTiles;
   }
 
+  // Whether a request of a bulk submission goes through the copy engine: long enough, and
+  // strided rows only with pitches cudaMemcpy2DAsync takes (a page's rows across a layer-major
+  // pool may be GiBs apart: those stay in the kernel).
+  bool UsesCopyEngine(const TransferRequest& r) const {
+    return r.length_bytes >= options_.copy_engine_threshold_bytes &&
+           (r.num_rows <= 1 || (r.local_stride <= max_pitch_ && r.remote_stride <= max_pitch_));
+  }
+
   // What PrepareBulk made of a submission.
   enum class BulkFit {
     kPrepared,  // its tiles are in the arena
     kFits,      // would be prepared, but take_space was false: nothing taken
     kUnmapped,  // fits the bulk path, but a peer region it writes or reads is not mapped yet
     kItemPath,  // needs the item path: a range outside the peer's shareable GPU regions (the
-                // item path refreshes the descriptor or reports why), a copy-engine block, or
-                // a table larger than the whole arena
+                // item path refreshes the descriptor or reports why), or a table larger than
+                // the whole arena
     kNoSpace,   // no free run of arena units now
   };
 
@@ -315,7 +327,7 @@ class NvlinkChannel : public PeerChannel {
         if (!unmapped && missing != nullptr) *missing = region;
         unmapped = true;
       }
-      if (r.length_bytes >= options_.copy_engine_threshold_bytes) {
+      if (UsesCopyEngine(r)) {
         ++engine_blocks;
       } else {
         num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
@@ -342,7 +354,7 @@ class NvlinkChannel : public PeerChannel {
       const uint64_t remote = reinterpret_cast<uint64_t>(
           MapMapped(r.remote_addr, r.remote_extent(),
                     write ? kAccessRemoteWrite : kAccessRemoteRead, &cache));
-      if (r.length_bytes >= options_.copy_engine_threshold_bytes) {
+      if (UsesCopyEngine(r)) {
         part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
                                 r.num_rows, write ? r.local_stride : r.remote_stride,
                                 write ? r.remote_stride : r.local_stride});
@@ -558,8 +570,8 @@ class NvlinkChannel : public PeerChannel {
       }
       e = cuda::LaunchBatchedCopyHostTables(tables, stream);
     }
-    if (parts.size() == 1) {
-      for (const EngineBlock& b : parts[0].engine) {
+    for (const BulkPart& p : parts) {  // (a part with copy-engine blocks launches alone)
+      for (const EngineBlock& b : p.engine) {
         if (e != cudaSuccess) break;
         void* dst = reinterpret_cast<void*>(b.dst);
         const void* src = reinterpret_cast<const void*>(b.src);
@@ -1128,6 +1140,7 @@ class NvlinkChannel : public PeerChannel {
   }
 
   NvlinkChannelOptions options_;
+  uint64_t max_pitch_ = 0;  // cudaDevAttrMaxPitch: the longest stride cudaMemcpy2DAsync takes
   cudaStream_t stream_ = nullptr;
   Slot slots_[kTableSlots];
   std::vector<cuda::CopyTile> tiles_;                    // progress thread only
