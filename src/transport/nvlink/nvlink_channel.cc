@@ -188,18 +188,9 @@ class NvlinkChannel : public PeerChannel {
   }
 
   void AbandonBulk(WorkOwner* owner, uint32_t tag, const Status& why) override {
-    BulkSubmission bulk;
-    {
-      std::lock_guard<std::mutex> lock(parked_mu_);
-      auto it = std::find_if(parked_.begin(), parked_.end(), [&](const BulkSubmission& b) {
-        return b.owner == owner && b.tag == tag;
-      });
-      if (it == parked_.end()) return;  // launched (or being launched): its real outcome
-      bulk = std::move(*it);
-      parked_.erase(it);
-      has_parked_.store(!parked_.empty());
-    }
-    owner->OnBulkDone(why, tag);
+    // One launched (or being launched) is not parked: it finishes with its real outcome.
+    FailParkedWhere([&](const BulkSubmission& b) { return b.owner == owner && b.tag == tag; },
+                    why);
   }
 
   void Abandon(WorkItem* item, const Status& why) override {
@@ -233,13 +224,13 @@ class NvlinkChannel : public PeerChannel {
     std::vector<std::shared_ptr<WorkItem>> items;
     std::vector<int> slots;
   };
-  // One bulk submission, its tiles written into a run of arena units (host memory), not
-  // launched yet.
   // A block of a bulk submission at least options_.copy_engine_threshold_bytes long, copied by
   // the copy engine (rows > 1: a strided block, cudaMemcpy2DAsync).
   struct EngineBlock {
     uint64_t src = 0, dst = 0, width = 0, rows = 1, src_pitch = 0, dst_pitch = 0;
   };
+  // One bulk submission, its tiles written into a run of arena units (host memory), not
+  // launched yet.
   struct BulkPart {
     uint32_t first_unit = 0;  // its table: arena units [first_unit, first_unit + num_units)
     uint32_t num_units = 0;
@@ -431,7 +422,17 @@ class NvlinkChannel : public PeerChannel {
           if (mapped_one) return true;
           mapped_one = true;
           StatusOr<uint8_t*> imported = Import(*missing);
-          if (!imported.ok()) FailParkedIn(*missing, imported.status());
+          if (!imported.ok()) {
+            const RegionDescriptor& region = *missing;
+            FailParkedWhere(
+                [&](const BulkSubmission& b) {
+                  return std::any_of(b.requests.begin(), b.requests.end(),
+                                     [&](const TransferRequest& r) {
+                                       return region.Contains(r.remote_addr, 1);
+                                     });
+                },
+                imported.status());
+          }
           break;
         }
         case BulkFit::kFits:
@@ -447,16 +448,16 @@ class NvlinkChannel : public PeerChannel {
     }
   }
 
-  // Fails the parked submissions with a request in `region` (which could not be mapped).
-  void FailParkedIn(const RegionDescriptor& region, const Status& why) {
+  // Takes the parked submissions `which` selects out of the queue and completes each with
+  // `why` (OnBulkDone outside the lock, on this thread). AbandonBulk, a failed mapping (those
+  // with a request in the region) and closing (all) use it.
+  template <typename Which>
+  void FailParkedWhere(Which&& which, const Status& why) {
     std::deque<BulkSubmission> failed;
     {
       std::lock_guard<std::mutex> lock(parked_mu_);
       for (auto it = parked_.begin(); it != parked_.end();) {
-        const bool needs = std::any_of(
-            it->requests.begin(), it->requests.end(),
-            [&](const TransferRequest& r) { return region.Contains(r.remote_addr, 1); });
-        if (needs) {
+        if (which(*it)) {
           failed.push_back(std::move(*it));
           it = parked_.erase(it);
         } else {
@@ -466,17 +467,6 @@ class NvlinkChannel : public PeerChannel {
       has_parked_.store(!parked_.empty());
     }
     for (BulkSubmission& bulk : failed) bulk.owner->OnBulkDone(why, bulk.tag);
-  }
-
-  // Progress thread, closing: fails every parked submission.
-  void FailParked(const Status& why) {
-    std::deque<BulkSubmission> parked;
-    {
-      std::lock_guard<std::mutex> lock(parked_mu_);
-      parked.swap(parked_);
-      has_parked_.store(false);
-    }
-    for (BulkSubmission& bulk : parked) bulk.owner->OnBulkDone(why, bulk.tag);
   }
 
   // Launches every prepared submission, combining those that wait together into one kernel
@@ -869,7 +859,8 @@ class NvlinkChannel : public PeerChannel {
         TakeNewFlights();
         // Submitters still inside TrySubmitBulk may yet hand over flights: stay for them.
         if (closing && bulk_submitting_.load() == 0) {
-          FailParked(UnavailableError("NVLink channel to " + options_.peer.name + " closed"));
+          FailParkedWhere([](const BulkSubmission&) { return true; },
+                          UnavailableError("NVLink channel to " + options_.peer.name + " closed"));
           TakeNewFlights();
           if (inflight_.empty() && BulkIdle()) {
             for (auto& item : batch) item->Complete(UnavailableError("NVLink channel closed"));
