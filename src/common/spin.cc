@@ -24,10 +24,11 @@ std::chrono::microseconds IdleSpinWindow() {
   return window;
 }
 
-void SubmitCadence::Note() {
-  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::steady_clock::now().time_since_epoch())
-                          .count();
+void SubmitCadence::Note() { Note(std::chrono::steady_clock::now()); }
+
+void SubmitCadence::Note(std::chrono::steady_clock::time_point at) {
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(at.time_since_epoch()).count();
   const int64_t previous = last_ns_.exchange(now, std::memory_order_relaxed);
   // Submissions closer together than the base window are one burst (a layer's pages, then its
   // aux row): the cadence is the gap between bursts.

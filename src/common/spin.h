@@ -28,8 +28,9 @@ std::chrono::microseconds IdleSpinWindow();
 class SubmitCadence {
  public:
   static constexpr std::chrono::microseconds kMaxCadenceGap{5000};
-  // Records a submission now.
+  // Records a submission now (or at `now`, a steady_clock time no earlier than the last).
   void Note();
+  void Note(std::chrono::steady_clock::time_point now);
   // The polling window for an idle progress thread now.
   std::chrono::microseconds IdleWindow() const;
 
