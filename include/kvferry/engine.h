@@ -168,14 +168,19 @@ struct BatchOptions {
   std::function<void()> on_landed;
   // A cudaEvent_t (recorded by the caller, e.g. on prefill's compute stream after a layer
   // wrote its KV) that the batch's copies must come after, or null. SubmitBatch never waits
-  // for it: an engine thread polls the event (every 10 us while any batch waits) and starts
-  // the batch once it completed, so the caller never synchronises. Until then the batch can
-  // be cancelled and times out like any other (nothing of it was sent); the deadline counts
-  // from submission. The event must stay valid (not destroyed, not re-recorded) until the
-  // batch is final. Errors: "no CUDA device" (kFailedPrecondition / kUnimplemented without
-  // CUDA) and an invalid event at submission; an event that fails later fails the batch.
-  // (The wait is not enqueued on the GPU: a copy committed to a stream behind an event that
-  // never completes could not be timed out, cancelled or withdrawn from a failed room.)
+  // for it. When the whole batch goes over one NVLink channel, the wait is queued on the GPU
+  // (cudaStreamWaitEvent on a stream of the channel's, ahead of the copy kernel), so the
+  // copies start within microseconds of the event with no host step; the kernel's first
+  // block checks, through a handshake in pinned host memory, that the batch was not
+  // withdrawn (a deadline or cancel before the copies start withdraws it: nothing is written,
+  // and the batch fails at once). Otherwise (TCP, several channels, a peer region not mapped
+  // yet, no free gate) an engine thread polls the event (every 10 us while any batch waits)
+  // and starts the batch once it completed. Either way the batch can be cancelled and times
+  // out like any other until its copies start; the deadline counts from submission. The
+  // event must stay valid (not destroyed, not re-recorded) until the batch is final. Errors:
+  // "no CUDA device" (kFailedPrecondition / kUnimplemented without CUDA) and an invalid event
+  // at submission; an event that fails later fails the batch. A channel closed while a copy
+  // still waits for its event withdraws it (the batch fails kUnavailable).
   void* start_after_event = nullptr;
 };
 

@@ -77,7 +77,32 @@ __device__ __forceinline__ void CopyTileWarp(const CopyTile t, int lane) {
   }
 }
 
-__global__ void BatchedCopyKernel(const CopyTile* tiles, int n) {
+constexpr uint32_t kGateUndecided = 0, kGateCopies = 1, kGateWithdrawn = 2, kGateDeciding = 3;
+
+// Whether this block copies (CopyGate): true without a gate. Uniform over the launch.
+__device__ bool PassGate(const CopyGate& gate) {
+  if (gate.decision == nullptr) return true;
+  __shared__ uint32_t s_decision;
+  if (threadIdx.x == 0) {
+    uint32_t d = atomicCAS(gate.decision, kGateUndecided, kGateDeciding);
+    if (d == kGateUndecided) {
+      *reinterpret_cast<volatile uint32_t*>(gate.started) = 1u;
+      __threadfence_system();  // the store above before the load below, system-wide
+      d = __ldcv(gate.cancel) != 0u ? kGateWithdrawn : kGateCopies;
+      atomicExch(gate.decision, d);
+    } else {
+      while ((d = *reinterpret_cast<volatile uint32_t*>(gate.decision)) == kGateDeciding) {
+        __nanosleep(64);
+      }
+    }
+    s_decision = d;
+  }
+  __syncthreads();
+  return s_decision == kGateCopies;
+}
+
+__global__ void BatchedCopyKernel(const CopyTile* tiles, int n, const CopyGate gate) {
+  if (!PassGate(gate)) return;
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * kWarpsPerBlock;
   for (int t = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); t < n; t += warps) {
@@ -86,8 +111,8 @@ __global__ void BatchedCopyKernel(const CopyTile* tiles, int n) {
   }
 }
 
-__global__ void BatchedCopyInlineKernel(const InlineTiles tiles,
-                                                                    int n) {
+__global__ void BatchedCopyInlineKernel(const InlineTiles tiles, int n, const CopyGate gate) {
+  if (!PassGate(gate)) return;
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * kWarpsPerBlock;
   for (int t = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); t < n; t += warps) {
@@ -281,17 +306,18 @@ int ResidentBlocksPerSm() {
   return blocks > 0 ? blocks : 1;
 }
 
-cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream) {
+cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream,
+                              const CopyGate& gate) {
   if (num_tiles <= 0) return cudaSuccess;
-  BatchedCopyKernel<<<GridFor(num_tiles), kThreads, 0, stream>>>(tiles, num_tiles);
+  BatchedCopyKernel<<<GridFor(num_tiles), kThreads, 0, stream>>>(tiles, num_tiles, gate);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchBatchedCopyInline(const InlineTiles& tiles, int num_tiles,
-                                    cudaStream_t stream) {
+cudaError_t LaunchBatchedCopyInline(const InlineTiles& tiles, int num_tiles, cudaStream_t stream,
+                                    const CopyGate& gate) {
   if (num_tiles <= 0) return cudaSuccess;
   if (num_tiles > kInlineTiles) return cudaErrorInvalidValue;
-  BatchedCopyInlineKernel<<<GridFor(num_tiles), kThreads, 0, stream>>>(tiles, num_tiles);
+  BatchedCopyInlineKernel<<<GridFor(num_tiles), kThreads, 0, stream>>>(tiles, num_tiles, gate);
   return cudaGetLastError();
 }
 

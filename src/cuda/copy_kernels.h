@@ -140,10 +140,26 @@ cudaError_t LaunchResidentCopy(const ResidentArgs& args, int blocks, cudaStream_
 // How many resident blocks fit on one SM of the current device at once (1 if unknown).
 int ResidentBlocksPerSm();
 
+// A launch that may be withdrawn until it starts: one queued behind a caller's CUDA event
+// (cudaStreamWaitEvent) that a deadline or cancel may overtake. The first block to run
+// decides for the whole launch, once, whether it copies: it stores 1 into `started`, fences
+// (system scope), then reads `cancel`; the host withdraws by storing 1 into `cancel`,
+// fencing, then reading `started` (Dekker's handshake: at least one side sees the other's
+// store). A host that reads started == 0 knows that the launch will copy nothing; one that
+// reads 1 must wait for the launch to end. Every block follows the decision recorded in
+// `decision`. All null: no gate.
+struct CopyGate {
+  uint32_t* decision = nullptr;      // device memory, zeroed (stream-ordered) before the launch
+  uint32_t* started = nullptr;       // pinned host memory, 0 before the launch
+  const uint32_t* cancel = nullptr;  // pinned host memory, 0 before the launch
+};
+
 // Copies `num_tiles` tiles read from device memory `tiles`. Asynchronous on `stream`.
-cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream);
+cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream,
+                              const CopyGate& gate = {});
 // Same with the table in the launch parameters. REQUIRES num_tiles <= kInlineTiles.
-cudaError_t LaunchBatchedCopyInline(const InlineTiles& tiles, int num_tiles, cudaStream_t stream);
+cudaError_t LaunchBatchedCopyInline(const InlineTiles& tiles, int num_tiles, cudaStream_t stream,
+                                    const CopyGate& gate = {});
 // Copies every tile of `tables` (count >= 1, end[count - 1] tiles in all). Asynchronous.
 cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t stream);
 

@@ -265,6 +265,28 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     for (auto& [channel, items] : groups) channel->SubmitMany(std::move(items));
   }
 
+  // Hands the whole batch, bound for one channel, to it as one bulk submission that waits on
+  // the GPU for `event` (BatchOptions::start_after_event); false (nothing started) when the
+  // batch spans several channels or the channel does not take it. Called between TakeGate and
+  // Started, like Start from the gate thread.
+  bool StartAfterEventOnDevice(void* event) {
+    PeerChannel* channel = channels.front();
+    for (PeerChannel* c : channels) {
+      if (c != channel) return false;
+    }
+    BulkSubmission bulk{transfer_requests_, this, shared_from_this(), kWholeBatch, event};
+    for (Request& r : requests_) r.bulk = true;
+    if (channel->TrySubmitBulk(bulk)) {
+      TookBulk(channel, kWholeBatch);
+      return true;
+    }
+    for (Request& r : requests_) r.bulk = false;
+    return false;
+  }
+  // Undoes TakeGate when StartAfterEventOnDevice did not start the batch: the gate thread
+  // takes it from here.
+  void Regate() { gate_.store(kGated, std::memory_order_release); }
+
   // Remembers a bulk submission a channel took, for Abandon.
   void TookBulk(PeerChannel* channel, uint32_t tag) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -339,7 +361,13 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   // Marks unfinished requests with `why` and asks transports to stop their items.
   void Abandon(const Status& why, bool queued_only) {
-    if (gate_.load(std::memory_order_acquire) == kGated) {
+    // Being started (by the gate thread, or by SubmitBatch on the GPU), which builds the items
+    // read below, or handed back to the gate thread (Regate): look again once that is over.
+    for (uint8_t g; (g = gate_.load(std::memory_order_acquire)) == kGated || g == kStarting;) {
+      if (g == kStarting) {
+        std::this_thread::yield();
+        continue;
+      }
       {
         // The reason first: the gate thread may drop the batch the moment it sees the request.
         std::lock_guard<std::mutex> lock(mu_);
@@ -349,8 +377,6 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
         return;  // never started: the gate thread fails it on its next round (within ~10 us)
       }
     }
-    // Being started by the gate thread, which is building the items read below.
-    while (gate_.load(std::memory_order_acquire) == kStarting) std::this_thread::yield();
     std::vector<WorkItem*> snapshot;
     std::shared_ptr<WorkItem> notify;  // keeps the notification item alive while we use it
     std::vector<std::pair<PeerChannel*, uint32_t>> bulk;
@@ -934,11 +960,24 @@ class EngineImpl : public TransferEngine {
     if (wait_event == nullptr) {
       batch->Start(SliceBytesOf(*batch));
     } else {
-      {
-        std::lock_guard<std::mutex> lock(gate_mu_);
-        gated_.push_back({batch, wait_event});
+      // Over NVLink the wait goes onto the GPU, withdrawable until the copies start; else the
+      // gate thread polls the event (and drops a batch already asked to drop).
+      bool on_device = false;
+      if (batch->TakeGate()) {
+        on_device = batch->StartAfterEventOnDevice(wait_event);
+        if (on_device) {
+          batch->Started();
+        } else {
+          batch->Regate();
+        }
       }
-      gate_cv_.notify_one();
+      if (!on_device) {
+        {
+          std::lock_guard<std::mutex> lock(gate_mu_);
+          gated_.push_back({batch, wait_event});
+        }
+        gate_cv_.notify_one();
+      }
     }
     batch->Watch();
     return BatchId{batch->id};

@@ -51,6 +51,10 @@ struct BulkSubmission {
   WorkOwner* owner = nullptr;
   std::shared_ptr<void> keepalive;
   uint32_t tag = 0;  // handed back to OnBulkDone
+  // A cudaEvent_t the copies must come after, or null. A channel that takes a submission with
+  // one queues the wait on the GPU and must still be able to withdraw it (AbandonBulk) until
+  // the copies start; one that cannot refuses it.
+  void* start_event = nullptr;
 };
 
 struct WorkItem {
@@ -115,8 +119,9 @@ class PeerChannel {
     return false;
   }
   // Completes a taken bulk submission of `owner` with `tag` at once with `why` (OnBulkDone
-  // on this thread) if it is still queued; one already started finishes with its real
-  // outcome. Never blocks on the device.
+  // on this thread) if it is still queued, or waits on the GPU for its start event without
+  // having started; one already started finishes with its real outcome (or `why`). Never
+  // blocks on the device.
   virtual void AbandonBulk(WorkOwner* owner, uint32_t tag, const Status& why) {
     (void)owner;
     (void)tag;

@@ -258,8 +258,10 @@ class NvlinkGpuTest : public ::testing::Test {
   // A WRITE of `blocks` blocks submitted with start_after_event before its source exists: a
   // stream first sleeps 300 ms (a host function), then copies fresh bytes into local_, then
   // records the event. The batch must return from SubmitBatch at once and copy the fresh
-  // bytes (without the wait it would copy the zeros local_ held).
-  void WriteAfterEvent(int blocks, uint64_t block_bytes, uint64_t seed) {
+  // bytes (without the wait it would copy the zeros local_ held). `mapped`: the peer region
+  // was written once before (over NVLink the batch then waits for the event on the GPU; into
+  // a region not mapped yet, the engine waits for it on the host).
+  void WriteAfterEvent(int blocks, uint64_t block_bytes, uint64_t seed, bool mapped = false) {
     const uint64_t total = static_cast<uint64_t>(blocks) * block_bytes;
     void* fresh = nullptr;
     ASSERT_EQ(cudaMallocHost(&fresh, total), cudaSuccess);
@@ -267,6 +269,9 @@ class NvlinkGpuTest : public ::testing::Test {
     for (uint64_t i = 0; i < total; ++i) static_cast<uint8_t*>(fresh)[i] = static_cast<uint8_t>(rng());
     ASSERT_EQ(cudaMemset(local_, 0, total), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    if (mapped) {
+      ASSERT_TRUE(Do(TransferOp::kWrite, local_, peer_.ipc_base, 4096).ok());
+    }
     cudaStream_t stream = nullptr;
     cudaEvent_t event = nullptr;
     StreamStartingAfter(milliseconds(300), &stream, &event);
@@ -604,6 +609,103 @@ TEST_F(NvlinkGpuTest, ParkedBulkSubmissionsFailAbandonAndCloseCleanly) {
   for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], Pattern(i)) << i;
 }
 
+// Bulk submissions with a start event wait for it on the GPU (the channel takes them at once,
+// with the peer region mapped): one whose event comes after 300 ms copies the bytes its
+// stream wrote just before the event; one withdrawn (AbandonBulk) before its event completes
+// reports at once and writes nothing, even after the event; one still waiting when the
+// channel closes reports kUnavailable without the close waiting for its event, and writes
+// nothing either. Each reports exactly once and the keepalives are released.
+TEST_F(NvlinkGpuTest, GatedBulkSubmissionsWaitOnTheGpuAndWithdrawUntilStarted) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  constexpr int kBlocks = 96;  // a table too long for the launch parameters: uploaded
+  constexpr uint64_t kBytes = kBlocks * 4096;
+  std::vector<uint8_t> fresh(kBytes);
+  std::mt19937_64 rng(51);
+  for (auto& b : fresh) b = static_cast<uint8_t>(rng());
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, kBytes), cudaSuccess);
+  std::memcpy(pinned, fresh.data(), kBytes);
+  ASSERT_EQ(cudaMemset(local_, 0, 2 * kBytes), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // A: the first kBlocks slots of the cuMem region; B and C: 16 blocks each further on.
+  const auto to_a = ScatteredWrites(local_, segment_, peer_.vmm_base, kBlocks);
+  const auto to_b = ScatteredWrites(local_, segment_, peer_.vmm_base + kBytes, 16);
+  const auto to_c = ScatteredWrites(local_, segment_, peer_.vmm_base + 2 * kBytes, 16);
+  BulkRecorder mapped, a_owner, b_owner, c_owner;
+  auto keepalive = std::make_shared<int>(0);
+  uint32_t tag = 0;
+  cudaStream_t sa = nullptr, sb = nullptr, sc = nullptr;
+  cudaEvent_t ea = nullptr, eb = nullptr, ec = nullptr;
+  StreamStartingAfter(milliseconds(300), &sa, &ea);
+  StreamStartingAfter(milliseconds(600), &sb, &eb);
+  if (HasFatalFailure()) return;
+  ASSERT_EQ(cudaMemcpyAsync(local_, pinned, kBytes, cudaMemcpyHostToDevice, sa), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(ea, sa), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(eb, sb), cudaSuccess);
+  {
+    NvlinkChannelOptions options;
+    options.peer = *descriptor;
+    auto channel = CreateNvlinkChannel(options);
+    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+    // One plain submission maps the region (a gated one is declined while it is unmapped).
+    std::vector<TransferRequest> one(to_c.begin(), to_c.begin() + 1);
+    one[0].local_addr = static_cast<uint8_t*>(local_) + kBytes;  // zeros, into C's first slot
+    BulkSubmission map{one, &mapped, keepalive, 1};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(map));
+    ASSERT_TRUE(mapped.Wait(&tag).ok());
+    BulkSubmission a{to_a, &a_owner, keepalive, 2, ea};
+    BulkSubmission b{to_b, &b_owner, keepalive, 3, eb};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(a)) << "a gated submission was declined";
+    ASSERT_TRUE((*channel)->TrySubmitBulk(b));
+    (*channel)->AbandonBulk(&b_owner, 3, DeadlineExceededError("test deadline"));
+    EXPECT_EQ(b_owner.calls(), 1) << "a withdrawn submission reports on the abandoning thread";
+    EXPECT_EQ(b_owner.Wait(&tag).code(), StatusCode::kDeadlineExceeded);
+    Status s = a_owner.Wait(&tag);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(tag, 2u);
+    // C waits for an event 1 s away when the channel closes.
+    StreamStartingAfter(milliseconds(1000), &sc, &ec);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(cudaEventRecord(ec, sc), cudaSuccess);
+    BulkSubmission c{to_c, &c_owner, keepalive, 4, ec};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(c));
+    const auto start = std::chrono::steady_clock::now();
+    (*channel)->Close();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(500))
+        << "Close waited for a withdrawn copy's start event";
+    ASSERT_EQ(c_owner.calls(), 1);
+    s = c_owner.Wait(&tag);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  }
+  for (cudaStream_t st : {sa, sb, sc}) ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  std::this_thread::sleep_for(milliseconds(50));  // the withdrawn kernels ran (and copied nothing)
+  for (BulkRecorder* r : {&mapped, &a_owner, &b_owner, &c_owner}) EXPECT_EQ(r->calls(), 1);
+  EXPECT_EQ(keepalive.use_count(), 1) << "the channel kept a submission's keepalive";
+  std::vector<uint8_t> got(3 * kBytes);
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, got.size()).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int i = 0; i < kBlocks; ++i) {
+    ASSERT_EQ(std::memcmp(got.data() + to_a[i].remote_addr - peer_.vmm_base,
+                          fresh.data() + i * 4096, 4096),
+              0)
+        << "A's block " << i << " is not the bytes written just before its event";
+  }
+  // B's and C's slots keep the peer's pattern (C's first slot took one zero block to map).
+  for (uint64_t base : {kBytes, 2 * kBytes}) {
+    for (uint64_t i = base; i < base + 16 * 4096; ++i) {
+      if (base == 2 * kBytes && i < base + 4096) {
+        ASSERT_EQ(got[i], 0) << "byte " << i;
+        continue;
+      }
+      ASSERT_EQ(got[i], Pattern(i)) << "byte " << i << " written by a withdrawn submission";
+    }
+  }
+  for (cudaEvent_t e : {ea, eb, ec}) cudaEventDestroy(e);
+  for (cudaStream_t st : {sa, sb, sc}) cudaStreamDestroy(st);
+  cudaFreeHost(pinned);
+}
+
 // Strided requests (rows of a head slice at two token strides) of random shapes, 16-byte
 // aligned and not, many per batch (the submitting thread's bulk path) and one per batch;
 // WRITE then READ back into a strided local buffer; a host mirror of the peer's region says
@@ -810,14 +912,18 @@ TEST_F(NvlinkGpuTest, ResidentKernelWrapsItsRingAndReturnsAfterIdling) {
 }
 
 // start_after_event on NVLink: the copies start only after the caller's event (a batch
-// small enough for one inline launch, and one of several table slots).
+// small enough for one inline launch, and one of several table slots), waited for on the
+// host (first transfer into the region) and on the GPU (region mapped).
 TEST_F(NvlinkGpuTest, WriteStartsAfterTheCallersEvent) {
   WriteAfterEvent(64, 16 << 10, 5);
   WriteAfterEvent(8192, 2048, 6);
+  WriteAfterEvent(64, 16 << 10, 7, /*mapped=*/true);
+  WriteAfterEvent(8192, 2048, 8, /*mapped=*/true);
 }
 
 // A batch still waiting for its event when its deadline passes fails then, writes nothing
-// (not even after the event completes), and the engine stays usable.
+// (not even after the event completes), and the engine stays usable. (The region is mapped
+// by the first read: the wait is on the GPU, and the deadline withdraws the copy there.)
 TEST_F(NvlinkGpuTest, DeadlinePassesWhileWaitingForTheEvent) {
   std::vector<uint8_t> before(4096), after(4096);
   ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, 4096).ok());

@@ -23,6 +23,7 @@
 #include "cuda/cuda_driver.h"
 #include "cuda/device_guard.h"
 #include "cuda/device_memory.h"
+#include "transport/nvlink/copy_gates.h"
 #include "transport/nvlink/fd_passing.h"
 #include "transport/nvlink/launch_plan.h"
 
@@ -34,6 +35,11 @@ constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
 // Bulk submissions (TrySubmitBulk): launched by the submitting thread on one of a few streams,
 // so several submitting threads build and launch their tables in parallel.
 constexpr int kBulkStreams = 4;
+// Bulk submissions with a start event wait for it on the GPU, on a stream of their own (the
+// gate stream, index kGateStream among the flight queues), one launch and gate each; at most
+// kGates at once (more wait on the host, in the engine).
+constexpr int kGateStream = kBulkStreams;
+constexpr int kGates = 256;
 // Bulk submissions of at most this many tiles may share a launch (LaunchPending).
 constexpr size_t kCombineMaxTiles = 512;
 // Bulk tile tables live in one arena (pinned host memory, mirrored on the device) of 1024
@@ -69,6 +75,8 @@ class NvlinkChannel : public PeerChannel {
     for (cudaStream_t& st : bulk_streams_) {
       CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     }
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&gate_stream_, cudaStreamNonBlocking));
+    ASSIGN_OR_RETURN(gates_, CopyGates::Create(kGates));
     const size_t arena_bytes = kArenaUnits * kUnitTiles * sizeof(cuda::CopyTile);
     void* host = nullptr;
     void* device = nullptr;
@@ -87,11 +95,13 @@ class NvlinkChannel : public PeerChannel {
 
   ~NvlinkChannel() override {
     Close();
-    KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined), {} "
-                  "fell back to items (no free table space), {} waited for a mapping; {} "
-                  "through the resident kernel in {} launches, {} found its ring full",
+    KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
+                  "waited on the GPU for a start event), {} fell back to items (no free table "
+                  "space), {} waited for a mapping; {} through the resident kernel in {} "
+                  "launches, {} found its ring full",
                   options_.peer.name, stats_parts_.load(), stats_launches_.load(),
-                  stats_combined_.load(), stats_no_slot_.load(), stats_parked_.load(),
+                  stats_combined_.load(), stats_gated_.load(), stats_no_slot_.load(),
+                  stats_parked_.load(),
                   stats_resident_jobs_.load(), stats_resident_launches_.load(),
                   stats_ring_full_.load());
     cudaSetDevice(options_.local_device);
@@ -118,6 +128,18 @@ class NvlinkChannel : public PeerChannel {
     if (stream_) cudaStreamDestroy(stream_);
     for (cudaStream_t st : bulk_streams_) {
       if (st) cudaStreamDestroy(st);
+    }
+    if (gate_stream_ != nullptr) {
+      if (cudaStreamQuery(gate_stream_) == cudaErrorNotReady) {
+        // Launches withdrawn before they started still wait for their events; when those
+        // complete, they read their gates' words and copy nothing. Those words must outlive
+        // them: kept (a few KiB) rather than freed under a queued kernel.
+        KVF_LOG_WARN("nvlink: channel to {} closed with copies still waiting for their start "
+                     "events (withdrawn: they will copy nothing); keeping their gate words",
+                     options_.peer.name);
+        (void)gates_.release();
+      }
+      cudaStreamDestroy(gate_stream_);
     }
   }
 
@@ -150,7 +172,9 @@ class NvlinkChannel : public PeerChannel {
     bulk_submitting_.fetch_add(1);
     cadence_.Note();
     bool taken = false;
-    if (!closed_flag_.load()) {
+    if (!closed_flag_.load() && bulk.start_event != nullptr) {
+      taken = TrySubmitGated(bulk);
+    } else if (!closed_flag_.load()) {
       // While submissions are parked, later ones queue behind them (first come, first
       // launched): taking arena space ahead of a parked one could starve it.
       const bool behind = has_parked_.load();
@@ -188,9 +212,11 @@ class NvlinkChannel : public PeerChannel {
   }
 
   void AbandonBulk(WorkOwner* owner, uint32_t tag, const Status& why) override {
-    // One launched (or being launched) is not parked: it finishes with its real outcome.
+    // One launched (or being launched) is not parked: it finishes with its real outcome,
+    // unless it still waits on the GPU for its start event, not started (then withdrawn).
     FailParkedWhere([&](const BulkSubmission& b) { return b.owner == owner && b.tag == tag; },
                     why);
+    for (int n = gates_->Withdraw(owner, tag, why); n > 0; --n) owner->OnBulkDone(why, tag);
   }
 
   void Abandon(WorkItem* item, const Status& why) override {
@@ -236,6 +262,7 @@ class NvlinkChannel : public PeerChannel {
     uint32_t num_units = 0;
     size_t num_tiles = 0;
     std::vector<EngineBlock> engine;  // its copy-engine blocks (such a part launches alone)
+    int gate = -1;  // its gate (CopyGates) when it waits on the GPU for a start event
     WorkOwner* owner = nullptr;
     std::shared_ptr<void> keepalive;
     uint32_t tag = 0;
@@ -302,7 +329,8 @@ class NvlinkChannel : public PeerChannel {
   // Anything but kPrepared leaves nothing taken. `missing` (optional) receives the first
   // region found unmapped. Without `take_space` it stops at kFits.
   BulkFit PrepareBulk(std::span<const TransferRequest> requests, BulkPart* part,
-                      const RegionDescriptor** missing, bool take_space) {
+                      const RegionDescriptor** missing, bool take_space,
+                      bool allow_engine = true) {
     size_t num_tiles = 0, engine_blocks = 0;
     bool unmapped = false;
     std::shared_lock<std::shared_mutex> map_lock(map_mu_);
@@ -318,7 +346,7 @@ class NvlinkChannel : public PeerChannel {
         if (!unmapped && missing != nullptr) *missing = region;
         unmapped = true;
       }
-      if (UsesCopyEngine(r)) {
+      if (allow_engine && UsesCopyEngine(r)) {
         ++engine_blocks;
       } else {
         num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
@@ -345,7 +373,7 @@ class NvlinkChannel : public PeerChannel {
       const uint64_t remote = reinterpret_cast<uint64_t>(
           MapMapped(r.remote_addr, r.remote_extent(),
                     write ? kAccessRemoteWrite : kAccessRemoteRead, &cache));
-      if (UsesCopyEngine(r)) {
+      if (allow_engine && UsesCopyEngine(r)) {
         part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
                                 r.num_rows, write ? r.local_stride : r.remote_stride,
                                 write ? r.remote_stride : r.local_stride});
@@ -374,6 +402,89 @@ class NvlinkChannel : public PeerChannel {
       pending_parts_.push_back(std::move(part));
     }
     LaunchPending();
+  }
+
+  // A submission with a start event, all of it through the copy kernel (no copy-engine
+  // blocks: a copy engine cannot be withdrawn): prepared now and launched behind its event on
+  // the gate stream. False (nothing taken) when it does not fit at once: a peer region not
+  // mapped yet, submissions parked, no table space or no free gate; the engine then waits for
+  // the event on the host.
+  bool TrySubmitGated(BulkSubmission& bulk) {
+    if (has_parked_.load()) return false;
+    BulkPart part;
+    if (PrepareBulk(bulk.requests, &part, nullptr, /*take_space=*/true,
+                    /*allow_engine=*/false) != BulkFit::kPrepared) {
+      return false;
+    }
+    part.gate = gates_->Acquire(bulk.owner, bulk.tag);
+    if (part.gate < 0) {
+      std::lock_guard<std::mutex> lock(bulk_mu_);
+      arena_units_.Give(part.first_unit, part.num_units);
+      return false;
+    }
+    part.owner = bulk.owner;
+    part.tag = bulk.tag;
+    part.keepalive = std::move(bulk.keepalive);
+    bulk_tiles_in_flight_.fetch_add(static_cast<int64_t>(part.num_tiles));
+    stats_gated_.fetch_add(1, std::memory_order_relaxed);
+    LaunchGated(std::move(part), static_cast<cudaEvent_t>(bulk.start_event));
+    return true;
+  }
+
+  // Launches a gated part on the gate stream: its table (upload or launch parameters) and its
+  // gate's reset go first, then the wait for `start`, then the kernel, whose first block
+  // decides whether it still copies (CopyGates). Launches keep their submission order there
+  // (gate_launch_mu_), and so do their flights.
+  void LaunchGated(BulkPart&& part, cudaEvent_t start) {
+    stats_launches_.fetch_add(1, std::memory_order_relaxed);
+    stats_parts_.fetch_add(1, std::memory_order_relaxed);
+    cudaEvent_t event = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(bulk_mu_);
+      if (!bulk_free_events_.empty()) {
+        event = bulk_free_events_.back();
+        bulk_free_events_.pop_back();
+      }
+    }
+    cuda::DeviceGuard device(options_.local_device);
+    (void)cudaGetLastError();
+    if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    const cuda::CopyGate gate = gates_->Args(part.gate);
+    const int tiles = static_cast<int>(part.num_tiles);
+    BulkFlight flight;
+    flight.stream = kGateStream;
+    std::lock_guard<std::mutex> order(gate_launch_mu_);
+    cudaError_t e = event == nullptr ? cudaErrorMemoryAllocation : cudaSuccess;
+    if (e == cudaSuccess) e = cudaMemsetAsync(gate.decision, 0, sizeof(uint32_t), gate_stream_);
+    if (e == cudaSuccess && tiles > cuda::kInlineTiles) {
+      e = cudaMemcpyAsync(DeviceTiles(part), HostTiles(part), tiles * sizeof(cuda::CopyTile),
+                          cudaMemcpyHostToDevice, gate_stream_);
+    }
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(gate_stream_, start, 0);
+    if (e == cudaSuccess && tiles <= cuda::kInlineTiles) {
+      cuda::InlineTiles inline_tiles;
+      std::memcpy(inline_tiles.tiles, HostTiles(part), tiles * sizeof(cuda::CopyTile));
+      e = cuda::LaunchBatchedCopyInline(inline_tiles, tiles, gate_stream_, gate);
+    } else if (e == cudaSuccess) {
+      e = cuda::LaunchBatchedCopy(DeviceTiles(part), tiles, gate_stream_, gate);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(event, gate_stream_);
+    if (e != cudaSuccess) {
+      flight.status = InternalError(CudaError("gated bulk copy launch", e));
+      // Nothing to poll for its end: wait here for whatever was queued (a launch error this
+      // late means a broken context; the wait is bounded by the start event). It reports
+      // the error whether or not it copied.
+      cudaStreamSynchronize(gate_stream_);
+      if (event != nullptr) {
+        std::lock_guard<std::mutex> lock(bulk_mu_);
+        bulk_free_events_.push_back(event);
+      }
+      event = nullptr;
+    }
+    flight.event = event;
+    flight.parts.push_back(std::move(part));
+    std::lock_guard<std::mutex> lock(flights_mu_);
+    bulk_new_.push_back(std::move(flight));
   }
 
   // Queues a taken submission for the progress thread (ServiceParked): at the back, or at the
@@ -813,9 +924,28 @@ class NvlinkChannel : public PeerChannel {
     }
     for (const BulkPart& p : done.parts) {
       bulk_tiles_in_flight_.fetch_sub(static_cast<int64_t>(p.num_tiles));
-      p.owner->OnBulkDone(done.status, p.tag);
+      Status outcome = done.status;
+      if (p.gate >= 0 && !gates_->Outcome(p.gate, done.status, &outcome)) continue;  // withdrawn
+      p.owner->OnBulkDone(outcome, p.tag);
     }
     return true;
+  }
+
+  // Closing: withdraws every gated launch (those not started are reported at once), then drops
+  // the gate stream's flights once the oldest is one withdrawn before it started and still
+  // waiting: no launch behind it can have started either, and none of them will copy, so
+  // closing need not wait for their start events (the destructor keeps their gate words).
+  void WithdrawGated(const Status& why) {
+    for (const auto& [owner, tag] : gates_->WithdrawAll(why)) owner->OnBulkDone(why, tag);
+    auto& queue = bulk_inflight_[kGateStream];
+    if (queue.empty() || queue.front().event == nullptr ||
+        cudaEventQuery(queue.front().event) != cudaErrorNotReady) {
+      return;
+    }
+    for (const BulkPart& p : queue.front().parts) {
+      if (!gates_->WithdrawnBeforeStart(p.gate)) return;
+    }
+    queue.clear();
   }
 
   void ProgressLoop() {
@@ -859,9 +989,11 @@ class NvlinkChannel : public PeerChannel {
         TakeNewFlights();
         // Submitters still inside TrySubmitBulk may yet hand over flights: stay for them.
         if (closing && bulk_submitting_.load() == 0) {
-          FailParkedWhere([](const BulkSubmission&) { return true; },
-                          UnavailableError("NVLink channel to " + options_.peer.name + " closed"));
+          const Status closed =
+              UnavailableError("NVLink channel to " + options_.peer.name + " closed");
+          FailParkedWhere([](const BulkSubmission&) { return true; }, closed);
           TakeNewFlights();
+          WithdrawGated(closed);
           if (inflight_.empty() && BulkIdle()) {
             for (auto& item : batch) item->Complete(UnavailableError("NVLink channel closed"));
             return;
@@ -1159,7 +1291,13 @@ class NvlinkChannel : public PeerChannel {
   UnitRuns arena_units_{kArenaUnits};       // guarded by bulk_mu_
   std::mutex bulk_mu_;  // guards arena_units_ and bulk_free_events_
   std::vector<cudaEvent_t> bulk_free_events_;
-  std::array<std::deque<BulkFlight>, kBulkStreams> bulk_inflight_;     // progress thread only
+  // Per bulk stream, then the gate stream's (kGateStream). Progress thread only.
+  std::array<std::deque<BulkFlight>, kBulkStreams + 1> bulk_inflight_;
+  // Gated launches (TrySubmitGated): their stream, gates, and the lock keeping their order.
+  cudaStream_t gate_stream_ = nullptr;
+  std::unique_ptr<CopyGates> gates_;
+  std::mutex gate_launch_mu_;
+  std::atomic<uint64_t> stats_gated_{0};
 
   // The resident copy kernel (small bulk submissions; PublishResident, PollResident).
   struct ResidentJob {
