@@ -131,13 +131,16 @@ class PrefillConnector {
   // (marked twice).
   virtual Status MarkLayerReady(uint64_t pass, int layer) = 0;
   // As MarkLayerReady, once `cuda_event` (a cudaEvent_t recorded on the compute stream after
-  // the layer wrote its KV) has completed; the caller's thread does not wait. The connector's
-  // layer thread polls pending events (20 us between rounds) and submits a layer as soon as
-  // its event and those of the layers before it completed. The event must stay valid (not
-  // destroyed, not re-recorded) until every layer of the pass is marked, or the pass failed
-  // or expired (its rooms then report Failed, after which its events are no longer touched).
-  // Errors: as MarkLayerReady, plus "no CUDA device" / kUnimplemented without CUDA; an event
-  // that fails fails the pass's rooms.
+  // the layer wrote its KV) has completed; the caller's thread does not wait. When every
+  // earlier layer of the pass was handed over already (layers marked in order) and the pass
+  // has no staging destination, the layer's batches are submitted at once to start after the
+  // event (BatchOptions::start_after_event: over NVLink the wait is on the GPU, so the copy
+  // follows the layer's end with no host step, and a deadline or abort before it starts still
+  // withdraws it). Otherwise the connector's layer thread polls pending events (20 us between
+  // rounds) and submits a layer as soon as its event and those of the layers before it
+  // completed. The event must stay valid (not destroyed, not re-recorded) until the pass's
+  // rooms are final (Success or Failed). Errors: as MarkLayerReady, plus "no CUDA device" /
+  // kUnimplemented without CUDA; an event that fails fails the pass's rooms.
   virtual Status MarkLayerReadyOnEvent(uint64_t pass, int layer, void* cuda_event) = 0;
 
   // The pages of a request of `num_pages` this rank sends (everything without CP).

@@ -292,6 +292,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     auto pass = std::make_shared<LayerPass>();
     pass->marked.assign(pool_->layout().geometry().num_model_layers(), false);
+    pass->events.assign(pass->marked.size(), nullptr);
     pass->deadline = Clock::now() + options_.transfer_timeout;
     for (const LayerwiseChunk& c : chunks) {
       pass->rooms.push_back(c.room);
@@ -313,6 +314,7 @@ class PrefillConnectorImpl : public PrefillConnector {
           t.last = last;
           t.staged = dest.slice.sends && dest.slice.staging;
           t.sends = dest.slice.sends && !t.staged;
+          pass->staged |= t.staged;
           ++dest.outstanding_batches;  // the pass itself: released after the last layer
           pass->targets.push_back(std::move(t));
         }
@@ -334,20 +336,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   Status MarkLayerReady(uint64_t pass_id, int layer) override {
     std::lock_guard<std::mutex> lock(passes_mu_);
     ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
-    LayerPass& pass = *it->second;
-    const int layers = static_cast<int>(pass.marked.size());
-    pass.marked[layer] = true;
-    std::vector<int> ready;
-    while (pass.next_layer < layers && pass.marked[pass.next_layer]) ready.push_back(pass.next_layer++);
-    if (ready.empty()) return OkStatus();  // an earlier layer is still computing
-    const bool finished = pass.next_layer == layers;
-    std::shared_ptr<LayerPass> keep = it->second;
-    if (finished) passes_.erase(it);
-    // Posted under the lock: the layer thread sees layers in order whoever marked them.
-    PostLayerWork([this, keep, ready, finished] {
-      for (int l : ready) SubmitLayer(*keep, l);
-      if (finished) FinishPass(*keep);
-    });
+    MarkLocked(it, layer, nullptr);
     return OkStatus();
   }
 
@@ -360,6 +349,19 @@ class PrefillConnectorImpl : public PrefillConnector {
     RETURN_IF_ERROR(cuda::CheckDevice(0));  // "no CUDA device" on machines without one
     ASSIGN_OR_RETURN(bool done, cuda::EventCompleted(cuda_event));
     if (done) return MarkLayerReady(pass_id, layer);
+    {
+      // The pass's next layer is submitted now with the event: its batches wait for it on
+      // the GPU where they can (BatchOptions::start_after_event), so no host step stands
+      // between the layer's end and its copy. Not for a pass with staging destinations (a
+      // staged layer's slice is requested from decode once the layer is final).
+      std::lock_guard<std::mutex> lock(passes_mu_);
+      ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
+      it->second->events[layer] = cuda_event;
+      if (!it->second->staged && it->second->next_layer == layer) {
+        MarkLocked(it, layer, cuda_event);
+        return OkStatus();
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(layer_mu_);
       if (layer_stopping_) return UnavailableError("connector is shutting down");
@@ -675,7 +677,7 @@ class PrefillConnectorImpl : public PrefillConnector {
                   std::shared_ptr<void> keepalive,
                   std::function<void(const BatchStatus&)> done,
                   std::function<void()> refused = nullptr, bool inline_success = false,
-                  std::function<void()> on_landed = nullptr) {
+                  std::function<void()> on_landed = nullptr, void* start_after_event = nullptr) {
     uint64_t bytes = 0;
     for (const auto& r : requests) bytes += r.length_bytes;
     transfer_requests_ += requests.size();
@@ -684,6 +686,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     o.deadline = options_.transfer_timeout;
     o.notification = std::move(notification);
     o.on_landed = std::move(on_landed);
+    o.start_after_event = start_after_event;
     o.on_complete = [this, done, keepalive, inline_success](BatchId id, const BatchStatus& status) {
       Complete(id, status, done, keepalive, inline_success);
     };
@@ -1090,8 +1093,25 @@ class PrefillConnectorImpl : public PrefillConnector {
     std::vector<bool> marked;  // per model layer; guarded by passes_mu_
     int next_layer = 0;        // first layer not yet handed to the layer queue
     Clock::time_point deadline;
+    bool staged = false;  // some target is staged
+    std::vector<void*> events;  // per model layer, its MarkLayerReadyOnEvent event (or null)
   };
   using PassMap = std::map<uint64_t, std::shared_ptr<LayerPass>>;
+  // A room whose last layer was submitted to start after its event on the GPU: decode is
+  // told that its last data is on its way (DoneMailbox::Announce, after which its wait polls
+  // the mailbox without sleeping, for up to 1 ms) once the layer thread sees the layer before
+  // it complete, i.e. when the last layer starts computing. (Announced when the last layer's
+  // own event completed, decode, asleep in a 20 us poll that lasts 40-60 us, often woke only
+  // after a ~30 us copy had landed: docs/perf/layerwise.md, session 10.)
+  struct Announcement {
+    std::shared_ptr<DecodePeer> decode;
+    int32_t row = -1;
+    uint64_t room = 0;
+  };
+  struct PendingAnnouncement {
+    void* before;  // the event of the layer before the last
+    std::vector<Announcement> rooms;
+  };
 
   // The live pass `pass_id` if `layer` is one of its model layers and not marked yet.
   // REQUIRES passes_mu_ held. Errors: kNotFound, kOutOfRange, kAlreadyExists.
@@ -1113,13 +1133,34 @@ class PrefillConnectorImpl : public PrefillConnector {
     return it;
   }
 
+  // Marks `layer` of the pass at `it` and posts the submission of every layer that is now
+  // next in order; `start_event` (non-null only for the pass's next layer) goes with that
+  // layer's batches, which then wait for it on the GPU. REQUIRES passes_mu_ held.
+  void MarkLocked(PassMap::iterator it, int layer, void* start_event) {
+    LayerPass& pass = *it->second;
+    const int layers = static_cast<int>(pass.marked.size());
+    pass.marked[layer] = true;
+    std::vector<int> ready;
+    while (pass.next_layer < layers && pass.marked[pass.next_layer]) ready.push_back(pass.next_layer++);
+    if (ready.empty()) return;  // an earlier layer is still computing
+    const bool finished = pass.next_layer == layers;
+    std::shared_ptr<LayerPass> keep = it->second;
+    if (finished) passes_.erase(it);
+    // Posted under the lock: the layer thread sees layers in order whoever marked them.
+    PostLayerWork([this, keep, ready, finished, start_event] {
+      for (int l : ready) SubmitLayer(*keep, l, l == ready.front() ? start_event : nullptr);
+      if (finished) FinishPass(*keep);
+    });
+  }
+
   // Runs on the layer thread: one engine batch per decode rank with this layer's pages (or,
   // for a linear-attention layer of a room's last chunk, its state) for every room. The last
   // layer's batch also carries the aux rows of rooms finishing in this pass (MarkLayerReady's
   // contract: the aux row is final when the last layer is marked), so only the done notice
   // follows it.
-  void SubmitLayer(const LayerPass& pass, int layer) {
-    KVF_LOG_DEBUG("prefill: pass {} submits layer {}", pass.id, layer);
+  void SubmitLayer(const LayerPass& pass, int layer, void* start_event = nullptr) {
+    KVF_LOG_DEBUG("prefill: pass {} submits layer {}{}", pass.id, layer,
+                  start_event != nullptr ? " (to start after its event)" : "");
     const ModelGeometry& g = pool_->layout().geometry();
     const ModelGeometry::LayerRef ref = g.ModelLayer(layer);
     std::vector<int> buffers;
@@ -1135,6 +1176,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       std::vector<std::pair<uint64_t, size_t>> credits;  // (room, destination)
     };
     std::vector<Group> groups;
+    std::vector<Announcement> announce;     // rooms whose last data leaves once the event passed
     std::vector<const PassTarget*> staged;  // their layer goes through decode's staging ring
     for (const PassTarget& t : pass.targets) {
       if (t.staged && !ref.linear) {
@@ -1160,8 +1202,13 @@ class PrefillConnectorImpl : public PrefillConnector {
         }
         const bool last_layer = layer + 1 == static_cast<int>(pass.marked.size());
         if (last_layer && t.last && dest.decode != nullptr && dest.decode->mailbox != nullptr) {
-          // The room's last data leaves now: decode may watch its mailbox cell closely.
-          dest.decode->mailbox->Announce(dest.dst_aux_row, t.room);
+          // The room's last data leaves now (or once the last layer computes: Announcement):
+          // decode may watch its mailbox cell closely.
+          if (start_event == nullptr || layer == 0 || pass.events[layer - 1] == nullptr) {
+            dest.decode->mailbox->Announce(dest.dst_aux_row, t.room);
+          } else {
+            announce.push_back({dest.decode, dest.dst_aux_row, t.room});
+          }
         }
         if (last_layer && t.last && t.sends && dest.slice.sends_aux) {
           requests.push_back(AuxRequest(r.data, dest));
@@ -1181,7 +1228,14 @@ class PrefillConnectorImpl : public PrefillConnector {
       g_it->requests.insert(g_it->requests.end(), requests.begin(), requests.end());
       g_it->credits.emplace_back(t.room, t.dest);
     }
-    for (Group& group : groups) SubmitCredited(std::move(group.requests), std::move(group.credits));
+    for (Group& group : groups) {
+      SubmitCredited(std::move(group.requests), std::move(group.credits), start_event);
+    }
+    if (!announce.empty()) {
+      // This runs on the layer thread, which polls the event from its next round on.
+      std::lock_guard<std::mutex> lock(layer_mu_);
+      announcements_.push_back({pass.events[layer - 1], std::move(announce)});
+    }
     for (const PassTarget* t : staged) {
       RequestStaging(t->room, t->dest, t->first_page, static_cast<int64_t>(t->src_pages.size()),
                      ref.index, 1);
@@ -1202,13 +1256,13 @@ class PrefillConnectorImpl : public PrefillConnector {
 
   // A batch whose completion counts once for each (room, destination) it carries.
   void SubmitCredited(std::vector<TransferRequest> requests,
-                      std::vector<std::pair<uint64_t, size_t>> credits) {
+                      std::vector<std::pair<uint64_t, size_t>> credits, void* start_event) {
     SubmitThen(
         std::move(requests), "", nullptr,
         [this, credits = std::move(credits)](const BatchStatus& status) {
           for (const auto& [room, dest] : credits) OnBatchDone(room, dest, false, status);
         },
-        nullptr, /*inline_success=*/true);
+        nullptr, /*inline_success=*/true, nullptr, start_event);
   }
 
   // An inline completion may start (false once the destructor began: post to the queue
@@ -1250,17 +1304,23 @@ class PrefillConnectorImpl : public PrefillConnector {
     auto spin_since = Clock::time_point::max();  // since when a last layer is being watched
     std::unique_lock<std::mutex> lock(layer_mu_);
     while (true) {
-      if (layer_work_.empty() && (events_.empty() || layer_stopping_)) {
+      const bool polls = !events_.empty() || !announcements_.empty();
+      if (layer_work_.empty() && (!polls || layer_stopping_)) {
         if (layer_stopping_) return;
         layer_cv_.wait(lock, [&] {
-          return layer_stopping_ || !layer_work_.empty() || !events_.empty();
+          return layer_stopping_ || !layer_work_.empty() || !events_.empty() ||
+                 !announcements_.empty();
         });
         continue;
       }
       std::deque<std::function<void()>> work;
       work.swap(layer_work_);
       std::vector<PendingEvent> pending;
-      if (!layer_stopping_) pending.swap(events_);
+      std::vector<PendingAnnouncement> announcing;
+      if (!layer_stopping_) {
+        pending.swap(events_);
+        announcing.swap(announcements_);
+      }
       lock.unlock();
       for (auto& w : work) w();
       std::vector<PendingEvent> still;
@@ -1291,8 +1351,12 @@ class PrefillConnectorImpl : public PrefillConnector {
           still.push_back(e);
         }
       }
+      std::vector<PendingAnnouncement> still_announcing;
+      for (PendingAnnouncement& a : announcing) {
+        if (!Announced(a)) still_announcing.push_back(std::move(a));
+      }
       if (!last_layer_computes) spin_since = Clock::time_point::max();
-      if (!still.empty() && !marked) {
+      if ((!still.empty() || !still_announcing.empty()) && !marked) {
         const auto now = Clock::now();
         if (last_layer_computes && spin_since == Clock::time_point::max()) spin_since = now;
         if (!last_layer_computes || now - spin_since > kLastLayerSpin) {
@@ -1305,7 +1369,31 @@ class PrefillConnectorImpl : public PrefillConnector {
       }
       lock.lock();
       events_.insert(events_.end(), still.begin(), still.end());
+      for (PendingAnnouncement& a : still_announcing) announcements_.push_back(std::move(a));
     }
+  }
+
+  // Announces the rooms of `a` once the layer before their last completed; true when done
+  // with it (announced, or every room final already: the caller may have destroyed the event
+  // then). The event is queried under a live room's lock, since the caller keeps it until the
+  // pass's rooms are final.
+  bool Announced(const PendingAnnouncement& a) {
+    StatusOr<bool> passed = false;
+    bool live = false;
+    for (const Announcement& r : a.rooms) {
+      rooms_.With(r.room, [&](RoomTable<SenderRoom>::Room& room) -> Status {
+        if (IsFinal(room.status.state)) return OkStatus();
+        live = true;
+        passed = cuda::EventCompleted(a.before);
+        return OkStatus();
+      }).IgnoreError();
+      if (live) break;
+    }
+    if (!live) return true;
+    if (passed.ok() && !*passed) return false;
+    // (An event that failed fails the pass's batches waiting for it; announcing is harmless.)
+    for (const Announcement& r : a.rooms) r.decode->mailbox->Announce(r.row, r.room);
+    return true;
   }
 
   // Fails every room of a pass that has not finished and forgets the pass.
@@ -1736,6 +1824,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::condition_variable layer_cv_;
   std::deque<std::function<void()>> layer_work_;
   std::vector<PendingEvent> events_;
+  std::vector<PendingAnnouncement> announcements_;
   bool layer_stopping_ = false;
   std::thread layer_thread_;
 
