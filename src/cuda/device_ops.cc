@@ -339,6 +339,7 @@ class ComputeStreamImpl : public ComputeStream {
     if (stream_) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (stream_ && !legacy_) cudaStreamDestroy(stream_);
+    FreeSeeds();
   }
 
   Status Init(int max_events) {
@@ -371,15 +372,54 @@ class ComputeStreamImpl : public ComputeStream {
   Status Synchronize() override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    seeds_used_ = 0;
+    return OkStatus();
+  }
+
+  Status FillPatternRows(void* dst, uint64_t row_bytes, std::span<const uint64_t> seeds) override {
+    if (seeds.empty()) return OkStatus();
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (seeds_used_ + seeds.size() > seeds_capacity_) {
+      // Staged seeds may still be in flight: wait for them before reusing or replacing.
+      CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+      seeds_used_ = 0;
+      if (seeds.size() > seeds_capacity_) {
+        FreeSeeds();
+        const size_t capacity = std::max<size_t>(seeds.size(), size_t{1} << 20);
+        CUDA_RETURN_IF_ERROR(cudaMallocHost(&seeds_host_, capacity * sizeof(uint64_t)));
+        CUDA_RETURN_IF_ERROR(cudaMalloc(&seeds_device_, capacity * sizeof(uint64_t)));
+        seeds_capacity_ = capacity;
+      }
+    }
+    uint64_t* host = static_cast<uint64_t*>(seeds_host_) + seeds_used_;
+    uint64_t* device = static_cast<uint64_t*>(seeds_device_) + seeds_used_;
+    seeds_used_ += seeds.size();
+    std::memcpy(host, seeds.data(), seeds.size_bytes());
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(device, host, seeds.size_bytes(), cudaMemcpyHostToDevice, stream_));
+    CUDA_RETURN_IF_ERROR(LaunchFillPatternRows(static_cast<uint8_t*>(dst), row_bytes,
+                                               static_cast<int>(seeds.size()), device, stream_));
     return OkStatus();
   }
 
  private:
+  void FreeSeeds() {
+    if (seeds_host_) cudaFreeHost(seeds_host_);
+    if (seeds_device_) cudaFree(seeds_device_);
+    seeds_host_ = seeds_device_ = nullptr;
+    seeds_capacity_ = 0;
+  }
+
   int device_;
   bool legacy_;  // spins on the legacy default stream
   cudaStream_t stream_ = nullptr;
   std::vector<cudaEvent_t> events_;
   size_t next_ = 0;
+  // FillPatternRows' staging: pinned and device copies, [0, seeds_used_) taken since the last
+  // Synchronize.
+  void* seeds_host_ = nullptr;
+  void* seeds_device_ = nullptr;
+  size_t seeds_capacity_ = 0, seeds_used_ = 0;
 };
 
 }  // namespace

@@ -1,4 +1,6 @@
 #include "cuda/pattern_kernels.h"
+
+#include <algorithm>
 #include "disagg/kv_pattern_math.h"
 
 namespace kvferry::cuda {
@@ -52,6 +54,24 @@ __global__ void FillKernel(PatternGeometry g, uint8_t* pool, const int32_t* page
     } else {
       for (uint64_t b = 0; b < 8 && off + b < g.head_bytes; ++b) {
         head[off + b] = static_cast<uint8_t>(w >> (8 * b));
+      }
+    }
+  }
+}
+
+__global__ void FillRowsKernel(uint8_t* dst, uint64_t row_bytes, int rows, const uint64_t* seeds) {
+  const uint64_t words_per_row = (row_bytes + 7) / 8;
+  const uint64_t total = words_per_row * static_cast<uint64_t>(rows);
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = i / words_per_row, word = i % words_per_row;
+    uint8_t* row = dst + r * row_bytes;
+    const uint64_t w = pattern::PatternWord(seeds[r], word), off = word * 8;
+    if (off + 8 <= row_bytes && (reinterpret_cast<uint64_t>(row + off) & 7) == 0) {
+      *reinterpret_cast<uint64_t*>(row + off) = w;
+    } else {
+      for (uint64_t b = 0; b < 8 && off + b < row_bytes; ++b) {
+        row[off + b] = static_cast<uint8_t>(w >> (8 * b));
       }
     }
   }
@@ -123,6 +143,15 @@ __global__ void SpinKernel(uint64_t nanoseconds) {
   }
 }
 }  // namespace
+
+cudaError_t LaunchFillPatternRows(uint8_t* dst, uint64_t row_bytes, int rows,
+                                  const uint64_t* seeds, cudaStream_t stream) {
+  const uint64_t total = (row_bytes + 7) / 8 * static_cast<uint64_t>(rows);
+  if (total == 0) return cudaSuccess;
+  const uint64_t blocks = std::min<uint64_t>((total + kThreads - 1) / kThreads, 4096);
+  FillRowsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(dst, row_bytes, rows, seeds);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchSpin(uint64_t nanoseconds, cudaStream_t stream) {
   SpinKernel<<<1, 1, 0, stream>>>(nanoseconds);

@@ -23,6 +23,11 @@ cudaError_t LaunchVerifyTokens(const PatternGeometry& g, const uint8_t* pool,
                                const int32_t* pages, int64_t num_pages, uint64_t room,
                                int64_t num_tokens, uint8_t* flags, cudaStream_t stream);
 
+// Writes `rows` rows of `row_bytes` at dst + r * row_bytes, row r holding the pattern of
+// seeds[r] (device array): the bytes kv_pattern.cc's WritePattern writes on the host.
+cudaError_t LaunchFillPatternRows(uint8_t* dst, uint64_t row_bytes, int rows,
+                                  const uint64_t* seeds, cudaStream_t stream);
+
 // Simulated prefill compute for replays: one thread busy-waits `nanoseconds` of GPU time
 // (%globaltimer), so work recorded after it on `stream` completes that much later.
 cudaError_t LaunchSpin(uint64_t nanoseconds, cudaStream_t stream);

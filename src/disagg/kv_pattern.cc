@@ -184,6 +184,24 @@ inline uint64_t StateRowSeed(const StateLayout& layout, int buffer, uint64_t roo
 }
 }  // namespace
 
+std::vector<uint64_t> StateRowSeeds(const StateLayout& layout, int buffer, uint64_t room,
+                                    int tp_rank) {
+  // GlobalRow's mapping, one segment at a time (a replay computes ~300k seeds per Qwen3-Next
+  // request while its compute kernels are being queued).
+  std::vector<uint64_t> seeds;
+  seeds.reserve(static_cast<size_t>(layout.rows(buffer)));
+  int64_t global_start = 0;
+  for (int total : layout.SegmentRows(buffer)) {
+    const int share = total / layout.tp_size();
+    for (int i = 0; i < share; ++i) {
+      seeds.push_back(StateRowSeed(layout, buffer, room,
+                                   global_start + static_cast<int64_t>(tp_rank) * share + i));
+    }
+    global_start += total;
+  }
+  return seeds;
+}
+
 void FillStateBuffer(const StateLayout& layout, int buffer, uint8_t* slot_data, uint64_t room,
                      int tp_rank) {
   const uint64_t row_bytes = layout.row_bytes(buffer);

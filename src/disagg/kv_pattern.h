@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kvferry/aux_buffer.h"
 #include "kvferry/kv_layout.h"
@@ -70,6 +71,10 @@ void FillStateSlot(const StateLayout& layout, StatePool& pool, int32_t slot, uin
 // buffers; first_mismatch names room, layer, kind, row and byte.
 VerifyResult VerifyStateSlot(const StateLayout& layout, const StatePool& pool, int32_t slot,
                              uint64_t room, int tp_rank);
+// The pattern seed of each of this rank's rows of `buffer` (FillStateBuffer writes row r with
+// seeds[r]; a GPU writes the same bytes from them, cuda::LaunchFillPatternRows).
+std::vector<uint64_t> StateRowSeeds(const StateLayout& layout, int buffer, uint64_t room,
+                                    int tp_rank);
 // The same on one buffer's slot copied elsewhere (GPU pools verify a host copy).
 void FillStateBuffer(const StateLayout& layout, int buffer, uint8_t* slot_data, uint64_t room,
                      int tp_rank);

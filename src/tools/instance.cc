@@ -494,19 +494,29 @@ int RunPrefillInstance(const InstanceFlags& flags) {
       gpu_compute = std::move(*cs);
     }
     if (Status a = in.WriteAuxRow(*row, room); !a.ok()) return fail(a);
-    // The linear-attention state (hybrid models). With GPU compute it is written while the
-    // first chunk's spin kernels run, as a real prefill produces it during those layers:
-    // written from the host before them (~77 MB for Qwen3-Next) it added ~20 ms to every
-    // TTFT (docs/perf/layerwise.md). Otherwise it is written before the compute.
-    bool state_pending = gpu_compute != nullptr;
-    auto fill_state = [&]() -> Status {
-      if (!state_pending) return OkStatus();
-      state_pending = false;
-      return in.FillState(admitted->state_slot, room);
-    };
+    // The linear-attention state (hybrid models). With GPU compute each linear layer's state
+    // is written by a kernel on the compute stream just before that layer's spin kernel (in
+    // the first chunk), as a real prefill produces it, so the layer's event covers it and
+    // layers can be marked as soon as they are queued (written from the host, ~77 MB for
+    // Qwen3-Next took ~20 ms: docs/perf/layerwise.md). Otherwise it is written before the
+    // compute.
+    bool state_pending = gpu_compute != nullptr && in.state != nullptr;
     if (gpu_compute == nullptr) {
       if (Status st = in.FillState(admitted->state_slot, room); !st.ok()) return fail(st);
     }
+    // One simulated layer on the GPU: its state first (see above), then its spin kernel;
+    // returns the event recorded after them.
+    auto compute_layer = [&](int l, int64_t us) -> StatusOr<void*> {
+      const ModelGeometry::LayerRef ref = layout.geometry().ModelLayer(l);
+      if (state_pending && ref.linear) {
+        for (int b : {ref.index, layout.geometry().num_linear_layers + ref.index}) {
+          RETURN_IF_ERROR(gpu_compute->FillPatternRows(
+              in.state->SlotAddress(b, admitted->state_slot), in.state_layout->row_bytes(b),
+              StateRowSeeds(*in.state_layout, b, room, flags.tp_rank)));
+        }
+      }
+      return gpu_compute->Spin(us);
+    };
     // This rank computes and sends its range of the pages (all of them without context
     // parallelism); a CP rank with an empty range only reports, with an empty last chunk.
     const PageRange range = c.SendRange(num_pages);
@@ -534,16 +544,16 @@ int RunPrefillInstance(const InstanceFlags& flags) {
         auto pass = c.BeginLayerwisePass(std::span(&chunk, 1));
         if (!pass.ok()) return fail(pass.status());
         if (gpu_compute != nullptr) {
-          // Every layer's kernel queued first (the GPU runs them back to back), the state
-          // written meanwhile, then each layer marked by its event: a layer whose kernel
-          // already finished is sent at once.
+          // Every layer's kernels queued first (the GPU runs them back to back), then each
+          // layer marked by its event: a layer whose kernel already finished is sent at once,
+          // the others wait for their events.
           std::vector<void*> events;
           for (int l = 0; l < model_layers; ++l) {
-            auto event = gpu_compute->Spin(layer_compute.count());
+            auto event = compute_layer(l, layer_compute.count());
             if (!event.ok()) return fail(event.status());
             events.push_back(*event);
           }
-          if (Status st = fill_state(); !st.ok()) return fail(st);
+          state_pending = false;
           for (int l = 0; l < model_layers; ++l) {
             if (Status m = c.MarkLayerReadyOnEvent(*pass, l, events[static_cast<size_t>(l)]);
                 !m.ok()) {
@@ -563,9 +573,11 @@ int RunPrefillInstance(const InstanceFlags& flags) {
         }
       } else {
         if (gpu_compute != nullptr) {
-          auto event = gpu_compute->Spin(layer_compute.count() * model_layers);
-          if (!event.ok()) return fail(event.status());
-          if (Status st = fill_state(); !st.ok()) return fail(st);
+          for (int l = 0; l < model_layers; ++l) {
+            auto event = compute_layer(l, layer_compute.count());
+            if (!event.ok()) return fail(event.status());
+          }
+          state_pending = false;
           if (Status w = gpu_compute->Synchronize(); !w.ok()) return fail(w);
         } else {
           layer_done += layer_compute * model_layers;

@@ -1,8 +1,10 @@
 #include "kvferry/kv_layout.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "disagg/kv_pattern.h"
+#include "disagg/kv_pattern_math.h"
 #include "kvferry/state_pool.h"
 
 #include <gtest/gtest.h>
@@ -481,6 +483,36 @@ TEST(StatePoolTest, SlotsAreDisjointAndPatternsAgreeAcrossTpShares) {
   EXPECT_EQ(v.pages_mismatched, 1);
   EXPECT_NE(v.first_mismatch.find("(linear layer 4 recurrent) row 0 byte 5"), std::string::npos)
       << v.first_mismatch;
+}
+
+// StateRowSeeds gives, row by row, the seeds FillStateBuffer writes with (the GPU replay
+// writes state from them): rows written word by word from the seeds verify, for both ranks
+// of TP 2 and for TP 1, conv (6-byte rows) and recurrent buffers.
+TEST(StatePoolTest, RowSeedsReproduceTheStatePattern) {
+  const ModelGeometry g = *FindModelPreset("qwen3-next-80b-a3b");
+  for (int tp : {1, 2}) {
+    const StateLayout l = *StateLayout::Create(g, tp);
+    for (int rank = 0; rank < tp; ++rank) {
+      for (int b : {0, 17, 36, 71}) {
+        const std::vector<uint64_t> seeds = StateRowSeeds(l, b, 77, rank);
+        ASSERT_EQ(seeds.size(), static_cast<size_t>(l.rows(b)));
+        const uint64_t row_bytes = l.row_bytes(b);
+        std::vector<uint8_t> slot(l.slot_bytes(b));
+        for (size_t r = 0; r < seeds.size(); ++r) {
+          for (uint64_t w = 0; w * 8 < row_bytes; ++w) {
+            const uint64_t word = pattern::PatternWord(seeds[r], w);
+            std::memcpy(slot.data() + r * row_bytes + w * 8, &word,
+                        std::min<uint64_t>(8, row_bytes - w * 8));
+          }
+        }
+        VerifyResult v = VerifyStateBuffer(l, b, slot.data(), 77, rank);
+        EXPECT_EQ(v.pages_mismatched, 0) << "tp " << tp << " rank " << rank << " buffer " << b
+                                         << ": " << v.first_mismatch;
+        slot[row_bytes + 3] ^= 1;  // and a wrong byte is still seen
+        EXPECT_EQ(VerifyStateBuffer(l, b, slot.data(), 77, rank).pages_mismatched, 1);
+      }
+    }
+  }
 }
 
 }  // namespace
