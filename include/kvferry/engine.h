@@ -176,7 +176,10 @@ struct BatchOptions {
   // and the batch fails at once). Otherwise (TCP, several channels, a peer region not mapped
   // yet, no free gate) an engine thread polls the event (every 10 us while any batch waits)
   // and starts the batch once it completed. Either way the batch can be cancelled and times
-  // out like any other until its copies start; the deadline counts from submission. The
+  // out like any other until its copies start; the deadline counts from submission (so it
+  // must also cover the GPU work still ahead of the event). A channel destroyed while
+  // withdrawn copies still wait for their events waits for those events (CUDA's frees
+  // synchronise the device); closing it does not. The
   // event must stay valid (not destroyed, not re-recorded) until the batch is final. Errors:
   // "no CUDA device" (kFailedPrecondition / kUnimplemented without CUDA) and an invalid event
   // at submission; an event that fails later fails the batch. A channel closed while a copy

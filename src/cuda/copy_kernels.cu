@@ -86,9 +86,13 @@ __device__ bool PassGate(const CopyGate& gate) {
   if (threadIdx.x == 0) {
     uint32_t d = atomicCAS(gate.decision, kGateUndecided, kGateDeciding);
     if (d == kGateUndecided) {
-      *reinterpret_cast<volatile uint32_t*>(gate.started) = 1u;
-      __threadfence_system();  // the store above before the load below, system-wide
-      d = __ldcv(gate.cancel) != 0u ? kGateWithdrawn : kGateCopies;
+      // Strong (relaxed, system-scope) store and load around a sequentially consistent
+      // system-scope fence: the kernel's half of the handshake in the PTX memory model.
+      uint32_t cancel = 0;
+      asm volatile("st.relaxed.sys.u32 [%0], %1;" ::"l"(gate.started), "r"(1u) : "memory");
+      asm volatile("fence.sc.sys;" ::: "memory");
+      asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(cancel) : "l"(gate.cancel) : "memory");
+      d = cancel != 0u ? kGateWithdrawn : kGateCopies;
       atomicExch(gate.decision, d);
     } else {
       while ((d = *reinterpret_cast<volatile uint32_t*>(gate.decision)) == kGateDeciding) {

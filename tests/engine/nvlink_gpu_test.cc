@@ -612,9 +612,10 @@ TEST_F(NvlinkGpuTest, ParkedBulkSubmissionsFailAbandonAndCloseCleanly) {
 // Bulk submissions with a start event wait for it on the GPU (the channel takes them at once,
 // with the peer region mapped): one whose event comes after 300 ms copies the bytes its
 // stream wrote just before the event; one withdrawn (AbandonBulk) before its event completes
-// reports at once and writes nothing, even after the event; one still waiting when the
-// channel closes reports kUnavailable without the close waiting for its event, and writes
-// nothing either. Each reports exactly once and the keepalives are released.
+// reports at once and writes nothing, even after the event (both with tables uploaded to the
+// device); one still waiting when the channel closes reports kUnavailable without the close
+// waiting for its event, and writes nothing either. Each reports exactly once and the
+// keepalives are released.
 TEST_F(NvlinkGpuTest, GatedBulkSubmissionsWaitOnTheGpuAndWithdrawUntilStarted) {
   auto descriptor = engine_->GetSegmentDescriptor(segment_);
   ASSERT_TRUE(descriptor.ok());
@@ -630,7 +631,7 @@ TEST_F(NvlinkGpuTest, GatedBulkSubmissionsWaitOnTheGpuAndWithdrawUntilStarted) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   // A: the first kBlocks slots of the cuMem region; B and C: 16 blocks each further on.
   const auto to_a = ScatteredWrites(local_, segment_, peer_.vmm_base, kBlocks);
-  const auto to_b = ScatteredWrites(local_, segment_, peer_.vmm_base + kBytes, 16);
+  const auto to_b = ScatteredWrites(local_, segment_, peer_.vmm_base + kBytes, kBlocks);
   const auto to_c = ScatteredWrites(local_, segment_, peer_.vmm_base + 2 * kBytes, 16);
   BulkRecorder mapped, a_owner, b_owner, c_owner;
   auto keepalive = std::make_shared<int>(0);
@@ -693,7 +694,7 @@ TEST_F(NvlinkGpuTest, GatedBulkSubmissionsWaitOnTheGpuAndWithdrawUntilStarted) {
   }
   // B's and C's slots keep the peer's pattern (C's first slot took one zero block to map).
   for (uint64_t base : {kBytes, 2 * kBytes}) {
-    for (uint64_t i = base; i < base + 16 * 4096; ++i) {
+    for (uint64_t i = base; i < base + (base == kBytes ? kBytes : 16 * 4096); ++i) {
       if (base == 2 * kBytes && i < base + 4096) {
         ASSERT_EQ(got[i], 0) << "byte " << i;
         continue;
@@ -921,40 +922,52 @@ TEST_F(NvlinkGpuTest, WriteStartsAfterTheCallersEvent) {
   WriteAfterEvent(8192, 2048, 8, /*mapped=*/true);
 }
 
-// A batch still waiting for its event when its deadline passes fails then, writes nothing
-// (not even after the event completes), and the engine stays usable. (The region is mapped
-// by the first read: the wait is on the GPU, and the deadline withdraws the copy there.)
+// A batch still waiting for its event when its deadline passes, or when it is cancelled (as
+// the connector does for a failed room's layers), fails then, writes nothing (not even after
+// the event completes), and the engine stays usable. (The region is mapped by the first
+// read: the wait is on the GPU, and the deadline or cancel withdraws the copy there.)
 TEST_F(NvlinkGpuTest, DeadlinePassesWhileWaitingForTheEvent) {
-  std::vector<uint8_t> before(4096), after(4096);
-  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, 4096).ok());
-  ASSERT_EQ(cudaMemcpy(before.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemset(local_, 0x77, 4096), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaStream_t stream = nullptr;
-  cudaEvent_t event = nullptr;
-  StreamStartingAfter(milliseconds(1500), &stream, &event);
-  if (HasFatalFailure()) return;
-  ASSERT_EQ(cudaEventRecord(event, stream), cudaSuccess);
-  TransferRequest r{TransferOp::kWrite, local_, segment_, peer_.ipc_base, 4096};
-  BatchOptions o;
-  o.start_after_event = event;
-  o.deadline = milliseconds(200);
-  const auto start = std::chrono::steady_clock::now();
-  auto id = engine_->SubmitBatch(std::span(&r, 1), o);
-  ASSERT_TRUE(id.ok()) << id.status().ToString();
-  auto st = engine_->WaitBatch(*id, milliseconds(5000));
-  ASSERT_TRUE(st.ok());
-  EXPECT_EQ(st->state, TransferState::kFailed);
-  EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded) << st->error.ToString();
-  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1200));
-  engine_->ReleaseBatch(*id).IgnoreError();
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // the event has completed now
-  std::this_thread::sleep_for(milliseconds(50));
-  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, 4096).ok());
-  ASSERT_EQ(cudaMemcpy(after.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(after, before);
-  cudaEventDestroy(event);
-  cudaStreamDestroy(stream);
+  for (bool cancel : {false, true}) {
+    SCOPED_TRACE(cancel ? "cancelled" : "deadline");
+    std::vector<uint8_t> before(4096), after(4096);
+    ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, 4096).ok());
+    ASSERT_EQ(cudaMemcpy(before.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemset(local_, cancel ? 0x66 : 0x77, 4096), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaStream_t stream = nullptr;
+    cudaEvent_t event = nullptr;
+    StreamStartingAfter(milliseconds(1500), &stream, &event);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(cudaEventRecord(event, stream), cudaSuccess);
+    TransferRequest r{TransferOp::kWrite, local_, segment_, peer_.ipc_base, 4096};
+    BatchOptions o;
+    o.start_after_event = event;
+    o.deadline = cancel ? milliseconds(10000) : milliseconds(200);
+    const auto start = std::chrono::steady_clock::now();
+    auto id = engine_->SubmitBatch(std::span(&r, 1), o);
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    if (cancel) {
+      std::this_thread::sleep_for(milliseconds(100));
+      ASSERT_TRUE(engine_->CancelBatch(*id).ok());
+    }
+    auto st = engine_->WaitBatch(*id, milliseconds(5000));
+    ASSERT_TRUE(st.ok());
+    if (cancel) {
+      EXPECT_EQ(st->state, TransferState::kCancelled) << st->error.ToString();
+    } else {
+      EXPECT_EQ(st->state, TransferState::kFailed);
+      EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded) << st->error.ToString();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1200));
+    engine_->ReleaseBatch(*id).IgnoreError();
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // the event has completed now
+    std::this_thread::sleep_for(milliseconds(50));
+    ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.ipc_base, 4096).ok());
+    ASSERT_EQ(cudaMemcpy(after.data(), back_, 4096, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(after, before);
+    cudaEventDestroy(event);
+    cudaStreamDestroy(stream);
+  }
 }
 
 // The same GPU memory forced over TCP (`transport tcp`, as to a peer without NVLink): this

@@ -35,10 +35,12 @@ constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
 // Bulk submissions (TrySubmitBulk): launched by the submitting thread on one of a few streams,
 // so several submitting threads build and launch their tables in parallel.
 constexpr int kBulkStreams = 4;
-// Bulk submissions with a start event wait for it on the GPU, on a stream of their own (the
-// gate stream, index kGateStream among the flight queues), one launch and gate each; at most
-// kGates at once (more wait on the host, in the engine).
-constexpr int kGateStream = kBulkStreams;
+// Bulk submissions with a start event wait for it on the GPU, on streams of their own (gate
+// streams, flight queues kBulkStreams.. of bulk_inflight_), one launch and gate each, each on
+// the gate stream with the fewest such launches in flight (a copy waiting for a far event holds
+// up only those behind it on its stream); at most kGates at once, and at most half the table
+// arena (more wait on the host, in the engine).
+constexpr int kGateStreams = 8;
 constexpr int kGates = 256;
 // Bulk submissions of at most this many tiles may share a launch (LaunchPending).
 constexpr size_t kCombineMaxTiles = 512;
@@ -75,7 +77,9 @@ class NvlinkChannel : public PeerChannel {
     for (cudaStream_t& st : bulk_streams_) {
       CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     }
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&gate_stream_, cudaStreamNonBlocking));
+    for (cudaStream_t& st : gate_streams_) {
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    }
     ASSIGN_OR_RETURN(gates_, CopyGates::Create(kGates));
     const size_t arena_bytes = kArenaUnits * kUnitTiles * sizeof(cuda::CopyTile);
     void* host = nullptr;
@@ -95,6 +99,17 @@ class NvlinkChannel : public PeerChannel {
 
   ~NvlinkChannel() override {
     Close();
+    // Copies withdrawn while they waited for their start events (Close does not wait for
+    // them) are still queued: they will copy nothing, but freeing memory below would wait for
+    // them anyway (cudaFree synchronises the device), so say so and wait here.
+    for (cudaStream_t st : gate_streams_) {
+      if (st != nullptr && cudaStreamQuery(st) == cudaErrorNotReady) {
+        KVF_LOG_WARN("nvlink: channel to {} closing: waiting for the start events of copies "
+                     "withdrawn before they started",
+                     options_.peer.name);
+        cudaStreamSynchronize(st);
+      }
+    }
     KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
                   "waited on the GPU for a start event), {} fell back to items (no free table "
                   "space), {} waited for a mapping; {} through the resident kernel in {} "
@@ -129,17 +144,8 @@ class NvlinkChannel : public PeerChannel {
     for (cudaStream_t st : bulk_streams_) {
       if (st) cudaStreamDestroy(st);
     }
-    if (gate_stream_ != nullptr) {
-      if (cudaStreamQuery(gate_stream_) == cudaErrorNotReady) {
-        // Launches withdrawn before they started still wait for their events; when those
-        // complete, they read their gates' words and copy nothing. Those words must outlive
-        // them: kept (a few KiB) rather than freed under a queued kernel.
-        KVF_LOG_WARN("nvlink: channel to {} closed with copies still waiting for their start "
-                     "events (withdrawn: they will copy nothing); keeping their gate words",
-                     options_.peer.name);
-        (void)gates_.release();
-      }
-      cudaStreamDestroy(gate_stream_);
+    for (cudaStream_t st : gate_streams_) {
+      if (st != nullptr) cudaStreamDestroy(st);
     }
   }
 
@@ -406,9 +412,9 @@ class NvlinkChannel : public PeerChannel {
 
   // A submission with a start event, all of it through the copy kernel (no copy-engine
   // blocks: a copy engine cannot be withdrawn): prepared now and launched behind its event on
-  // the gate stream. False (nothing taken) when it does not fit at once: a peer region not
-  // mapped yet, submissions parked, no table space or no free gate; the engine then waits for
-  // the event on the host.
+  // a gate stream. False (nothing taken) when it does not fit at once: a peer region not
+  // mapped yet, submissions parked, no table space, gated copies holding half the arena
+  // already, or no free gate; the engine then waits for the event on the host.
   bool TrySubmitGated(BulkSubmission& bulk) {
     if (has_parked_.load()) return false;
     BulkPart part;
@@ -416,8 +422,9 @@ class NvlinkChannel : public PeerChannel {
                     /*allow_engine=*/false) != BulkFit::kPrepared) {
       return false;
     }
-    part.gate = gates_->Acquire(bulk.owner, bulk.tag);
-    if (part.gate < 0) {
+    if (gated_units_.fetch_add(part.num_units) + part.num_units > kArenaUnits / 2 ||
+        (part.gate = gates_->Acquire(bulk.owner, bulk.tag)) < 0) {
+      gated_units_.fetch_sub(part.num_units);
       std::lock_guard<std::mutex> lock(bulk_mu_);
       arena_units_.Give(part.first_unit, part.num_units);
       return false;
@@ -452,33 +459,36 @@ class NvlinkChannel : public PeerChannel {
     const cuda::CopyGate gate = gates_->Args(part.gate);
     const int tiles = static_cast<int>(part.num_tiles);
     BulkFlight flight;
-    flight.stream = kGateStream;
     std::lock_guard<std::mutex> order(gate_launch_mu_);
+    int g = 0;
+    for (int i = 1; i < kGateStreams; ++i) {
+      if (gate_flights_[i].load() < gate_flights_[g].load()) g = i;
+    }
+    gate_flights_[g].fetch_add(1);
+    flight.stream = kBulkStreams + g;
+    cudaStream_t stream = gate_streams_[g];
     cudaError_t e = event == nullptr ? cudaErrorMemoryAllocation : cudaSuccess;
-    if (e == cudaSuccess) e = cudaMemsetAsync(gate.decision, 0, sizeof(uint32_t), gate_stream_);
+    if (e == cudaSuccess) e = cudaMemsetAsync(gate.decision, 0, sizeof(uint32_t), stream);
     if (e == cudaSuccess && tiles > cuda::kInlineTiles) {
       e = cudaMemcpyAsync(DeviceTiles(part), HostTiles(part), tiles * sizeof(cuda::CopyTile),
-                          cudaMemcpyHostToDevice, gate_stream_);
+                          cudaMemcpyHostToDevice, stream);
     }
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(gate_stream_, start, 0);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, start, 0);
     if (e == cudaSuccess && tiles <= cuda::kInlineTiles) {
       cuda::InlineTiles inline_tiles;
       std::memcpy(inline_tiles.tiles, HostTiles(part), tiles * sizeof(cuda::CopyTile));
-      e = cuda::LaunchBatchedCopyInline(inline_tiles, tiles, gate_stream_, gate);
+      e = cuda::LaunchBatchedCopyInline(inline_tiles, tiles, stream, gate);
     } else if (e == cudaSuccess) {
-      e = cuda::LaunchBatchedCopy(DeviceTiles(part), tiles, gate_stream_, gate);
+      e = cuda::LaunchBatchedCopy(DeviceTiles(part), tiles, stream, gate);
     }
-    if (e == cudaSuccess) e = cudaEventRecord(event, gate_stream_);
-    if (e != cudaSuccess) {
-      flight.status = InternalError(CudaError("gated bulk copy launch", e));
-      // Nothing to poll for its end: wait here for whatever was queued (a launch error this
-      // late means a broken context; the wait is bounded by the start event). It reports
-      // the error whether or not it copied.
-      cudaStreamSynchronize(gate_stream_);
-      if (event != nullptr) {
-        std::lock_guard<std::mutex> lock(bulk_mu_);
-        bulk_free_events_.push_back(event);
-      }
+    if (e != cudaSuccess) flight.status = InternalError(CudaError("gated bulk copy launch", e));
+    // The event marks the end of whatever was queued, also after a failed step: the flight
+    // reports the error once the stream is past it, whether or not anything copied.
+    if (event != nullptr && cudaEventRecord(event, stream) != cudaSuccess) {
+      if (flight.status.ok()) flight.status = InternalError("gated bulk copy: cudaEventRecord failed");
+      cudaStreamSynchronize(stream);  // nothing to poll: wait (bounded by the start event)
+      std::lock_guard<std::mutex> lock(bulk_mu_);
+      bulk_free_events_.push_back(event);
       event = nullptr;
     }
     flight.event = event;
@@ -925,7 +935,11 @@ class NvlinkChannel : public PeerChannel {
     for (const BulkPart& p : done.parts) {
       bulk_tiles_in_flight_.fetch_sub(static_cast<int64_t>(p.num_tiles));
       Status outcome = done.status;
-      if (p.gate >= 0 && !gates_->Outcome(p.gate, done.status, &outcome)) continue;  // withdrawn
+      if (p.gate >= 0) {
+        gated_units_.fetch_sub(p.num_units);
+        gate_flights_[done.stream - kBulkStreams].fetch_sub(1);
+        if (!gates_->Outcome(p.gate, done.status, &outcome)) continue;  // withdrawn: reported
+      }
       p.owner->OnBulkDone(outcome, p.tag);
     }
     return true;
@@ -937,15 +951,16 @@ class NvlinkChannel : public PeerChannel {
   // closing need not wait for their start events (the destructor keeps their gate words).
   void WithdrawGated(const Status& why) {
     for (const auto& [owner, tag] : gates_->WithdrawAll(why)) owner->OnBulkDone(why, tag);
-    auto& queue = bulk_inflight_[kGateStream];
-    if (queue.empty() || queue.front().event == nullptr ||
-        cudaEventQuery(queue.front().event) != cudaErrorNotReady) {
-      return;
+    for (int g = 0; g < kGateStreams; ++g) {
+      auto& queue = bulk_inflight_[static_cast<size_t>(kBulkStreams + g)];
+      if (queue.empty() || queue.front().event == nullptr ||
+          cudaEventQuery(queue.front().event) != cudaErrorNotReady) {
+        continue;
+      }
+      bool withdrawn = true;
+      for (const BulkPart& p : queue.front().parts) withdrawn &= gates_->WithdrawnBeforeStart(p.gate);
+      if (withdrawn) queue.clear();
     }
-    for (const BulkPart& p : queue.front().parts) {
-      if (!gates_->WithdrawnBeforeStart(p.gate)) return;
-    }
-    queue.clear();
   }
 
   void ProgressLoop() {
@@ -1291,11 +1306,14 @@ class NvlinkChannel : public PeerChannel {
   UnitRuns arena_units_{kArenaUnits};       // guarded by bulk_mu_
   std::mutex bulk_mu_;  // guards arena_units_ and bulk_free_events_
   std::vector<cudaEvent_t> bulk_free_events_;
-  // Per bulk stream, then the gate stream's (kGateStream). Progress thread only.
-  std::array<std::deque<BulkFlight>, kBulkStreams + 1> bulk_inflight_;
-  // Gated launches (TrySubmitGated): their stream, gates, and the lock keeping their order.
-  cudaStream_t gate_stream_ = nullptr;
+  // Per bulk stream, then per gate stream. Progress thread only.
+  std::array<std::deque<BulkFlight>, kBulkStreams + kGateStreams> bulk_inflight_;
+  // Gated launches (TrySubmitGated): their streams and launches in flight on each, gates,
+  // arena units held, and the lock keeping each stream's flights in launch order.
+  cudaStream_t gate_streams_[kGateStreams] = {};
+  std::array<std::atomic<int>, kGateStreams> gate_flights_{};
   std::unique_ptr<CopyGates> gates_;
+  std::atomic<uint32_t> gated_units_{0};
   std::mutex gate_launch_mu_;
   std::atomic<uint64_t> stats_gated_{0};
 
