@@ -131,16 +131,19 @@ class PrefillConnector {
   // (marked twice).
   virtual Status MarkLayerReady(uint64_t pass, int layer) = 0;
   // As MarkLayerReady, once `cuda_event` (a cudaEvent_t recorded on the compute stream after
-  // the layer wrote its KV) has completed; the caller's thread does not wait. When every
-  // earlier layer of the pass was handed over already (layers marked in order) and the pass
-  // has no staging destination, the layer's batches are submitted at once to start after the
-  // event (BatchOptions::start_after_event: over NVLink the wait is on the GPU, so the copy
-  // follows the layer's end with no host step, and a deadline or abort before it starts still
-  // withdraws it). Otherwise the connector's layer thread polls pending events (20 us between
-  // rounds) and submits a layer as soon as its event and those of the layers before it
-  // completed. The event must stay valid (not destroyed, not re-recorded) until the pass's
-  // rooms are final (Success or Failed). Errors: as MarkLayerReady, plus "no CUDA device" /
-  // kUnimplemented without CUDA; an event that fails fails the pass's rooms.
+  // the layer wrote its KV) has completed; the caller's thread does not wait. The connector's
+  // layer thread polls pending events (20 us between rounds). Once every earlier layer was
+  // handed over and the layer before this one finished computing, this layer's batches are
+  // submitted while it computes, to start after the event (BatchOptions::start_after_event:
+  // over NVLink the wait is on the GPU, so the copy follows the layer's end with no host
+  // step, and a deadline or abort before it starts still withdraws it); such batches are per
+  // room, so a room that fails withdraws its own copy not started yet, and decode hears of
+  // the failure after that. Passes with a staging destination, and layers whose predecessor
+  // is still computing when they become next, are submitted once their event completed. The
+  // connector waits on an event of its own recorded after `cuda_event` (cuda::EventRelay, a
+  // private stream per pass), so the caller may destroy or re-record `cuda_event` once this
+  // returns. Errors: as MarkLayerReady, plus "no CUDA device" / kUnimplemented without CUDA;
+  // an event that fails fails the pass's rooms.
   virtual Status MarkLayerReadyOnEvent(uint64_t pass, int layer, void* cuda_event) = 0;
 
   // The pages of a request of `num_pages` this rank sends (everything without CP).

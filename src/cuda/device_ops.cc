@@ -208,6 +208,12 @@ StatusOr<std::unique_ptr<DeviceWordProbes>> DeviceWordProbes::Create(int device,
   return std::unique_ptr<DeviceWordProbes>(std::move(probes));
 }
 
+int CurrentDevice() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  return device;
+}
+
 StatusOr<bool> EventCompleted(void* event) {
   const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
   if (e == cudaSuccess) return true;
@@ -216,6 +222,79 @@ StatusOr<bool> EventCompleted(void* event) {
 }
 
 namespace {
+
+class EventRelayImpl : public EventRelay {
+ public:
+  explicit EventRelayImpl(int device) : pool_(std::make_shared<Pool>()) { pool_->device = device; }
+
+  Status Init() { return CheckDevice(pool_->device); }
+
+  StatusOr<std::shared_ptr<void>> Relay(void* event, std::shared_ptr<void>* lane) override {
+    DeviceGuard device(pool_->device);
+    if (*lane == nullptr) {
+      cudaStream_t stream = pool_->TakeStream();
+      if (stream == nullptr) {
+        CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      }
+      *lane = std::shared_ptr<void>(stream, [pool = pool_](void* st) {
+        pool->GiveStream(static_cast<cudaStream_t>(st));
+      });
+    }
+    cudaEvent_t own = pool_->TakeEvent();
+    if (own == nullptr) CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&own, cudaEventDisableTiming));
+    std::shared_ptr<void> holder(own, [pool = pool_](void* e) {
+      pool->GiveEvent(static_cast<cudaEvent_t>(e));
+    });
+    cudaStream_t stream = static_cast<cudaStream_t>(lane->get());
+    std::lock_guard<std::mutex> lock(mu_);  // a wait and its record stay paired on the lane
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event), 0));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(own, stream));
+    return holder;
+  }
+
+ private:
+  // Free events and lane streams, shared with the holders (which may outlive the relay).
+  struct Pool {
+    int device = 0;
+    std::mutex mu;
+    std::vector<cudaEvent_t> events;
+    std::vector<cudaStream_t> streams;
+    cudaEvent_t TakeEvent() {
+      std::lock_guard<std::mutex> lock(mu);
+      if (events.empty()) return nullptr;
+      cudaEvent_t e = events.back();
+      events.pop_back();
+      return e;
+    }
+    void GiveEvent(cudaEvent_t e) {
+      std::lock_guard<std::mutex> lock(mu);
+      events.push_back(e);
+    }
+    // An idle lane stream (a lane dropped with waits still queued is left until they passed).
+    cudaStream_t TakeStream() {
+      std::lock_guard<std::mutex> lock(mu);
+      for (size_t i = 0; i < streams.size(); ++i) {
+        if (cudaStreamQuery(streams[i]) == cudaSuccess) {
+          cudaStream_t st = streams[i];
+          streams.erase(streams.begin() + static_cast<std::ptrdiff_t>(i));
+          return st;
+        }
+      }
+      return nullptr;
+    }
+    void GiveStream(cudaStream_t st) {
+      std::lock_guard<std::mutex> lock(mu);
+      streams.push_back(st);
+    }
+    ~Pool() {
+      DeviceGuard guard(device);
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+      for (cudaStream_t st : streams) cudaStreamDestroy(st);
+    }
+  };
+  std::shared_ptr<Pool> pool_;
+  std::mutex mu_;
+};
 
 // A request's page table in device memory for the pool kernels, grown as needed and
 // re-uploaded on the owner's stream for each call. The owner frees it with its device current.
@@ -423,6 +502,12 @@ class ComputeStreamImpl : public ComputeStream {
 };
 
 }  // namespace
+
+StatusOr<std::unique_ptr<EventRelay>> EventRelay::Create(int device) {
+  auto r = std::make_unique<EventRelayImpl>(device);
+  RETURN_IF_ERROR(r->Init());
+  return std::unique_ptr<EventRelay>(std::move(r));
+}
 
 StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int device, int max_events,
                                                               bool legacy_default_stream) {

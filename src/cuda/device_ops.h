@@ -49,6 +49,25 @@ class DeviceWordProbes {
 // Whether the work before a recorded cudaEvent_t has finished (cudaEventQuery): true, false
 // (still running), or the error the event reports.
 StatusOr<bool> EventCompleted(void* event);
+// The calling thread's current CUDA device (0 when it cannot be read).
+int CurrentDevice();
+
+// Stand-ins for callers' CUDA events: Relay(e, &lane) queues, on the lane's private stream of
+// `device`, a wait for `e` as recorded now and a record of an event of its own, and returns
+// that event. It completes once `e` did, so the caller may destroy or re-record `e` as soon as
+// Relay returned. Relays on one lane complete in order (one stream); give unrelated work
+// (e.g. passes computing on different streams) lanes of their own. A null *lane gets an idle
+// stream (or a new one), returned when the last copy of the lane handle is dropped. Events
+// stay ours while their holder (or a copy) lives, then go back to a pool (re-recorded later:
+// waits already queued on them are unaffected). Thread-safe; holders and lanes may outlive
+// the relay. Errors: CUDA failures (a bad event handle included).
+class EventRelay {
+ public:
+  static StatusOr<std::unique_ptr<EventRelay>> Create(int device);
+  virtual ~EventRelay() = default;
+  // holder.get() is the cudaEvent_t.
+  virtual StatusOr<std::shared_ptr<void>> Relay(void* event, std::shared_ptr<void>* lane) = 0;
+};
 
 // Fills and verifies replay content in a GPU pool with kernels (same bytes as kv_pattern.h).
 // One per thread: it owns a stream and scratch buffers on `device`.

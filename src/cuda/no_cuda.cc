@@ -27,6 +27,8 @@ StatusOr<std::unique_ptr<DeviceWordProbes>> DeviceWordProbes::Create(int, int32_
   return NoCuda();
 }
 StatusOr<bool> EventCompleted(void*) { return NoCuda(); }
+int CurrentDevice() { return 0; }
+StatusOr<std::unique_ptr<EventRelay>> EventRelay::Create(int) { return NoCuda(); }
 StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int, bool) {
   return NoCuda();
 }

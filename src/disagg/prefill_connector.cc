@@ -53,6 +53,9 @@ struct Destination {
   // (first page, first attention layer) -> source pages of a chunk awaiting a staging grant
   // (layer 0 with every layer when not layerwise).
   std::map<std::pair<int64_t, int32_t>, std::vector<int32_t>> staged_chunks;
+  // Batches of a layerwise pass submitted ahead of their layer's end (start_after_event):
+  // cancelled when the room fails, so that nothing of it lands after that (FailRoom).
+  std::vector<BatchId> early_batches;
 };
 
 struct SenderRoom {
@@ -292,7 +295,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     auto pass = std::make_shared<LayerPass>();
     pass->marked.assign(pool_->layout().geometry().num_model_layers(), false);
-    pass->events.assign(pass->marked.size(), nullptr);
+    pass->events.resize(pass->marked.size());
     pass->deadline = Clock::now() + options_.transfer_timeout;
     for (const LayerwiseChunk& c : chunks) {
       pass->rooms.push_back(c.room);
@@ -349,23 +352,17 @@ class PrefillConnectorImpl : public PrefillConnector {
     RETURN_IF_ERROR(cuda::CheckDevice(0));  // "no CUDA device" on machines without one
     ASSIGN_OR_RETURN(bool done, cuda::EventCompleted(cuda_event));
     if (done) return MarkLayerReady(pass_id, layer);
+    std::shared_ptr<void> event;  // our stand-in for the caller's event (RelayEvent)
     {
-      // The pass's next layer is submitted now with the event: its batches wait for it on
-      // the GPU where they can (BatchOptions::start_after_event), so no host step stands
-      // between the layer's end and its copy. Not for a pass with staging destinations (a
-      // staged layer's slice is requested from decode once the layer is final).
       std::lock_guard<std::mutex> lock(passes_mu_);
       ASSIGN_OR_RETURN(auto it, FindUnmarkedLocked(pass_id, layer));
-      it->second->events[layer] = cuda_event;
-      if (!it->second->staged && it->second->next_layer == layer) {
-        MarkLocked(it, layer, cuda_event);
-        return OkStatus();
-      }
+      ASSIGN_OR_RETURN(event, RelayEvent(cuda_event, it->second.get()));
+      it->second->events[layer] = event;
     }
     {
       std::lock_guard<std::mutex> lock(layer_mu_);
       if (layer_stopping_) return UnavailableError("connector is shutting down");
-      events_.push_back({pass_id, layer, cuda_event});
+      events_.push_back({pass_id, layer, event});
       StartLayerThreadLocked();
     }
     layer_cv_.notify_one();
@@ -673,7 +670,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   // Submits one engine batch (counted in the stats) and runs `done` with its outcome on the
   // completion queue, also when the engine refuses it (then `refused` runs first: nothing of
   // the batch was sent). `keepalive` lives until then.
-  void SubmitThen(std::vector<TransferRequest> requests, std::string notification,
+  BatchId SubmitThen(std::vector<TransferRequest> requests, std::string notification,
                   std::shared_ptr<void> keepalive,
                   std::function<void(const BatchStatus&)> done,
                   std::function<void()> refused = nullptr, bool inline_success = false,
@@ -697,7 +694,9 @@ class PrefillConnectorImpl : public PrefillConnector {
       failed.state = TransferState::kFailed;
       failed.error = id.status();
       completion_->Post([done, failed] { done(failed); });
+      return BatchId{};
     }
+    return *id;
   }
 
   // A final batch's callback (BatchOptions::on_complete): releases the batch and runs `done`,
@@ -1094,24 +1093,12 @@ class PrefillConnectorImpl : public PrefillConnector {
     int next_layer = 0;        // first layer not yet handed to the layer queue
     Clock::time_point deadline;
     bool staged = false;  // some target is staged
-    std::vector<void*> events;  // per model layer, its MarkLayerReadyOnEvent event (or null)
+    // Per model layer, our stand-in for its MarkLayerReadyOnEvent event (or null), and the
+    // relay lane they were recorded on (cuda::EventRelay).
+    std::vector<std::shared_ptr<void>> events;
+    std::shared_ptr<void> relay_lane;
   };
   using PassMap = std::map<uint64_t, std::shared_ptr<LayerPass>>;
-  // A room whose last layer was submitted to start after its event on the GPU: decode is
-  // told that its last data is on its way (DoneMailbox::Announce, after which its wait polls
-  // the mailbox without sleeping, for up to 1 ms) once the layer thread sees the layer before
-  // it complete, i.e. when the last layer starts computing. (Announced when the last layer's
-  // own event completed, decode, asleep in a 20 us poll that lasts 40-60 us, often woke only
-  // after a ~30 us copy had landed: docs/perf/layerwise.md, session 10.)
-  struct Announcement {
-    std::shared_ptr<DecodePeer> decode;
-    int32_t row = -1;
-    uint64_t room = 0;
-  };
-  struct PendingAnnouncement {
-    void* before;  // the event of the layer before the last
-    std::vector<Announcement> rooms;
-  };
 
   // The live pass `pass_id` if `layer` is one of its model layers and not marked yet.
   // REQUIRES passes_mu_ held. Errors: kNotFound, kOutOfRange, kAlreadyExists.
@@ -1134,9 +1121,10 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // Marks `layer` of the pass at `it` and posts the submission of every layer that is now
-  // next in order; `start_event` (non-null only for the pass's next layer) goes with that
-  // layer's batches, which then wait for it on the GPU. REQUIRES passes_mu_ held.
-  void MarkLocked(PassMap::iterator it, int layer, void* start_event) {
+  // next in order; `start_event` (non-null only for the pass's next layer: our stand-in for
+  // its event, RelayEvent) goes with that layer's batches, which then wait for it on the GPU.
+  // REQUIRES passes_mu_ held.
+  void MarkLocked(PassMap::iterator it, int layer, std::shared_ptr<void> start_event) {
     LayerPass& pass = *it->second;
     const int layers = static_cast<int>(pass.marked.size());
     pass.marked[layer] = true;
@@ -1158,7 +1146,12 @@ class PrefillConnectorImpl : public PrefillConnector {
   // layer's batch also carries the aux rows of rooms finishing in this pass (MarkLayerReady's
   // contract: the aux row is final when the last layer is marked), so only the done notice
   // follows it.
-  void SubmitLayer(const LayerPass& pass, int layer, void* start_event = nullptr) {
+  //
+  // With `start_event` (the layer submitted ahead of its end) each (room, destination) gets a
+  // batch of its own, recorded in Destination::early_batches, so that a room failing before
+  // its layers ran withdraws its copies alone (FailRoom) and the pass's other rooms go on.
+  void SubmitLayer(const LayerPass& pass, int layer,
+                   const std::shared_ptr<void>& start_event = nullptr) {
     KVF_LOG_DEBUG("prefill: pass {} submits layer {}{}", pass.id, layer,
                   start_event != nullptr ? " (to start after its event)" : "");
     const ModelGeometry& g = pool_->layout().geometry();
@@ -1176,7 +1169,6 @@ class PrefillConnectorImpl : public PrefillConnector {
       std::vector<std::pair<uint64_t, size_t>> credits;  // (room, destination)
     };
     std::vector<Group> groups;
-    std::vector<Announcement> announce;     // rooms whose last data leaves once the event passed
     std::vector<const PassTarget*> staged;  // their layer goes through decode's staging ring
     for (const PassTarget& t : pass.targets) {
       if (t.staged && !ref.linear) {
@@ -1202,13 +1194,9 @@ class PrefillConnectorImpl : public PrefillConnector {
         }
         const bool last_layer = layer + 1 == static_cast<int>(pass.marked.size());
         if (last_layer && t.last && dest.decode != nullptr && dest.decode->mailbox != nullptr) {
-          // The room's last data leaves now (or once the last layer computes: Announcement):
-          // decode may watch its mailbox cell closely.
-          if (start_event == nullptr || layer == 0 || pass.events[layer - 1] == nullptr) {
-            dest.decode->mailbox->Announce(dest.dst_aux_row, t.room);
-          } else {
-            announce.push_back({dest.decode, dest.dst_aux_row, t.room});
-          }
+          // The room's last data leaves now (or, submitted ahead of its layer's end, once the
+          // layer computing now ends): decode may watch its mailbox cell closely.
+          dest.decode->mailbox->Announce(dest.dst_aux_row, t.room);
         }
         if (last_layer && t.last && t.sends && dest.slice.sends_aux) {
           requests.push_back(AuxRequest(r.data, dest));
@@ -1219,6 +1207,10 @@ class PrefillConnectorImpl : public PrefillConnector {
         return OkStatus();
       });
       if (!s.ok() || requests.empty()) continue;
+      if (start_event != nullptr) {
+        SubmitEarly(t.room, t.dest, std::move(requests), start_event);
+        continue;
+      }
       auto g_it = std::find_if(groups.begin(), groups.end(),
                                [&](const Group& x) { return x.decode == decode; });
       if (g_it == groups.end()) {
@@ -1228,14 +1220,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       g_it->requests.insert(g_it->requests.end(), requests.begin(), requests.end());
       g_it->credits.emplace_back(t.room, t.dest);
     }
-    for (Group& group : groups) {
-      SubmitCredited(std::move(group.requests), std::move(group.credits), start_event);
-    }
-    if (!announce.empty()) {
-      // This runs on the layer thread, which polls the event from its next round on.
-      std::lock_guard<std::mutex> lock(layer_mu_);
-      announcements_.push_back({pass.events[layer - 1], std::move(announce)});
-    }
+    for (Group& group : groups) SubmitCredited(std::move(group.requests), std::move(group.credits));
     for (const PassTarget* t : staged) {
       RequestStaging(t->room, t->dest, t->first_page, static_cast<int64_t>(t->src_pages.size()),
                      ref.index, 1);
@@ -1256,13 +1241,65 @@ class PrefillConnectorImpl : public PrefillConnector {
 
   // A batch whose completion counts once for each (room, destination) it carries.
   void SubmitCredited(std::vector<TransferRequest> requests,
-                      std::vector<std::pair<uint64_t, size_t>> credits, void* start_event) {
+                      std::vector<std::pair<uint64_t, size_t>> credits) {
     SubmitThen(
         std::move(requests), "", nullptr,
         [this, credits = std::move(credits)](const BatchStatus& status) {
           for (const auto& [room, dest] : credits) OnBatchDone(room, dest, false, status);
         },
-        nullptr, /*inline_success=*/true, nullptr, start_event);
+        nullptr, /*inline_success=*/true);
+  }
+
+  // One (room, destination)'s batch of a layer submitted ahead of the layer's end, to start
+  // after `start_event` (kept alive until the batch is final), recorded for FailRoom; one
+  // whose room failed meanwhile is cancelled at once.
+  void SubmitEarly(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
+                   const std::shared_ptr<void>& start_event) {
+    const BatchId id = SubmitThen(
+        std::move(requests), "", start_event,
+        [this, room, dest](const BatchStatus& status) { OnBatchDone(room, dest, false, status); },
+        nullptr, /*inline_success=*/true, nullptr, start_event.get());
+    if (id.value == 0) return;
+    bool failed = false;
+    rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+      failed = r.status.state == RoomState::kFailed;
+      if (!failed) r.data.destinations[dest].early_batches.push_back(id);
+      return OkStatus();
+    }).IgnoreError();
+    if (failed) CancelLater({id});
+  }
+
+  // Cancels batches on the control queue (CancelBatch waits for copies already started).
+  // Queued ahead of the room's failure notice (FailRoom), so decode hears of it after its
+  // copies were withdrawn or landed.
+  void CancelLater(std::vector<BatchId> ids) {
+    control_->Post([this, ids = std::move(ids)] {
+      for (BatchId id : ids) engine_->CancelBatch(id).IgnoreError();  // kNotFound once released
+    });
+  }
+
+  // Our stand-in for a caller's CUDA event (cuda::EventRelay), so that the caller may reuse
+  // its event at once; on the pass's own relay lane, so that passes computing on different
+  // streams never wait for each other. The relay lives on the pool's GPU (else the current
+  // device). REQUIRES passes_mu_ held (the pass's lane).
+  StatusOr<std::shared_ptr<void>> RelayEvent(void* cuda_event, LayerPass* pass) {
+    std::lock_guard<std::mutex> lock(relay_mu_);
+    if (relay_ == nullptr) {
+      int device = pool_->location().device_id;
+      if (pool_->location().kind != MemoryKind::kCuda) device = cuda::CurrentDevice();
+      ASSIGN_OR_RETURN(relay_, cuda::EventRelay::Create(device));
+    }
+    return relay_->Relay(cuda_event, &pass->relay_lane);
+  }
+
+  // Whether the layer before `layer` finished computing: marked by the host, or its event
+  // completed. REQUIRES passes_mu_ held.
+  static bool PreviousLayerComputed(const LayerPass& pass, int layer) {
+    if (layer == 0) return true;
+    const std::shared_ptr<void>& before = pass.events[static_cast<size_t>(layer) - 1];
+    if (before == nullptr) return true;
+    StatusOr<bool> done = cuda::EventCompleted(before.get());
+    return !done.ok() || *done;
   }
 
   // An inline completion may start (false once the destructor began: post to the queue
@@ -1304,23 +1341,17 @@ class PrefillConnectorImpl : public PrefillConnector {
     auto spin_since = Clock::time_point::max();  // since when a last layer is being watched
     std::unique_lock<std::mutex> lock(layer_mu_);
     while (true) {
-      const bool polls = !events_.empty() || !announcements_.empty();
-      if (layer_work_.empty() && (!polls || layer_stopping_)) {
+      if (layer_work_.empty() && (events_.empty() || layer_stopping_)) {
         if (layer_stopping_) return;
         layer_cv_.wait(lock, [&] {
-          return layer_stopping_ || !layer_work_.empty() || !events_.empty() ||
-                 !announcements_.empty();
+          return layer_stopping_ || !layer_work_.empty() || !events_.empty();
         });
         continue;
       }
       std::deque<std::function<void()>> work;
       work.swap(layer_work_);
       std::vector<PendingEvent> pending;
-      std::vector<PendingAnnouncement> announcing;
-      if (!layer_stopping_) {
-        pending.swap(events_);
-        announcing.swap(announcements_);
-      }
+      if (!layer_stopping_) pending.swap(events_);
       lock.unlock();
       for (auto& w : work) w();
       std::vector<PendingEvent> still;
@@ -1328,13 +1359,23 @@ class PrefillConnectorImpl : public PrefillConnector {
       for (const PendingEvent& e : pending) {
         StatusOr<bool> done = false;
         {
-          // A pass that failed or expired no longer needs (or may keep) its events; queried
-          // under the lock so that it cannot fail (and its owner destroy the event) meanwhile.
+          // A pass that failed or expired no longer needs its events.
           std::lock_guard<std::mutex> plock(passes_mu_);
           auto it = passes_.find(e.pass);
           if (it == passes_.end()) continue;
-          done = cuda::EventCompleted(e.event);
+          done = cuda::EventCompleted(e.event.get());
           const LayerPass& p = *it->second;
+          if (done.ok() && !*done && p.next_layer == e.layer && !p.staged &&
+              PreviousLayerComputed(p, e.layer)) {
+            // This layer computes now, every earlier one handed over: its batches go now, to
+            // start after its event on the GPU (one layer ahead at most, so a pass holds
+            // little of the channel's gates and table space, and a failing room withdraws
+            // at most one layer).
+            KVF_LOG_DEBUG("prefill: pass {} layer {} computing, submitted ahead", e.pass, e.layer);
+            MarkLocked(it, e.layer, e.event);
+            marked = true;
+            continue;
+          }
           if (done.ok() && !*done && e.layer + 1 == static_cast<int>(p.marked.size()) &&
               p.next_layer == e.layer) {
             last_layer_computes = true;
@@ -1351,12 +1392,8 @@ class PrefillConnectorImpl : public PrefillConnector {
           still.push_back(e);
         }
       }
-      std::vector<PendingAnnouncement> still_announcing;
-      for (PendingAnnouncement& a : announcing) {
-        if (!Announced(a)) still_announcing.push_back(std::move(a));
-      }
       if (!last_layer_computes) spin_since = Clock::time_point::max();
-      if ((!still.empty() || !still_announcing.empty()) && !marked) {
+      if (!still.empty() && !marked) {
         const auto now = Clock::now();
         if (last_layer_computes && spin_since == Clock::time_point::max()) spin_since = now;
         if (!last_layer_computes || now - spin_since > kLastLayerSpin) {
@@ -1369,31 +1406,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       }
       lock.lock();
       events_.insert(events_.end(), still.begin(), still.end());
-      for (PendingAnnouncement& a : still_announcing) announcements_.push_back(std::move(a));
     }
-  }
-
-  // Announces the rooms of `a` once the layer before their last completed; true when done
-  // with it (announced, or every room final already: the caller may have destroyed the event
-  // then). The event is queried under a live room's lock, since the caller keeps it until the
-  // pass's rooms are final.
-  bool Announced(const PendingAnnouncement& a) {
-    StatusOr<bool> passed = false;
-    bool live = false;
-    for (const Announcement& r : a.rooms) {
-      rooms_.With(r.room, [&](RoomTable<SenderRoom>::Room& room) -> Status {
-        if (IsFinal(room.status.state)) return OkStatus();
-        live = true;
-        passed = cuda::EventCompleted(a.before);
-        return OkStatus();
-      }).IgnoreError();
-      if (live) break;
-    }
-    if (!live) return true;
-    if (passed.ok() && !*passed) return false;
-    // (An event that failed fails the pass's batches waiting for it; announcing is harmless.)
-    for (const Announcement& r : a.rooms) r.decode->mailbox->Announce(r.row, r.room);
-    return true;
   }
 
   // Fails every room of a pass that has not finished and forgets the pass.
@@ -1432,10 +1445,18 @@ class PrefillConnectorImpl : public PrefillConnector {
     KVF_LOG_DEBUG("prefill: room {} failed: {}", room, why.ToString());
     ++rooms_failed_;
     std::vector<std::shared_ptr<DecodePeer>> decodes;
+    std::vector<BatchId> early;
     rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
-      for (const auto& d : r.data.destinations) decodes.push_back(d.decode);
+      for (auto& d : r.data.destinations) {
+        decodes.push_back(d.decode);
+        early.insert(early.end(), d.early_batches.begin(), d.early_batches.end());
+        d.early_batches.clear();
+      }
       return OkStatus();
     }).IgnoreError();
+    // Copies queued ahead of their layers (SubmitEarly) would otherwise land for the rest of
+    // the forward pass, after decode may have reused the room's pages.
+    if (!early.empty()) CancelLater(std::move(early));
     ControlMessage m;
     m.type = ControlType::kRoomFailed;
     m.room = room;
@@ -1814,7 +1835,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   struct PendingEvent {
     uint64_t pass;
     int layer;
-    void* event;
+    std::shared_ptr<void> event;  // our stand-in for the caller's (RelayEvent)
   };
   std::mutex passes_mu_;
   PassMap passes_;
@@ -1824,7 +1845,8 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::condition_variable layer_cv_;
   std::deque<std::function<void()>> layer_work_;
   std::vector<PendingEvent> events_;
-  std::vector<PendingAnnouncement> announcements_;
+  std::mutex relay_mu_;
+  std::unique_ptr<cuda::EventRelay> relay_;  // RelayEvent, made on first use
   bool layer_stopping_ = false;
   std::thread layer_thread_;
 
