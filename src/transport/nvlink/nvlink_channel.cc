@@ -100,15 +100,25 @@ class NvlinkChannel : public PeerChannel {
   ~NvlinkChannel() override {
     Close();
     // Copies withdrawn while they waited for their start events (Close does not wait for
-    // them) are still queued: they will copy nothing, but freeing memory below would wait for
-    // them anyway (cudaFree synchronises the device), so say so and wait here.
-    for (cudaStream_t st : gate_streams_) {
-      if (st != nullptr && cudaStreamQuery(st) == cudaErrorNotReady) {
-        KVF_LOG_WARN("nvlink: channel to {} closing: waiting for the start events of copies "
-                     "withdrawn before they started",
-                     options_.peer.name);
-        cudaStreamSynchronize(st);
+    // them) may still be queued: they will copy nothing, but they read this channel's memory
+    // when their events come, and freeing memory below would wait for them (cudaFree
+    // synchronises the device). Wait for them a while; past that, keep every resource (leak
+    // it) rather than hang on a compute stream that may never get there.
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    bool drained = false;
+    while (!drained && std::chrono::steady_clock::now() < give_up) {
+      drained = true;
+      for (cudaStream_t st : gate_streams_) {
+        drained &= st == nullptr || cudaStreamQuery(st) != cudaErrorNotReady;
       }
+      if (!drained) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    if (!drained) {
+      KVF_LOG_ERROR("nvlink: channel to {} destroyed while withdrawn copies still wait for "
+                    "their start events (2 s): keeping its GPU and pinned memory",
+                    options_.peer.name);
+      (void)gates_.release();
+      return;
     }
     KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
                   "waited on the GPU for a start event), {} fell back to items (no free table "
@@ -438,32 +448,43 @@ class NvlinkChannel : public PeerChannel {
     return true;
   }
 
-  // Launches a gated part on the gate stream: its table (upload or launch parameters) and its
-  // gate's reset go first, then the wait for `start`, then the kernel, whose first block
-  // decides whether it still copies (CopyGates). Launches keep their submission order there
-  // (gate_launch_mu_), and so do their flights.
+  // A free completion event of bulk launches, or null (the caller creates one).
+  cudaEvent_t TakeBulkEvent() {
+    std::lock_guard<std::mutex> lock(bulk_mu_);
+    if (bulk_free_events_.empty()) return nullptr;
+    cudaEvent_t event = bulk_free_events_.back();
+    bulk_free_events_.pop_back();
+    return event;
+  }
+
+  // Launches a gated part on the least loaded gate stream: its table (upload or launch
+  // parameters) and its gate's reset go first, then the wait for `start`, then the kernel,
+  // whose first block decides whether it still copies (CopyGates). Each stream's flights stay
+  // in launch order (gate_launch_mu_).
   void LaunchGated(BulkPart&& part, cudaEvent_t start) {
     stats_launches_.fetch_add(1, std::memory_order_relaxed);
     stats_parts_.fetch_add(1, std::memory_order_relaxed);
-    cudaEvent_t event = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(bulk_mu_);
-      if (!bulk_free_events_.empty()) {
-        event = bulk_free_events_.back();
-        bulk_free_events_.pop_back();
-      }
-    }
+    cudaEvent_t event = TakeBulkEvent();
     cuda::DeviceGuard device(options_.local_device);
     (void)cudaGetLastError();
     if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
     const cuda::CopyGate gate = gates_->Args(part.gate);
     const int tiles = static_cast<int>(part.num_tiles);
     BulkFlight flight;
-    std::lock_guard<std::mutex> order(gate_launch_mu_);
-    int g = 0;
-    for (int i = 1; i < kGateStreams; ++i) {
-      if (gate_flights_[i].load() < gate_flights_[g].load()) g = i;
+    std::unique_lock<std::mutex> order(gate_launch_mu_);
+    // Launches behind one start event (a layer's batches of several rooms) share a stream;
+    // others take the least loaded.
+    int g = -1;
+    for (int i = 0; i < kGateStreams && g < 0; ++i) {
+      if (gate_last_start_[i] == start && gate_flights_[i].load() > 0) g = i;
     }
+    if (g < 0) {
+      g = 0;
+      for (int i = 1; i < kGateStreams; ++i) {
+        if (gate_flights_[i].load() < gate_flights_[g].load()) g = i;
+      }
+    }
+    gate_last_start_[g] = start;
     gate_flights_[g].fetch_add(1);
     flight.stream = kBulkStreams + g;
     cudaStream_t stream = gate_streams_[g];
@@ -486,10 +507,14 @@ class NvlinkChannel : public PeerChannel {
     // reports the error once the stream is past it, whether or not anything copied.
     if (event != nullptr && cudaEventRecord(event, stream) != cudaSuccess) {
       if (flight.status.ok()) flight.status = InternalError("gated bulk copy: cudaEventRecord failed");
+      order.unlock();
       cudaStreamSynchronize(stream);  // nothing to poll: wait (bounded by the start event)
-      std::lock_guard<std::mutex> lock(bulk_mu_);
-      bulk_free_events_.push_back(event);
+      {
+        std::lock_guard<std::mutex> lock(bulk_mu_);
+        bulk_free_events_.push_back(event);
+      }
       event = nullptr;
+      order.lock();
     }
     flight.event = event;
     flight.parts.push_back(std::move(part));
@@ -637,14 +662,7 @@ class NvlinkChannel : public PeerChannel {
     stats_parts_.fetch_add(parts.size(), std::memory_order_relaxed);
     if (parts.size() > 1) stats_combined_.fetch_add(1, std::memory_order_relaxed);
     BulkFlight flight;
-    cudaEvent_t event = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(bulk_mu_);
-      if (!bulk_free_events_.empty()) {
-        event = bulk_free_events_.back();
-        bulk_free_events_.pop_back();
-      }
-    }
+    cudaEvent_t event = TakeBulkEvent();
     cuda::DeviceGuard device(options_.local_device);
     const int stream_index =
         static_cast<int>(next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) % kBulkStreams);
@@ -959,6 +977,7 @@ class NvlinkChannel : public PeerChannel {
       }
       bool withdrawn = true;
       for (const BulkPart& p : queue.front().parts) withdrawn &= gates_->WithdrawnBeforeStart(p.gate);
+      // (Their events and counters are not returned: nothing launches after closing.)
       if (withdrawn) queue.clear();
     }
   }
@@ -1314,7 +1333,8 @@ class NvlinkChannel : public PeerChannel {
   std::array<std::atomic<int>, kGateStreams> gate_flights_{};
   std::unique_ptr<CopyGates> gates_;
   std::atomic<uint32_t> gated_units_{0};
-  std::mutex gate_launch_mu_;
+  std::mutex gate_launch_mu_;  // also guards gate_last_start_
+  cudaEvent_t gate_last_start_[kGateStreams] = {};  // the start event last queued on each
   std::atomic<uint64_t> stats_gated_{0};
 
   // The resident copy kernel (small bulk submissions; PublishResident, PollResident).
