@@ -94,7 +94,9 @@ class RoomTable {
   }
 
   // Fails a non-final room, once no Pin holds it. Returns whether it changed.
-  bool Fail(uint64_t room, const Status& why) {
+  // `on_fail`, when given, runs under the lock as the room becomes Failed.
+  bool Fail(uint64_t room, const Status& why,
+            const std::function<void(Room&)>& on_fail = nullptr) {
     std::unique_lock<std::mutex> lock(mu_);
     auto it = rooms_.find(room);
     if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
@@ -108,6 +110,7 @@ class RoomTable {
     }
     it->second.status.error = why;
     FinishLocked(it->second, RoomState::kFailed);
+    if (on_fail) on_fail(it->second);
     return true;
   }
 

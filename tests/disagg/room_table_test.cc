@@ -37,6 +37,27 @@ TEST(RoomTableTest, FailedOverridesAnyNonFinalStateAndCarriesTheReason) {
   EXPECT_EQ(s->error.message(), "prefill gone");
 }
 
+// Fail's callback runs once, as the room becomes Failed (under the lock: its data is seen
+// there already failed), and not for a room already final.
+TEST(RoomTableTest, FailCallbackRunsOnceAsTheRoomFails) {
+  RoomTable<int> t;
+  ASSERT_TRUE(t.Create(4, 11, Clock::time_point::max(), "").ok());
+  int calls = 0;
+  auto on_fail = [&](RoomTable<int>::Room& r) {
+    ++calls;
+    EXPECT_EQ(r.status.state, RoomState::kFailed);
+    EXPECT_EQ(r.data, 11);
+    r.data = 12;
+  };
+  EXPECT_TRUE(t.Fail(4, AbortedError("x"), on_fail));
+  EXPECT_FALSE(t.Fail(4, AbortedError("again"), on_fail));
+  EXPECT_EQ(calls, 1);
+  ASSERT_TRUE(t.With(4, [](RoomTable<int>::Room& r) -> Status {
+    EXPECT_EQ(r.data, 12);
+    return OkStatus();
+  }).ok());
+}
+
 TEST(RoomTableTest, DuplicateRoomIsRefusedUntilReleased) {
   RoomTable<int> t;
   ASSERT_TRUE(t.Create(3, 7, Clock::time_point::max(), "").ok());
