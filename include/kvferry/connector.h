@@ -115,7 +115,8 @@ class PrefillConnector {
   // marked within transfer_timeout fails its rooms ("layer L ... never marked ready").
   // Staging destinations (unequal TP, kv_path staging) stage each layer's head slice on its
   // own (a ring region per chunk and layer). Returns the pass id. Does not block on the
-  // network. All rooms of a pass bound for one decode rank share each layer's engine batch, so
+  // network. All rooms of a pass bound for one decode rank share each layer's engine batch
+  // (except layers submitted ahead of their end, MarkLayerReadyOnEvent: a batch per room), so
   // a failed batch fails each of them. A room that fails between BeginLayerwisePass's check
   // and its registration (a concurrent abort) is failed; the others go on.
   struct LayerwiseChunk {
@@ -137,8 +138,10 @@ class PrefillConnector {
   // submitted while it computes, to start after the event (BatchOptions::start_after_event:
   // over NVLink the wait is on the GPU, so the copy follows the layer's end with no host
   // step, and a deadline or abort before it starts still withdraws it); such batches are per
-  // room, so a room that fails withdraws its own copy not started yet, and decode hears of
-  // the failure after that. Passes with a staging destination, and layers whose predecessor
+  // room, and a room that fails on this side (abort, deadline, a failed batch) has its copy
+  // withdrawn (or waits for it to land, if started) before decode is told. (A decode-side
+  // abort, and copies already on the wire, can still land after decode's room failed, as
+  // with any copy in flight.) Passes with a staging destination, and layers whose predecessor
   // is still computing when they become next, are submitted once their event completed. The
   // connector waits on an event of its own recorded after `cuda_event` (cuda::EventRelay, a
   // private stream per pass), so the caller may destroy or re-record `cuda_event` once this

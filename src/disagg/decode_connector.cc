@@ -33,6 +33,8 @@ using std::chrono::milliseconds;
 // about the copy of one large layer (a 64 MiB layer takes ~180 us over NVLink), bounded so that
 // a long final transfer (TCP) costs at most this much of a core per room.
 constexpr auto kImminentSpin = std::chrono::microseconds(1000);
+// A room a prefill rank failed waits this long at most for its other ranks to go quiet.
+constexpr auto kQuiesceWait = std::chrono::milliseconds(2000);
 
 // CPUs this process may run on (its affinity mask; hardware_concurrency ignores it).
 int UsableCores() {
@@ -76,6 +78,22 @@ struct ReceiverRoom {
   int responses = 0;           // done notices received over TCP
   bool mailbox = false;        // every prefill rank of the room can report in the done mailbox
   bool aux_seen = false;       // the aux row was seen holding the room (AuxBuffer::RoomSeen)
+  // A prefill rank reported the room failed: the room fails once every rank of it is quiet
+  // (reported done or failed: nothing more of it will land), or kQuiesceWait after the first
+  // report (PrefillFailed).
+  Status failing;
+  Clock::time_point failing_since;
+  std::vector<std::string> quiet;  // engine addresses of ranks that reported done or failed
+
+  bool all_quiet() const {
+    for (const auto& p : prefills) {
+      if (std::find(quiet.begin(), quiet.end(), p->engine_address) == quiet.end()) return false;
+    }
+    return true;
+  }
+  void note_quiet(const std::string& address) {
+    if (std::find(quiet.begin(), quiet.end(), address) == quiet.end()) quiet.push_back(address);
+  }
 
   bool uses(const std::shared_ptr<PrefillPeer>& peer) const {
     return std::find(prefills.begin(), prefills.end(), peer) != prefills.end();
@@ -538,6 +556,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       case ControlType::kRoomDone:
         // Every prefill rank of the room reports done; only one of them carries the aux row,
         // and the others may report first, so the row is checked once all have.
+        if (PrefillQuiet(room, n.peer_address)) break;  // failing: it only counts as quiet
         FinishIfComplete(room, 1, /*may_wait=*/true);
         break;
       case ControlType::kStagingRequest:
@@ -555,10 +574,9 @@ class DecodeConnectorImpl : public DecodeConnector {
         ReleaseRegion(m->chunk.region_id, m->room);
         break;
       case ControlType::kRoomFailed:
-        FailRoom(room,
-                 Status(StatusCodeFromInt(m->status_code),
-                        "prefill " + n.peer_address + ": " + m->reason),
-                 false);
+        PrefillFailed(room, Status(StatusCodeFromInt(m->status_code),
+                                   "prefill " + n.peer_address + ": " + m->reason),
+                      n.peer_address);
         break;
       default:
         KVF_LOG_WARN("decode: unexpected control message type {} from {}",
@@ -926,17 +944,63 @@ class DecodeConnectorImpl : public DecodeConnector {
     }).IgnoreError();
   }
 
-  void FailRoom(uint64_t room, const Status& why, bool tell_prefill) {
+  // A prefill rank (engine address `from`) failed the room (it sends this once nothing of its
+  // copies is in flight any more). The room's other prefill ranks (TP, CP) are asked to stop
+  // too, and the room fails once every rank is quiet, so that none of them writes its pages
+  // after the failure is known here (and the pages reused); after kQuiesceWait regardless.
+  void PrefillFailed(uint64_t room, const Status& why, const std::string& from) {
+    bool first = false, quiet = false;
+    Status failing;
+    rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+      if (IsFinal(r.status.state)) return OkStatus();
+      ReceiverRoom& d = r.data;
+      d.note_quiet(from);
+      if (d.failing.ok()) {
+        d.failing = why;
+        d.failing_since = Clock::now();
+        first = true;
+      }
+      quiet = d.all_quiet();
+      failing = d.failing;
+      return OkStatus();
+    }).IgnoreError();
+    if (first && !quiet) TellPrefillAbort(room, why.message(), from);
+    if (quiet) FailRoom(room, failing, false);
+  }
+
+  // A prefill rank reported the room done: true when the room is failing (PrefillFailed), the
+  // report then only counting as that rank being quiet (the room may fail now).
+  bool PrefillQuiet(uint64_t room, const std::string& from) {
+    bool failing = false, quiet = false;
+    Status why;
+    rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+      ReceiverRoom& d = r.data;
+      d.note_quiet(from);
+      failing = !d.failing.ok() && !IsFinal(r.status.state);
+      quiet = failing && d.all_quiet();
+      why = d.failing;
+      return OkStatus();
+    }).IgnoreError();
+    if (quiet) FailRoom(room, why, false);
+    return failing;
+  }
+
+  // Fails the room; with `tell_prefill`, asks its prefill ranks to abort it too, all but the
+  // one at engine address `except` (the one that reported the failure).
+  void FailRoom(uint64_t room, const Status& why, bool tell_prefill,
+                const std::string& except = "") {
     if (!rooms_.Fail(room, why)) return;
     KVF_LOG_DEBUG("decode: room {} failed: {}", room, why.ToString());
     ++rooms_failed_;
-    if (tell_prefill) TellPrefillAbort(room, why.message());
+    if (tell_prefill) TellPrefillAbort(room, why.message(), except);
   }
 
-  void TellPrefillAbort(uint64_t room, const std::string& reason) {
+  void TellPrefillAbort(uint64_t room, const std::string& reason, const std::string& except = "") {
     std::vector<std::shared_ptr<PrefillPeer>> peers;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
-      peers = r.data.prefills;
+      for (const auto& p : r.data.prefills) {
+        if (p->engine_address != except) peers.push_back(p);
+      }
       return OkStatus();
     }).IgnoreError();
     if (peers.empty()) return;
@@ -963,6 +1027,19 @@ class DecodeConnectorImpl : public DecodeConnector {
         ++rooms_failed_;
         auto st = rooms_.Get(room);
         TellPrefillAbort(room, st.ok() ? st->error.message() : "deadline passed");
+      }
+      const auto now = Clock::now();
+      for (uint64_t room : rooms_.Select([&](const ReceiverRoom& d) {
+             return !d.failing.ok() && now - d.failing_since > kQuiesceWait;
+           })) {
+        Status why;
+        rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
+          why = r.data.failing;
+          return OkStatus();
+        }).IgnoreError();
+        FailRoom(room, why.WithContext("other prefill ranks did not confirm within " +
+                                       std::to_string(kQuiesceWait.count()) + " ms"),
+                 false);
       }
       ReclaimAbandoned();
       lock.lock();

@@ -28,6 +28,8 @@ using Clock = std::chrono::steady_clock;
 // How long the layer thread polls a pass's computing last layer without sleeping before it
 // falls back to 20 us sleeps (a layer that computes longer than this gains little from it).
 constexpr auto kLastLayerSpin = std::chrono::milliseconds(2);
+// A failed room's decode ranks are told once its batches in flight ended, or after this.
+constexpr auto kFailureNoticeWait = std::chrono::seconds(2);
 
 struct DecodePeer {
   DecodeKvArgs args;
@@ -1034,14 +1036,18 @@ class PrefillConnectorImpl : public PrefillConnector {
                    bool counted = true) {
     if (status.state != TransferState::kCompleted) {
       FailRoom(room, status.error.WithContext("KV transfer to decode failed"));
+      if (counted) ReleaseFailed(room, dest);
       return;
     }
-    bool finish_now = false, notify_only = false, all_done = false;
+    bool finish_now = false, notify_only = false, all_done = false, idle = false;
     std::optional<TransferRequest> aux;
-    rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+    Status found = rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
       SenderRoom& d = r.data;
       Destination& t = d.destinations[dest];
-      if (counted) --t.outstanding_batches;
+      if (counted) {
+        --t.outstanding_batches;
+        idle = UntoldBatchDone(room);
+      }
       if (finishing) {
         t.done = true;
         all_done = std::all_of(d.destinations.begin(), d.destinations.end(),
@@ -1058,7 +1064,9 @@ class PrefillConnectorImpl : public PrefillConnector {
         }
       }
       return OkStatus();
-    }).IgnoreError();
+    });
+    if (!found.ok() && counted) idle = UntoldBatchDone(room);  // released after it failed
+    if (idle) TellUntold(room);
     if (finish_now) {
       KVF_LOG_DEBUG("prefill: room {} destination {}: all KV landed, {}", room, dest,
                     aux ? "aux row and done notice next" : "done notice next");
@@ -1184,8 +1192,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       if (ref.linear ? !t.last : !t.sends) continue;
       std::vector<TransferRequest> requests;
       std::shared_ptr<DecodePeer> decode;
-      Status s = rooms_.With(t.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
-        if (r.status.state == RoomState::kFailed) return CancelledError("room failed");
+      auto build = [&](RoomTable<SenderRoom>::Room& r) {
         Destination& dest = r.data.destinations[t.dest];
         if (ref.linear) {
           AppendStateRequests(r.data, dest, buffers, &requests);
@@ -1204,13 +1211,21 @@ class PrefillConnectorImpl : public PrefillConnector {
         }
         if (!requests.empty()) ++dest.outstanding_batches;
         decode = dest.decode;
+      };
+      if (start_event != nullptr) {
+        // Pinned until its batch id is recorded: a failure meanwhile (abort, deadline) waits,
+        // then finds the id and withdraws the copy before decode is told (FailRoom).
+        if (!rooms_.Pin(t.room, build)) continue;  // final, or failing
+        if (!requests.empty()) SubmitEarly(t.room, t.dest, std::move(requests), start_event);
+        rooms_.Unpin(t.room);
+        continue;
+      }
+      Status s = rooms_.With(t.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+        if (r.status.state == RoomState::kFailed) return CancelledError("room failed");
+        build(r);
         return OkStatus();
       });
       if (!s.ok() || requests.empty()) continue;
-      if (start_event != nullptr) {
-        SubmitEarly(t.room, t.dest, std::move(requests), start_event);
-        continue;
-      }
       auto g_it = std::find_if(groups.begin(), groups.end(),
                                [&](const Group& x) { return x.decode == decode; });
       if (g_it == groups.end()) {
@@ -1251,22 +1266,45 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // One (room, destination)'s batch of a layer submitted ahead of the layer's end, to start
-  // after `start_event` (kept alive until the batch is final), recorded for FailRoom; one
-  // whose room failed meanwhile is cancelled at once.
+  // after `start_event` (kept alive until the batch is final), listed in early_batches until
+  // it is final (FailRoom cancels what is listed). REQUIRES the room pinned (SubmitLayer): it
+  // cannot become final before the id is listed. (The pinning thread never fails the room
+  // here: a refused or failed batch reports on the completion queue.)
   void SubmitEarly(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
                    const std::shared_ptr<void>& start_event) {
+    struct Listed {
+      std::mutex mu;
+      BatchId id;        // once SubmitThen returned
+      bool done = false;  // the batch became final first: not listed
+    };
+    auto listed = std::make_shared<Listed>();
     const BatchId id = SubmitThen(
         std::move(requests), "", start_event,
-        [this, room, dest](const BatchStatus& status) { OnBatchDone(room, dest, false, status); },
+        [this, room, dest, listed](const BatchStatus& status) {
+          BatchId unlist;
+          {
+            std::lock_guard<std::mutex> lock(listed->mu);
+            listed->done = true;
+            unlist = listed->id;
+          }
+          if (unlist.value != 0) {
+            rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+              auto& early = r.data.destinations[dest].early_batches;
+              early.erase(std::remove(early.begin(), early.end(), unlist), early.end());
+              return OkStatus();
+            }).IgnoreError();
+          }
+          OnBatchDone(room, dest, false, status);
+        },
         nullptr, /*inline_success=*/true, nullptr, start_event.get());
     if (id.value == 0) return;
-    bool failed = false;
+    std::lock_guard<std::mutex> lock(listed->mu);
+    if (listed->done) return;
+    listed->id = id;
     rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
-      failed = r.status.state == RoomState::kFailed;
-      if (!failed) r.data.destinations[dest].early_batches.push_back(id);
+      r.data.destinations[dest].early_batches.push_back(id);
       return OkStatus();
     }).IgnoreError();
-    if (failed) CancelLater({id});
   }
 
   // Cancels batches on the control queue (CancelBatch waits for copies already started).
@@ -1420,6 +1458,8 @@ class PrefillConnectorImpl : public PrefillConnector {
       passes_.erase(it);
     }
     for (uint64_t room : pass->rooms) FailRoom(room, why);
+    // The pass's hold on each destination (FinishPass will not run for it).
+    for (const PassTarget& t : pass->targets) ReleaseFailed(t.room, t.dest);
   }
 
   // Passes whose layers were not all marked in time fail their rooms (TimerLoop).
@@ -1440,29 +1480,96 @@ class PrefillConnectorImpl : public PrefillConnector {
     for (auto& [id, why] : expired) FailPass(id, why);
   }
 
-  void FailRoom(uint64_t room, const Status& why) {
-    if (!rooms_.Fail(room, why)) return;
+  // Fails the room, withdraws its copies queued ahead of their layers, and tells its decode
+  // ranks once none of its batches is in flight any more (UntoldFailure), so that nothing of
+  // it lands after decode reused its pages; after kFailureNoticeWait at the latest.
+  bool FailRoom(uint64_t room, const Status& why) {
+    std::vector<BatchId> early;
+    bool idle = false;
+    // Collected as it fails (a Release right after cannot lose them).
+    if (!rooms_.Fail(room, why, [&](RoomTable<SenderRoom>::Room& r) {
+          UntoldFailure u;
+          u.since = Clock::now();
+          u.message.type = ControlType::kRoomFailed;
+          u.message.room = room;
+          u.message.status_code = static_cast<uint32_t>(why.code());
+          u.message.reason = why.message();
+          for (auto& d : r.data.destinations) {
+            u.decodes.push_back(d.decode);
+            // Staged chunks still waiting for decode's grant are not on their way: a grant
+            // for a failed room is cancelled, not written.
+            u.in_flight += d.outstanding_batches - static_cast<int>(d.staged_chunks.size());
+            early.insert(early.end(), d.early_batches.begin(), d.early_batches.end());
+            d.early_batches.clear();
+          }
+          idle = u.in_flight <= 0;
+          std::lock_guard<std::mutex> lock(untold_mu_);
+          untold_[room] = std::move(u);
+        })) {
+      return false;
+    }
     KVF_LOG_DEBUG("prefill: room {} failed: {}", room, why.ToString());
     ++rooms_failed_;
-    std::vector<std::shared_ptr<DecodePeer>> decodes;
-    std::vector<BatchId> early;
-    rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
-      for (auto& d : r.data.destinations) {
-        decodes.push_back(d.decode);
-        early.insert(early.end(), d.early_batches.begin(), d.early_batches.end());
-        d.early_batches.clear();
-      }
-      return OkStatus();
-    }).IgnoreError();
     // Copies queued ahead of their layers (SubmitEarly) would otherwise land for the rest of
-    // the forward pass, after decode may have reused the room's pages.
+    // the forward pass; withdrawn, they complete (failed) and count down in_flight.
     if (!early.empty()) CancelLater(std::move(early));
+    if (idle) TellUntold(room);
+    return true;
+  }
+
+  // Answers decode's abort of a room this rank no longer sends anything of (kRoomFailed).
+  // A room failed here earlier sends its own notice once its copies ended (TellUntold).
+  void AckAbort(const ControlMessage& abort) {
+    {
+      std::lock_guard<std::mutex> lock(untold_mu_);
+      if (untold_.count(abort.room) > 0) return;
+    }
+    std::shared_ptr<DecodePeer> decode;
+    {
+      std::lock_guard<std::mutex> lock(decodes_mu_);
+      auto it = decodes_.find(abort.decode_address);
+      if (it != decodes_.end()) decode = it->second;
+    }
     ControlMessage m;
     m.type = ControlType::kRoomFailed;
-    m.room = room;
-    m.status_code = static_cast<uint32_t>(why.code());
-    m.reason = why.message();
-    for (auto& decode : decodes) TellDecode(decode, m);
+    m.room = abort.room;
+    m.status_code = static_cast<uint32_t>(StatusCode::kAborted);
+    m.reason = "aborted by decode; nothing of it in flight here";
+    TellDecode(decode, m);
+  }
+
+  // A failed room's batch (or pass hold) toward `dest` is over: counts it down, and tells
+  // decode when it was the last.
+  void ReleaseFailed(uint64_t room, size_t dest) {
+    bool idle = false;
+    Status found = rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
+      --r.data.destinations[dest].outstanding_batches;
+      idle = UntoldBatchDone(room);
+      return OkStatus();
+    });
+    if (!found.ok()) idle = UntoldBatchDone(room);  // released after it failed
+    if (idle) TellUntold(room);
+  }
+
+  // One of a failed room's batches is final: true when it was the last one in flight (the
+  // caller then calls TellUntold). REQUIRES the room's lock held, or the room released.
+  bool UntoldBatchDone(uint64_t room) {
+    std::lock_guard<std::mutex> lock(untold_mu_);
+    auto it = untold_.find(room);
+    return it != untold_.end() && --it->second.in_flight == 0;
+  }
+
+  // Sends a failed room's notice to its decode ranks (once).
+  void TellUntold(uint64_t room) {
+    UntoldFailure u;
+    {
+      std::lock_guard<std::mutex> lock(untold_mu_);
+      auto it = untold_.find(room);
+      if (it == untold_.end()) return;
+      u = std::move(it->second);
+      untold_.erase(it);
+    }
+    for (auto& decode : u.decodes) TellDecode(decode, u.message);
   }
 
   void TellDecode(const std::shared_ptr<DecodePeer>& decode, const ControlMessage& m) {
@@ -1508,7 +1615,11 @@ class PrefillConnectorImpl : public PrefillConnector {
             if (!exists) aborted_early_[msg.room] = {msg.reason, Clock::now()};
             pending_.erase(msg.room);
           }
-          if (exists) FailRoom(msg.room, AbortedError("aborted by decode: " + msg.reason));
+          if (!exists || !FailRoom(msg.room, AbortedError("aborted by decode: " + msg.reason))) {
+            // Nothing of the room leaves this rank any more (unknown here, or already final):
+            // say so, as decode waits for every rank to go quiet before failing the room.
+            AckAbort(msg);
+          }
           break;
         }
         default:
@@ -1763,6 +1874,19 @@ class PrefillConnectorImpl : public PrefillConnector {
       auto now = Clock::now();
       rooms_.ExpireDeadlines(now);
       ExpirePasses(now);
+      std::vector<uint64_t> overdue;
+      {
+        std::lock_guard<std::mutex> ulock(untold_mu_);
+        for (const auto& [room, u] : untold_) {
+          if (now - u.since > kFailureNoticeWait) overdue.push_back(room);
+        }
+      }
+      for (uint64_t room : overdue) {
+        KVF_LOG_WARN("prefill: room {} failed {} ms ago with batches still in flight; telling "
+                     "decode now",
+                     room, std::chrono::duration_cast<std::chrono::milliseconds>(kFailureNoticeWait).count());
+        TellUntold(room);
+      }
       {
         std::lock_guard<std::mutex> plock(pending_mu_);
         for (auto it = pending_.begin(); it != pending_.end();) {
@@ -1831,6 +1955,15 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::map<uint64_t, std::vector<Pending>> pending_;  // destinations that came before the room
   // Aborts that came before the room (reason, arrival), kept for a bootstrap timeout.
   std::map<uint64_t, std::pair<std::string, Clock::time_point>> aborted_early_;
+  // Failed rooms whose decode ranks are not told yet: batches still in flight (FailRoom).
+  struct UntoldFailure {
+    Clock::time_point since;
+    std::vector<std::shared_ptr<DecodePeer>> decodes;
+    ControlMessage message;
+    int in_flight = 0;  // the room's batches not final yet (outstanding_batches, all ranks)
+  };
+  std::mutex untold_mu_;
+  std::map<uint64_t, UntoldFailure> untold_;
 
   struct PendingEvent {
     uint64_t pass;
