@@ -560,6 +560,12 @@ int RunPrefillInstance(const InstanceFlags& flags) {
               return fail(m);
             }
           }
+          if (flags.abort_every > 0 && room % static_cast<uint64_t>(flags.abort_every) == 0) {
+            // Failure drill: abort halfway through the layers, copies of later layers pending.
+            // (The connector waits on its own copies of the events: ours may go.)
+            std::this_thread::sleep_for(layer_compute * model_layers / 2);
+            return fail(AbortedError("replay --abort-every drill"));
+          }
         }
         for (int l = 0; gpu_compute == nullptr && l < model_layers; ++l) {
           layer_done += layer_compute;
@@ -674,7 +680,24 @@ int RunDecodeInstance(const InstanceFlags& flags) {
       auto st = c.Poll(room);
       std::string reason = st.ok() && !st->error.ok() ? st->error.ToString() : "room did not finish";
       c.Release(room).IgnoreError();
-      return Reply(res, 500, {{"ok", false}, {"error", reason}});
+      json out = {{"ok", false}, {"error", reason}};
+      if (flags.abort_every > 0 && in.on_gpu) {
+        // Failure drill: nothing of the room may land once its failure is known here. A
+        // sentinel pattern (another room's) goes over its pages; any page that changes within
+        // the grace period was written late.
+        const uint64_t sentinel = ~room;
+        Status filled = in.Fill(sentinel, *pages, 0, tokens);
+        std::this_thread::sleep_for(milliseconds(kLateWriteGraceMs));
+        auto late = in.Verify(sentinel, *pages, tokens);
+        if (!filled.ok() || !late.ok()) {
+          out["error"] = reason + "; late-write check: " +
+                         (!filled.ok() ? filled.ToString() : late.status().ToString());
+        } else {
+          out["late_writes"] = late->first;
+          if (late->first > 0) out["first_late_write"] = late->second;
+        }
+      }
+      return Reply(res, 500, out);
     }
     const auto verify_start = Clock::now();
     const auto success_time = done->final_time;  // when the room turned Success
@@ -739,6 +762,10 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
     cmd->add_option("--staging-size", f->staging_size, "Staging ring bytes for --kv-path staging")
         ->capture_default_str();
   }
+  cmd->add_option("--abort-every", f->abort_every,
+                  "Failure drill (GPU, layerwise): prefill aborts rooms whose id is a multiple of "
+                  "N halfway through their compute; decode counts late writes into them")
+      ->capture_default_str();
   if (prefill) {
     cmd->add_option("--cp-rank", f->cp_rank, "Context-parallel rank")->capture_default_str();
     cmd->add_option("--cp-size", f->cp_size, "Context-parallel size (each rank sends its pages)")

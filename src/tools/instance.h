@@ -58,7 +58,15 @@ struct InstanceFlags {
   // MarkLayerReady) instead of sending the chunk after its last layer.
   int64_t compute_us_per_layer = 0;
   bool layerwise = false;
+  // Failure drill (GPU, layerwise): prefill aborts every room whose id is a multiple of
+  // abort_every halfway through its simulated compute; decode overwrites a failed room's pages
+  // with a sentinel pattern, waits kLateWriteGraceMs and counts pages changed since
+  // ("late_writes": copies that landed after decode heard of the failure). 0: off.
+  int abort_every = 0;
 };
+
+// How long a decode instance watches a failed room's pages for late writes (abort_every).
+inline constexpr int kLateWriteGraceMs = 50;
 
 // Resolves --model / --model-config. Errors name the flag and value.
 StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string& model_config);

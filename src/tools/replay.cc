@@ -173,7 +173,7 @@ class PageBudget {
 
 struct Totals {
   std::atomic<uint64_t> done{0}, failed{0}, rejected{0}, tokens{0}, pages{0}, pages_verified{0},
-      mismatches{0}, bytes{0};
+      mismatches{0}, bytes{0}, aborted{0}, late_writes{0};
 };
 
 int Fail(const std::string& message) {
@@ -206,6 +206,9 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
     a.insert(a.end(), {"--cp-rank", std::to_string(f.cp_rank), "--cp-size",
                        std::to_string(f.cp_size)});
     if (f.cp_rank0_only) a.push_back("--cp-rank0-only");
+  }
+  if (f.abort_every > 0) {
+    a.insert(a.end(), {"--abort-every", std::to_string(f.abort_every)});
   }
   a.insert(a.end(), {"--exit-with-parent", std::to_string(::getpid())});
   return a;
@@ -240,6 +243,12 @@ int RunReplay(ReplayFlags flags) {
   if (!pool_bytes.ok()) return Fail("--pool-size: " + pool_bytes.status().message());
   if (flags.concurrency < 1) return Fail("--concurrency must be >= 1");
   if (flags.time_scale < 0) return Fail("--time-scale must be >= 0");
+  if (flags.instance.abort_every < 0) return Fail("--abort-every must be >= 0");
+  if (flags.instance.abort_every > 0 &&
+      (flags.instance.device != "cuda" || !flags.instance.layerwise ||
+       flags.instance.compute_us_per_layer <= 0)) {
+    return Fail("--abort-every needs --device cuda, --layerwise and --compute-us-per-layer > 0");
+  }
   if (flags.instance.compute_us_per_layer < 0) return Fail("--compute-us-per-layer must be >= 0");
   flags.instance.aux_rows = std::max(flags.instance.aux_rows, 2 * flags.concurrency);
   flags.instance.state_slots = std::max(flags.instance.state_slots, flags.concurrency + 1);
@@ -455,7 +464,30 @@ int RunReplay(ReplayFlags flags) {
           ok = false;
         }
       }
-      if (rejected) {
+      // Failure drill (--abort-every): a room prefill aborted on purpose is not a failure;
+      // what counts is whether anything of it landed after decode heard of the abort.
+      bool drilled = false;
+      for (size_t k = 0; k < bodies.size(); ++k) {
+        if (k >= num_decode && bodies[k].is_object() &&
+            bodies[k].value("error", std::string()).find("--abort-every drill") != std::string::npos) {
+          drilled = true;
+        }
+      }
+      if (drilled) {
+        ++totals.aborted;
+        for (size_t k = 0; k < num_decode; ++k) {
+          if (!bodies[k].is_object()) continue;
+          const uint64_t late = bodies[k].value("late_writes", 0ull);
+          totals.late_writes += late;
+          if (late > 0) {
+            std::lock_guard<std::mutex> lock(errors_mu);
+            errors.push_back("request " + std::to_string(i) + " (room " + std::to_string(room) +
+                             ", aborted): " + std::to_string(late) + " pages written after decode "
+                             "heard of the abort, first: " +
+                             bodies[k].value("first_late_write", std::string("?")));
+          }
+        }
+      } else if (rejected) {
         ++totals.rejected;
       } else if (!ok) {
         ++totals.failed;
@@ -544,6 +576,8 @@ int RunReplay(ReplayFlags flags) {
       {"requests", requests.size()},
       {"requests_failed", totals.failed.load()},
       {"requests_rejected", totals.rejected.load()},
+      {"requests_aborted", totals.aborted.load()},
+      {"late_writes", totals.late_writes.load()},
       {"tokens", totals.tokens.load()},
       {"pages", totals.pages.load()},
       {"pages_verified", totals.pages_verified.load()},
@@ -583,6 +617,8 @@ int RunReplay(ReplayFlags flags) {
       {"requests", std::to_string(requests.size())},
       {"requests failed", std::to_string(totals.failed.load())},
       {"requests rejected (larger than pool)", std::to_string(totals.rejected.load())},
+      {"requests aborted (--abort-every drill)", std::to_string(totals.aborted.load())},
+      {"pages written after an abort was known", std::to_string(totals.late_writes.load())},
       {"tokens", std::to_string(totals.tokens.load())},
       {"pages", std::to_string(totals.pages.load())},
       {"pages verified", std::to_string(totals.pages_verified.load())},
@@ -613,7 +649,9 @@ int RunReplay(ReplayFlags flags) {
     f << out.dump(2) << "\n";
     if (!f) return Fail("cannot write --json file " + flags.json_path);
   }
-  return totals.failed.load() > 0 || totals.mismatches.load() > 0 ? 1 : 0;
+  return totals.failed.load() > 0 || totals.mismatches.load() > 0 || totals.late_writes.load() > 0
+             ? 1
+             : 0;
 }
 
 }  // namespace
@@ -665,6 +703,10 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
       ->capture_default_str();
   cmd->add_flag("--cp-rank0-only", flags->instance.cp_rank0_only,
                 "Old behaviour: CP rank 0 sends every page, the others only report");
+  cmd->add_option("--abort-every", flags->instance.abort_every,
+                  "Failure drill (--device cuda --layerwise with compute): prefill aborts rooms "
+                  "whose id is a multiple of N halfway through their layers; decode checks that "
+                  "nothing of them lands after it heard of the abort (JSON late_writes)");
   cmd->add_option("--staging-size", flags->instance.staging_size,
                   "Decode staging ring bytes for --kv-path staging")
       ->capture_default_str();

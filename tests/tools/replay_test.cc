@@ -206,6 +206,12 @@ TEST(ReplayTest, LayerwiseVerifiesEveryByteAndReportsTails) {
   auto bad = RunCommand(KvferryBinary() + " replay --synthetic 1 --compute-us-per-layer -5");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--compute-us-per-layer"), std::string::npos) << bad.output;
+  // The failure drill runs on GPUs only (its check reads decode's pages with kernels).
+  auto drill = RunCommand(KvferryBinary() +
+                          " replay --synthetic 1 --layerwise --compute-us-per-layer 100 --abort-every 2");
+  EXPECT_NE(drill.exit_code, 0);
+  EXPECT_NE(drill.output.find("--abort-every needs --device cuda"), std::string::npos)
+      << drill.output;
 }
 
 // Context parallelism: each prefill CP rank (a process) holds and sends only its balanced range
