@@ -11,7 +11,13 @@
 // Contiguous page runs (source and destination both consecutive) go as one block per layer
 // buffer. The room succeeds on decode after every chunk and the aux row landed and the aux
 // row's room matched; see room.h for the states. Timeouts, heartbeats and aborts fail rooms,
-// never hang them.
+// never hang them. A room failed on prefill (abort, deadline, a failed batch) is reported to
+// decode once none of its copies is in flight any more (copies queued ahead of their layer
+// are withdrawn), and decode, told by one prefill rank, asks the room's other ranks to stop
+// and turns the room Failed once every rank reported done or failed (each wait 2 s at most),
+// so that nothing of a room lands in its pages after decode saw it fail (the replay's
+// --abort-every drill checks this). A decode-side abort or timeout fails the room at once:
+// copies then on the wire may still land.
 //
 // Thread-safety: all methods are thread-safe. Pools and aux buffers are owned by the caller
 // and must outlive the connector.
@@ -138,10 +144,9 @@ class PrefillConnector {
   // submitted while it computes, to start after the event (BatchOptions::start_after_event:
   // over NVLink the wait is on the GPU, so the copy follows the layer's end with no host
   // step, and a deadline or abort before it starts still withdraws it); such batches are per
-  // room, and a room that fails on this side (abort, deadline, a failed batch) has its copy
-  // withdrawn (or waits for it to land, if started) before decode is told. (A decode-side
-  // abort, and copies already on the wire, can still land after decode's room failed, as
-  // with any copy in flight.) Passes with a staging destination, and layers whose predecessor
+  // room, and a room that fails (abort, deadline, a failed batch) has its copy withdrawn, or
+  // landed if it had started, before decode is told (see the top of this file). Passes with
+  // a staging destination, and layers whose predecessor
   // is still computing when they become next, are submitted once their event completed. The
   // connector waits on an event of its own recorded after `cuda_event` (cuda::EventRelay, a
   // private stream per pass), so the caller may destroy or re-record `cuda_event` once this
