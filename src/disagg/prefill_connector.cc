@@ -1307,9 +1307,9 @@ class PrefillConnectorImpl : public PrefillConnector {
     }).IgnoreError();
   }
 
-  // Cancels batches on the control queue (CancelBatch waits for copies already started).
-  // Queued ahead of the room's failure notice (FailRoom), so decode hears of it after its
-  // copies were withdrawn or landed.
+  // Cancels batches on the control queue (CancelBatch waits for copies already started);
+  // each then completes failed, counting down its room's batches in flight (FailRoom tells
+  // decode once none is left).
   void CancelLater(std::vector<BatchId> ids) {
     control_->Post([this, ids = std::move(ids)] {
       for (BatchId id : ids) engine_->CancelBatch(id).IgnoreError();  // kNotFound once released
