@@ -14,7 +14,8 @@
 // never hang them. A room failed on prefill (abort, deadline, a failed batch) is reported to
 // decode once none of its copies is in flight any more (copies queued ahead of their layer
 // are withdrawn), and decode, told by one prefill rank, asks the room's other ranks to stop
-// and turns the room Failed once every rank reported done or failed (each wait 2 s at most),
+// and turns the room Failed once every rank reported done or failed (prefill waits 2 s at
+// most, decode 3 s: a copy still running after that can land late),
 // so that nothing of a room lands in its pages after decode saw it fail (the replay's
 // --abort-every drill checks this). A decode-side abort or timeout fails the room at once:
 // copies then on the wire may still land.

@@ -34,7 +34,8 @@ using std::chrono::milliseconds;
 // a long final transfer (TCP) costs at most this much of a core per room.
 constexpr auto kImminentSpin = std::chrono::microseconds(1000);
 // A room a prefill rank failed waits this long at most for its other ranks to go quiet.
-constexpr auto kQuiesceWait = std::chrono::milliseconds(2000);
+// Longer than prefill's own wait for its copies (2 s) plus the abort's round trip.
+constexpr auto kQuiesceWait = std::chrono::milliseconds(3000);
 
 // CPUs this process may run on (its affinity mask; hardware_concurrency ignores it).
 int UsableCores() {
@@ -951,6 +952,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   void PrefillFailed(uint64_t room, const Status& why, const std::string& from) {
     bool first = false, quiet = false;
     Status failing;
+    std::vector<std::string> quiet_ranks;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       if (IsFinal(r.status.state)) return OkStatus();
       ReceiverRoom& d = r.data;
@@ -962,9 +964,11 @@ class DecodeConnectorImpl : public DecodeConnector {
       }
       quiet = d.all_quiet();
       failing = d.failing;
+      quiet_ranks = d.quiet;
       return OkStatus();
     }).IgnoreError();
-    if (first && !quiet) TellPrefillAbort(room, why.message(), from);
+    // (Ranks already quiet, done with this room, are left alone.)
+    if (first && !quiet) TellPrefillAbort(room, why.message(), quiet_ranks);
     if (quiet) FailRoom(room, failing, false);
   }
 
@@ -985,21 +989,23 @@ class DecodeConnectorImpl : public DecodeConnector {
     return failing;
   }
 
-  // Fails the room; with `tell_prefill`, asks its prefill ranks to abort it too, all but the
-  // one at engine address `except` (the one that reported the failure).
-  void FailRoom(uint64_t room, const Status& why, bool tell_prefill,
-                const std::string& except = "") {
+  // Fails the room; with `tell_prefill`, asks its prefill ranks to abort it too.
+  void FailRoom(uint64_t room, const Status& why, bool tell_prefill) {
     if (!rooms_.Fail(room, why)) return;
     KVF_LOG_DEBUG("decode: room {} failed: {}", room, why.ToString());
     ++rooms_failed_;
-    if (tell_prefill) TellPrefillAbort(room, why.message(), except);
+    if (tell_prefill) TellPrefillAbort(room, why.message());
   }
 
-  void TellPrefillAbort(uint64_t room, const std::string& reason, const std::string& except = "") {
+  // Asks the room's prefill ranks to abort it, all but those at the engine addresses `except`.
+  void TellPrefillAbort(uint64_t room, const std::string& reason,
+                        const std::vector<std::string>& except = {}) {
     std::vector<std::shared_ptr<PrefillPeer>> peers;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       for (const auto& p : r.data.prefills) {
-        if (p->engine_address != except) peers.push_back(p);
+        if (std::find(except.begin(), except.end(), p->engine_address) == except.end()) {
+          peers.push_back(p);
+        }
       }
       return OkStatus();
     }).IgnoreError();

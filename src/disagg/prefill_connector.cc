@@ -49,6 +49,7 @@ struct Destination {
   int32_t dst_state_slot = -1;
   SliceInfo slice;
   int outstanding_batches = 0;
+  int pass_holds = 0;  // of outstanding_batches: layerwise passes still to hand over layers
   bool finishing = false;  // its done notice (with the aux row when it carries it) is on its way
   bool aux_sent = false;   // the aux row went with the last layer of a layerwise pass
   bool done = false;
@@ -321,6 +322,7 @@ class PrefillConnectorImpl : public PrefillConnector {
           t.sends = dest.slice.sends && !t.staged;
           pass->staged |= t.staged;
           ++dest.outstanding_batches;  // the pass itself: released after the last layer
+          ++dest.pass_holds;
           pass->targets.push_back(std::move(t));
         }
         d.next_page += static_cast<int64_t>(c.src_pages.size());
@@ -784,19 +786,25 @@ class PrefillConnectorImpl : public PrefillConnector {
   // returns without writing, decode is told the region is free again (kStagingCancel), so
   // that a failed room does not hold up its FIFO ring.
   void WriteStaged(const ControlMessage& grant, const std::string& from) {
-    bool writing = false;
+    bool writing = false, taken = false;
+    size_t dest = 0;
+    // Returning without writing after taking the chunk (its room failed meanwhile, or this
+    // failed it): the chunk's count of the room's batches in flight ends here too.
     struct CancelUnlessWriting {
       PrefillConnectorImpl* self;
       const ControlMessage& grant;
       const std::string& from;
       const bool& writing;
+      const bool& taken;
+      const size_t& dest;
       ~CancelUnlessWriting() {
-        if (!writing) self->CancelStaged(grant, from);
+        if (writing) return;
+        self->CancelStaged(grant, from);
+        if (taken) self->ReleaseFailed(grant.room, dest);
       }
-    } cancel{this, grant, from, writing};
+    } cancel{this, grant, from, writing, taken, dest};
     std::shared_ptr<DecodePeer> decode;
     std::vector<int32_t> pages;
-    size_t dest = 0;
     int src_head_start = 0, slice_heads = 0;
     Status found = rooms_.With(grant.room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
       if (IsFinal(r.status.state)) return CancelledError("room final");
@@ -807,6 +815,7 @@ class PrefillConnectorImpl : public PrefillConnector {
         if (it == d.staged_chunks.end()) break;
         pages = std::move(it->second);
         d.staged_chunks.erase(it);
+        taken = true;
         decode = d.decode;
         dest = k;
         src_head_start = d.slice.src_head_start;
@@ -1032,11 +1041,12 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // Runs on the completion queue. `counted`: the batch was counted in outstanding_batches.
+  // `hold`: a layerwise pass's hold on the destination ends (FinishPass), not a batch.
   void OnBatchDone(uint64_t room, size_t dest, bool finishing, const BatchStatus& status,
-                   bool counted = true) {
+                   bool counted = true, bool hold = false) {
     if (status.state != TransferState::kCompleted) {
       FailRoom(room, status.error.WithContext("KV transfer to decode failed"));
-      if (counted) ReleaseFailed(room, dest);
+      if (counted) ReleaseFailed(room, dest, hold);
       return;
     }
     bool finish_now = false, notify_only = false, all_done = false, idle = false;
@@ -1046,7 +1056,11 @@ class PrefillConnectorImpl : public PrefillConnector {
       Destination& t = d.destinations[dest];
       if (counted) {
         --t.outstanding_batches;
-        idle = UntoldBatchDone(room);
+        if (hold) {
+          --t.pass_holds;
+        } else {
+          idle = UntoldBatchDone(room);
+        }
       }
       if (finishing) {
         t.done = true;
@@ -1065,7 +1079,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       }
       return OkStatus();
     });
-    if (!found.ok() && counted) idle = UntoldBatchDone(room);  // released after it failed
+    if (!found.ok() && counted && !hold) idle = UntoldBatchDone(room);  // released after failing
     if (idle) TellUntold(room);
     if (finish_now) {
       KVF_LOG_DEBUG("prefill: room {} destination {}: all KV landed, {}", room, dest,
@@ -1251,7 +1265,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   void FinishPass(const LayerPass& pass) {
     BatchStatus ok;
     ok.state = TransferState::kCompleted;
-    for (const PassTarget& t : pass.targets) OnBatchDone(t.room, t.dest, false, ok);
+    for (const PassTarget& t : pass.targets) OnBatchDone(t.room, t.dest, false, ok, true, true);
   }
 
   // A batch whose completion counts once for each (room, destination) it carries.
@@ -1459,7 +1473,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     for (uint64_t room : pass->rooms) FailRoom(room, why);
     // The pass's hold on each destination (FinishPass will not run for it).
-    for (const PassTarget& t : pass->targets) ReleaseFailed(t.room, t.dest);
+    for (const PassTarget& t : pass->targets) ReleaseFailed(t.room, t.dest, /*hold=*/true);
   }
 
   // Passes whose layers were not all marked in time fail their rooms (TimerLoop).
@@ -1481,8 +1495,10 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   // Fails the room, withdraws its copies queued ahead of their layers, and tells its decode
-  // ranks once none of its batches is in flight any more (UntoldFailure), so that nothing of
-  // it lands after decode reused its pages; after kFailureNoticeWait at the latest.
+  // ranks once none of its batches is in flight any more (UntoldFailure; pass holds and
+  // staged chunks still awaiting a grant cover no copy), so that nothing of it lands after
+  // decode reused its pages; after kFailureNoticeWait at the latest. Returns whether it
+  // failed the room now (false: unknown or already final).
   bool FailRoom(uint64_t room, const Status& why) {
     std::vector<BatchId> early;
     bool idle = false;
@@ -1498,7 +1514,8 @@ class PrefillConnectorImpl : public PrefillConnector {
             u.decodes.push_back(d.decode);
             // Staged chunks still waiting for decode's grant are not on their way: a grant
             // for a failed room is cancelled, not written.
-            u.in_flight += d.outstanding_batches - static_cast<int>(d.staged_chunks.size());
+            u.in_flight += d.outstanding_batches - d.pass_holds -
+                           static_cast<int>(d.staged_chunks.size());
             early.insert(early.end(), d.early_batches.begin(), d.early_batches.end());
             d.early_batches.clear();
           }
@@ -1538,16 +1555,22 @@ class PrefillConnectorImpl : public PrefillConnector {
     TellDecode(decode, m);
   }
 
-  // A failed room's batch (or pass hold) toward `dest` is over: counts it down, and tells
-  // decode when it was the last.
-  void ReleaseFailed(uint64_t room, size_t dest) {
+  // A failed room's batch (or, with `hold`, pass hold) toward `dest` is over: counts it
+  // down, and tells decode when it was the last batch in flight (holds cover no copy: a
+  // failed room's layers are not submitted).
+  void ReleaseFailed(uint64_t room, size_t dest, bool hold = false) {
     bool idle = false;
     Status found = rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
-      --r.data.destinations[dest].outstanding_batches;
-      idle = UntoldBatchDone(room);
+      Destination& d = r.data.destinations[dest];
+      --d.outstanding_batches;
+      if (hold) {
+        --d.pass_holds;
+      } else {
+        idle = UntoldBatchDone(room);
+      }
       return OkStatus();
     });
-    if (!found.ok()) idle = UntoldBatchDone(room);  // released after it failed
+    if (!found.ok() && !hold) idle = UntoldBatchDone(room);  // released after it failed
     if (idle) TellUntold(room);
   }
 
