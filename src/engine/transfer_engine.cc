@@ -215,13 +215,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
       }
     }
     if (distinct.size() == 1) {
-      BulkSubmission bulk{transfer_requests_, this, self, kWholeBatch};
-      for (Request& r : requests_) r.bulk = true;
-      if (distinct[0]->TrySubmitBulk(bulk)) {
-        TookBulk(distinct[0], kWholeBatch);
-        return;
-      }
-      for (Request& r : requests_) r.bulk = false;
+      if (SubmitWhole(distinct[0], nullptr)) return;
     } else {
       bulk_groups_.resize(distinct.size());
       for (size_t g = 0; g < distinct.size(); ++g) {
@@ -274,7 +268,13 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
     for (PeerChannel* c : channels) {
       if (c != channel) return false;
     }
-    BulkSubmission bulk{transfer_requests_, this, shared_from_this(), kWholeBatch, event};
+    return SubmitWhole(channel, event);
+  }
+
+  // Hands the whole batch to `channel` as one bulk submission (to start after `start_event`
+  // when not null); false, with nothing started, when the channel does not take it.
+  bool SubmitWhole(PeerChannel* channel, void* start_event) {
+    BulkSubmission bulk{transfer_requests_, this, shared_from_this(), kWholeBatch, start_event};
     for (Request& r : requests_) r.bulk = true;
     if (channel->TrySubmitBulk(bulk)) {
       TookBulk(channel, kWholeBatch);
