@@ -61,26 +61,27 @@ bool CopyGates::WithdrawLocked(int g, const Status& why) {
   return true;
 }
 
-int CopyGates::Withdraw(WorkOwner* owner, uint32_t tag, const Status& why) {
-  std::lock_guard<std::mutex> lock(mu_);
-  int claimed = 0;
-  for (size_t g = 0; g < state_.size(); ++g) {
-    State& s = state_[g];
-    if (!s.armed || s.owner != owner || s.tag != tag || !s.why.ok() || s.reported) continue;
-    if (WithdrawLocked(static_cast<int>(g), why)) ++claimed;
-  }
-  return claimed;
-}
-
-std::vector<std::pair<WorkOwner*, uint32_t>> CopyGates::WithdrawAll(const Status& why) {
+template <typename Which>
+std::vector<std::pair<WorkOwner*, uint32_t>> CopyGates::WithdrawWhere(Which&& which,
+                                                                      const Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::pair<WorkOwner*, uint32_t>> claimed;
   for (size_t g = 0; g < state_.size(); ++g) {
     State& s = state_[g];
-    if (!s.armed || !s.why.ok() || s.reported) continue;
+    if (!s.armed || !s.why.ok() || s.reported || !which(s)) continue;
     if (WithdrawLocked(static_cast<int>(g), why)) claimed.emplace_back(s.owner, s.tag);
   }
   return claimed;
+}
+
+int CopyGates::Withdraw(WorkOwner* owner, uint32_t tag, const Status& why) {
+  return static_cast<int>(
+      WithdrawWhere([&](const State& s) { return s.owner == owner && s.tag == tag; }, why)
+          .size());
+}
+
+std::vector<std::pair<WorkOwner*, uint32_t>> CopyGates::WithdrawAll(const Status& why) {
+  return WithdrawWhere([](const State&) { return true; }, why);
 }
 
 bool CopyGates::Outcome(int g, const Status& copied, Status* status) {

@@ -67,6 +67,10 @@ class CopyGates {
   CopyGates() = default;
   // Withdraws gate `g` (REQUIRES mu_ held, g armed, not withdrawn): true when it is claimed.
   bool WithdrawLocked(int g, const Status& why);
+  // Withdraws every armed gate, not withdrawn yet, whose state satisfies `which`; returns
+  // the (owner, tag) of each gate claimed.
+  template <typename Which>
+  std::vector<std::pair<WorkOwner*, uint32_t>> WithdrawWhere(Which&& which, const Status& why);
 
   HostWords* host_ = nullptr;     // pinned
   uint32_t* decision_ = nullptr;  // device memory, one word per gate

@@ -456,6 +456,27 @@ class NvlinkChannel : public PeerChannel {
     bulk_free_events_.pop_back();
     return event;
   }
+  void GiveBulkEvent(cudaEvent_t event) {
+    std::lock_guard<std::mutex> lock(bulk_mu_);
+    bulk_free_events_.push_back(event);
+  }
+
+  // A lone part's tile table too long for the launch parameters goes to its device copy,
+  // stream-ordered before its kernel (LaunchTable); shorter tables need nothing.
+  cudaError_t UploadTable(const BulkPart& p, cudaStream_t stream) {
+    if (p.num_tiles <= static_cast<size_t>(cuda::kInlineTiles)) return cudaSuccess;
+    return cudaMemcpyAsync(DeviceTiles(p), HostTiles(p), p.num_tiles * sizeof(cuda::CopyTile),
+                           cudaMemcpyHostToDevice, stream);
+  }
+  // Launches the copy kernel over a lone part's table: inside the launch parameters when it
+  // fits, else from its device copy (UploadTable first).
+  cudaError_t LaunchTable(const BulkPart& p, cudaStream_t stream, const cuda::CopyGate& gate = {}) {
+    const int tiles = static_cast<int>(p.num_tiles);
+    if (tiles > cuda::kInlineTiles) return cuda::LaunchBatchedCopy(DeviceTiles(p), tiles, stream, gate);
+    cuda::InlineTiles inline_tiles;
+    std::memcpy(inline_tiles.tiles, HostTiles(p), p.num_tiles * sizeof(cuda::CopyTile));
+    return cuda::LaunchBatchedCopyInline(inline_tiles, tiles, stream, gate);
+  }
 
   // Launches a gated part on the least loaded gate stream: its table (upload or launch
   // parameters) and its gate's reset go first, then the wait for `start`, then the kernel,
@@ -469,7 +490,6 @@ class NvlinkChannel : public PeerChannel {
     (void)cudaGetLastError();
     if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
     const cuda::CopyGate gate = gates_->Args(part.gate);
-    const int tiles = static_cast<int>(part.num_tiles);
     BulkFlight flight;
     std::unique_lock<std::mutex> order(gate_launch_mu_);
     // Launches behind one start event (a layer's batches of several rooms) share a stream;
@@ -490,18 +510,9 @@ class NvlinkChannel : public PeerChannel {
     cudaStream_t stream = gate_streams_[g];
     cudaError_t e = event == nullptr ? cudaErrorMemoryAllocation : cudaSuccess;
     if (e == cudaSuccess) e = cudaMemsetAsync(gate.decision, 0, sizeof(uint32_t), stream);
-    if (e == cudaSuccess && tiles > cuda::kInlineTiles) {
-      e = cudaMemcpyAsync(DeviceTiles(part), HostTiles(part), tiles * sizeof(cuda::CopyTile),
-                          cudaMemcpyHostToDevice, stream);
-    }
+    if (e == cudaSuccess) e = UploadTable(part, stream);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, start, 0);
-    if (e == cudaSuccess && tiles <= cuda::kInlineTiles) {
-      cuda::InlineTiles inline_tiles;
-      std::memcpy(inline_tiles.tiles, HostTiles(part), tiles * sizeof(cuda::CopyTile));
-      e = cuda::LaunchBatchedCopyInline(inline_tiles, tiles, stream, gate);
-    } else if (e == cudaSuccess) {
-      e = cuda::LaunchBatchedCopy(DeviceTiles(part), tiles, stream, gate);
-    }
+    if (e == cudaSuccess) e = LaunchTable(part, stream, gate);
     if (e != cudaSuccess) flight.status = InternalError(CudaError("gated bulk copy launch", e));
     // The event marks the end of whatever was queued, also after a failed step: the flight
     // reports the error once the stream is past it, whether or not anything copied.
@@ -509,10 +520,7 @@ class NvlinkChannel : public PeerChannel {
       if (flight.status.ok()) flight.status = InternalError("gated bulk copy: cudaEventRecord failed");
       order.unlock();
       cudaStreamSynchronize(stream);  // nothing to poll: wait (bounded by the start event)
-      {
-        std::lock_guard<std::mutex> lock(bulk_mu_);
-        bulk_free_events_.push_back(event);
-      }
+      GiveBulkEvent(event);
       event = nullptr;
       order.lock();
     }
@@ -674,20 +682,9 @@ class NvlinkChannel : public PeerChannel {
     cudaError_t e = cudaSuccess;
     if (parts.size() == 1 && parts[0].num_tiles == 0) {
       // Copy-engine blocks only: below.
-    } else if (parts.size() == 1 &&
-               parts[0].num_tiles <= static_cast<size_t>(cuda::kInlineTiles)) {
-      const BulkPart& p = parts[0];
-      cuda::InlineTiles inline_tiles;
-      std::memcpy(inline_tiles.tiles, HostTiles(p),
-                  p.num_tiles * sizeof(cuda::CopyTile));
-      e = cuda::LaunchBatchedCopyInline(inline_tiles, static_cast<int>(p.num_tiles), stream);
     } else if (parts.size() == 1) {
-      const BulkPart& p = parts[0];
-      e = cudaMemcpyAsync(DeviceTiles(p), HostTiles(p), p.num_tiles * sizeof(cuda::CopyTile),
-                          cudaMemcpyHostToDevice, stream);
-      if (e == cudaSuccess) {
-        e = cuda::LaunchBatchedCopy(DeviceTiles(p), static_cast<int>(p.num_tiles), stream);
-      }
+      e = UploadTable(parts[0], stream);
+      if (e == cudaSuccess) e = LaunchTable(parts[0], stream);
     } else {
       cuda::HostTables tables;
       uint32_t end = 0;
@@ -716,8 +713,7 @@ class NvlinkChannel : public PeerChannel {
       if (flight.status.ok()) flight.status = InternalError("bulk copy: cudaEventRecord failed");
       cudaStreamSynchronize(stream);
       if (event != nullptr) {
-        std::lock_guard<std::mutex> lock(bulk_mu_);
-        bulk_free_events_.push_back(event);
+        GiveBulkEvent(event);
       }
       event = nullptr;
     }
