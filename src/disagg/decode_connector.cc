@@ -81,7 +81,7 @@ struct ReceiverRoom {
   bool aux_seen = false;       // the aux row was seen holding the room (AuxBuffer::RoomSeen)
   // A prefill rank reported the room failed: the room fails once every rank of it is quiet
   // (reported done or failed: nothing more of it will land), or kQuiesceWait after the first
-  // report (PrefillFailed).
+  // report (NoteQuiet).
   Status failing;
   Clock::time_point failing_since;
   std::vector<std::string> quiet;  // engine addresses of ranks that reported done or failed
@@ -557,7 +557,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       case ControlType::kRoomDone:
         // Every prefill rank of the room reports done; only one of them carries the aux row,
         // and the others may report first, so the row is checked once all have.
-        if (PrefillQuiet(room, n.peer_address)) break;  // failing: it only counts as quiet
+        if (NoteQuiet(room, n.peer_address, nullptr)) break;  // failing: it only counts as quiet
         FinishIfComplete(room, 1, /*may_wait=*/true);
         break;
       case ControlType::kStagingRequest:
@@ -574,11 +574,12 @@ class DecodeConnectorImpl : public DecodeConnector {
         // The writer will not write it (its room failed or was aborted on its side).
         ReleaseRegion(m->chunk.region_id, m->room);
         break;
-      case ControlType::kRoomFailed:
-        PrefillFailed(room, Status(StatusCodeFromInt(m->status_code),
-                                   "prefill " + n.peer_address + ": " + m->reason),
-                      n.peer_address);
+      case ControlType::kRoomFailed: {
+        const Status why(StatusCodeFromInt(m->status_code),
+                         "prefill " + n.peer_address + ": " + m->reason);
+        NoteQuiet(room, n.peer_address, &why);
         break;
+      }
       default:
         KVF_LOG_WARN("decode: unexpected control message type {} from {}",
                      static_cast<int>(m->type), n.peer_address);
@@ -945,46 +946,33 @@ class DecodeConnectorImpl : public DecodeConnector {
     }).IgnoreError();
   }
 
-  // A prefill rank (engine address `from`) failed the room (it sends this once nothing of its
-  // copies is in flight any more). The room's other prefill ranks (TP, CP) are asked to stop
-  // too, and the room fails once every rank is quiet, so that none of them writes its pages
-  // after the failure is known here (and the pages reused); after kQuiesceWait regardless.
-  void PrefillFailed(uint64_t room, const Status& why, const std::string& from) {
-    bool first = false, quiet = false;
-    Status failing;
+  // A prefill rank (engine address `from`) reported the room done, or (`failed` not null)
+  // failed (it sends that once nothing of its copies is in flight any more). A failure starts
+  // the room failing: its other prefill ranks (TP, CP) not quiet yet are asked to stop too,
+  // and the room fails once every rank is quiet (reported done or failed), so that none of
+  // them writes its pages after the failure is known here (and the pages reused); after
+  // kQuiesceWait regardless (TimerLoop). Returns whether the room is failing: a done report
+  // then only counts as that rank being quiet.
+  bool NoteQuiet(uint64_t room, const std::string& from, const Status* failed) {
+    bool first = false, failing = false, quiet = false;
+    Status why;
     std::vector<std::string> quiet_ranks;
     rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
       if (IsFinal(r.status.state)) return OkStatus();
       ReceiverRoom& d = r.data;
       d.note_quiet(from);
-      if (d.failing.ok()) {
-        d.failing = why;
+      if (failed != nullptr && d.failing.ok()) {
+        d.failing = *failed;
         d.failing_since = Clock::now();
         first = true;
       }
-      quiet = d.all_quiet();
-      failing = d.failing;
-      quiet_ranks = d.quiet;
-      return OkStatus();
-    }).IgnoreError();
-    // (Ranks already quiet, done with this room, are left alone.)
-    if (first && !quiet) TellPrefillAbort(room, why.message(), quiet_ranks);
-    if (quiet) FailRoom(room, failing, false);
-  }
-
-  // A prefill rank reported the room done: true when the room is failing (PrefillFailed), the
-  // report then only counting as that rank being quiet (the room may fail now).
-  bool PrefillQuiet(uint64_t room, const std::string& from) {
-    bool failing = false, quiet = false;
-    Status why;
-    rooms_.With(room, [&](RoomTable<ReceiverRoom>::Room& r) -> Status {
-      ReceiverRoom& d = r.data;
-      d.note_quiet(from);
-      failing = !d.failing.ok() && !IsFinal(r.status.state);
+      failing = !d.failing.ok();
       quiet = failing && d.all_quiet();
       why = d.failing;
+      if (first) quiet_ranks = d.quiet;
       return OkStatus();
     }).IgnoreError();
+    if (first && !quiet) TellPrefillAbort(room, why.message(), quiet_ranks);
     if (quiet) FailRoom(room, why, false);
     return failing;
   }

@@ -1054,14 +1054,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     Status found = rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
       SenderRoom& d = r.data;
       Destination& t = d.destinations[dest];
-      if (counted) {
-        --t.outstanding_batches;
-        if (hold) {
-          --t.pass_holds;
-        } else {
-          idle = UntoldBatchDone(room);
-        }
-      }
+      if (counted) idle = CountDownLocked(room, t, hold);
       if (finishing) {
         t.done = true;
         all_done = std::all_of(d.destinations.begin(), d.destinations.end(),
@@ -1561,17 +1554,21 @@ class PrefillConnectorImpl : public PrefillConnector {
   void ReleaseFailed(uint64_t room, size_t dest, bool hold = false) {
     bool idle = false;
     Status found = rooms_.With(room, [&](RoomTable<SenderRoom>::Room& r) -> Status {
-      Destination& d = r.data.destinations[dest];
-      --d.outstanding_batches;
-      if (hold) {
-        --d.pass_holds;
-      } else {
-        idle = UntoldBatchDone(room);
-      }
+      idle = CountDownLocked(room, r.data.destinations[dest], hold);
       return OkStatus();
     });
     if (!found.ok() && !hold) idle = UntoldBatchDone(room);  // released after it failed
     if (idle) TellUntold(room);
+  }
+
+  // One of the destination's batches (or, with `hold`, a pass hold) ended: true when that
+  // was a failed room's last batch in flight (the caller then calls TellUntold). REQUIRES the
+  // room's lock held.
+  bool CountDownLocked(uint64_t room, Destination& d, bool hold) {
+    --d.outstanding_batches;
+    if (!hold) return UntoldBatchDone(room);
+    --d.pass_holds;
+    return false;
   }
 
   // One of a failed room's batches is final: true when it was the last one in flight (the
