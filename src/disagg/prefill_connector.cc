@@ -1515,6 +1515,7 @@ class PrefillConnectorImpl : public PrefillConnector {
           idle = u.in_flight <= 0;
           std::lock_guard<std::mutex> lock(untold_mu_);
           untold_[room] = std::move(u);
+          untold_size_.store(untold_.size(), std::memory_order_release);
         })) {
       return false;
     }
@@ -1574,6 +1575,9 @@ class PrefillConnectorImpl : public PrefillConnector {
   // One of a failed room's batches is final: true when it was the last one in flight (the
   // caller then calls TellUntold). REQUIRES the room's lock held, or the room released.
   bool UntoldBatchDone(uint64_t room) {
+    // Every completion comes here: no lock while no failure waits (an entry is added under
+    // the room's lock, which the caller holds, or before the room could be released).
+    if (untold_size_.load(std::memory_order_acquire) == 0) return false;
     std::lock_guard<std::mutex> lock(untold_mu_);
     auto it = untold_.find(room);
     return it != untold_.end() && --it->second.in_flight == 0;
@@ -1588,6 +1592,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       if (it == untold_.end()) return;
       u = std::move(it->second);
       untold_.erase(it);
+      untold_size_.store(untold_.size(), std::memory_order_release);
     }
     for (auto& decode : u.decodes) TellDecode(decode, u.message);
   }
@@ -1984,6 +1989,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   };
   std::mutex untold_mu_;
   std::map<uint64_t, UntoldFailure> untold_;
+  std::atomic<size_t> untold_size_{0};  // untold_.size(), read without the lock
 
   struct PendingEvent {
     uint64_t pass;
