@@ -198,8 +198,7 @@ struct DecodeConnectorOptions {
   // host pools, the pool's GPU for GPU pools (decode scatters it with a kernel). A chunk slice
   // larger than an eighth of the ring is staged in runs of layers (several regions of every
   // writer in flight); one whose single layer exceeds the ring fails that room only. Default
-  // 1 GiB (on 4xH200, TP2->TP1 reached 90% of equal TP with 1 GiB, 53-61% with 256 MiB:
-  // docs/perf/hetero-tp.md).
+  // 1 GiB: a smaller ring holds back unequal TP (docs/perf/hetero-tp.md).
   uint64_t staging_bytes = 1ull << 30;
   // Hybrid models: this rank's linear-attention state pool (caller-owned); each room names
   // the slot its state lands in (CreateReceiver). Null: no state.

@@ -29,6 +29,7 @@
 #include "kvferry/memory.h"
 #include "kvferry/segment.h"
 #include "kvferry/status.h"
+#include "kvferry/transfer.h"
 
 namespace kvferry {
 
@@ -40,29 +41,26 @@ struct EngineOptions {
   std::string listen_host = "127.0.0.1";
   // Port to listen on; 0 picks a free one (read it back with LocalDescriptor()).
   uint16_t listen_port = 0;
-  // Transport: "auto" picks per request (NVLink between GPU memory of one node, TCP for host
-  // memory); "tcp" or "nvlink" force one (requests it cannot carry fail at submission).
+  // Transport: "auto" picks per peer and kind of local memory, in the order NVLink (GPU
+  // memory to GPU memory on one node), then TCP (any memory, any node: GPU memory through
+  // pinned bounce buffers); "tcp" or "nvlink" force one (requests it cannot carry fail at
+  // submission, naming why). docs/ARCHITECTURE.md describes the choice.
   std::string transport = "auto";
   // NVLink: blocks of at least this many bytes go through the copy engine (cudaMemcpyAsync),
-  // smaller ones through one batched copy kernel per submission. Default: never, because on
-  // H200 the kernel beat the copy engine at every block size measured (2 KiB..64 MiB,
-  // docs/perf/nvlink-h200.md). Lower it to keep SMs free for compute at some cost in GB/s.
+  // smaller ones through one batched copy kernel per submission. Default: never (the kernel's
+  // latency for a layer's last copy is lower; docs/perf/nvlink-h200.md has the measurements).
+  // Lower it to keep SMs free for compute, or for more GB/s on large blocks.
   uint64_t nvlink_copy_engine_threshold_bytes = UINT64_MAX;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small
   // batches (up to 512 tiles of 16 KiB) keep coming, so that each costs no kernel launch, and
   // leaves after KVFERRY_IDLE_SPIN_US without work. -1 (default): one block per SM of the
-  // local GPU (as many as fit at once); N > 0: N blocks (16 or 32 fell to 47-93%); 0: off,
-  // every batch (or a group of them) is its own launch. On 4 x H200 it moved batches of 64
-  // blocks of 16 and 64 KiB at 93% of cudaMemcpyPeer with >= 64 MiB in flight (launches:
-  // 75-86%) and left lone 4 KiB WRITEs at 11.2 us (they go as launches, see below). Its
-  // blocks share the SMs with other kernels: a bf16 GEMM running on the same GPU during a
-  // copy of 16 KiB x 64 batches kept 65% of its speed against 54% next to launches
-  // (docs/perf/nvlink-h200.md, session 8).
+  // local GPU (as many as fit at once); N > 0: N blocks; 0: off, every batch (or a group of
+  // them) is its own launch. It saves the launch of each small batch under load while lone
+  // batches still go as launches (see below); its blocks share the SMs with other kernels
+  // (docs/perf/nvlink-h200.md measures both).
   int nvlink_resident_blocks = -1;
   // ... used only while at least this many 16 KiB tiles of small batches are in flight on the
   // channel (2048: 32 MiB); fewer go as launches, so a lone batch keeps a launch's latency.
-  // On 4 x H200, 2048 put batches of 64 blocks of 16 KiB at 93% from 64 MiB in flight, where
-  // 4096 left them as launches at 75% (docs/perf/nvlink-h200.md, session 8).
   int64_t nvlink_resident_min_tiles = 2048;
   // TCP connections (lanes) per peer. More lanes spread large requests over several
   // streams and cores; bounded to keep file descriptors in check. Default 4, range 1..64.
@@ -76,42 +74,6 @@ struct EngineOptions {
   std::chrono::milliseconds connect_timeout{5000};
   // Notifications and handshake bodies longer than this are refused. Default 1 MiB.
   uint32_t max_message_bytes = 1u << 20;
-};
-
-enum class TransferOp : uint8_t { kWrite = 0, kRead = 1 };
-
-// One request: copy `length_bytes` between local memory and a peer segment.
-// WRITE: local_addr -> remote_addr. READ: remote_addr -> local_addr.
-// Strided (2-D) requests copy `num_rows` rows of `length_bytes` each: row i starts at
-// local_addr + i * local_stride and remote_addr + i * remote_stride (as cudaMemcpy2D does with
-// pitches). A head slice of a run of KV pages is one such request: a row per token, strides
-// the two sides' token sizes. Rows must not overlap (strides >= length_bytes when num_rows > 1)
-// and every row must lie in one region the peer registered with the access the op needs:
-// SubmitBatch checks the whole extent (re-reading the peer's descriptor once on a miss) and
-// refuses the batch with kFailedPrecondition otherwise, before any row moves. NVLink copies
-// the rows in one kernel pass; TCP sends a WRITE's rows into host memory in strided frames (up
-// to a slice of rows each, straight from and into place) and other rows one by one.
-// REQUIRES: local memory stays valid until the request is final.
-struct TransferRequest {
-  TransferOp op = TransferOp::kWrite;
-  const void* local_addr = nullptr;  // for READ this memory is written
-  SegmentHandle segment;
-  uint64_t remote_addr = 0;  // an address inside a region the peer registered
-  uint64_t length_bytes = 0;  // of one row
-  uint32_t num_rows = 1;
-  uint64_t local_stride = 0;   // bytes between row starts in local memory (num_rows > 1)
-  uint64_t remote_stride = 0;  // bytes between row starts in the peer's memory (num_rows > 1)
-
-  // Bytes the request moves: num_rows * length_bytes.
-  uint64_t total_bytes() const { return static_cast<uint64_t>(num_rows) * length_bytes; }
-  // Extent of the rows on each side, from the first row's start to the last row's end.
-  uint64_t local_extent() const { return Extent(local_stride); }
-  uint64_t remote_extent() const { return Extent(remote_stride); }
-
- private:
-  uint64_t Extent(uint64_t stride) const {
-    return num_rows <= 1 ? length_bytes : (num_rows - 1) * stride + length_bytes;
-  }
 };
 
 enum class TransferState : uint8_t {
@@ -187,12 +149,6 @@ struct BatchOptions {
   void* start_after_event = nullptr;
 };
 
-struct Notification {
-  std::string peer_name;     // segment name of the sender
-  std::string peer_address;  // "host:port" the sender listens on
-  std::string message;
-};
-
 class TransferEngine {
  public:
   using NotificationHandler = std::function<void(const Notification&)>;
@@ -228,8 +184,8 @@ class TransferEngine {
   virtual Status CloseSegment(SegmentHandle segment) = 0;
   // Readies the data path from registered local memory at `local_addr` to `segment` before
   // the first transfer. Between GPUs of one node it opens the NVLink channel and maps the
-  // peer's GPU regions on that channel's thread in the background: mapping a 16 GiB pool takes
-  // 100-220 ms on H200 (docs/perf/hetero-tp.md), which the first batches would otherwise wait
+  // peer's GPU regions on that channel's thread in the background: mapping a large pool takes
+  // a noticeable time (docs/perf/hetero-tp.md), which the first batches would otherwise wait
   // for, copying through a slower path meanwhile. Opening the channel (pinned tables, streams:
   // milliseconds) happens in the call; it returns without waiting for the mapping. Nothing
   // more to do toward host memory; GPU memory to a peer without NVLink gets its pinned

@@ -1,6 +1,6 @@
 // Brief busy-polling before a thread blocks on something expected within microseconds. On
 // idle many-core machines a blocked thread takes 50-200 us to run again once woken (deep CPU
-// idle states; measured on the H200 hosts, docs/perf/layerwise.md run L), longer than a small
+// idle states; docs/perf/layerwise.md), longer than a small
 // batch takes to copy; a waiter that polls for a short window first sees it at once.
 #pragma once
 
@@ -21,9 +21,9 @@ std::chrono::microseconds IdleSpinWindow();
 // When work arrives at a steady cadence (the layers of a layerwise prefill pass, one every few
 // hundred microseconds), how long an idle progress thread should keep polling: twice the gap
 // between the last two bursts of submissions (submissions closer than IdleSpinWindow() are
-// one burst), so that it is awake for the next one (a sleeping thread
-// took 150-600 us to notice a new copy on the H200 hosts, longer than a layer's copy:
-// docs/perf/layerwise.md session 9), but never less than IdleSpinWindow() and never for gaps
+// one burst), so that it is awake for the next one (a sleeping thread can take longer to
+// notice a new copy than a layer's copy takes: docs/perf/layerwise.md), but never less than
+// IdleSpinWindow() and never for gaps
 // over kMaxCadenceGap (then: IdleSpinWindow()). IdleSpinWindow() of 0 turns it off. Thread-safe.
 class SubmitCadence {
  public:

@@ -259,9 +259,9 @@ __global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const Res
           atomicExch(&a.job_count[tile.job_slot], 0u);
           __threadfence_system();
           *reinterpret_cast<volatile uint64_t*>(&a.job_done[tile.job_slot]) = tile.job_seq + 1;
-          // Pushes the flag out to host memory now. Without it nothing guaranteed when the
-          // store became visible, and sparse batches completed only when the kernel ended
-          // (~250 us; with it ~10 us more than a launch, docs/perf/nvlink-h200.md session 7).
+          // Pushes the flag out to host memory now: without it nothing guarantees when the
+          // store becomes visible, and a sparse batch could be seen complete only when the
+          // kernel ends.
           __threadfence_system();
         }
       }

@@ -1,4 +1,5 @@
-// Small synchronous device-memory operations and the GPU replay pattern, behind an interface
+// Small synchronous device-memory operations, event relays, staging kernels and bounce
+// buffers, behind an interface
 // with no CUDA types so host-only code (pools, connector, tools) can call them in every build;
 // without CUDA they report "no CUDA device".
 #pragma once
@@ -7,7 +8,7 @@
 #include <memory>
 #include <span>
 
-#include "cuda/pattern_geometry.h"
+#include "cuda/pool_geometry.h"
 #include "kvferry/status.h"
 
 namespace kvferry::cuda {
@@ -23,8 +24,8 @@ Status CopyToDevice(void* dst, const void* src, uint64_t bytes);
 Status CopyToHost(void* dst, const void* src, uint64_t bytes);
 Status MemsetDevice(void* dst, int value, uint64_t bytes);
 // Background reads of 8-byte words of one GPU's memory, one slot per word watched, so that a
-// value can be checked off the latency path: an 8-byte device-to-host copy takes ~7 us on a
-// warm H200 and ~20 us after a few milliseconds idle (docs/perf/layerwise.md, session 8).
+// value can be checked off the latency path: an 8-byte device-to-host copy takes several
+// microseconds, more on an idle GPU (docs/perf/layerwise.md).
 // Seen answers from the slot's last finished read and starts the next one on the device's
 // private stream (above), which waits for no other work. Thread-safe (a lock per slot).
 class DeviceWordProbes {
@@ -69,21 +70,6 @@ class EventRelay {
   virtual StatusOr<std::shared_ptr<void>> Relay(void* event, std::shared_ptr<void>* lane) = 0;
 };
 
-// Fills and verifies replay content in a GPU pool with kernels (same bytes as kv_pattern.h).
-// One per thread: it owns a stream and scratch buffers on `device`.
-class GpuPattern {
- public:
-  static StatusOr<std::unique_ptr<GpuPattern>> Create(int device);
-  virtual ~GpuPattern() = default;
-  // Writes tokens [first_token, first_token + num_tokens) and waits for the kernel.
-  virtual Status Fill(const PatternGeometry& g, uint8_t* pool, uint64_t room,
-                      std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens) = 0;
-  // Checks tokens [0, num_tokens); returns the number of (buffer, page) pairs with a wrong
-  // byte (like VerifyResult::pages_mismatched).
-  virtual StatusOr<int64_t> Verify(const PatternGeometry& g, const uint8_t* pool, uint64_t room,
-                                   std::span<const int32_t> pages, int64_t num_tokens) = 0;
-};
-
 // Heterogeneous-TP staging on the GPU: gathers a head slice of a GPU pool into a staging
 // region in GPU memory, or scatters one back (the same bytes and layout as GatherHeads /
 // ScatterHeads in head_slices.h). Each call waits for its kernel. Thread-safe: calls from
@@ -95,35 +81,13 @@ class GpuHeadSlices {
   virtual ~GpuHeadSlices() = default;
   // `pages`: the request's pages in token order (host memory); `first_token`.. as in
   // head_slices.h, with attention layers [first_layer, first_layer + num_layers) (0: all).
-  virtual Status Gather(const PatternGeometry& g, const uint8_t* pool,
+  virtual Status Gather(const PoolGeometry& g, const uint8_t* pool,
                         std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
                         int head_start, int num_heads, int first_layer, int num_layers,
                         uint8_t* staging) = 0;
-  virtual Status Scatter(const PatternGeometry& g, uint8_t* pool, std::span<const int32_t> pages,
+  virtual Status Scatter(const PoolGeometry& g, uint8_t* pool, std::span<const int32_t> pages,
                          int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
                          int first_layer, int num_layers, const uint8_t* staging) = 0;
-};
-
-// Simulated prefill compute on a GPU (replays): each Spin enqueues a kernel that busy-waits
-// on this object's stream and returns a cudaEvent_t recorded after it, for
-// PrefillConnector::MarkLayerReadyOnEvent. Events are owned here, up to `max_events` of them,
-// handed out round-robin: an event is reused `max_events` Spin calls later, so keep at most
-// that many in flight (Synchronize between chunks). One per thread. With
-// `legacy_default_stream` the kernels go to the legacy default stream instead of a stream of
-// its own, where frameworks such as PyTorch run their model by default (tests use it to check
-// that kvferry's work never waits behind such a model).
-class ComputeStream {
- public:
-  static StatusOr<std::unique_ptr<ComputeStream>> Create(int device, int max_events,
-                                                         bool legacy_default_stream = false);
-  virtual ~ComputeStream() = default;
-  virtual StatusOr<void*> Spin(int64_t microseconds) = 0;
-  // Enqueues writing seeds.size() rows of `row_bytes` at `dst` (device memory), row r the
-  // pattern of seeds[r] (LaunchFillPatternRows): the seeds are staged in this stream's
-  // pinned memory, reused only after Synchronize. Returns at once.
-  virtual Status FillPatternRows(void* dst, uint64_t row_bytes, std::span<const uint64_t> seeds) = 0;
-  // Blocks until everything enqueued so far has run.
-  virtual Status Synchronize() = 0;
 };
 
 // Pinned host buffers with asynchronous copies to and from one GPU, for moving GPU memory

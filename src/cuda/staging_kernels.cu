@@ -7,7 +7,7 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 
 // Byte offset in the pool of piece (j, i): selected buffer j, token first_token + i.
-__device__ __forceinline__ uint64_t PoolOffset(const PatternGeometry& g, const int32_t* pages,
+__device__ __forceinline__ uint64_t PoolOffset(const PoolGeometry& g, const int32_t* pages,
                                                const HeadSliceRange& r, int selected_layers,
                                                int j, int64_t i) {
   const bool mla = g.num_buffers == g.num_layers;
@@ -23,7 +23,7 @@ __device__ __forceinline__ uint64_t PoolOffset(const PatternGeometry& g, const i
 // One warp per piece (the slice's heads of one token in one buffer): 16-byte vectors when
 // both ends are aligned, bytes otherwise.
 template <bool kGather>
-__global__ void HeadSliceKernel(PatternGeometry g, uint8_t* pool, const int32_t* pages,
+__global__ void HeadSliceKernel(PoolGeometry g, uint8_t* pool, const int32_t* pages,
                                 HeadSliceRange r, uint8_t* staging) {
   const int selected_layers = r.num_layers == 0 ? g.num_layers : r.num_layers;
   const int buffers = g.num_buffers == g.num_layers ? selected_layers : 2 * selected_layers;
@@ -48,7 +48,7 @@ __global__ void HeadSliceKernel(PatternGeometry g, uint8_t* pool, const int32_t*
   }
 }
 
-int Blocks(const PatternGeometry& g, const HeadSliceRange& r) {
+int Blocks(const PoolGeometry& g, const HeadSliceRange& r) {
   const int layers = r.num_layers == 0 ? g.num_layers : r.num_layers;
   const int buffers = g.num_buffers == g.num_layers ? layers : 2 * layers;
   const uint64_t pieces = static_cast<uint64_t>(buffers) * static_cast<uint64_t>(r.num_tokens);
@@ -58,7 +58,7 @@ int Blocks(const PatternGeometry& g, const HeadSliceRange& r) {
 
 }  // namespace
 
-cudaError_t LaunchGatherHeads(const PatternGeometry& g, const uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchGatherHeads(const PoolGeometry& g, const uint8_t* pool, const int32_t* pages,
                               const HeadSliceRange& range, uint8_t* staging, cudaStream_t stream) {
   if (range.num_tokens <= 0 || range.num_heads <= 0) return cudaSuccess;
   HeadSliceKernel<true><<<Blocks(g, range), kThreads, 0, stream>>>(
@@ -66,7 +66,7 @@ cudaError_t LaunchGatherHeads(const PatternGeometry& g, const uint8_t* pool, con
   return cudaGetLastError();
 }
 
-cudaError_t LaunchScatterHeads(const PatternGeometry& g, uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchScatterHeads(const PoolGeometry& g, uint8_t* pool, const int32_t* pages,
                                const HeadSliceRange& range, const uint8_t* staging,
                                cudaStream_t stream) {
   if (range.num_tokens <= 0 || range.num_heads <= 0) return cudaSuccess;

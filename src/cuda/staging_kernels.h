@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "cuda/pattern_geometry.h"
+#include "cuda/pool_geometry.h"
 
 namespace kvferry::cuda {
 
@@ -26,10 +26,10 @@ struct HeadSliceRange {
 
 // Pool -> staging. Asynchronous on `stream`; REQUIRES the range fits the pool and `staging`
 // holds the region (the host side checks, as GatherHeads does).
-cudaError_t LaunchGatherHeads(const PatternGeometry& g, const uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchGatherHeads(const PoolGeometry& g, const uint8_t* pool, const int32_t* pages,
                               const HeadSliceRange& range, uint8_t* staging, cudaStream_t stream);
 // Staging -> pool, the inverse.
-cudaError_t LaunchScatterHeads(const PatternGeometry& g, uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchScatterHeads(const PoolGeometry& g, uint8_t* pool, const int32_t* pages,
                                const HeadSliceRange& range, const uint8_t* staging,
                                cudaStream_t stream);
 

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "common/checks.h"
+#include "common/host_port.h"
 #include "disagg/bootstrap_wire.h"
 #include "kvferry/bootstrap.h"
 
@@ -17,34 +18,6 @@ namespace kvferry {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct HostPort {
-  std::string host;
-  int port = 0;
-};
-
-// Splits "host:port" or "[v6]:port". kInvalidArgument naming the text otherwise.
-StatusOr<HostPort> SplitAddress(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
-    return InvalidArgumentError("bootstrap address '" + address + "' is not host:port");
-  }
-  HostPort out;
-  out.host = address.substr(0, colon);
-  if (out.host.size() >= 2 && out.host.front() == '[' && out.host.back() == ']') {
-    out.host = out.host.substr(1, out.host.size() - 2);
-  }
-  const std::string port_text = address.substr(colon + 1);
-  if (port_text.size() > 5 || !std::all_of(port_text.begin(), port_text.end(),
-                                           [](char c) { return c >= '0' && c <= '9'; })) {
-    return InvalidArgumentError("bootstrap address '" + address + "' has a bad port");
-  }
-  out.port = std::stoi(port_text);  // at most 5 digits: cannot throw
-  if (out.port < 1 || out.port > 65535 || out.host.empty()) {
-    return InvalidArgumentError("bootstrap address '" + address + "' is not host:port");
-  }
-  return out;
-}
 
 struct HttpAnswer {
   int status = 0;
@@ -77,7 +50,7 @@ Status StatusFromHttp(const std::string& what, const HttpAnswer& answer) {
 StatusOr<HttpAnswer> Send(const std::string& address, std::chrono::milliseconds timeout,
                           const std::string& method, const std::string& path,
                           const std::string* json_body, const std::string& what) {
-  ASSIGN_OR_RETURN(HostPort hp, SplitAddress(address));
+  ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address, "bootstrap address"));
   try {
     httplib::Client client(hp.host, hp.port);
     client.set_connection_timeout(timeout);

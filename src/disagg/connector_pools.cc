@@ -19,9 +19,9 @@ Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& a
   return engine.RegisterMemory(state->data(), state->size_bytes(), state->location(), access);
 }
 
-cuda::PatternGeometry GpuGeometry(const KvPool& pool) {
+cuda::PoolGeometry GpuGeometry(const KvPool& pool) {
   const KvLayout& l = pool.layout();
-  cuda::PatternGeometry g;
+  cuda::PoolGeometry g;
   g.num_layers = l.geometry().num_layers;
   g.num_buffers = l.num_buffers();
   g.page_size = l.page_size();

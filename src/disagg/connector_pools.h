@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "cuda/pattern_geometry.h"
+#include "cuda/pool_geometry.h"
 #include "kvferry/aux_buffer.h"
 #include "kvferry/engine.h"
 #include "kvferry/kv_pool.h"
@@ -18,7 +18,7 @@ Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& a
                               StatePool* state, int tp_size, uint32_t access);
 
 // The pool's geometry as the GPU kernels take it (pattern, gather and scatter); head_offset 0.
-cuda::PatternGeometry GpuGeometry(const KvPool& pool);
+cuda::PoolGeometry GpuGeometry(const KvPool& pool);
 
 // A room's state slot: -1 without a state pool, else a slot of it. Errors (naming the room):
 // kInvalidArgument (a slot but no pool), kOutOfRange.

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "common/checks.h"
+#include "common/host_port.h"
 #include "common/logging.h"
 #include "common/spin.h"
 #include "cuda/device_memory.h"
@@ -101,13 +102,11 @@ class PrefillConnectorImpl : public PrefillConnector {
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     if (options_.start_bootstrap_server) {
       BootstrapServerOptions bs;
-      size_t colon = options_.bootstrap_address.rfind(':');
-      if (colon == std::string::npos) {
-        return InvalidArgumentError("bootstrap address '" + options_.bootstrap_address +
-                                    "' is not host:port");
-      }
-      bs.host = options_.bootstrap_address.substr(0, colon);
-      bs.port = static_cast<uint16_t>(std::stoi(options_.bootstrap_address.substr(colon + 1)));
+      ASSIGN_OR_RETURN(HostPort listen, ParseHostPort(options_.bootstrap_address,
+                                                      "bootstrap address",
+                                                      /*allow_port_zero=*/true));
+      bs.host = listen.host;
+      bs.port = listen.port;
       ASSIGN_OR_RETURN(bootstrap_server_, BootstrapServer::Create(bs));
       bootstrap_address_ = bootstrap_server_->address();
     } else {

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "common/env.h"
-#include "cuda/baselines.h"
+#include "tools/gpu/baselines.h"
 #include "tools/bench_config.h"
 #include "tools/bench_session.h"
 #include "tools/bench_target.h"
@@ -323,8 +323,8 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
       options.device = target_flags->device;
       options.gpu = *target_gpu;
       options.until_stdin_closes = true;
-      Status parsed = ParseHostPort("--listen", target_flags->listen, &options.listen_host,
-                                    &options.listen_port);
+      Status parsed = ParseFlagHostPort("--listen", target_flags->listen, &options.listen_host,
+                                        &options.listen_port);
       StatusOr<uint64_t> size = ParseByteSize(target_flags->buffer_size);
       if (!parsed.ok() || !size.ok() || *size == 0) {
         std::fprintf(stderr, "kvferry bench-target: bad --listen or --buffer-size\n");

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "common/checks.h"
+#include "common/host_port.h"
 #include "common/env.h"
 
 namespace kvferry::tools {
@@ -76,21 +77,12 @@ StatusOr<std::vector<size_t>> ParseCountList(const std::string& flag, const std:
   return counts;
 }
 
-Status ParseHostPort(const std::string& flag, const std::string& text, std::string* host,
-                     uint16_t* port) {
-  size_t colon = text.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) {
-    return FlagError(flag, "'" + text + "' is not HOST:PORT");
-  }
-  uint32_t value = 0;
-  for (size_t i = colon + 1; i < text.size(); ++i) {
-    char c = text[i];
-    if (c < '0' || c > '9') return FlagError(flag, "'" + text + "' has a bad port");
-    value = value * 10 + static_cast<uint32_t>(c - '0');
-    if (value > 65535) return FlagError(flag, "'" + text + "': port exceeds 65535");
-  }
-  *host = text.substr(0, colon);
-  *port = static_cast<uint16_t>(value);
+Status ParseFlagHostPort(const std::string& flag, const std::string& text, std::string* host,
+                         uint16_t* port) {
+  StatusOr<HostPort> parsed = ParseHostPort(text, "address", /*allow_port_zero=*/true);
+  if (!parsed.ok()) return FlagError(flag, parsed.status().message());
+  *host = parsed->host;
+  *port = parsed->port;
   return OkStatus();
 }
 
@@ -174,14 +166,14 @@ StatusOr<BenchPlan> MakeBenchPlan(const BenchFlags& flags) {
   if (!plan.target_address.empty()) {
     std::string host;
     uint16_t port = 0;
-    RETURN_IF_ERROR(ParseHostPort("--target", plan.target_address, &host, &port));
+    RETURN_IF_ERROR(ParseFlagHostPort("--target", plan.target_address, &host, &port));
     if (port == 0) return FlagError("--target", "port must not be 0");
   }
   if (plan.serve) {
     if (!plan.target_address.empty()) {
       return FlagError("--serve", "cannot be combined with --target");
     }
-    RETURN_IF_ERROR(ParseHostPort("--listen", flags.listen, &plan.listen_host, &plan.listen_port));
+    RETURN_IF_ERROR(ParseFlagHostPort("--listen", flags.listen, &plan.listen_host, &plan.listen_port));
   }
   return plan;
 }

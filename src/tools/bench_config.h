@@ -76,8 +76,9 @@ StatusOr<std::vector<uint64_t>> ParseByteSizeList(const std::string& flag, const
 StatusOr<std::vector<size_t>> ParseCountList(const std::string& flag, const std::string& text,
                                              size_t max_value);
 
-// Parses "HOST:PORT" (PORT may be 0 to pick a free one). Errors: kInvalidArgument naming `flag`.
-Status ParseHostPort(const std::string& flag, const std::string& text, std::string* host,
+// Parses "HOST:PORT" (ParseHostPort; PORT may be 0 to pick a free one). Errors:
+// kInvalidArgument naming `flag`.
+Status ParseFlagHostPort(const std::string& flag, const std::string& text, std::string* host,
                      uint16_t* port);
 
 // The buffer that lets every thread keep a whole batch of the largest blocks in flight at

@@ -13,8 +13,9 @@
 #include "common/logging.h"
 #include "common/env.h"
 #include "cuda/device_ops.h"
+#include "tools/gpu/gpu_pattern.h"
 #include "disagg/connector_pools.h"
-#include "disagg/kv_pattern.h"
+#include "tools/kv_pattern.h"
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
 #include "tools/commands.h"
@@ -62,7 +63,7 @@ struct Instance {
   bool on_gpu = false;
   int total_kv_heads = 0;  // of the model; this rank holds its share
   int head_offset = 0;     // global KV head of this rank's local head 0
-  cuda::PatternGeometry gpu_geometry;
+  cuda::PoolGeometry gpu_geometry;
   std::mutex patterns_mu;
   std::vector<std::unique_ptr<cuda::GpuPattern>> patterns;  // idle GPU fill/verify contexts
 

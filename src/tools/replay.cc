@@ -18,12 +18,12 @@
 
 #include "common/checks.h"
 #include "common/env.h"
-#include "cuda/baselines.h"
+#include "tools/gpu/baselines.h"
 #include "cuda/device_memory.h"
 #include "tools/commands.h"
 #include "kvferry/tp_plan.h"
 #include "tools/instance.h"
-#include "transport/tcp/tcp_common.h"
+#include "common/host_port.h"
 #include "tools/stats.h"
 #include "tools/trace.h"
 
@@ -58,10 +58,8 @@ struct ReplayFlags {
 
 // An HTTP client for an instance's control "host:port". Errors: kInvalidArgument naming it.
 StatusOr<std::unique_ptr<httplib::Client>> ControlClient(const std::string& address) {
-  std::string host;
-  uint16_t port = 0;
-  RETURN_IF_ERROR(tcp::ParseAddress(address, &host, &port));
-  return std::make_unique<httplib::Client>(host, port);
+  ASSIGN_OR_RETURN(HostPort endpoint, ParseHostPort(address, "control address"));
+  return std::make_unique<httplib::Client>(endpoint.host, endpoint.port);
 }
 
 // A child instance process started by the replay.

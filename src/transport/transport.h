@@ -1,6 +1,9 @@
-// The transport interface. A transport moves WorkItems (request slices, notifications,
-// descriptor queries) to one peer through a PeerChannel. Transport state lives in the
-// transport's own types; the engine sees only this interface.
+// The transport interface. A Transport declares what it can do (TransportCapabilities),
+// decides from two segment descriptors whether it reaches a peer, adds what peers need to
+// reach this side to the local descriptor, and opens PeerChannels. A PeerChannel moves
+// WorkItems (request slices, notifications, descriptor queries), or whole batches at once
+// (bulk submissions), to one peer. Transport state lives in the transport's own types; the
+// engine sees only this interface (TransportSet picks among transports).
 //
 // Completion contract: every WorkItem handed to PeerChannel::Submit is completed exactly once
 // by calling its owner's OnWorkDone, from a transport thread, after the transport stopped
@@ -11,13 +14,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "kvferry/engine.h"
+#include "kvferry/transfer.h"
 #include "kvferry/memory.h"
 #include "kvferry/segment.h"
 #include "kvferry/status.h"
@@ -94,15 +98,27 @@ struct WorkItem {
   }
 };
 
-struct TransportCapabilities {
-  bool host_memory = true;
-  bool device_memory = false;
-  bool same_node_only = false;
+// Bit set of MemoryKind values (MemoryKindBit).
+using MemoryKindMask = uint32_t;
+constexpr MemoryKindMask MemoryKindBit(MemoryKind kind) { return 1u << static_cast<int>(kind); }
+
+// How the engine hands a channel its requests. Fixed for the channel's life.
+struct ChannelTraits {
+  // Requests (rows) longer than this become several items of at most this many bytes, which
+  // the channel may move in parallel (TCP spreads them over its lanes). UINT64_MAX: whole.
+  uint64_t slice_bytes = UINT64_MAX;
+  // Rows of a strided WRITE into the peer's host memory one item may carry (TCP: a strided
+  // frame, up to a slice of rows). 1: one item per row.
+  uint32_t max_rows_per_item = 1;
+  // Whether TrySubmitBulk can take submissions; the engine builds none for channels without.
+  bool takes_bulk = false;
 };
 
 class PeerChannel {
  public:
+  explicit PeerChannel(const ChannelTraits& traits = {}) : traits_(traits) {}
   virtual ~PeerChannel() = default;
+  const ChannelTraits& traits() const { return traits_; }
   // Queues an item; never blocks on the network.
   virtual void Submit(std::shared_ptr<WorkItem> item) = 0;
   // Queues several items at once (one lock and one wake-up where the transport allows).
@@ -133,8 +149,52 @@ class PeerChannel {
   // (TransferEngine::PrepareTransfers). Never blocks.
   virtual void Prepare() {}
   // Fails everything queued with kUnavailable and closes connections. Blocks until threads
-  // stopped.
+  // stopped. A second call does nothing.
   virtual void Close() = 0;
+
+ private:
+  ChannelTraits traits_;
+};
+
+// What a transport can do. The engine picks a transport for a request from these and
+// Transport::CanReach (TransportSet::Pick).
+struct TransportCapabilities {
+  std::string name;                   // as in EngineOptions::transport and descriptors
+  MemoryKindMask local_memory = 0;    // kinds of local memory it reads (WRITE) and writes (READ)
+  MemoryKindMask remote_memory = 0;   // kinds of peer memory it writes (WRITE) and reads (READ)
+  bool same_node_only = false;        // reaches only engines with this engine's node_id
+  bool strided_rows = false;          // moves strided requests (rows at two strides)
+  bool notifications = false;         // carries notifications and descriptor queries itself
+};
+
+// What a transport needs to open a channel to one peer for one kind of local memory.
+struct ChannelSetup {
+  const SegmentDescriptor* peer = nullptr;  // from the handshake; valid during OpenChannel
+  // The peer's control channel (notifications, descriptor queries; TCP). Outlives the channel.
+  std::shared_ptr<PeerChannel> control;
+  MemoryKind local_kind = MemoryKind::kHost;
+  int local_device = -1;  // CUDA device of the local memory; -1 for host memory
+  // Re-reads the peer's descriptor (it may have registered more regions since).
+  std::function<StatusOr<SegmentDescriptor>()> refresh;
+};
+
+// One way of moving bytes to peers. Created once per engine (TransportSet); thread-safe.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const TransportCapabilities& capabilities() const = 0;
+  // Adds what a peer needs to reach this engine through this transport to `self` (its name in
+  // self->transports, and any addresses or keys of its own).
+  virtual void Describe(SegmentDescriptor* self) const = 0;
+  // Whether this transport reaches `peer` from the engine described by `self` (both
+  // descriptors as exchanged in the handshake). The engine checks capabilities first
+  // (memory kinds, same node).
+  virtual bool CanReach(const SegmentDescriptor& self, const SegmentDescriptor& peer) const = 0;
+  // Opens a channel to setup.peer for local memory of setup.local_kind on
+  // setup.local_device. The engine opens one per (peer, transport, local device), owns it,
+  // and calls Close before dropping it; a transport may hand back setup.control itself. May
+  // block for connection set-up. Errors: the transport's (kUnavailable, kFailedPrecondition).
+  virtual StatusOr<std::shared_ptr<PeerChannel>> OpenChannel(const ChannelSetup& setup) = 0;
 };
 
 }  // namespace kvferry

@@ -7,8 +7,9 @@
 #include <cstring>
 #include <vector>
 
-#include "cuda/baselines.h"
+#include "tools/gpu/baselines.h"
 #include "cuda/device_ops.h"
+#include "tools/gpu/gpu_pattern.h"
 #include "kvferry/aux_buffer.h"
 
 namespace kvferry {

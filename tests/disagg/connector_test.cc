@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "disagg/control_message.h"
-#include "disagg/kv_pattern.h"
+#include "tools/kv_pattern.h"
 #include "cuda/device_memory.h"
 
 namespace kvferry {
@@ -40,6 +40,22 @@ struct Side {
   std::unique_ptr<AuxBuffer> aux;
   PageAllocator allocator;
 };
+
+// A bootstrap address the connector cannot listen on is refused by name, before anything
+// starts (a port that is not a number, or one above 65535, must not throw or wrap).
+TEST(ConnectorCreateTest, RefusesBadBootstrapAddresses) {
+  Side side(TinyGeometry(), 4, 16, 0);
+  for (const char* address : {"h:abc", "h:70000", "h:", ":80", "::1:80"}) {
+    PrefillConnectorOptions po;
+    po.bootstrap_address = address;
+    auto p = PrefillConnector::Create(po, side.pool.get(), side.aux.get());
+    ASSERT_FALSE(p.ok()) << address;
+    EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument) << address;
+    EXPECT_NE(p.status().message().find(std::string("bootstrap address '") + address + "'"),
+              std::string::npos)
+        << p.status().message();
+  }
+}
 
 class ConnectorTest : public ::testing::Test {
  protected:

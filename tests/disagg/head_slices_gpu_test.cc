@@ -6,7 +6,7 @@
 #include <cstring>
 #include <random>
 
-#include "cuda/baselines.h"
+#include "tools/gpu/baselines.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
@@ -57,7 +57,7 @@ void Check(AttentionKind kind, int head_start, int num_heads, int first_layer, i
   ASSERT_TRUE(staging.ok()) << staging.status().ToString();
   auto slices = cuda::GpuHeadSlices::Create(0);
   ASSERT_TRUE(slices.ok()) << slices.status().ToString();
-  const cuda::PatternGeometry g = GpuGeometry(**device);  // the connector's geometry helper
+  const cuda::PoolGeometry g = GpuGeometry(**device);  // the connector's geometry helper
 
   // Gather: the GPU's staging bytes equal the CPU's.
   std::vector<uint8_t> want(bytes), got(bytes);

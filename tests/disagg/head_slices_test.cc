@@ -10,7 +10,7 @@
 #include <cstring>
 #include <numeric>
 
-#include "disagg/kv_pattern.h"
+#include "tools/kv_pattern.h"
 #include "kvferry/tp_plan.h"
 
 namespace kvferry {

@@ -3,7 +3,7 @@
 // keyed by global head); every decode rank must end up with exactly the bytes of its heads.
 #include <gtest/gtest.h>
 
-#include "disagg/kv_pattern.h"
+#include "tools/kv_pattern.h"
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "disagg/kv_pattern.h"
-#include "disagg/kv_pattern_math.h"
+#include "tools/kv_pattern.h"
+#include "tools/kv_pattern_math.h"
 #include "kvferry/state_pool.h"
 
 #include <gtest/gtest.h>

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cuda/device_memory.h"
-#include "engine/wire.h"
+#include "transport/tcp/wire.h"
 #include "testutil/peer_process.h"
 #include "testutil/scale.h"
 

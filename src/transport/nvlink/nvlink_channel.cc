@@ -64,7 +64,8 @@ std::string CudaError(const char* what, cudaError_t e) {
 
 class NvlinkChannel : public PeerChannel {
  public:
-  explicit NvlinkChannel(const NvlinkChannelOptions& options) : options_(options) {}
+  explicit NvlinkChannel(const NvlinkChannelOptions& options)
+      : PeerChannel(ChannelTraits{.takes_bulk = true}), options_(options) {}
 
   Status Init() {
     RETURN_IF_ERROR(cuda::CheckDevice(options_.local_device));

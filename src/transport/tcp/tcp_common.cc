@@ -15,28 +15,9 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/host_port.h"
 
 namespace kvferry::tcp {
-
-Status ParseAddress(const std::string& address, std::string* host, uint16_t* port) {
-  size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
-    return InvalidArgumentError("address '" + address + "' is not host:port");
-  }
-  std::string h = address.substr(0, colon);
-  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
-  std::string p = address.substr(colon + 1);
-  unsigned long value = 0;
-  for (char c : p) {
-    if (c < '0' || c > '9') return InvalidArgumentError("address '" + address + "' has a bad port");
-    value = value * 10 + static_cast<unsigned long>(c - '0');
-    if (value > 65535) return InvalidArgumentError("address '" + address + "' port exceeds 65535");
-  }
-  if (value == 0) return InvalidArgumentError("address '" + address + "' has port 0");
-  *host = h;
-  *port = static_cast<uint16_t>(value);
-  return OkStatus();
-}
 
 void TuneSocket(asio::ip::tcp::socket& socket) {
   asio::error_code ec;
@@ -56,9 +37,9 @@ void SetReceiveTimeout(asio::ip::tcp::socket& socket, std::chrono::milliseconds 
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
                        const SegmentDescriptor& self, std::chrono::milliseconds timeout,
                        uint32_t max_body_bytes, SegmentDescriptor* peer) {
-  std::string host;
-  uint16_t port = 0;
-  RETURN_IF_ERROR(ParseAddress(address, &host, &port));
+  ASSIGN_OR_RETURN(HostPort endpoint, ParseHostPort(address, "peer address"));
+  const std::string& host = endpoint.host;
+  const uint16_t port = endpoint.port;
   auto fail = [&](const std::string& why) {
     asio::error_code ignored;
     socket.close(ignored);
@@ -210,15 +191,6 @@ void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec) {
     asio::read(socket, asio::buffer(scratch.data(), chunk), ec);
     n -= chunk;
   }
-}
-
-std::string LocalNodeId() {
-  char host[256] = {0};
-  ::gethostname(host, sizeof(host) - 1);
-  std::string boot_id;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, boot_id);
-  return std::string(host) + "/" + boot_id;
 }
 
 }  // namespace kvferry::tcp

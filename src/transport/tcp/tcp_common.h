@@ -1,5 +1,5 @@
 // Helpers shared by the TCP client and server: connect with a timeout, the HELLO handshake,
-// framed reads, and address parsing.
+// and framed reads.
 #pragma once
 
 #include <asio.hpp>
@@ -8,14 +8,11 @@
 #include <span>
 #include <string>
 
-#include "engine/wire.h"
+#include "transport/tcp/wire.h"
 #include "kvferry/segment.h"
 #include "kvferry/status.h"
 
 namespace kvferry::tcp {
-
-// Splits "host:port" (IPv6 as "[::1]:port"). Errors: kInvalidArgument naming the text.
-Status ParseAddress(const std::string& address, std::string* host, uint16_t* port);
 
 // Connects and performs the handshake: sends HELLO with `self`, reads HELLO_ACK into `peer`.
 // Blocks at most `timeout`. Errors: kUnavailable naming the address and the reason.
@@ -42,8 +39,5 @@ void ReadAll(asio::ip::tcp::socket& socket, std::span<const asio::mutable_buffer
 
 // Reads `n` bytes and throws them away.
 void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec);
-
-// A name for this machine shared by every engine on it (hostname + boot id).
-std::string LocalNodeId();
 
 }  // namespace kvferry::tcp

@@ -476,6 +476,12 @@ StatusOr<std::unique_ptr<TcpPeer>> TcpPeer::Create(const TcpPeerOptions& options
   return peer;
 }
 
+TcpPeer::TcpPeer(const TcpPeerOptions& options)
+    : PeerChannel(ChannelTraits{.slice_bytes = options.slice_bytes,
+                                .max_rows_per_item = wire::kMaxStridedRows,
+                                .takes_bulk = false}),
+      options_(options) {}
+
 TcpPeer::~TcpPeer() { Close(); }
 
 std::shared_ptr<TcpLane> TcpPeer::PickLane() {

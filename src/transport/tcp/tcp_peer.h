@@ -26,6 +26,8 @@ struct TcpPeerOptions {
   std::string address;  // peer "host:port"
   SegmentDescriptor self;
   int num_lanes = 4;
+  // Requests longer than this are moved as slices spread over the lanes (ChannelTraits).
+  uint64_t slice_bytes = 4ull << 20;
   std::chrono::milliseconds connect_timeout{5000};
   uint32_t max_body_bytes = 4u << 20;
 };
@@ -48,7 +50,7 @@ class TcpPeer : public PeerChannel {
   void Close() override;
 
  private:
-  explicit TcpPeer(const TcpPeerOptions& options) : options_(options) {}
+  explicit TcpPeer(const TcpPeerOptions& options);
   std::shared_ptr<TcpLane> PickLane();
   void SubmitOne(std::shared_ptr<WorkItem> item, bool allow_inline);
 

@@ -18,9 +18,9 @@
 #include <mutex>
 #include <thread>
 
-#include "engine/memory_registry.h"
-#include "engine/wire.h"
-#include "kvferry/engine.h"
+#include "transport/memory_registry.h"
+#include "transport/tcp/wire.h"
+#include "kvferry/transfer.h"
 
 namespace kvferry::tcp {
 

@@ -1,6 +1,6 @@
-#include "disagg/kv_pattern.h"
+#include "tools/kv_pattern.h"
 
-#include "disagg/kv_pattern_math.h"
+#include "tools/kv_pattern_math.h"
 
 #include <algorithm>
 #include <cinttypes>

@@ -1,7 +1,7 @@
-#include "cuda/pattern_kernels.h"
+#include "tools/gpu/pattern_kernels.h"
 
 #include <algorithm>
-#include "disagg/kv_pattern_math.h"
+#include "tools/kv_pattern_math.h"
 
 namespace kvferry::cuda {
 namespace {
@@ -28,7 +28,7 @@ __device__ __forceinline__ Element Decompose(uint64_t index, uint64_t words_per_
   return e;
 }
 
-__device__ __forceinline__ uint64_t SeedOf(const PatternGeometry& g, uint64_t room, int buffer,
+__device__ __forceinline__ uint64_t SeedOf(const PoolGeometry& g, uint64_t room, int buffer,
                                            int64_t token, int head) {
   const bool mla = g.num_buffers == g.num_layers;
   const int layer = mla ? buffer : (buffer < g.num_layers ? buffer : buffer - g.num_layers);
@@ -36,7 +36,7 @@ __device__ __forceinline__ uint64_t SeedOf(const PatternGeometry& g, uint64_t ro
   return pattern::HeadSeed(pattern::BufferSeed(room, layer, is_value), token, g.head_offset + head);
 }
 
-__global__ void FillKernel(PatternGeometry g, uint8_t* pool, const int32_t* pages, uint64_t room,
+__global__ void FillKernel(PoolGeometry g, uint8_t* pool, const int32_t* pages, uint64_t room,
                            int64_t first_token, int64_t num_tokens) {
   const uint64_t words_per_head = (g.head_bytes + 7) / 8;
   const uint64_t total = static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * words_per_head;
@@ -77,7 +77,7 @@ __global__ void FillRowsKernel(uint8_t* dst, uint64_t row_bytes, int rows, const
   }
 }
 
-__global__ void VerifyKernel(PatternGeometry g, const uint8_t* pool, const int32_t* pages,
+__global__ void VerifyKernel(PoolGeometry g, const uint8_t* pool, const int32_t* pages,
                              int64_t num_pages, uint64_t room, int64_t num_tokens,
                              uint8_t* flags) {
   const uint64_t words_per_head = (g.head_bytes + 7) / 8;
@@ -111,7 +111,7 @@ int Blocks(uint64_t total) {
 
 }  // namespace
 
-cudaError_t LaunchFillTokens(const PatternGeometry& g, uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchFillTokens(const PoolGeometry& g, uint8_t* pool, const int32_t* pages,
                              uint64_t room, int64_t first_token, int64_t num_tokens,
                              cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
@@ -120,7 +120,7 @@ cudaError_t LaunchFillTokens(const PatternGeometry& g, uint8_t* pool, const int3
   return cudaGetLastError();
 }
 
-cudaError_t LaunchVerifyTokens(const PatternGeometry& g, const uint8_t* pool,
+cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool,
                                const int32_t* pages, int64_t num_pages, uint64_t room,
                                int64_t num_tokens, uint8_t* flags, cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;

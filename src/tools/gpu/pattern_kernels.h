@@ -6,20 +6,20 @@
 
 #include <cstdint>
 
-#include "cuda/pattern_geometry.h"
+#include "cuda/pool_geometry.h"
 
 namespace kvferry::cuda {
 
 // Writes tokens [first_token, first_token + num_tokens) of `room`; token t lives in page
 // pages[t / page_size] (device array), slot t % page_size.
-cudaError_t LaunchFillTokens(const PatternGeometry& g, uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchFillTokens(const PoolGeometry& g, uint8_t* pool, const int32_t* pages,
                              uint64_t room, int64_t first_token, int64_t num_tokens,
                              cudaStream_t stream);
 
 // Checks tokens [0, num_tokens); sets flags[b * num_pages + p] = 1 for every buffer b and
 // request page p holding a wrong byte. `flags` (device, num_buffers * num_pages bytes) must be
 // zeroed by the caller.
-cudaError_t LaunchVerifyTokens(const PatternGeometry& g, const uint8_t* pool,
+cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool,
                                const int32_t* pages, int64_t num_pages, uint64_t room,
                                int64_t num_tokens, uint8_t* flags, cudaStream_t stream);
 

@@ -1,4 +1,4 @@
-#include "disagg/kv_pattern.h"
+#include "tools/kv_pattern.h"
 
 #include <gtest/gtest.h>
 

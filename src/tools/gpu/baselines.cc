@@ -1,4 +1,4 @@
-#include "cuda/baselines.h"
+#include "tools/gpu/baselines.h"
 
 #include <cuda_runtime.h>
 

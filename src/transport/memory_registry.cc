@@ -1,4 +1,4 @@
-#include "engine/memory_registry.h"
+#include "transport/memory_registry.h"
 
 #include <cstdio>
 #include <string>

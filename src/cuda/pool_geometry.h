@@ -1,13 +1,14 @@
-// Pool geometry as the GPU pattern kernels see it. C++17, no CUDA types: included by both
-// host code and .cu files.
+// A KV pool's geometry as the pool kernels see it (the staging gather/scatter kernels, and the
+// replay's content kernels in tools/). C++17, no CUDA types: included by both host code and
+// .cu files.
 #pragma once
 
 #include <cstdint>
 
 namespace kvferry::cuda {
 
-// Geometry of a pool as the pattern kernels need it (built from KvLayout and KvPool).
-struct PatternGeometry {
+// Built from KvLayout and KvPool (disagg/connector_pools.h).
+struct PoolGeometry {
   int num_layers = 0;
   int num_buffers = 0;  // MHA: 2 * num_layers (all K, then all V); MLA: num_layers
   int page_size = 0;

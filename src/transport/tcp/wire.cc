@@ -1,4 +1,4 @@
-#include "engine/wire.h"
+#include "transport/tcp/wire.h"
 
 #include <cstring>
 

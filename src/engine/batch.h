@@ -1,0 +1,184 @@
+// One submitted batch: its requests, the channel chosen for each, the work items or bulk
+// submissions they became, and their progress to a final state (BatchStatus). Transports
+// complete items through the WorkOwner interface; the engine finds the batch by id, the
+// deadline watch by weak pointer, and a gated batch (BatchOptions::start_after_event) waits in
+// the EventGate until it may start.
+//
+// Its work items live in one array inside the batch; transports hold aliasing pointers to
+// them, which keep the batch alive until every transport callback ran.
+//
+// Thread-safety: the public fields are set by the submitting thread before Start (or Gate)
+// and read-only afterwards; everything else is guarded by the batch's mutex (or atomics).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/deadline_watch.h"
+#include "kvferry/engine.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+
+class Peer;
+
+class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
+ public:
+  struct Request {
+    uint32_t slices_left = 0;
+    bool bulk = false;  // handed to its channel in a bulk submission
+    uint64_t transferred_bytes = 0;
+    TransferState state = TransferState::kPending;
+    Status error;
+  };
+
+  uint64_t id = 0;
+  std::chrono::steady_clock::time_point deadline;
+  std::chrono::milliseconds deadline_ms{0};
+  std::string notification;
+  std::function<void(BatchId, const BatchStatus&)> on_complete;
+  std::function<void()> on_landed;
+  std::shared_ptr<Peer> notify_peer;
+  std::vector<Peer*> peers;                      // per request
+  std::vector<std::shared_ptr<Peer>> peer_refs;  // each distinct peer once: keeps channels alive
+  std::vector<PeerChannel*> channels;            // per request: the data path chosen
+  // Per request: a strided WRITE into the peer's host memory, which a channel that takes
+  // several rows per item (TCP: strided frames) receives in groups of rows.
+  std::vector<uint8_t> strided_wire;
+
+  // The engine's deadline set; set once, before the batch starts.
+  std::shared_ptr<DeadlineWatch> watch;
+
+  // Enters the deadline set unless already final.
+  void Watch();
+
+  explicit Batch(std::span<const TransferRequest> requests);
+
+  // Splits each request not taken in bulk into items of at most its channel's
+  // ChannelTraits::slice_bytes (TCP spreads them over lanes; other channels take whole
+  // requests), a row at a time, or groups of rows where the channel takes them.
+  void BuildItems();
+
+  // Starts the copies. The requests of each channel go to it as one bulk submission when it
+  // takes them (a batch on one channel is handed over as it stands, without a copy); the
+  // rest become work items (BuildItems), one SubmitMany per channel.
+  void Start();
+
+  // Hands the whole batch, bound for one channel, to it as one bulk submission that waits on
+  // the GPU for `event` (BatchOptions::start_after_event); false (nothing started) when the
+  // batch spans several channels or the channel does not take it. Called between TakeGate and
+  // Started, like Start from the gate thread.
+  bool StartAfterEventOnDevice(void* event);
+
+  // Hands the whole batch to `channel` as one bulk submission (to start after `start_event`
+  // when not null); false, with nothing started, when the channel does not take it.
+  bool SubmitWhole(PeerChannel* channel, void* start_event);
+  // Undoes TakeGate when StartAfterEventOnDevice did not start the batch: the gate thread
+  // takes it from here.
+  void Regate() { gate_.store(kGated, std::memory_order_release); }
+
+  // Remembers a bulk submission a channel took, for Abandon.
+  void TookBulk(PeerChannel* channel, uint32_t tag);
+
+  // A batch held back until its start event completed (BatchOptions::start_after_event). Only
+  // the engine's gate thread touches the event, and it alone starts or fails a gated batch:
+  // a deadline, cancel or shutdown asks it to (Abandon), so that the event is never queried
+  // after the batch became final (when its owner may destroy it).
+  void Gate() { gate_.store(kGated, std::memory_order_release); }
+  // Gate thread: the batch may start now (true), or was asked to drop (false: call Drop).
+  bool TakeGate();
+  // Gate thread, after TakeGate and Start: Abandon may look at the items now.
+  void Started() { gate_.store(kStarted, std::memory_order_release); }
+  bool DropRequested() const { return gate_.load(std::memory_order_acquire) == kDropRequested; }
+  // Gate thread (or the engine after joining it): fails every request of a batch never
+  // started, with the reason Abandon gave or else `why`.
+  void Drop(const Status& why);
+
+  void OnBulkDone(const Status& status, uint32_t tag) override;
+
+  void OnWorkDone(WorkItem* item, const Status& status) override;
+
+  void OnWorkDoneMany(std::span<WorkItem* const> done, const Status& status) override;
+
+  // Marks unfinished requests with `why` and asks transports to stop their items.
+  void Abandon(const Status& why, bool queued_only);
+
+  BatchStatus Snapshot() const;
+
+  StatusOr<TransferStatus> RequestStatus(size_t index) const;
+
+  bool final() const;
+
+  // Polls for SpinWindow() first: completions of small batches arrive within microseconds.
+  bool WaitFinal(std::chrono::steady_clock::time_point until);
+
+  // A batch of no requests (SubmitNotification): sends its notification now.
+  void StartNotificationOnly() { AfterRequestsDone(); }
+
+  // Drops the notification item (which holds a reference back to the batch).
+  void ReleaseItems();
+
+ private:
+  void AfterRequestsDone();
+
+  void Finish(const Status& notify_status);
+
+  // Applies a finished copy of `bytes` (a work item, or a whole request sent in bulk) to
+  // request `index`; `last`: it was the request's last copy, which makes the request final.
+  // Bytes that landed count also when a deadline or cancel already failed the request.
+  // Returns whether this finished the batch's last request. Holds mu_.
+  bool ApplyLocked(size_t index, uint64_t bytes, const Status& status, bool last);
+
+  std::unique_ptr<WorkItem[]> items_;
+  size_t num_items_ = 0;
+  std::vector<TransferRequest> transfer_requests_;  // as submitted; read by a bulk submission
+  // A batch spanning several channels: each channel's requests, and their indices in the
+  // batch, for its bulk submission (tag = index here).
+  struct BulkGroup {
+    std::vector<TransferRequest> requests;
+    std::vector<uint32_t> index;
+  };
+  static constexpr uint32_t kWholeBatch = UINT32_MAX;
+  std::vector<BulkGroup> bulk_groups_;
+  // Bulk submissions taken by a channel (channel, tag), for Abandon. Guarded by mu_.
+  std::vector<std::pair<PeerChannel*, uint32_t>> bulk_taken_;
+  std::shared_ptr<WorkItem> notify_item_;  // guarded by mu_
+  enum : uint8_t { kNotGated, kGated, kStarting, kStarted, kDropRequested, kDropped };
+  std::atomic<uint8_t> gate_{kNotGated};
+  Status drop_reason_;  // guarded by mu_
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Request> requests_;
+  size_t requests_left_ = 0;
+  size_t num_completed_ = 0;
+  size_t num_failed_ = 0;
+  uint64_t transferred_bytes_ = 0;
+  Status first_error_;
+  Status final_error_;
+  TransferState state_ = TransferState::kPending;
+  bool final_ = false;
+  std::atomic<bool> final_flag_{false};  // final_, readable without mu_ (WaitFinal's polling)
+  // This batch's entry in its shard of watch while watched_; both guarded by the shard's mu.
+  DeadlineWatch::Map::iterator watch_it_;
+  bool watched_ = false;
+
+  // Leaves the deadline set (after final_flag_ is set: Watch skips a final batch).
+  void Unwatch();
+
+ public:
+  // The watchdog took this batch's entry out of the set. REQUIRES its shard's mu held.
+  void UnwatchedLocked() { watched_ = false; }
+};
+
+
+}  // namespace kvferry

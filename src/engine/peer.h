@@ -1,0 +1,49 @@
+// One opened segment (a peer engine) and the channels that reach it: its control channel
+// (TCP: handshake, descriptor queries, notifications, host memory), the transport chosen for
+// each kind of local memory, and the channels opened so far, one per (transport, local GPU).
+//
+// Thread-safety: fields set at OpenSegment are read-only afterwards; ChannelFor and Close may
+// be called from any thread.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "kvferry/memory.h"
+#include "kvferry/segment.h"
+#include "transport/tcp/tcp_peer.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+
+class Peer {
+ public:
+  uint64_t id = 0;
+  std::string address;                     // "host:port" as opened
+  std::shared_ptr<tcp::TcpPeer> control;   // its descriptor() is the handshake's
+  // The transport for each kind of local memory (TransportSet::Pick at open), or why none.
+  std::array<StatusOr<Transport*>, 2> routes{StatusOr<Transport*>(nullptr),
+                                             StatusOr<Transport*>(nullptr)};
+  // Re-reads the peer's descriptor (handed to channels that map the peer's memory).
+  std::function<StatusOr<SegmentDescriptor>()> refresh;
+
+  // The channel for local memory of `kind` on `device` (-1: host memory), opened through its
+  // route on first use. Errors: the route's, or the transport's OpenChannel error (nothing is
+  // kept then).
+  StatusOr<PeerChannel*> ChannelFor(MemoryKind kind, int device);
+
+  // Closes the control channel, then every other channel. Blocks until their threads stopped.
+  void Close();
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<const Transport*, int>, std::shared_ptr<PeerChannel>> channels_;
+};
+
+}  // namespace kvferry

@@ -1,0 +1,48 @@
+// The checks SubmitBatch makes on each request before anything moves: its shape (null
+// addresses, zero lengths, rows that overlap or wrap the address space) and, for strided
+// requests, whether every row lies in one region of the peer's descriptor with the access the
+// operation needs. Single blocks are checked against the peer's registry by the serving side.
+// Error text is built only on failure: these run for every request of every batch.
+//
+// Thread-safety: plain functions.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvferry/segment.h"
+#include "kvferry/status.h"
+#include "kvferry/transfer.h"
+
+namespace kvferry {
+
+// The shape checks of a strided request (num_rows != 1) at index `i` of its batch.
+// Errors: kInvalidArgument naming the request.
+Status CheckRows(const TransferRequest& r, size_t i);
+
+// The shape checks of any request at index `i` of its batch. Errors: kInvalidArgument naming
+// the request and the problem.
+inline Status CheckRequestShape(const TransferRequest& r, size_t i) {
+  if (r.local_addr == nullptr) {
+    return InvalidArgumentError("request " + std::to_string(i) + ": null local address");
+  }
+  if (r.length_bytes == 0) {
+    return InvalidArgumentError("request " + std::to_string(i) + ": zero length");
+  }
+  if (r.num_rows != 1) {
+    Status rows = CheckRows(r, i);
+    if (!rows.ok()) return rows;
+  }
+  if (r.remote_addr + r.remote_extent() < r.remote_addr) {
+    return InvalidArgumentError("request " + std::to_string(i) +
+                                ": remote range wraps the address space");
+  }
+  return OkStatus();
+}
+
+// Whether every row of `r` lies in one region of `desc` with the access `r` needs; `last`
+// caches the region the previous request fell in (same descriptor) and is updated.
+bool RowsInside(const SegmentDescriptor& desc, const TransferRequest& r,
+                const RegionDescriptor** last);
+
+}  // namespace kvferry

@@ -1,0 +1,68 @@
+// The transports of one engine and the choice among them. TCP is always present: it is the
+// control plane (handshake, descriptor queries, notifications) and the fallback data path.
+// Data transports are tried in one preference order:
+//
+//   nvlink (GPU memory to GPU memory on one node), then tcp (anything, anywhere)
+//
+// An inter-node transport goes between them. For each kind of local memory the first
+// transport whose capabilities allow it (local memory kind, same node) and whose CanReach
+// accepts the peer's descriptor carries a peer's requests; EngineOptions::transport ("auto",
+// or one transport's name) may force one. A new transport plugs in here (Create and the
+// order) and in its own folder under transport/; the engine's core does not change.
+//
+// Thread-safety: const methods may be called from any thread; the set is built once.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvferry/memory.h"
+#include "kvferry/segment.h"
+#include "transport/memory_registry.h"
+#include "transport/nvlink/nvlink_transport.h"
+#include "transport/tcp/tcp_transport.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+
+struct TransportSetOptions {
+  std::string transport = "auto";  // "auto" or a name from TransportSet::KnownNames()
+  tcp::TcpTransportOptions tcp;
+  NvlinkTransportOptions nvlink;
+};
+
+class TransportSet {
+ public:
+  // Every name EngineOptions::transport accepts, "auto" first.
+  static std::vector<std::string> KnownNames();
+
+  // Starts TCP and every other transport this build and machine support (NVLink with CUDA and
+  // a device). `registry` (not owned) outlives the set. Errors: kInvalidArgument for an
+  // unknown transport name or bad TCP options; a forced transport that cannot start fails
+  // with its reason (e.g. kFailedPrecondition: no CUDA device); kUnavailable when the listen
+  // address cannot be bound.
+  static StatusOr<std::unique_ptr<TransportSet>> Create(const TransportSetOptions& options,
+                                                        MemoryRegistry* registry);
+
+  tcp::TcpTransport& control() const { return *tcp_; }
+
+  // Adds every started transport to `self` (name, and what peers need to reach it), TCP first.
+  void Describe(SegmentDescriptor* self) const;
+
+  // The transport that carries requests on local memory of `local_kind` from the engine
+  // described by `self` to `peer`. Never blocks. Errors: kFailedPrecondition naming the
+  // forced transport and why it cannot, or why none can.
+  StatusOr<Transport*> Pick(MemoryKind local_kind, const SegmentDescriptor& self,
+                            const SegmentDescriptor& peer) const;
+
+ private:
+  TransportSet() = default;
+
+  std::string forced_;  // empty: auto
+  std::unique_ptr<tcp::TcpTransport> tcp_;
+  std::vector<std::unique_ptr<Transport>> data_;  // transports other than TCP, started
+  std::vector<Transport*> preference_;            // candidates, most preferred first
+};
+
+}  // namespace kvferry

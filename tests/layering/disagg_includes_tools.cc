@@ -1,0 +1,2 @@
+// Must not compile: the library users link cannot see the tools (replay content).
+#include "tools/kv_pattern.h"
