@@ -3,7 +3,6 @@
 #include "cuda/baselines.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
-#include "transport/nvlink/nvlink_channel.h"
 
 namespace kvferry {
 namespace {
@@ -29,9 +28,7 @@ StatusOr<std::unique_ptr<DeviceWordProbes>> DeviceWordProbes::Create(int, int32_
 StatusOr<bool> EventCompleted(void*) { return NoCuda(); }
 int CurrentDevice() { return 0; }
 StatusOr<std::unique_ptr<EventRelay>> EventRelay::Create(int) { return NoCuda(); }
-StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int, bool) {
-  return NoCuda();
-}
+StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int, bool) { return NoCuda(); }
 StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(int) { return NoCuda(); }
 StatusOr<std::unique_ptr<GpuPattern>> GpuPattern::Create(int) { return NoCuda(); }
 StatusOr<std::unique_ptr<BounceBuffers>> BounceBuffers::Create(int, int, uint64_t) {
@@ -41,10 +38,5 @@ StatusOr<double> MeasureMemcpyPeer(int, int, uint64_t, int) { return NoCuda(); }
 StatusOr<double> MeasureMemcpyBatch(int, int, uint64_t, int, int) { return NoCuda(); }
 int DeviceCount() { return 0; }
 }  // namespace cuda
-
-bool NvlinkAvailable() { return false; }
-StatusOr<std::unique_ptr<PeerChannel>> CreateNvlinkChannel(const NvlinkChannelOptions&) {
-  return NoCuda();
-}
 
 }  // namespace kvferry
