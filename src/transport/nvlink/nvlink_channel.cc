@@ -24,14 +24,14 @@
 #include "cuda/device_guard.h"
 #include "cuda/device_memory.h"
 #include "transport/nvlink/copy_gates.h"
-#include "transport/nvlink/fd_passing.h"
+#include "transport/nvlink/cuda_error.h"
+#include "transport/nvlink/item_path.h"
 #include "transport/nvlink/launch_plan.h"
+#include "transport/nvlink/peer_mappings.h"
 
 namespace kvferry {
 namespace {
 
-constexpr int kTableSlots = 8;
-constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
 // Bulk submissions (TrySubmitBulk): launched by the submitting thread on one of a few streams,
 // so several submitting threads build and launch their tables in parallel.
 constexpr int kBulkStreams = 4;
@@ -58,22 +58,17 @@ constexpr uint64_t kRingTiles = uint64_t{1} << 16;
 constexpr uint64_t kJobSlots = uint64_t{1} << 13;
 // ... but only while NvlinkChannelOptions::resident_min_tiles bulk tiles are in flight.
 
-std::string CudaError(const char* what, cudaError_t e) {
-  return std::string(what) + " failed: " + cudaGetErrorName(e);
-}
-
 class NvlinkChannel : public PeerChannel {
  public:
-  explicit NvlinkChannel(const NvlinkChannelOptions& options) : options_(options) {}
+  explicit NvlinkChannel(const NvlinkChannelOptions& options)
+      : options_(options),
+        mappings_(options.peer, options.refresh, options.local_device),
+        item_path_(mappings_, options.copy_engine_threshold_bytes) {}
 
   Status Init() {
     RETURN_IF_ERROR(cuda::CheckDevice(options_.local_device));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.local_device));
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    for (int i = 0; i < kTableSlots; ++i) {
-      CUDA_RETURN_IF_ERROR(cudaMallocHost(&slots_[i].host, kSlotTiles * sizeof(cuda::CopyTile)));
-      CUDA_RETURN_IF_ERROR(cudaMalloc(&slots_[i].device, kSlotTiles * sizeof(cuda::CopyTile)));
-    }
+    RETURN_IF_ERROR(item_path_.Init());
     for (cudaStream_t& st : bulk_streams_) {
       CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     }
@@ -114,21 +109,22 @@ class NvlinkChannel : public PeerChannel {
       if (!drained) std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     if (!drained) {
-      KVF_LOG_ERROR("nvlink: channel to {} destroyed while withdrawn copies still wait for "
-                    "their start events (2 s): keeping its GPU and pinned memory",
-                    options_.peer.name);
+      KVF_LOG_ERROR(
+          "nvlink: channel to {} destroyed while withdrawn copies still wait for "
+          "their start events (2 s): keeping its GPU and pinned memory",
+          mappings_.peer_name());
       (void)gates_.release();
+      item_path_.ReleaseCudaResources();
       return;
     }
-    KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
-                  "waited on the GPU for a start event), {} fell back to items (no free table "
-                  "space), {} waited for a mapping; {} through the resident kernel in {} "
-                  "launches, {} found its ring full",
-                  options_.peer.name, stats_parts_.load(), stats_launches_.load(),
-                  stats_combined_.load(), stats_gated_.load(), stats_no_slot_.load(),
-                  stats_parked_.load(),
-                  stats_resident_jobs_.load(), stats_resident_launches_.load(),
-                  stats_ring_full_.load());
+    KVF_LOG_DEBUG(
+        "nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
+        "waited on the GPU for a start event), {} fell back to items (no free table "
+        "space), {} waited for a mapping; {} through the resident kernel in {} "
+        "launches, {} found its ring full",
+        mappings_.peer_name(), stats_parts_.load(), stats_launches_.load(), stats_combined_.load(),
+        stats_gated_.load(), stats_no_slot_.load(), stats_parked_.load(),
+        stats_resident_jobs_.load(), stats_resident_launches_.load(), stats_ring_full_.load());
     cudaSetDevice(options_.local_device);
     if (resident_stream_ != nullptr) {
       // Every job completed before the progress thread ended; idle blocks leave at once now.
@@ -141,16 +137,9 @@ class NvlinkChannel : public PeerChannel {
     if (resident_control_) cudaFreeHost(resident_control_);
     if (job_done_) cudaFreeHost(job_done_);
     if (resident_device_) cudaFree(resident_device_);
-    for (auto& s : slots_) {
-      if (s.host) cudaFreeHost(s.host);
-      if (s.device) cudaFree(s.device);
-    }
     if (arena_host_) cudaFreeHost(arena_host_);
     if (arena_device_) cudaFree(arena_device_);
-    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     for (cudaEvent_t e : bulk_free_events_) cudaEventDestroy(e);
-    imports_.clear();
-    if (stream_) cudaStreamDestroy(stream_);
     for (cudaStream_t st : bulk_streams_) {
       if (st) cudaStreamDestroy(st);
     }
@@ -177,7 +166,7 @@ class NvlinkChannel : public PeerChannel {
       }
     }
     for (auto& item : items) {
-      item->Complete(UnavailableError("NVLink channel to " + options_.peer.name + " is closed"));
+      item->Complete(UnavailableError("NVLink channel to " + mappings_.peer_name() + " is closed"));
     }
   }
 
@@ -230,8 +219,7 @@ class NvlinkChannel : public PeerChannel {
   void AbandonBulk(WorkOwner* owner, uint32_t tag, const Status& why) override {
     // One launched (or being launched) is not parked: it finishes with its real outcome,
     // unless it still waits on the GPU for its start event, not started (then withdrawn).
-    FailParkedWhere([&](const BulkSubmission& b) { return b.owner == owner && b.tag == tag; },
-                    why);
+    FailParkedWhere([&](const BulkSubmission& b) { return b.owner == owner && b.tag == tag; }, why);
     for (int n = gates_->Withdraw(owner, tag, why); n > 0; --n) owner->OnBulkDone(why, tag);
   }
 
@@ -256,16 +244,6 @@ class NvlinkChannel : public PeerChannel {
   }
 
  private:
-  struct Slot {
-    void* host = nullptr;
-    void* device = nullptr;
-    bool busy = false;
-  };
-  struct Flight {
-    cudaEvent_t event = nullptr;
-    std::vector<std::shared_ptr<WorkItem>> items;
-    std::vector<int> slots;
-  };
   // A block of a bulk submission at least options_.copy_engine_threshold_bytes long, copied by
   // the copy engine (rows > 1: a strided block, cudaMemcpy2DAsync).
   struct EngineBlock {
@@ -291,27 +269,6 @@ class NvlinkChannel : public PeerChannel {
     Status status;   // a launch error, reported once the stream is past it
     std::vector<BulkPart> parts;
   };
-  // The mapping of the peer region the last request fell in (bulk translation).
-  struct MappedRegion {
-    const RegionDescriptor* region = nullptr;
-    uint8_t* base = nullptr;
-  };
-
-  // Local pointer for [remote, remote + length) of the peer, or null when the range is not in
-  // a GPU region with `need` access that this channel has already mapped. `c` remembers the
-  // last region found (only a mapped GPU region is remembered). REQUIRES map_mu_ held (shared
-  // is enough), or the progress thread (the only writer).
-  uint8_t* MapMapped(uint64_t remote, uint64_t length, uint32_t need, MappedRegion* c) const {
-    if (c->region == nullptr || !c->region->Contains(remote, length)) {
-      const RegionDescriptor* region = FindRegion(remote, length);
-      if (region == nullptr || region->kind != MemoryKind::kCuda) return nullptr;
-      auto it = imports_.find(region->key);
-      if (it == imports_.end()) return nullptr;
-      *c = {region, it->second->base()};
-    }
-    if ((c->region->access & need) != need) return nullptr;
-    return c->base + c->region->alloc_offset + (remote - c->region->base);
-  }
 
   // A bulk part's tile table in the arena, on the host and on the device.
   cuda::CopyTile* HostTiles(const BulkPart& p) const {
@@ -345,16 +302,15 @@ class NvlinkChannel : public PeerChannel {
   // Anything but kPrepared leaves nothing taken. `missing` (optional) receives the first
   // region found unmapped. Without `take_space` it stops at kFits.
   BulkFit PrepareBulk(std::span<const TransferRequest> requests, BulkPart* part,
-                      const RegionDescriptor** missing, bool take_space,
-                      bool allow_engine = true) {
+                      const RegionDescriptor** missing, bool take_space, bool allow_engine = true) {
     size_t num_tiles = 0, engine_blocks = 0;
     bool unmapped = false;
-    std::shared_lock<std::shared_mutex> map_lock(map_mu_);
+    std::shared_lock<std::shared_mutex> map_lock = mappings_.ReadLock();
     MappedRegion cache;
     for (const TransferRequest& r : requests) {
       const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
-      if (MapMapped(r.remote_addr, r.remote_extent(), need, &cache) == nullptr) {
-        const RegionDescriptor* region = FindRegion(r.remote_addr, r.remote_extent());
+      if (mappings_.MapMapped(r.remote_addr, r.remote_extent(), need, &cache) == nullptr) {
+        const RegionDescriptor* region = mappings_.FindRegion(r.remote_addr, r.remote_extent());
         if (region == nullptr || region->kind != MemoryKind::kCuda ||
             (region->access & need) != need) {
           return BulkFit::kItemPath;
@@ -387,8 +343,8 @@ class NvlinkChannel : public PeerChannel {
       const bool write = r.op == TransferOp::kWrite;
       const uint64_t local = reinterpret_cast<uint64_t>(r.local_addr);
       const uint64_t remote = reinterpret_cast<uint64_t>(
-          MapMapped(r.remote_addr, r.remote_extent(),
-                    write ? kAccessRemoteWrite : kAccessRemoteRead, &cache));
+          mappings_.MapMapped(r.remote_addr, r.remote_extent(),
+                              write ? kAccessRemoteWrite : kAccessRemoteRead, &cache));
       if (allow_engine && UsesCopyEngine(r)) {
         part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
                                 r.num_rows, write ? r.local_stride : r.remote_stride,
@@ -472,7 +428,8 @@ class NvlinkChannel : public PeerChannel {
   // fits, else from its device copy (UploadTable first).
   cudaError_t LaunchTable(const BulkPart& p, cudaStream_t stream, const cuda::CopyGate& gate = {}) {
     const int tiles = static_cast<int>(p.num_tiles);
-    if (tiles > cuda::kInlineTiles) return cuda::LaunchBatchedCopy(DeviceTiles(p), tiles, stream, gate);
+    if (tiles > cuda::kInlineTiles)
+      return cuda::LaunchBatchedCopy(DeviceTiles(p), tiles, stream, gate);
     cuda::InlineTiles inline_tiles;
     std::memcpy(inline_tiles.tiles, HostTiles(p), p.num_tiles * sizeof(cuda::CopyTile));
     return cuda::LaunchBatchedCopyInline(inline_tiles, tiles, stream, gate);
@@ -517,7 +474,8 @@ class NvlinkChannel : public PeerChannel {
     // The event marks the end of whatever was queued, also after a failed step: the flight
     // reports the error once the stream is past it, whether or not anything copied.
     if (event != nullptr && cudaEventRecord(event, stream) != cudaSuccess) {
-      if (flight.status.ok()) flight.status = InternalError("gated bulk copy: cudaEventRecord failed");
+      if (flight.status.ok())
+        flight.status = InternalError("gated bulk copy: cudaEventRecord failed");
       order.unlock();
       cudaStreamSynchronize(stream);  // nothing to poll: wait (bounded by the start event)
       GiveBulkEvent(event);
@@ -575,15 +533,14 @@ class NvlinkChannel : public PeerChannel {
           Park(std::move(bulk), /*front=*/true);
           if (mapped_one) return true;
           mapped_one = true;
-          StatusOr<uint8_t*> imported = Import(*missing);
+          StatusOr<uint8_t*> imported = mappings_.Import(*missing);
           if (!imported.ok()) {
             const RegionDescriptor& region = *missing;
             FailParkedWhere(
                 [&](const BulkSubmission& b) {
-                  return std::any_of(b.requests.begin(), b.requests.end(),
-                                     [&](const TransferRequest& r) {
-                                       return region.Contains(r.remote_addr, 1);
-                                     });
+                  return std::any_of(
+                      b.requests.begin(), b.requests.end(),
+                      [&](const TransferRequest& r) { return region.Contains(r.remote_addr, 1); });
                 },
                 imported.status());
           }
@@ -593,7 +550,7 @@ class NvlinkChannel : public PeerChannel {
         case BulkFit::kItemPath:
           // Only when the peer's descriptor changed (a refresh) after the submission parked.
           bulk.owner->OnBulkDone(
-              FailedPreconditionError("NVLink bulk submission to " + options_.peer.name +
+              FailedPreconditionError("NVLink bulk submission to " + mappings_.peer_name() +
                                       ": a range is no longer inside GPU memory the peer "
                                       "registered"),
               bulk.tag);
@@ -882,14 +839,15 @@ class NvlinkChannel : public PeerChannel {
     Status failed;
     if (!resident_ok_.load() && !resident_running_.load()) {
       std::lock_guard<std::mutex> lock(resident_mu_);
-      failed = resident_error_.ok() ? InternalError("resident copy kernel stopped") : resident_error_;
+      failed =
+          resident_error_.ok() ? InternalError("resident copy kernel stopped") : resident_error_;
     }
     const uint64_t published = job_published_.load(std::memory_order_acquire);
     uint64_t tail = job_tail_.load(std::memory_order_relaxed);
     while (tail < published) {
       const uint32_t slot = static_cast<uint32_t>(tail & (kJobSlots - 1));
-      const bool done = std::atomic_ref<uint64_t>(job_done_[slot]).load(std::memory_order_acquire) ==
-                        tail + 1;
+      const bool done =
+          std::atomic_ref<uint64_t>(job_done_[slot]).load(std::memory_order_acquire) == tail + 1;
       if (!done && failed.ok()) break;
       ResidentJob job = std::move(jobs_[slot]);
       jobs_[slot] = ResidentJob{};
@@ -972,7 +930,8 @@ class NvlinkChannel : public PeerChannel {
         continue;
       }
       bool withdrawn = true;
-      for (const BulkPart& p : queue.front().parts) withdrawn &= gates_->WithdrawnBeforeStart(p.gate);
+      for (const BulkPart& p : queue.front().parts)
+        withdrawn &= gates_->WithdrawnBeforeStart(p.gate);
       // (Their events and counters are not returned: nothing launches after closing.)
       if (withdrawn) queue.clear();
     }
@@ -983,7 +942,7 @@ class NvlinkChannel : public PeerChannel {
     std::vector<std::shared_ptr<WorkItem>> batch;
     while (true) {
       batch.clear();
-      const bool idle = inflight_.empty() && BulkIdle();
+      const bool idle = item_path_.idle() && BulkIdle();
       if (idle) {
         // Spin a little before sleeping: a futex wake-up costs more than a small transfer.
         auto spin_until = std::chrono::steady_clock::now() + cadence_.IdleWindow();
@@ -1020,25 +979,25 @@ class NvlinkChannel : public PeerChannel {
         // Submitters still inside TrySubmitBulk may yet hand over flights: stay for them.
         if (closing && bulk_submitting_.load() == 0) {
           const Status closed =
-              UnavailableError("NVLink channel to " + options_.peer.name + " closed");
+              UnavailableError("NVLink channel to " + mappings_.peer_name() + " closed");
           FailParkedWhere([](const BulkSubmission&) { return true; }, closed);
           TakeNewFlights();
           WithdrawGated(closed);
-          if (inflight_.empty() && BulkIdle()) {
+          if (item_path_.idle() && BulkIdle()) {
             for (auto& item : batch) item->Complete(UnavailableError("NVLink channel closed"));
             return;
           }
         }
       }
       const bool mapped = !closed_flag_.load() && ServiceParked();
-      if (!mapped && import_all_.load() && !closed_flag_.load() && !ImportNext()) {
+      if (!mapped && import_all_.load() && !closed_flag_.load() && !mappings_.ImportNext()) {
         import_all_.store(false);
       }
-      if (!batch.empty()) Dispatch(batch);
-      PollFlights(/*block=*/false);
+      if (!batch.empty()) item_path_.Dispatch(batch);
+      item_path_.Poll();
       PollBulk();
       PollResident();
-      if (!inflight_.empty() || !BulkIdle()) std::this_thread::yield();
+      if (!item_path_.idle() || !BulkIdle()) std::this_thread::yield();
     }
   }
 
@@ -1049,277 +1008,25 @@ class NvlinkChannel : public PeerChannel {
     bulk_new_.clear();
   }
 
-  // Completes finished flights in order; with `block`, waits for at least the oldest.
-  void PollFlights(bool block) {
-    while (!inflight_.empty()) {
-      Flight& f = inflight_.front();
-      cudaError_t e = block ? cudaEventSynchronize(f.event) : cudaEventQuery(f.event);
-      if (e == cudaErrorNotReady) return;
-      Status s = e == cudaSuccess ? OkStatus() : InternalError(CudaError("NVLink copy", e));
-      for (int slot : f.slots) slots_[slot].busy = false;
-      free_events_.push_back(f.event);
-      auto items = std::move(f.items);
-      inflight_.pop_front();
-      CompleteAll(items, s);
-      block = false;
-    }
-  }
-
-  // Completes items exactly once, handing each owner its items in one call.
-  static void CompleteAll(std::vector<std::shared_ptr<WorkItem>>& items, const Status& s) {
-    std::vector<WorkItem*> group;
-    group.reserve(items.size());
-    WorkOwner* owner = nullptr;
-    auto flush = [&] {
-      if (!group.empty()) owner->OnWorkDoneMany(group, s);
-      group.clear();
-    };
-    for (auto& item : items) {
-      if (item->state.exchange(WorkItem::kDone) == WorkItem::kDone) continue;
-      if (item->owner != owner) {
-        flush();
-        owner = item->owner;
-      }
-      group.push_back(item.get());
-    }
-    flush();
-  }
-
-  int AcquireSlot() {
-    while (true) {
-      for (int i = 0; i < kTableSlots; ++i) {
-        if (!slots_[i].busy) {
-          slots_[i].busy = true;
-          return i;
-        }
-      }
-      PollFlights(/*block=*/true);
-    }
-  }
-
-  cudaEvent_t AcquireEvent() {
-    if (!free_events_.empty()) {
-      cudaEvent_t e = free_events_.back();
-      free_events_.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-    return e;
-  }
-
-  // Maps [remote, remote + length) of the peer to a local pointer, or says why not.
-  StatusOr<uint8_t*> Translate(uint64_t remote, uint64_t length, bool write) {
-    const uint32_t need = write ? kAccessRemoteWrite : kAccessRemoteRead;
-    // Most requests of a batch land in the region the previous one did; any mapped range is
-    // answered here. The rest: re-read the descriptor, say why not, or map the allocation.
-    if (uint8_t* mapped = MapMapped(remote, length, need, &last_region_)) return mapped;
-    const RegionDescriptor* region = FindRegion(remote, length);
-    if (region == nullptr && options_.refresh) {
-      auto fresh = options_.refresh();
-      if (fresh.ok()) {
-        std::unique_lock<std::shared_mutex> map_lock(map_mu_);
-        options_.peer = std::move(*fresh);
-        last_region_ = {};  // pointed into the old descriptor
-      }
-      region = FindRegion(remote, length);
-    }
-    char range[80];
-    std::snprintf(range, sizeof(range), "[0x%llx, +%llu)", static_cast<unsigned long long>(remote),
-                  static_cast<unsigned long long>(length));
-    if (region == nullptr || region->kind != MemoryKind::kCuda) {
-      return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
-                                     range + " is not inside GPU memory " + options_.peer.name +
-                                     " registered");
-    }
-    if ((region->access & need) != need) {
-      return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
-                                     range + " lies in a region registered without remote " +
-                                     (write ? "write" : "read") + " access");
-    }
-    ASSIGN_OR_RETURN(uint8_t * base, Import(*region));
-    last_region_ = {region, base};
-    return base + region->alloc_offset + (remote - region->base);
-  }
-
-  // The local mapping of the peer allocation holding `region`, made now if there is none yet.
-  // Progress thread only (the sole writer of imports_).
-  StatusOr<uint8_t*> Import(const RegionDescriptor& region) {
-    auto it = imports_.find(region.key);
-    if (it != imports_.end()) return it->second->base();
-    StatusOr<std::unique_ptr<cuda::ImportedAllocation>> imported =
-        UnimplementedError("region is not shareable");
-    KVF_LOG_DEBUG("nvlink: mapping peer region {:x} ({} bytes on GPU {})", region.base,
-                  region.alloc_bytes, region.device_id);
-    if (region.share_type == ShareHandleType::kCudaIpc) {
-      imported = cuda::ImportedAllocation::FromIpcHandle(region.share_handle, options_.local_device);
-    } else if (region.share_type == ShareHandleType::kPosixFd) {
-      auto fd = RequestFd(options_.peer.ipc_socket, region.key);
-      if (!fd.ok()) return fd.status();
-      imported = cuda::ImportedAllocation::FromFd(*fd, region.alloc_bytes, region.device_id,
-                                                  options_.local_device);
-    }
-    if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
-    if (region.device_id != options_.local_device) {
-      // IPC mappings may have enabled it already; either way the call leaves its result as
-      // the thread's last error, which the next launch check would report: clear it.
-      if (cudaDeviceEnablePeerAccess(region.device_id, 0) != cudaSuccess) cudaGetLastError();
-    }
-    KVF_LOG_DEBUG("nvlink: mapped peer region {:x}", region.base);
-    std::unique_lock<std::shared_mutex> map_lock(map_mu_);
-    return imports_.emplace(region.key, std::move(*imported)).first->second->base();
-  }
-
-  // Progress thread, after Prepare: maps the next GPU region the peer lets us write or read
-  // (one per round, so that copies and queued work are looked after between mappings, each
-  // 100-200 ms for a large pool). Returns whether regions remain (at the end, the cursor goes
-  // back to the start for a later Prepare). A failure is left for the transfer that needs the
-  // region to report.
-  bool ImportNext() {
-    const auto& regions = options_.peer.regions;
-    while (import_next_ < regions.size()) {
-      const RegionDescriptor& region = regions[import_next_++];
-      if (region.kind != MemoryKind::kCuda || imports_.count(region.key) != 0 ||
-          (region.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
-        continue;
-      }
-      auto imported = Import(region);
-      if (!imported.ok()) {
-        KVF_LOG_DEBUG("nvlink: early mapping of peer region {:x} failed: {}", region.base,
-                      imported.status().ToString());
-      }
-      if (import_next_ < regions.size()) return true;
-    }
-    import_next_ = 0;
-    return false;
-  }
-
-  const RegionDescriptor* FindRegion(uint64_t addr, uint64_t length) const {
-    for (const auto& r : options_.peer.regions) {
-      if (r.Contains(addr, length)) return &r;
-    }
-    return nullptr;
-  }
-
-  void Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
-    // Translate every item; small blocks become tiles for the copy kernel, large ones copy-
-    // engine copies. Then cut the work into launches of at most one table slot each.
-    std::vector<std::shared_ptr<WorkItem>> accepted;
-    std::vector<size_t> item_tiles;
-    struct EngineCopy {
-      uint64_t src = 0, dst = 0, len = 0;  // len 0: the item went into tiles
-    };
-    std::vector<EngineCopy> engine_copy;  // per accepted item
-    tiles_.clear();
-    for (auto& item : batch) {
-      uint8_t expected = WorkItem::kQueued;
-      if (!item->state.compare_exchange_strong(expected, WorkItem::kSending)) continue;
-      if (item->kind != WorkItem::Kind::kWrite && item->kind != WorkItem::Kind::kRead) {
-        item->Complete(InternalError("NVLink channel carries only WRITE and READ"));
-        continue;
-      }
-      const bool write = item->kind == WorkItem::Kind::kWrite;
-      auto mapped = Translate(item->remote_addr, item->length, write);
-      if (!mapped.ok()) {
-        item->Complete(mapped.status());
-        continue;
-      }
-      const uint64_t local = reinterpret_cast<uint64_t>(item->local);
-      const uint64_t remote = reinterpret_cast<uint64_t>(*mapped);
-      const uint64_t src = write ? local : remote, dst = write ? remote : local;
-      if (item->length >= options_.copy_engine_threshold_bytes) {
-        engine_copy.push_back({src, dst, item->length});
-        item_tiles.push_back(0);
-      } else {
-        const size_t before = tiles_.size();
-        cuda::AppendTiles(src, dst, item->length, &tiles_);
-        engine_copy.push_back({});
-        item_tiles.push_back(tiles_.size() - before);
-      }
-      accepted.push_back(std::move(item));
-    }
-    if (accepted.empty()) return;
-    size_t next_engine_item = 0;  // copy-engine copies are issued in item order
-    for (const LaunchPlan& plan : PlanLaunches(item_tiles, kSlotTiles)) {
-      Flight flight;
-      Status status;
-      // Copy-engine blocks of the items this launch completes (and any before them).
-      const size_t last_item = plan.items.empty() ? next_engine_item : plan.items.back() + 1;
-      for (; next_engine_item < last_item; ++next_engine_item) {
-        const EngineCopy& c = engine_copy[next_engine_item];
-        if (c.len == 0) continue;
-        cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(c.dst),
-                                        reinterpret_cast<const void*>(c.src), c.len,
-                                        cudaMemcpyDefault, stream_);
-        if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaMemcpyAsync", e));
-      }
-      if (plan.num_tiles > 0 && status.ok()) {
-        const cuda::CopyTile* tiles = tiles_.data() + plan.first_tile;
-        const int n = static_cast<int>(plan.num_tiles);
-        cudaError_t e;
-        if (n <= cuda::kInlineTiles) {
-          cuda::InlineTiles inline_tiles;
-          std::memcpy(inline_tiles.tiles, tiles, n * sizeof(cuda::CopyTile));
-          e = cuda::LaunchBatchedCopyInline(inline_tiles, n, stream_);
-        } else {
-          // Every busy slot belongs to a flight already queued, so this always makes progress.
-          const int slot = AcquireSlot();
-          flight.slots.push_back(slot);
-          std::memcpy(slots_[slot].host, tiles, n * sizeof(cuda::CopyTile));
-          e = cudaMemcpyAsync(slots_[slot].device, slots_[slot].host, n * sizeof(cuda::CopyTile),
-                              cudaMemcpyHostToDevice, stream_);
-          if (e == cudaSuccess) {
-            e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(slots_[slot].device),
-                                        n, stream_);
-          }
-        }
-        if (e != cudaSuccess) status = InternalError(CudaError("batched copy launch", e));
-      }
-      flight.event = AcquireEvent();
-      cudaError_t e = cudaEventRecord(flight.event, stream_);
-      if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaEventRecord", e));
-      for (size_t i : plan.items) flight.items.push_back(std::move(accepted[i]));
-      if (!status.ok()) {
-        // Wait for whatever was launched before reporting, so no copy outlives its item.
-        cudaStreamSynchronize(stream_);
-        PollFlights(/*block=*/true);
-        for (int slot : flight.slots) slots_[slot].busy = false;
-        free_events_.push_back(flight.event);
-        CompleteAll(flight.items, status);
-        continue;
-      }
-      inflight_.push_back(std::move(flight));
-    }
-  }
-
   NvlinkChannelOptions options_;
   uint64_t max_pitch_ = 0;  // cudaDevAttrMaxPitch: the longest stride cudaMemcpy2DAsync takes
-  cudaStream_t stream_ = nullptr;
-  Slot slots_[kTableSlots];
-  std::vector<cuda::CopyTile> tiles_;                    // progress thread only
-  std::deque<Flight> inflight_;                          // progress thread (read under mu_)
-  std::vector<cudaEvent_t> free_events_;                 // progress thread only
-  std::map<uint64_t, std::unique_ptr<cuda::ImportedAllocation>> imports_;  // by region key
-  MappedRegion last_region_;  // progress thread: the last translated region and its mapping
+  PeerMappings mappings_;
+  ItemPath item_path_;
   // Counts for the debug log at close: bulk parts, their launches, launches of several parts,
   // submissions refused for want of a table slot.
   std::atomic<uint64_t> stats_parts_{0}, stats_launches_{0}, stats_combined_{0}, stats_no_slot_{0};
   std::atomic<uint64_t> stats_parked_{0};  // bulk submissions that waited for a mapping
-  std::atomic<bool> queued_{false};    // items in queue_ or flights in bulk_new_ (WakeProgress)
-  SubmitCadence cadence_;  // how long the idle progress thread polls before sleeping
-  std::atomic<bool> sleeping_{false};  // the progress thread waits on cv_
-  std::atomic<bool> import_all_{false};  // Prepare asked for every peer region to be mapped
-  size_t import_next_ = 0;  // ImportNext's cursor into options_.peer.regions
+  std::atomic<bool> queued_{false};        // items in queue_ or flights in bulk_new_ (WakeProgress)
+  SubmitCadence cadence_;                 // how long the idle progress thread polls before sleeping
+  std::atomic<bool> sleeping_{false};     // the progress thread waits on cv_
+  std::atomic<bool> import_all_{false};   // Prepare asked for every peer region to be mapped
   std::atomic<bool> closed_flag_{false};  // closed_, readable without mu_
-  // options_.peer and imports_: written by the progress thread under an exclusive lock, read
-  // by bulk submitters under a shared one (the progress thread reads without it).
-  mutable std::shared_mutex map_mu_;
   cudaStream_t bulk_streams_[kBulkStreams] = {};
   std::atomic<uint32_t> next_bulk_stream_{0};
   cuda::CopyTile* arena_host_ = nullptr;    // bulk tile tables (pinned), kArenaUnits units
   cuda::CopyTile* arena_device_ = nullptr;  // their device copy, for tables too big to inline
   UnitRuns arena_units_{kArenaUnits};       // guarded by bulk_mu_
-  std::mutex bulk_mu_;  // guards arena_units_ and bulk_free_events_
+  std::mutex bulk_mu_;                      // guards arena_units_ and bulk_free_events_
   std::vector<cudaEvent_t> bulk_free_events_;
   // Per bulk stream, then per gate stream. Progress thread only.
   std::array<std::deque<BulkFlight>, kBulkStreams + kGateStreams> bulk_inflight_;
@@ -1329,7 +1036,7 @@ class NvlinkChannel : public PeerChannel {
   std::array<std::atomic<int>, kGateStreams> gate_flights_{};
   std::unique_ptr<CopyGates> gates_;
   std::atomic<uint32_t> gated_units_{0};
-  std::mutex gate_launch_mu_;  // also guards gate_last_start_
+  std::mutex gate_launch_mu_;                       // also guards gate_last_start_
   cudaEvent_t gate_last_start_[kGateStreams] = {};  // the start event last queued on each
   std::atomic<uint64_t> stats_gated_{0};
 
@@ -1342,24 +1049,24 @@ class NvlinkChannel : public PeerChannel {
     uint64_t tiles = 0;
   };
   std::atomic<int64_t> bulk_tiles_in_flight_{0};  // tiles of bulk parts not completed yet
-  int resident_blocks_ = 0;  // 0: no resident kernel
-  std::atomic<bool> resident_ok_{false};  // jobs may go to the ring (off after a failure)
-  cuda::RingTile* ring_ = nullptr;                       // pinned, kRingTiles slots
-  cuda::ResidentControl* resident_control_ = nullptr;    // pinned
-  uint64_t* job_done_ = nullptr;                         // pinned, kJobSlots flags
+  int resident_blocks_ = 0;                       // 0: no resident kernel
+  std::atomic<bool> resident_ok_{false};          // jobs may go to the ring (off after a failure)
+  cuda::RingTile* ring_ = nullptr;                // pinned, kRingTiles slots
+  cuda::ResidentControl* resident_control_ = nullptr;  // pinned
+  uint64_t* job_done_ = nullptr;                       // pinned, kJobSlots flags
   void* resident_device_ = nullptr;  // ResidentDeviceState, then kJobSlots tile counters
   cudaStream_t resident_stream_ = nullptr;
   cudaEvent_t resident_event_ = nullptr;  // recorded after each launch
-  std::mutex ring_mu_;      // submitters appending to the ring
-  uint64_t ring_head_ = 0;  // ring_mu_: tiles written (and published)
-  uint64_t job_head_ = 0;   // ring_mu_: jobs appended
+  std::mutex ring_mu_;                    // submitters appending to the ring
+  uint64_t ring_head_ = 0;                // ring_mu_: tiles written (and published)
+  uint64_t job_head_ = 0;                 // ring_mu_: jobs appended
   // A slot is written under ring_mu_ before job_published_ covers it, then read and cleared
   // by the progress thread, which hands it back through job_tail_.
   std::vector<ResidentJob> jobs_;
   std::atomic<uint64_t> job_published_{0};
   std::atomic<uint64_t> job_tail_{0};   // first job not completed yet
   std::atomic<uint64_t> ring_free_{0};  // ring slots below this sequence may be rewritten
-  std::mutex resident_mu_;  // launches; guards resident_error_ and resident_generation_
+  std::mutex resident_mu_;              // launches; guards resident_error_ and resident_generation_
   uint64_t resident_generation_ = 0;
   std::atomic<bool> resident_running_{false};
   Status resident_error_;
@@ -1377,7 +1084,7 @@ class NvlinkChannel : public PeerChannel {
   std::mutex parked_mu_;
   std::deque<BulkSubmission> parked_;
   std::atomic<bool> has_parked_{false};  // parked_ is not empty
-  std::mutex launch_mu_;  // launched bulk submissions not yet polled
+  std::mutex launch_mu_;                 // launched bulk submissions not yet polled
   std::atomic<int> bulk_submitting_{0};  // TrySubmitBulk calls in progress
   std::mutex flights_mu_;                // guards bulk_new_
   bool closed_ = false;
