@@ -1,4 +1,4 @@
-// The text the NVLink channel's pieces put in a Status for a failed CUDA call.
+// The text the NVLink channel's pieces put in a Status for a failed CUDA call. Thread-safe.
 #pragma once
 
 #include <cuda_runtime_api.h>

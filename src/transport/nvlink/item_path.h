@@ -51,8 +51,8 @@ class ItemPath {
   static constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
 
   struct Slot {
+    cuda::DeviceMemory<cuda::CopyTile> device;  // (declared first: freed after `host`)
     cuda::PinnedMemory<cuda::CopyTile> host;
-    cuda::DeviceMemory<cuda::CopyTile> device;
     bool busy = false;
   };
   struct Flight {
