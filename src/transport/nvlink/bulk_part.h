@@ -1,7 +1,7 @@
 // What the NVLink channel's bulk path carries and how a submission becomes it: a BulkPart is
 // one bulk submission translated into copy-kernel tiles, written into a run of the tile arena,
-// plus its copy-engine blocks; BulkPreparer does the translating (PrepareBulk's rules: which
-// requests the bulk path takes, which go to the copy engine); UploadTable and LaunchTable
+// plus its copy-engine blocks. BulkPreparer does the translating and decides which requests
+// the bulk path takes and which blocks go to the copy engine; UploadTable and LaunchTable
 // bring a lone part's table to the copy kernel. BulkStats counts the bulk path's work for the
 // channel's closing log.
 //

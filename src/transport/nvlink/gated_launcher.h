@@ -54,7 +54,7 @@ class GatedLauncher {
   // `why` too (OnPartDone).
   int Withdraw(WorkOwner* owner, uint32_t tag, const Status& why);
   // Closing: withdraws every gated launch (those not started are reported at once), then drops
-  // a gate stream's flights from `flights_` once the oldest is one withdrawn before it started
+  // a gate stream's flights from BulkFlights once the oldest is one withdrawn before it started
   // and still waiting: no launch behind it can have started either, and none of them will
   // copy, so closing need not wait for their start events (the gates and streams stay until
   // the channel goes).
