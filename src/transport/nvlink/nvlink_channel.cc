@@ -3,97 +3,61 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstring>
 #include <deque>
-#include <map>
+#include <memory>
 #include <mutex>
-#include <new>
-#include <shared_mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/checks.h"
 #include "common/logging.h"
 #include "common/spin.h"
-#include "cuda/copy_kernels.h"
-#include "cuda/cuda_driver.h"
-#include "cuda/device_guard.h"
 #include "cuda/device_memory.h"
-#include "transport/nvlink/copy_gates.h"
-#include "transport/nvlink/fd_passing.h"
-#include "transport/nvlink/launch_plan.h"
+#include "transport/nvlink/bulk_flights.h"
+#include "transport/nvlink/bulk_launcher.h"
+#include "transport/nvlink/bulk_part.h"
+#include "transport/nvlink/cuda_error.h"
+#include "transport/nvlink/gated_launcher.h"
+#include "transport/nvlink/item_path.h"
+#include "transport/nvlink/parked_queue.h"
+#include "transport/nvlink/peer_mappings.h"
+#include "transport/nvlink/resident_kernel.h"
+#include "transport/nvlink/tile_arena.h"
 
 namespace kvferry {
 namespace {
 
-constexpr int kTableSlots = 8;
-constexpr int kSlotTiles = 1 << 16;  // 64Ki tiles (2.5 MiB of table) per launch
-// Bulk submissions (TrySubmitBulk): launched by the submitting thread on one of a few streams,
-// so several submitting threads build and launch their tables in parallel.
-constexpr int kBulkStreams = 4;
-// Bulk submissions with a start event wait for it on the GPU, on streams of their own (gate
-// streams, flight queues kBulkStreams.. of bulk_inflight_), one launch and gate each, each on
-// the gate stream with the fewest such launches in flight (a copy waiting for a far event holds
-// up only those behind it on its stream); at most kGates at once, and at most half the table
-// arena (more wait on the host, in the engine).
-constexpr int kGateStreams = 8;
-constexpr int kGates = 256;
-// Bulk submissions of at most this many tiles may share a launch (LaunchPending).
-constexpr size_t kCombineMaxTiles = 512;
-// Bulk tile tables live in one arena (pinned host memory, mirrored on the device) of 1024
-// units of 256 tiles (10 KiB of table each): a batch takes a run of consecutive units (64
-// blocks of 16 KiB: one; 8192 blocks of 2 KiB: 32), so its table is one range however many
-// units it spans. (With 64 fixed slots of 4Ki tiles, more than 64 small batches in flight
-// fell back to the item path: 16 KiB blocks in batches of 64 dropped from 300 to 150-200 GB/s
-// with 128-512 batches in flight.)
-constexpr uint32_t kArenaUnits = 1024;
-constexpr size_t kUnitTiles = 256;
-// The resident copy kernel's ring (pinned host memory, 64 bytes a tile: 4 MiB) and its job
-// slots. A bulk submission of at most kCombineMaxTiles tiles goes there while both have room.
-constexpr uint64_t kRingTiles = uint64_t{1} << 16;
-constexpr uint64_t kJobSlots = uint64_t{1} << 13;
-// ... but only while NvlinkChannelOptions::resident_min_tiles bulk tiles are in flight.
-
-std::string CudaError(const char* what, cudaError_t e) {
-  return std::string(what) + " failed: " + cudaGetErrorName(e);
-}
-
+// The channel: the submitting threads' entry points and the progress thread, which dispatches
+// WorkItems (ItemPath), launches parked bulk submissions (ParkedQueue) once their peer regions
+// are mapped (PeerMappings), completes bulk launches (BulkFlights) and resident-kernel jobs
+// (ResidentKernel), and closes. A bulk submission is translated into the tile arena by the
+// submitting thread (BulkPreparer) and launched there: through the resident kernel's ring,
+// by BulkLauncher, or behind its start event by GatedLauncher.
 class NvlinkChannel : public PeerChannel {
  public:
   explicit NvlinkChannel(const NvlinkChannelOptions& options)
-      : PeerChannel(ChannelTraits{.takes_bulk = true}), options_(options) {}
+      : PeerChannel(ChannelTraits{.takes_bulk = true}),
+        local_device_(options.local_device),
+        gated_(options.local_device, arena_, flights_, stats_),
+        bulk_launcher_(options.local_device, arena_, flights_, stats_),
+        mappings_(options.peer, options.refresh, options.local_device),
+        preparer_(mappings_, arena_, options.copy_engine_threshold_bytes),
+        item_path_(mappings_, options.copy_engine_threshold_bytes),
+        resident_(options, arena_, stats_, bulk_tiles_in_flight_, sleeping_) {}
 
   Status Init() {
-    RETURN_IF_ERROR(cuda::CheckDevice(options_.local_device));
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.local_device));
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    for (int i = 0; i < kTableSlots; ++i) {
-      CUDA_RETURN_IF_ERROR(cudaMallocHost(&slots_[i].host, kSlotTiles * sizeof(cuda::CopyTile)));
-      CUDA_RETURN_IF_ERROR(cudaMalloc(&slots_[i].device, kSlotTiles * sizeof(cuda::CopyTile)));
-    }
-    for (cudaStream_t& st : bulk_streams_) {
-      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    }
-    for (cudaStream_t& st : gate_streams_) {
-      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    }
-    ASSIGN_OR_RETURN(gates_, CopyGates::Create(kGates));
-    const size_t arena_bytes = kArenaUnits * kUnitTiles * sizeof(cuda::CopyTile);
-    void* host = nullptr;
-    void* device = nullptr;
-    CUDA_RETURN_IF_ERROR(cudaMallocHost(&host, arena_bytes));
-    arena_host_ = static_cast<cuda::CopyTile*>(host);
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, arena_bytes));
-    arena_device_ = static_cast<cuda::CopyTile*>(device);
-    int max_pitch = 0;
-    CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, options_.local_device));
-    max_pitch_ = static_cast<uint64_t>(max_pitch);
-    RETURN_IF_ERROR(InitResident());
+    RETURN_IF_ERROR(cuda::CheckDevice(local_device_));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(local_device_));
+    RETURN_IF_ERROR(item_path_.Init());
+    RETURN_IF_ERROR(bulk_launcher_.Init());
+    RETURN_IF_ERROR(gated_.Init());
+    RETURN_IF_ERROR(arena_.Init());
+    RETURN_IF_ERROR(preparer_.Init(local_device_));
+    RETURN_IF_ERROR(resident_.Init());
     thread_ = std::thread([this] { ProgressLoop(); });
     return OkStatus();
   }
@@ -102,62 +66,33 @@ class NvlinkChannel : public PeerChannel {
     Close();
     // Copies withdrawn while they waited for their start events (Close does not wait for
     // them) may still be queued: they will copy nothing, but they read this channel's memory
-    // when their events come, and freeing memory below would wait for them (cudaFree
-    // synchronises the device). Wait for them a while; past that, keep every resource (leak
-    // it) rather than hang on a compute stream that may never get there.
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    bool drained = false;
-    while (!drained && std::chrono::steady_clock::now() < give_up) {
-      drained = true;
-      for (cudaStream_t st : gate_streams_) {
-        drained &= st == nullptr || cudaStreamQuery(st) != cudaErrorNotReady;
-      }
-      if (!drained) std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    if (!drained) {
-      KVF_LOG_ERROR("nvlink: channel to {} destroyed while withdrawn copies still wait for "
-                    "their start events (2 s): keeping its GPU and pinned memory",
-                    options_.peer.name);
-      (void)gates_.release();
+    // when their events come, and freeing memory would wait for them (cudaFree synchronises
+    // the device). Wait for them a while; past that, keep every CUDA object of the channel
+    // (leak it) rather than hang on a compute stream that may never get there. (The peer
+    // mappings go all the same, with mappings_: a withdrawn copy touches only its gate's
+    // words.)
+    if (!gated_.WaitForStreams(std::chrono::seconds(2))) {
+      KVF_LOG_ERROR(
+          "nvlink: channel to {} destroyed while withdrawn copies still wait for "
+          "their start events (2 s): keeping its GPU and pinned memory",
+          mappings_.peer_name());
+      resident_.ReleaseCudaResources();
+      item_path_.ReleaseCudaResources();
+      arena_.ReleaseCudaResources();
+      bulk_launcher_.ReleaseCudaResources();
+      gated_.ReleaseCudaResources();
       return;
     }
-    KVF_LOG_DEBUG("nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
-                  "waited on the GPU for a start event), {} fell back to items (no free table "
-                  "space), {} waited for a mapping; {} through the resident kernel in {} "
-                  "launches, {} found its ring full",
-                  options_.peer.name, stats_parts_.load(), stats_launches_.load(),
-                  stats_combined_.load(), stats_gated_.load(), stats_no_slot_.load(),
-                  stats_parked_.load(),
-                  stats_resident_jobs_.load(), stats_resident_launches_.load(),
-                  stats_ring_full_.load());
-    cudaSetDevice(options_.local_device);
-    if (resident_stream_ != nullptr) {
-      // Every job completed before the progress thread ended; idle blocks leave at once now.
-      std::atomic_ref<uint32_t>(resident_control_->stop).store(1, std::memory_order_release);
-      cudaStreamSynchronize(resident_stream_);
-      cudaStreamDestroy(resident_stream_);
-    }
-    if (resident_event_) cudaEventDestroy(resident_event_);
-    if (ring_) cudaFreeHost(ring_);
-    if (resident_control_) cudaFreeHost(resident_control_);
-    if (job_done_) cudaFreeHost(job_done_);
-    if (resident_device_) cudaFree(resident_device_);
-    for (auto& s : slots_) {
-      if (s.host) cudaFreeHost(s.host);
-      if (s.device) cudaFree(s.device);
-    }
-    if (arena_host_) cudaFreeHost(arena_host_);
-    if (arena_device_) cudaFree(arena_device_);
-    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
-    for (cudaEvent_t e : bulk_free_events_) cudaEventDestroy(e);
-    imports_.clear();
-    if (stream_) cudaStreamDestroy(stream_);
-    for (cudaStream_t st : bulk_streams_) {
-      if (st) cudaStreamDestroy(st);
-    }
-    for (cudaStream_t st : gate_streams_) {
-      if (st != nullptr) cudaStreamDestroy(st);
-    }
+    KVF_LOG_DEBUG(
+        "nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
+        "waited on the GPU for a start event), {} fell back to items (no free table "
+        "space), {} waited for a mapping; {} through the resident kernel in {} "
+        "launches, {} found its ring full",
+        mappings_.peer_name(), stats_.parts.load(), stats_.launches.load(), stats_.combined.load(),
+        stats_.gated.load(), stats_.no_slot.load(), stats_.parked.load(),
+        stats_.resident_jobs.load(), stats_.resident_launches.load(), stats_.ring_full.load());
+    // The members free the rest on this device, in the order their declarations explain.
+    cudaSetDevice(local_device_);
   }
 
   void Submit(std::shared_ptr<WorkItem> item) override {
@@ -178,7 +113,7 @@ class NvlinkChannel : public PeerChannel {
       }
     }
     for (auto& item : items) {
-      item->Complete(UnavailableError("NVLink channel to " + options_.peer.name + " is closed"));
+      item->Complete(UnavailableError("NVLink channel to " + mappings_.peer_name() + " is closed"));
     }
   }
 
@@ -194,9 +129,9 @@ class NvlinkChannel : public PeerChannel {
     } else if (!closed_flag_.load()) {
       // While submissions are parked, later ones queue behind them (first come, first
       // launched): taking arena space ahead of a parked one could starve it.
-      const bool behind = has_parked_.load();
+      const bool behind = parked_.has_parked();
       BulkPart part;
-      switch (PrepareBulk(bulk.requests, &part, nullptr, /*take_space=*/!behind)) {
+      switch (preparer_.Prepare(bulk.requests, &part, nullptr, /*take_space=*/!behind)) {
         case BulkFit::kPrepared:
           LaunchPart(std::move(part), bulk);
           taken = true;
@@ -205,14 +140,14 @@ class NvlinkChannel : public PeerChannel {
           // Its peer region is being (or about to be) mapped: wait for that here rather than
           // go the item path, which took a whole fused unequal-TP room at a time through the
           // progress thread while a large pool was mapped (the first rooms took 0.6-1.1 s).
-          stats_parked_.fetch_add(1, std::memory_order_relaxed);
+          stats_.parked.fetch_add(1, std::memory_order_relaxed);
           [[fallthrough]];
         case BulkFit::kFits:
-          Park(std::move(bulk), /*front=*/false);
+          parked_.Push(std::move(bulk), /*front=*/false);
           taken = true;
           break;
         case BulkFit::kNoSpace:
-          stats_no_slot_.fetch_add(1, std::memory_order_relaxed);
+          stats_.no_slot.fetch_add(1, std::memory_order_relaxed);
           break;
         case BulkFit::kItemPath:
           break;
@@ -231,9 +166,9 @@ class NvlinkChannel : public PeerChannel {
   void AbandonBulk(WorkOwner* owner, uint32_t tag, const Status& why) override {
     // One launched (or being launched) is not parked: it finishes with its real outcome,
     // unless it still waits on the GPU for its start event, not started (then withdrawn).
-    FailParkedWhere([&](const BulkSubmission& b) { return b.owner == owner && b.tag == tag; },
-                    why);
-    for (int n = gates_->Withdraw(owner, tag, why); n > 0; --n) owner->OnBulkDone(why, tag);
+    parked_.FailWhere([&](const BulkSubmission& b) { return b.owner == owner && b.tag == tag; },
+                      why);
+    for (int n = gated_.Withdraw(owner, tag, why); n > 0; --n) owner->OnBulkDone(why, tag);
   }
 
   void Abandon(WorkItem* item, const Status& why) override {
@@ -257,155 +192,6 @@ class NvlinkChannel : public PeerChannel {
   }
 
  private:
-  struct Slot {
-    void* host = nullptr;
-    void* device = nullptr;
-    bool busy = false;
-  };
-  struct Flight {
-    cudaEvent_t event = nullptr;
-    std::vector<std::shared_ptr<WorkItem>> items;
-    std::vector<int> slots;
-  };
-  // A block of a bulk submission at least options_.copy_engine_threshold_bytes long, copied by
-  // the copy engine (rows > 1: a strided block, cudaMemcpy2DAsync).
-  struct EngineBlock {
-    uint64_t src = 0, dst = 0, width = 0, rows = 1, src_pitch = 0, dst_pitch = 0;
-  };
-  // One bulk submission, its tiles written into a run of arena units (host memory), not
-  // launched yet.
-  struct BulkPart {
-    uint32_t first_unit = 0;  // its table: arena units [first_unit, first_unit + num_units)
-    uint32_t num_units = 0;
-    size_t num_tiles = 0;
-    std::vector<EngineBlock> engine;  // its copy-engine blocks (such a part launches alone)
-    int gate = -1;  // its gate (CopyGates) when it waits on the GPU for a start event
-    WorkOwner* owner = nullptr;
-    std::shared_ptr<void> keepalive;
-    uint32_t tag = 0;
-  };
-  // One launch on the GPU, carrying one or more submissions: done when `event` completed
-  // (null: already synchronized).
-  struct BulkFlight {
-    cudaEvent_t event = nullptr;
-    int stream = 0;  // bulk_streams_ index
-    Status status;   // a launch error, reported once the stream is past it
-    std::vector<BulkPart> parts;
-  };
-  // The mapping of the peer region the last request fell in (bulk translation).
-  struct MappedRegion {
-    const RegionDescriptor* region = nullptr;
-    uint8_t* base = nullptr;
-  };
-
-  // Local pointer for [remote, remote + length) of the peer, or null when the range is not in
-  // a GPU region with `need` access that this channel has already mapped. `c` remembers the
-  // last region found (only a mapped GPU region is remembered). REQUIRES map_mu_ held (shared
-  // is enough), or the progress thread (the only writer).
-  uint8_t* MapMapped(uint64_t remote, uint64_t length, uint32_t need, MappedRegion* c) const {
-    if (c->region == nullptr || !c->region->Contains(remote, length)) {
-      const RegionDescriptor* region = FindRegion(remote, length);
-      if (region == nullptr || region->kind != MemoryKind::kCuda) return nullptr;
-      auto it = imports_.find(region->key);
-      if (it == imports_.end()) return nullptr;
-      *c = {region, it->second->base()};
-    }
-    if ((c->region->access & need) != need) return nullptr;
-    return c->base + c->region->alloc_offset + (remote - c->region->base);
-  }
-
-  // A bulk part's tile table in the arena, on the host and on the device.
-  cuda::CopyTile* HostTiles(const BulkPart& p) const {
-    return arena_host_ + p.first_unit * kUnitTiles;
-  }
-  cuda::CopyTile* DeviceTiles(const BulkPart& p) const {
-    return arena_device_ + p.first_unit * kUnitTiles;
-  }
-
-  // Whether a request of a bulk submission goes through the copy engine: long enough, and
-  // strided rows only with pitches cudaMemcpy2DAsync takes (a page's rows across a layer-major
-  // pool may be GiBs apart: those stay in the kernel).
-  bool UsesCopyEngine(const TransferRequest& r) const {
-    return r.length_bytes >= options_.copy_engine_threshold_bytes &&
-           (r.num_rows <= 1 || (r.local_stride <= max_pitch_ && r.remote_stride <= max_pitch_));
-  }
-
-  // What PrepareBulk made of a submission.
-  enum class BulkFit {
-    kPrepared,  // its tiles are in the arena
-    kFits,      // would be prepared, but take_space was false: nothing taken
-    kUnmapped,  // fits the bulk path, but a peer region it writes or reads is not mapped yet
-    kItemPath,  // needs the item path: a range outside the peer's shareable GPU regions (the
-                // item path refreshes the descriptor or reports why), or a table larger than
-                // the whole arena
-    kNoSpace,   // no free run of arena units now
-  };
-
-  // The submitting thread's half of TrySubmitBulk (and the progress thread's, for a parked
-  // submission): translates every request into tiles in a run of arena units (host memory).
-  // Anything but kPrepared leaves nothing taken. `missing` (optional) receives the first
-  // region found unmapped. Without `take_space` it stops at kFits.
-  BulkFit PrepareBulk(std::span<const TransferRequest> requests, BulkPart* part,
-                      const RegionDescriptor** missing, bool take_space,
-                      bool allow_engine = true) {
-    size_t num_tiles = 0, engine_blocks = 0;
-    bool unmapped = false;
-    std::shared_lock<std::shared_mutex> map_lock(map_mu_);
-    MappedRegion cache;
-    for (const TransferRequest& r : requests) {
-      const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
-      if (MapMapped(r.remote_addr, r.remote_extent(), need, &cache) == nullptr) {
-        const RegionDescriptor* region = FindRegion(r.remote_addr, r.remote_extent());
-        if (region == nullptr || region->kind != MemoryKind::kCuda ||
-            (region->access & need) != need) {
-          return BulkFit::kItemPath;
-        }
-        if (!unmapped && missing != nullptr) *missing = region;
-        unmapped = true;
-      }
-      if (allow_engine && UsesCopyEngine(r)) {
-        ++engine_blocks;
-      } else {
-        num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
-      }
-    }
-    const uint64_t units = (num_tiles + kUnitTiles - 1) / kUnitTiles;
-    if ((num_tiles == 0 && engine_blocks == 0) || units > kArenaUnits) return BulkFit::kItemPath;
-    if (unmapped) return BulkFit::kUnmapped;
-    if (!take_space) return BulkFit::kFits;
-    if (units > 0) {
-      std::lock_guard<std::mutex> lock(bulk_mu_);
-      std::optional<uint32_t> first = arena_units_.Take(static_cast<uint32_t>(units));
-      if (!first) return BulkFit::kNoSpace;
-      part->first_unit = *first;
-      part->num_units = static_cast<uint32_t>(units);
-    }
-    cuda::CopyTile* out = HostTiles(*part);
-    auto emit = [&](const cuda::CopyTile& tile) { *out++ = tile; };
-    part->engine.clear();
-    part->engine.reserve(engine_blocks);
-    for (const TransferRequest& r : requests) {
-      const bool write = r.op == TransferOp::kWrite;
-      const uint64_t local = reinterpret_cast<uint64_t>(r.local_addr);
-      const uint64_t remote = reinterpret_cast<uint64_t>(
-          MapMapped(r.remote_addr, r.remote_extent(),
-                    write ? kAccessRemoteWrite : kAccessRemoteRead, &cache));
-      if (allow_engine && UsesCopyEngine(r)) {
-        part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
-                                r.num_rows, write ? r.local_stride : r.remote_stride,
-                                write ? r.remote_stride : r.local_stride});
-      } else if (write) {
-        cuda::ForEachTile(local, remote, r.length_bytes, r.num_rows, r.local_stride,
-                          r.remote_stride, emit);
-      } else {
-        cuda::ForEachTile(remote, local, r.length_bytes, r.num_rows, r.remote_stride,
-                          r.local_stride, emit);
-      }
-    }
-    part->num_tiles = num_tiles;
-    return BulkFit::kPrepared;
-  }
-
   // Sends a prepared part of `bulk` on its way: to the resident kernel's ring, or to a launch
   // of its own or shared with other waiting parts.
   void LaunchPart(BulkPart&& part, BulkSubmission& bulk) {
@@ -413,12 +199,8 @@ class NvlinkChannel : public PeerChannel {
     part.tag = bulk.tag;
     part.keepalive = std::move(bulk.keepalive);
     bulk_tiles_in_flight_.fetch_add(static_cast<int64_t>(part.num_tiles));
-    if (PublishResident(part)) return;
-    {
-      std::lock_guard<std::mutex> lock(pending_mu_);
-      pending_parts_.push_back(std::move(part));
-    }
-    LaunchPending();
+    if (resident_.Publish(part)) return;
+    bulk_launcher_.Launch(std::move(part));
   }
 
   // A submission with a start event, all of it through the copy kernel (no copy-engine
@@ -427,120 +209,20 @@ class NvlinkChannel : public PeerChannel {
   // mapped yet, submissions parked, no table space, gated copies holding half the arena
   // already, or no free gate; the engine then waits for the event on the host.
   bool TrySubmitGated(BulkSubmission& bulk) {
-    if (has_parked_.load()) return false;
+    if (parked_.has_parked()) return false;
     BulkPart part;
-    if (PrepareBulk(bulk.requests, &part, nullptr, /*take_space=*/true,
-                    /*allow_engine=*/false) != BulkFit::kPrepared) {
+    if (preparer_.Prepare(bulk.requests, &part, nullptr, /*take_space=*/true,
+                          /*allow_engine=*/false) != BulkFit::kPrepared) {
       return false;
     }
-    if (gated_units_.fetch_add(part.num_units) + part.num_units > kArenaUnits / 2 ||
-        (part.gate = gates_->Acquire(bulk.owner, bulk.tag)) < 0) {
-      gated_units_.fetch_sub(part.num_units);
-      std::lock_guard<std::mutex> lock(bulk_mu_);
-      arena_units_.Give(part.first_unit, part.num_units);
-      return false;
-    }
+    if (!gated_.Admit(&part, bulk.owner, bulk.tag)) return false;
     part.owner = bulk.owner;
     part.tag = bulk.tag;
     part.keepalive = std::move(bulk.keepalive);
     bulk_tiles_in_flight_.fetch_add(static_cast<int64_t>(part.num_tiles));
-    stats_gated_.fetch_add(1, std::memory_order_relaxed);
-    LaunchGated(std::move(part), static_cast<cudaEvent_t>(bulk.start_event));
+    stats_.gated.fetch_add(1, std::memory_order_relaxed);
+    gated_.Launch(std::move(part), static_cast<cudaEvent_t>(bulk.start_event));
     return true;
-  }
-
-  // A free completion event of bulk launches, or null (the caller creates one).
-  cudaEvent_t TakeBulkEvent() {
-    std::lock_guard<std::mutex> lock(bulk_mu_);
-    if (bulk_free_events_.empty()) return nullptr;
-    cudaEvent_t event = bulk_free_events_.back();
-    bulk_free_events_.pop_back();
-    return event;
-  }
-  void GiveBulkEvent(cudaEvent_t event) {
-    std::lock_guard<std::mutex> lock(bulk_mu_);
-    bulk_free_events_.push_back(event);
-  }
-
-  // A lone part's tile table too long for the launch parameters goes to its device copy,
-  // stream-ordered before its kernel (LaunchTable); shorter tables need nothing.
-  cudaError_t UploadTable(const BulkPart& p, cudaStream_t stream) {
-    if (p.num_tiles <= static_cast<size_t>(cuda::kInlineTiles)) return cudaSuccess;
-    return cudaMemcpyAsync(DeviceTiles(p), HostTiles(p), p.num_tiles * sizeof(cuda::CopyTile),
-                           cudaMemcpyHostToDevice, stream);
-  }
-  // Launches the copy kernel over a lone part's table: inside the launch parameters when it
-  // fits, else from its device copy (UploadTable first).
-  cudaError_t LaunchTable(const BulkPart& p, cudaStream_t stream, const cuda::CopyGate& gate = {}) {
-    const int tiles = static_cast<int>(p.num_tiles);
-    if (tiles > cuda::kInlineTiles) return cuda::LaunchBatchedCopy(DeviceTiles(p), tiles, stream, gate);
-    cuda::InlineTiles inline_tiles;
-    std::memcpy(inline_tiles.tiles, HostTiles(p), p.num_tiles * sizeof(cuda::CopyTile));
-    return cuda::LaunchBatchedCopyInline(inline_tiles, tiles, stream, gate);
-  }
-
-  // Launches a gated part on the least loaded gate stream: its table (upload or launch
-  // parameters) and its gate's reset go first, then the wait for `start`, then the kernel,
-  // whose first block decides whether it still copies (CopyGates). Each stream's flights stay
-  // in launch order (gate_launch_mu_).
-  void LaunchGated(BulkPart&& part, cudaEvent_t start) {
-    stats_launches_.fetch_add(1, std::memory_order_relaxed);
-    stats_parts_.fetch_add(1, std::memory_order_relaxed);
-    cudaEvent_t event = TakeBulkEvent();
-    cuda::DeviceGuard device(options_.local_device);
-    (void)cudaGetLastError();
-    if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-    const cuda::CopyGate gate = gates_->Args(part.gate);
-    BulkFlight flight;
-    std::unique_lock<std::mutex> order(gate_launch_mu_);
-    // Launches behind one start event (a layer's batches of several rooms) share a stream;
-    // others take the least loaded.
-    int g = -1;
-    for (int i = 0; i < kGateStreams && g < 0; ++i) {
-      if (gate_last_start_[i] == start && gate_flights_[i].load() > 0) g = i;
-    }
-    if (g < 0) {
-      g = 0;
-      for (int i = 1; i < kGateStreams; ++i) {
-        if (gate_flights_[i].load() < gate_flights_[g].load()) g = i;
-      }
-    }
-    gate_last_start_[g] = start;
-    gate_flights_[g].fetch_add(1);
-    flight.stream = kBulkStreams + g;
-    cudaStream_t stream = gate_streams_[g];
-    cudaError_t e = event == nullptr ? cudaErrorMemoryAllocation : cudaSuccess;
-    if (e == cudaSuccess) e = cudaMemsetAsync(gate.decision, 0, sizeof(uint32_t), stream);
-    if (e == cudaSuccess) e = UploadTable(part, stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, start, 0);
-    if (e == cudaSuccess) e = LaunchTable(part, stream, gate);
-    if (e != cudaSuccess) flight.status = InternalError(CudaError("gated bulk copy launch", e));
-    // The event marks the end of whatever was queued, also after a failed step: the flight
-    // reports the error once the stream is past it, whether or not anything copied.
-    if (event != nullptr && cudaEventRecord(event, stream) != cudaSuccess) {
-      if (flight.status.ok()) flight.status = InternalError("gated bulk copy: cudaEventRecord failed");
-      order.unlock();
-      cudaStreamSynchronize(stream);  // nothing to poll: wait (bounded by the start event)
-      GiveBulkEvent(event);
-      event = nullptr;
-      order.lock();
-    }
-    flight.event = event;
-    flight.parts.push_back(std::move(part));
-    std::lock_guard<std::mutex> lock(flights_mu_);
-    bulk_new_.push_back(std::move(flight));
-  }
-
-  // Queues a taken submission for the progress thread (ServiceParked): at the back, or at the
-  // front when it goes back to where it was.
-  void Park(BulkSubmission&& bulk, bool front) {
-    std::lock_guard<std::mutex> lock(parked_mu_);
-    if (front) {
-      parked_.push_front(std::move(bulk));
-    } else {
-      parked_.push_back(std::move(bulk));
-    }
-    has_parked_.store(true);
   }
 
   // Progress thread: launches parked submissions in the order they came, mapping at most one
@@ -549,42 +231,33 @@ class NvlinkChannel : public PeerChannel {
   // AbandonBulk can still withdraw it. A mapping that fails fails every parked submission
   // that needs the region.
   bool ServiceParked() {
-    if (!has_parked_.load()) return false;
+    if (!parked_.has_parked()) return false;
     bool mapped_one = false;
     while (true) {
       BulkSubmission bulk;
-      {
-        std::lock_guard<std::mutex> lock(parked_mu_);
-        if (parked_.empty()) {
-          has_parked_.store(false);
-          return mapped_one;
-        }
-        bulk = std::move(parked_.front());
-        parked_.pop_front();
-      }
+      if (!parked_.PopFront(&bulk)) return mapped_one;
       BulkPart part;
       const RegionDescriptor* missing = nullptr;
-      switch (PrepareBulk(bulk.requests, &part, &missing, /*take_space=*/true)) {
+      switch (preparer_.Prepare(bulk.requests, &part, &missing, /*take_space=*/true)) {
         case BulkFit::kPrepared:
           LaunchPart(std::move(part), bulk);
-          queued_.store(true);  // its flight is in bulk_new_: the loop takes it next round
+          queued_.store(true);  // its flight is handed in: the loop takes it next round
           break;
         case BulkFit::kNoSpace:  // copies in flight give space back: next round
-          Park(std::move(bulk), /*front=*/true);
+          parked_.Push(std::move(bulk), /*front=*/true);
           return mapped_one;
         case BulkFit::kUnmapped: {
-          Park(std::move(bulk), /*front=*/true);
+          parked_.Push(std::move(bulk), /*front=*/true);
           if (mapped_one) return true;
           mapped_one = true;
-          StatusOr<uint8_t*> imported = Import(*missing);
+          StatusOr<uint8_t*> imported = mappings_.Import(*missing);
           if (!imported.ok()) {
             const RegionDescriptor& region = *missing;
-            FailParkedWhere(
+            parked_.FailWhere(
                 [&](const BulkSubmission& b) {
-                  return std::any_of(b.requests.begin(), b.requests.end(),
-                                     [&](const TransferRequest& r) {
-                                       return region.Contains(r.remote_addr, 1);
-                                     });
+                  return std::any_of(
+                      b.requests.begin(), b.requests.end(),
+                      [&](const TransferRequest& r) { return region.Contains(r.remote_addr, 1); });
                 },
                 imported.status());
           }
@@ -594,312 +267,13 @@ class NvlinkChannel : public PeerChannel {
         case BulkFit::kItemPath:
           // Only when the peer's descriptor changed (a refresh) after the submission parked.
           bulk.owner->OnBulkDone(
-              FailedPreconditionError("NVLink bulk submission to " + options_.peer.name +
+              FailedPreconditionError("NVLink bulk submission to " + mappings_.peer_name() +
                                       ": a range is no longer inside GPU memory the peer "
                                       "registered"),
               bulk.tag);
           break;
       }
     }
-  }
-
-  // Takes the parked submissions `which` selects out of the queue and completes each with
-  // `why` (OnBulkDone outside the lock, on this thread). AbandonBulk, a failed mapping (those
-  // with a request in the region) and closing (all) use it.
-  template <typename Which>
-  void FailParkedWhere(Which&& which, const Status& why) {
-    std::deque<BulkSubmission> failed;
-    {
-      std::lock_guard<std::mutex> lock(parked_mu_);
-      for (auto it = parked_.begin(); it != parked_.end();) {
-        if (which(*it)) {
-          failed.push_back(std::move(*it));
-          it = parked_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      has_parked_.store(!parked_.empty());
-    }
-    for (BulkSubmission& bulk : failed) bulk.owner->OnBulkDone(why, bulk.tag);
-  }
-
-  // Launches every prepared submission, combining those that wait together into one kernel
-  // over their host tables: the driver takes a few microseconds per launch from any thread,
-  // which capped batches of 64 blocks at ~250k per second when each had its own. Whoever
-  // holds launch_mu_ launches for everyone; a thread that finds it held leaves its part
-  // queued, and the holder looks again after releasing it, so no part is left behind.
-  void LaunchPending() {
-    while (true) {
-      std::unique_lock<std::mutex> launcher(launch_mu_, std::try_to_lock);
-      if (!launcher.owns_lock()) return;
-      std::vector<BulkPart> parts;
-      {
-        std::lock_guard<std::mutex> lock(pending_mu_);
-        parts.swap(pending_parts_);
-      }
-      // Groups of small parts with at most kMaxHostTables slots between them; a large part
-      // launches alone, its table uploaded to device memory (a kernel reading tens of
-      // thousands of tiles over PCIe ran fused unequal-TP replays at 138 instead of ~190 GB/s).
-      std::vector<BulkPart> group;
-
-      for (BulkPart& part : parts) {
-        if (part.num_tiles > kCombineMaxTiles || !part.engine.empty()) {
-          std::vector<BulkPart> alone;
-          alone.push_back(std::move(part));
-          LaunchGroup(std::move(alone));
-          continue;
-        }
-        if (group.size() == static_cast<size_t>(cuda::kMaxHostTables)) {
-          LaunchGroup(std::move(group));
-          group.clear();
-        }
-        group.push_back(std::move(part));
-      }
-      if (!group.empty()) LaunchGroup(std::move(group));
-      launcher.unlock();
-      std::lock_guard<std::mutex> lock(pending_mu_);
-      if (pending_parts_.empty()) return;
-    }
-  }
-
-  // One launch and one event for `parts`. A lone part goes as before: small tables inside
-  // the launch parameters, larger ones uploaded to its slots' device copies; several parts go
-  // as one kernel reading their tables from host memory.
-  void LaunchGroup(std::vector<BulkPart> parts) {
-    stats_launches_.fetch_add(1, std::memory_order_relaxed);
-    stats_parts_.fetch_add(parts.size(), std::memory_order_relaxed);
-    if (parts.size() > 1) stats_combined_.fetch_add(1, std::memory_order_relaxed);
-    BulkFlight flight;
-    cudaEvent_t event = TakeBulkEvent();
-    cuda::DeviceGuard device(options_.local_device);
-    const int stream_index =
-        static_cast<int>(next_bulk_stream_.fetch_add(1, std::memory_order_relaxed) % kBulkStreams);
-    cudaStream_t stream = bulk_streams_[stream_index];
-    flight.stream = stream_index;
-    // A launch reports through the thread's last error: clear what an earlier call on this
-    // (the caller's) thread may have left, so it cannot fail this batch.
-    (void)cudaGetLastError();
-    cudaError_t e = cudaSuccess;
-    if (parts.size() == 1 && parts[0].num_tiles == 0) {
-      // Copy-engine blocks only: below.
-    } else if (parts.size() == 1) {
-      e = UploadTable(parts[0], stream);
-      if (e == cudaSuccess) e = LaunchTable(parts[0], stream);
-    } else {
-      cuda::HostTables tables;
-      uint32_t end = 0;
-      for (const BulkPart& p : parts) {
-        end += static_cast<uint32_t>(p.num_tiles);
-        tables.tables[tables.count] = HostTiles(p);
-        tables.end[tables.count] = end;
-        ++tables.count;
-      }
-      e = cuda::LaunchBatchedCopyHostTables(tables, stream);
-    }
-    for (const BulkPart& p : parts) {  // (a part with copy-engine blocks launches alone)
-      for (const EngineBlock& b : p.engine) {
-        if (e != cudaSuccess) break;
-        void* dst = reinterpret_cast<void*>(b.dst);
-        const void* src = reinterpret_cast<const void*>(b.src);
-        e = b.rows <= 1 ? cudaMemcpyAsync(dst, src, b.width, cudaMemcpyDefault, stream)
-                        : cudaMemcpy2DAsync(dst, b.dst_pitch, src, b.src_pitch, b.width, b.rows,
-                                            cudaMemcpyDefault, stream);
-      }
-    }
-    if (e != cudaSuccess) flight.status = InternalError(CudaError("bulk copy launch", e));
-    if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-    if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
-      // No event to poll: wait here so that no copy outlives the report.
-      if (flight.status.ok()) flight.status = InternalError("bulk copy: cudaEventRecord failed");
-      cudaStreamSynchronize(stream);
-      if (event != nullptr) {
-        GiveBulkEvent(event);
-      }
-      event = nullptr;
-    }
-    flight.event = event;
-    flight.parts = std::move(parts);
-    std::lock_guard<std::mutex> lock(flights_mu_);
-    bulk_new_.push_back(std::move(flight));
-  }
-
-  // Sets up the resident copy kernel's ring, control block, job flags and device state.
-  Status InitResident() {
-    int sms = 0;
-    CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, options_.local_device));
-    // Default: as many blocks as fit on the GPU at once (one per SM of 16 warps on H200), so
-    // that every block runs from the launch on.
-    {
-      cuda::DeviceGuard device(options_.local_device);
-      const int fit = sms * cuda::ResidentBlocksPerSm();
-      // More than fit would start late and keep the kernel up past its idle spell.
-      resident_blocks_ = options_.resident_blocks < 0 ? std::min(sms, fit)
-                                                      : std::min(options_.resident_blocks, fit);
-    }
-    if (resident_blocks_ == 0) return OkStatus();
-    void* p = nullptr;
-    CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, kRingTiles * sizeof(cuda::RingTile)));
-    ring_ = static_cast<cuda::RingTile*>(p);
-    CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, sizeof(cuda::ResidentControl)));
-    resident_control_ = new (p) cuda::ResidentControl();
-    CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, kJobSlots * sizeof(uint64_t)));
-    job_done_ = static_cast<uint64_t*>(p);
-    std::memset(job_done_, 0, kJobSlots * sizeof(uint64_t));
-    // ResidentDeviceState, then a tile counter per job slot.
-    const size_t device_bytes =
-        sizeof(cuda::ResidentDeviceState) + kJobSlots * sizeof(unsigned int);
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&resident_device_, device_bytes));
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&resident_stream_, cudaStreamNonBlocking));
-    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&resident_event_, cudaEventDisableTiming));
-    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(resident_device_, 0, device_bytes, resident_stream_));
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(resident_stream_));
-    jobs_.resize(kJobSlots);
-    resident_ok_.store(true);
-    return OkStatus();
-  }
-
-  cuda::ResidentArgs ResidentArgsFor() const {
-    cuda::ResidentArgs a;
-    a.ring = ring_;
-    a.ring_mask = kRingTiles - 1;
-    a.control = resident_control_;
-    a.job_done = job_done_;
-    a.state = static_cast<cuda::ResidentDeviceState*>(resident_device_);
-    a.job_count = reinterpret_cast<unsigned int*>(static_cast<uint8_t*>(resident_device_) +
-                                                  sizeof(cuda::ResidentDeviceState));
-    // At least 20 us: with none, blocks would leave at their first miss and nearly every
-    // batch would relaunch the kernel.
-    a.idle_ns = std::max<uint64_t>(20000, static_cast<uint64_t>(IdleSpinWindow().count()) * 1000);
-    return a;
-  }
-
-  // Appends a prepared small submission to the resident kernel's ring as one job and makes
-  // sure the kernel runs; false (the part untouched) when it is too large, the kernel is off
-  // or failed, or the ring or the job slots are full. Submitters append under ring_mu_, so
-  // the published count only ever covers fully written slots.
-  bool PublishResident(BulkPart& part) {
-    if (part.num_tiles > kCombineMaxTiles || !part.engine.empty() ||
-        !resident_ok_.load(std::memory_order_acquire) ||
-        bulk_tiles_in_flight_.load(std::memory_order_relaxed) < options_.resident_min_tiles) {
-      return false;
-    }
-    const uint64_t n = part.num_tiles;
-    {
-      std::lock_guard<std::mutex> lock(ring_mu_);
-      if (job_head_ - job_tail_.load(std::memory_order_acquire) >= kJobSlots ||
-          ring_head_ + n - ring_free_.load(std::memory_order_acquire) > kRingTiles) {
-        stats_ring_full_.fetch_add(1, std::memory_order_relaxed);
-        return false;
-      }
-      const uint64_t seq = job_head_;
-      const uint32_t slot = static_cast<uint32_t>(seq & (kJobSlots - 1));
-      const cuda::CopyTile* tiles = HostTiles(part);
-      for (uint64_t i = 0; i < n; ++i) {
-        cuda::RingTile& r = ring_[(ring_head_ + i) & (kRingTiles - 1)];
-        r.tile = tiles[i];
-        r.job_slot = slot;
-        r.job_tiles = static_cast<uint32_t>(n);
-        r.job_seq = seq;
-      }
-      ring_head_ += n;
-      ResidentJob& job = jobs_[slot];
-      job.owner = part.owner;
-      job.tag = part.tag;
-      job.keepalive = std::move(part.keepalive);
-      job.tile_end = ring_head_;
-      job.tiles = n;
-      job_head_ = seq + 1;
-      std::atomic_ref<uint64_t>(resident_control_->published)
-          .store(ring_head_, std::memory_order_release);
-      job_published_.store(job_head_, std::memory_order_release);
-    }
-    {
-      std::lock_guard<std::mutex> lock(bulk_mu_);
-      arena_units_.Give(part.first_unit, part.num_units);
-    }
-    stats_resident_jobs_.fetch_add(1, std::memory_order_relaxed);
-    EnsureResident();
-    return true;
-  }
-
-  // Launches the resident kernel unless it runs. A launch error turns the ring off: the
-  // progress thread fails the jobs left in it, later submissions launch their own kernels.
-  // A kernel taken for running may have left already: the awake progress thread notices
-  // that within a round and relaunches; while it sleeps, the caller looks at the event.
-  void EnsureResident() {
-    if (resident_running_.load(std::memory_order_acquire) && !sleeping_.load()) return;
-    std::lock_guard<std::mutex> lock(resident_mu_);
-    if (!resident_ok_.load()) return;
-    cuda::DeviceGuard device(options_.local_device);
-    if (resident_running_.load() && !ResidentEndedLocked()) return;
-    if (!resident_ok_.load()) return;  // it ended with an error
-    (void)cudaGetLastError();
-    cuda::ResidentArgs args = ResidentArgsFor();
-    args.generation = ++resident_generation_;
-    cudaError_t e = cuda::LaunchResidentCopy(args, resident_blocks_, resident_stream_);
-    if (e == cudaSuccess) e = cudaEventRecord(resident_event_, resident_stream_);
-    if (e != cudaSuccess) {
-      resident_error_ = InternalError(CudaError("resident copy kernel launch", e));
-      resident_ok_.store(false);
-      return;
-    }
-    stats_resident_launches_.fetch_add(1, std::memory_order_relaxed);
-    resident_running_.store(true, std::memory_order_release);
-  }
-
-  // Whether the kernel taken for running has ended; if so marks it stopped, and a failed
-  // kernel turns the ring off with its error. REQUIRES resident_mu_.
-  bool ResidentEndedLocked() {
-    const cudaError_t e = cudaEventQuery(resident_event_);
-    if (e == cudaErrorNotReady) return false;
-    resident_running_.store(false);
-    if (e != cudaSuccess) {
-      resident_error_ = InternalError(CudaError("NVLink copy (resident kernel)", e));
-      resident_ok_.store(false);
-    }
-    return true;
-  }
-
-  bool ResidentIdle() const {
-    return job_tail_.load(std::memory_order_relaxed) ==
-           job_published_.load(std::memory_order_acquire);
-  }
-
-  // Progress thread: notices the resident kernel's end (its blocks left, idle, or it failed),
-  // completes finished jobs in order, fails the rest once the kernel failed, and relaunches
-  // the kernel when jobs remain that no block claimed. Flags are read after the end was seen,
-  // so a job the ended kernel finished is never taken for unclaimed.
-  void PollResident() {
-    if (resident_blocks_ == 0) return;
-    if (resident_running_.load(std::memory_order_acquire) &&
-        cudaEventQuery(resident_event_) != cudaErrorNotReady) {
-      std::lock_guard<std::mutex> lock(resident_mu_);
-      // Asked again under the lock: a submitter may have relaunched the kernel (and recorded
-      // the event anew) since.
-      ResidentEndedLocked();
-    }
-    Status failed;
-    if (!resident_ok_.load() && !resident_running_.load()) {
-      std::lock_guard<std::mutex> lock(resident_mu_);
-      failed = resident_error_.ok() ? InternalError("resident copy kernel stopped") : resident_error_;
-    }
-    const uint64_t published = job_published_.load(std::memory_order_acquire);
-    uint64_t tail = job_tail_.load(std::memory_order_relaxed);
-    while (tail < published) {
-      const uint32_t slot = static_cast<uint32_t>(tail & (kJobSlots - 1));
-      const bool done = std::atomic_ref<uint64_t>(job_done_[slot]).load(std::memory_order_acquire) ==
-                        tail + 1;
-      if (!done && failed.ok()) break;
-      ResidentJob job = std::move(jobs_[slot]);
-      jobs_[slot] = ResidentJob{};
-      ring_free_.store(job.tile_end, std::memory_order_release);
-      job_tail_.store(++tail, std::memory_order_release);
-      bulk_tiles_in_flight_.fetch_sub(static_cast<int64_t>(job.tiles));
-      job.owner->OnBulkDone(done ? OkStatus() : failed, job.tag);
-    }
-    if (tail < published && !resident_running_.load()) EnsureResident();
   }
 
   // Tells the progress thread that something new is queued or launched, waking it only when
@@ -913,26 +287,7 @@ class NvlinkChannel : public PeerChannel {
     }
   }
 
-  // Completes the bulk flights whose copies finished. A stream runs its launches in order, so
-  // only the oldest flight of each stream is queried (one cudaEventQuery per stream and round,
-  // not one per flight: with 64 flights in flight, querying them all capped completions at
-  // ~250k batches/s).
-  void PollBulk() {
-    for (auto& queue : bulk_inflight_) {
-      while (!queue.empty()) {
-        if (!CompleteBulkFlight(queue.front())) break;
-        queue.pop_front();
-      }
-    }
-  }
-
-  bool BulkIdle() const {
-    if (has_parked_.load()) return false;
-    for (const auto& queue : bulk_inflight_) {
-      if (!queue.empty()) return false;
-    }
-    return ResidentIdle();
-  }
+  bool BulkIdle() const { return !parked_.has_parked() && flights_.idle() && resident_.idle(); }
 
   // Completes `f` if its copies finished; false (and nothing done) while they run.
   bool CompleteBulkFlight(BulkFlight& f) {
@@ -940,51 +295,24 @@ class NvlinkChannel : public PeerChannel {
     if (e == cudaErrorNotReady) return false;
     if (e != cudaSuccess && f.status.ok()) f.status = InternalError(CudaError("NVLink copy", e));
     BulkFlight done = std::move(f);
-    {
-      std::lock_guard<std::mutex> lock(bulk_mu_);
-      for (const BulkPart& p : done.parts) {
-        if (p.num_units > 0) arena_units_.Give(p.first_unit, p.num_units);
-      }
-      if (done.event != nullptr) bulk_free_events_.push_back(done.event);
-    }
+    arena_.GiveBack(done.parts, done.event);
     for (const BulkPart& p : done.parts) {
       bulk_tiles_in_flight_.fetch_sub(static_cast<int64_t>(p.num_tiles));
       Status outcome = done.status;
-      if (p.gate >= 0) {
-        gated_units_.fetch_sub(p.num_units);
-        gate_flights_[done.stream - kBulkStreams].fetch_sub(1);
-        if (!gates_->Outcome(p.gate, done.status, &outcome)) continue;  // withdrawn: reported
+      if (p.gate >= 0 && !gated_.OnPartDone(p, done.stream, done.status, &outcome)) {
+        continue;  // withdrawn: reported
       }
       p.owner->OnBulkDone(outcome, p.tag);
     }
     return true;
   }
 
-  // Closing: withdraws every gated launch (those not started are reported at once), then drops
-  // the gate stream's flights once the oldest is one withdrawn before it started and still
-  // waiting: no launch behind it can have started either, and none of them will copy, so
-  // closing need not wait for their start events (the destructor keeps their gate words).
-  void WithdrawGated(const Status& why) {
-    for (const auto& [owner, tag] : gates_->WithdrawAll(why)) owner->OnBulkDone(why, tag);
-    for (int g = 0; g < kGateStreams; ++g) {
-      auto& queue = bulk_inflight_[static_cast<size_t>(kBulkStreams + g)];
-      if (queue.empty() || queue.front().event == nullptr ||
-          cudaEventQuery(queue.front().event) != cudaErrorNotReady) {
-        continue;
-      }
-      bool withdrawn = true;
-      for (const BulkPart& p : queue.front().parts) withdrawn &= gates_->WithdrawnBeforeStart(p.gate);
-      // (Their events and counters are not returned: nothing launches after closing.)
-      if (withdrawn) queue.clear();
-    }
-  }
-
   void ProgressLoop() {
-    cudaSetDevice(options_.local_device);
+    cudaSetDevice(local_device_);
     std::vector<std::shared_ptr<WorkItem>> batch;
     while (true) {
       batch.clear();
-      const bool idle = inflight_.empty() && BulkIdle();
+      const bool idle = item_path_.idle() && BulkIdle();
       if (idle) {
         // Spin a little before sleeping: a futex wake-up costs more than a small transfer.
         auto spin_until = std::chrono::steady_clock::now() + cadence_.IdleWindow();
@@ -1001,10 +329,10 @@ class NvlinkChannel : public PeerChannel {
         {
           std::unique_lock<std::mutex> lock(mu_);
           // Nothing queued and nothing in flight: sleep until WakeProgress, SubmitMany or
-          // Close. (A flight announced by was_queued is in bulk_new_: no sleeping then.)
+          // Close. (A flight announced by was_queued is handed in: no sleeping then.)
           // While the resident kernel is up, stay awake: a job's flag is then seen at once,
           // and the kernel's end (its idle spell) is noticed without a wake-up.
-          if (idle && !was_queued && queue_.empty() && !closed_ && !resident_running_.load() &&
+          if (idle && !was_queued && queue_.empty() && !closed_ && !resident_.running() &&
               !import_all_.load()) {
             sleeping_.store(true);
             cv_.wait(lock, [&] { return closed_ || !queue_.empty() || queued_.load(); });
@@ -1017,371 +345,65 @@ class NvlinkChannel : public PeerChannel {
             queue_.pop_front();
           }
         }
-        TakeNewFlights();
+        flights_.TakeNew();
         // Submitters still inside TrySubmitBulk may yet hand over flights: stay for them.
         if (closing && bulk_submitting_.load() == 0) {
           const Status closed =
-              UnavailableError("NVLink channel to " + options_.peer.name + " closed");
-          FailParkedWhere([](const BulkSubmission&) { return true; }, closed);
-          TakeNewFlights();
-          WithdrawGated(closed);
-          if (inflight_.empty() && BulkIdle()) {
+              UnavailableError("NVLink channel to " + mappings_.peer_name() + " closed");
+          parked_.FailWhere([](const BulkSubmission&) { return true; }, closed);
+          flights_.TakeNew();
+          gated_.WithdrawAll(closed);
+          if (item_path_.idle() && BulkIdle()) {
             for (auto& item : batch) item->Complete(UnavailableError("NVLink channel closed"));
             return;
           }
         }
       }
       const bool mapped = !closed_flag_.load() && ServiceParked();
-      if (!mapped && import_all_.load() && !closed_flag_.load() && !ImportNext()) {
+      if (!mapped && import_all_.load() && !closed_flag_.load() && !mappings_.ImportNext()) {
         import_all_.store(false);
       }
-      if (!batch.empty()) Dispatch(batch);
-      PollFlights(/*block=*/false);
-      PollBulk();
-      PollResident();
-      if (!inflight_.empty() || !BulkIdle()) std::this_thread::yield();
+      if (!batch.empty()) item_path_.Dispatch(batch);
+      item_path_.Poll();
+      flights_.Poll([this](BulkFlight& f) { return CompleteBulkFlight(f); });
+      resident_.Poll();
+      if (!item_path_.idle() || !BulkIdle()) std::this_thread::yield();
     }
   }
 
-  // Moves launched bulk flights into the per-stream queues PollBulk polls.
-  void TakeNewFlights() {
-    std::lock_guard<std::mutex> lock(flights_mu_);
-    for (auto& f : bulk_new_) bulk_inflight_[static_cast<size_t>(f.stream)].push_back(std::move(f));
-    bulk_new_.clear();
-  }
+  const int local_device_;
 
-  // Completes finished flights in order; with `block`, waits for at least the oldest.
-  void PollFlights(bool block) {
-    while (!inflight_.empty()) {
-      Flight& f = inflight_.front();
-      cudaError_t e = block ? cudaEventSynchronize(f.event) : cudaEventQuery(f.event);
-      if (e == cudaErrorNotReady) return;
-      Status s = e == cudaSuccess ? OkStatus() : InternalError(CudaError("NVLink copy", e));
-      for (int slot : f.slots) slots_[slot].busy = false;
-      free_events_.push_back(f.event);
-      auto items = std::move(f.items);
-      inflight_.pop_front();
-      CompleteAll(items, s);
-      block = false;
-    }
-  }
-
-  // Completes items exactly once, handing each owner its items in one call.
-  static void CompleteAll(std::vector<std::shared_ptr<WorkItem>>& items, const Status& s) {
-    std::vector<WorkItem*> group;
-    group.reserve(items.size());
-    WorkOwner* owner = nullptr;
-    auto flush = [&] {
-      if (!group.empty()) owner->OnWorkDoneMany(group, s);
-      group.clear();
-    };
-    for (auto& item : items) {
-      if (item->state.exchange(WorkItem::kDone) == WorkItem::kDone) continue;
-      if (item->owner != owner) {
-        flush();
-        owner = item->owner;
-      }
-      group.push_back(item.get());
-    }
-    flush();
-  }
-
-  int AcquireSlot() {
-    while (true) {
-      for (int i = 0; i < kTableSlots; ++i) {
-        if (!slots_[i].busy) {
-          slots_[i].busy = true;
-          return i;
-        }
-      }
-      PollFlights(/*block=*/true);
-    }
-  }
-
-  cudaEvent_t AcquireEvent() {
-    if (!free_events_.empty()) {
-      cudaEvent_t e = free_events_.back();
-      free_events_.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-    return e;
-  }
-
-  // Maps [remote, remote + length) of the peer to a local pointer, or says why not.
-  StatusOr<uint8_t*> Translate(uint64_t remote, uint64_t length, bool write) {
-    const uint32_t need = write ? kAccessRemoteWrite : kAccessRemoteRead;
-    // Most requests of a batch land in the region the previous one did; any mapped range is
-    // answered here. The rest: re-read the descriptor, say why not, or map the allocation.
-    if (uint8_t* mapped = MapMapped(remote, length, need, &last_region_)) return mapped;
-    const RegionDescriptor* region = FindRegion(remote, length);
-    if (region == nullptr && options_.refresh) {
-      auto fresh = options_.refresh();
-      if (fresh.ok()) {
-        std::unique_lock<std::shared_mutex> map_lock(map_mu_);
-        options_.peer = std::move(*fresh);
-        last_region_ = {};  // pointed into the old descriptor
-      }
-      region = FindRegion(remote, length);
-    }
-    char range[80];
-    std::snprintf(range, sizeof(range), "[0x%llx, +%llu)", static_cast<unsigned long long>(remote),
-                  static_cast<unsigned long long>(length));
-    if (region == nullptr || region->kind != MemoryKind::kCuda) {
-      return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
-                                     range + " is not inside GPU memory " + options_.peer.name +
-                                     " registered");
-    }
-    if ((region->access & need) != need) {
-      return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
-                                     range + " lies in a region registered without remote " +
-                                     (write ? "write" : "read") + " access");
-    }
-    ASSIGN_OR_RETURN(uint8_t * base, Import(*region));
-    last_region_ = {region, base};
-    return base + region->alloc_offset + (remote - region->base);
-  }
-
-  // The local mapping of the peer allocation holding `region`, made now if there is none yet.
-  // Progress thread only (the sole writer of imports_).
-  StatusOr<uint8_t*> Import(const RegionDescriptor& region) {
-    auto it = imports_.find(region.key);
-    if (it != imports_.end()) return it->second->base();
-    StatusOr<std::unique_ptr<cuda::ImportedAllocation>> imported =
-        UnimplementedError("region is not shareable");
-    KVF_LOG_DEBUG("nvlink: mapping peer region {:x} ({} bytes on GPU {})", region.base,
-                  region.alloc_bytes, region.device_id);
-    if (region.share_type == ShareHandleType::kCudaIpc) {
-      imported = cuda::ImportedAllocation::FromIpcHandle(region.share_handle, options_.local_device);
-    } else if (region.share_type == ShareHandleType::kPosixFd) {
-      auto fd = RequestFd(options_.peer.ipc_socket, region.key);
-      if (!fd.ok()) return fd.status();
-      imported = cuda::ImportedAllocation::FromFd(*fd, region.alloc_bytes, region.device_id,
-                                                  options_.local_device);
-    }
-    if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
-    if (region.device_id != options_.local_device) {
-      // IPC mappings may have enabled it already; either way the call leaves its result as
-      // the thread's last error, which the next launch check would report: clear it.
-      if (cudaDeviceEnablePeerAccess(region.device_id, 0) != cudaSuccess) cudaGetLastError();
-    }
-    KVF_LOG_DEBUG("nvlink: mapped peer region {:x}", region.base);
-    std::unique_lock<std::shared_mutex> map_lock(map_mu_);
-    return imports_.emplace(region.key, std::move(*imported)).first->second->base();
-  }
-
-  // Progress thread, after Prepare: maps the next GPU region the peer lets us write or read
-  // (one per round, so that copies and queued work are looked after between mappings, each
-  // 100-200 ms for a large pool). Returns whether regions remain (at the end, the cursor goes
-  // back to the start for a later Prepare). A failure is left for the transfer that needs the
-  // region to report.
-  bool ImportNext() {
-    const auto& regions = options_.peer.regions;
-    while (import_next_ < regions.size()) {
-      const RegionDescriptor& region = regions[import_next_++];
-      if (region.kind != MemoryKind::kCuda || imports_.count(region.key) != 0 ||
-          (region.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
-        continue;
-      }
-      auto imported = Import(region);
-      if (!imported.ok()) {
-        KVF_LOG_DEBUG("nvlink: early mapping of peer region {:x} failed: {}", region.base,
-                      imported.status().ToString());
-      }
-      if (import_next_ < regions.size()) return true;
-    }
-    import_next_ = 0;
-    return false;
-  }
-
-  const RegionDescriptor* FindRegion(uint64_t addr, uint64_t length) const {
-    for (const auto& r : options_.peer.regions) {
-      if (r.Contains(addr, length)) return &r;
-    }
-    return nullptr;
-  }
-
-  void Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
-    // Translate every item; small blocks become tiles for the copy kernel, large ones copy-
-    // engine copies. Then cut the work into launches of at most one table slot each.
-    std::vector<std::shared_ptr<WorkItem>> accepted;
-    std::vector<size_t> item_tiles;
-    struct EngineCopy {
-      uint64_t src = 0, dst = 0, len = 0;  // len 0: the item went into tiles
-    };
-    std::vector<EngineCopy> engine_copy;  // per accepted item
-    tiles_.clear();
-    for (auto& item : batch) {
-      uint8_t expected = WorkItem::kQueued;
-      if (!item->state.compare_exchange_strong(expected, WorkItem::kSending)) continue;
-      if (item->kind != WorkItem::Kind::kWrite && item->kind != WorkItem::Kind::kRead) {
-        item->Complete(InternalError("NVLink channel carries only WRITE and READ"));
-        continue;
-      }
-      const bool write = item->kind == WorkItem::Kind::kWrite;
-      auto mapped = Translate(item->remote_addr, item->length, write);
-      if (!mapped.ok()) {
-        item->Complete(mapped.status());
-        continue;
-      }
-      const uint64_t local = reinterpret_cast<uint64_t>(item->local);
-      const uint64_t remote = reinterpret_cast<uint64_t>(*mapped);
-      const uint64_t src = write ? local : remote, dst = write ? remote : local;
-      if (item->length >= options_.copy_engine_threshold_bytes) {
-        engine_copy.push_back({src, dst, item->length});
-        item_tiles.push_back(0);
-      } else {
-        const size_t before = tiles_.size();
-        cuda::AppendTiles(src, dst, item->length, &tiles_);
-        engine_copy.push_back({});
-        item_tiles.push_back(tiles_.size() - before);
-      }
-      accepted.push_back(std::move(item));
-    }
-    if (accepted.empty()) return;
-    size_t next_engine_item = 0;  // copy-engine copies are issued in item order
-    for (const LaunchPlan& plan : PlanLaunches(item_tiles, kSlotTiles)) {
-      Flight flight;
-      Status status;
-      // Copy-engine blocks of the items this launch completes (and any before them).
-      const size_t last_item = plan.items.empty() ? next_engine_item : plan.items.back() + 1;
-      for (; next_engine_item < last_item; ++next_engine_item) {
-        const EngineCopy& c = engine_copy[next_engine_item];
-        if (c.len == 0) continue;
-        cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(c.dst),
-                                        reinterpret_cast<const void*>(c.src), c.len,
-                                        cudaMemcpyDefault, stream_);
-        if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaMemcpyAsync", e));
-      }
-      if (plan.num_tiles > 0 && status.ok()) {
-        const cuda::CopyTile* tiles = tiles_.data() + plan.first_tile;
-        const int n = static_cast<int>(plan.num_tiles);
-        cudaError_t e;
-        if (n <= cuda::kInlineTiles) {
-          cuda::InlineTiles inline_tiles;
-          std::memcpy(inline_tiles.tiles, tiles, n * sizeof(cuda::CopyTile));
-          e = cuda::LaunchBatchedCopyInline(inline_tiles, n, stream_);
-        } else {
-          // Every busy slot belongs to a flight already queued, so this always makes progress.
-          const int slot = AcquireSlot();
-          flight.slots.push_back(slot);
-          std::memcpy(slots_[slot].host, tiles, n * sizeof(cuda::CopyTile));
-          e = cudaMemcpyAsync(slots_[slot].device, slots_[slot].host, n * sizeof(cuda::CopyTile),
-                              cudaMemcpyHostToDevice, stream_);
-          if (e == cudaSuccess) {
-            e = cuda::LaunchBatchedCopy(static_cast<const cuda::CopyTile*>(slots_[slot].device),
-                                        n, stream_);
-          }
-        }
-        if (e != cudaSuccess) status = InternalError(CudaError("batched copy launch", e));
-      }
-      flight.event = AcquireEvent();
-      cudaError_t e = cudaEventRecord(flight.event, stream_);
-      if (e != cudaSuccess && status.ok()) status = InternalError(CudaError("cudaEventRecord", e));
-      for (size_t i : plan.items) flight.items.push_back(std::move(accepted[i]));
-      if (!status.ok()) {
-        // Wait for whatever was launched before reporting, so no copy outlives its item.
-        cudaStreamSynchronize(stream_);
-        PollFlights(/*block=*/true);
-        for (int slot : flight.slots) slots_[slot].busy = false;
-        free_events_.push_back(flight.event);
-        CompleteAll(flight.items, status);
-        continue;
-      }
-      inflight_.push_back(std::move(flight));
-    }
-  }
-
-  NvlinkChannelOptions options_;
-  uint64_t max_pitch_ = 0;  // cudaDevAttrMaxPitch: the longest stride cudaMemcpy2DAsync takes
-  cudaStream_t stream_ = nullptr;
-  Slot slots_[kTableSlots];
-  std::vector<cuda::CopyTile> tiles_;                    // progress thread only
-  std::deque<Flight> inflight_;                          // progress thread (read under mu_)
-  std::vector<cudaEvent_t> free_events_;                 // progress thread only
-  std::map<uint64_t, std::unique_ptr<cuda::ImportedAllocation>> imports_;  // by region key
-  MappedRegion last_region_;  // progress thread: the last translated region and its mapping
-  // Counts for the debug log at close: bulk parts, their launches, launches of several parts,
-  // submissions refused for want of a table slot.
-  std::atomic<uint64_t> stats_parts_{0}, stats_launches_{0}, stats_combined_{0}, stats_no_slot_{0};
-  std::atomic<uint64_t> stats_parked_{0};  // bulk submissions that waited for a mapping
-  std::atomic<bool> queued_{false};    // items in queue_ or flights in bulk_new_ (WakeProgress)
-  SubmitCadence cadence_;  // how long the idle progress thread polls before sleeping
-  std::atomic<bool> sleeping_{false};  // the progress thread waits on cv_
-  std::atomic<bool> import_all_{false};  // Prepare asked for every peer region to be mapped
-  size_t import_next_ = 0;  // ImportNext's cursor into options_.peer.regions
+  // The progress thread's wake-ups and the WorkItem queue.
+  std::atomic<bool> queued_{false};       // items in queue_ or flights handed in (WakeProgress)
+  SubmitCadence cadence_;                 // how long the idle progress thread polls before sleeping
+  std::atomic<bool> sleeping_{false};     // the progress thread waits on cv_
+  std::atomic<bool> import_all_{false};   // Prepare asked for every peer region to be mapped
   std::atomic<bool> closed_flag_{false};  // closed_, readable without mu_
-  // options_.peer and imports_: written by the progress thread under an exclusive lock, read
-  // by bulk submitters under a shared one (the progress thread reads without it).
-  mutable std::shared_mutex map_mu_;
-  cudaStream_t bulk_streams_[kBulkStreams] = {};
-  std::atomic<uint32_t> next_bulk_stream_{0};
-  cuda::CopyTile* arena_host_ = nullptr;    // bulk tile tables (pinned), kArenaUnits units
-  cuda::CopyTile* arena_device_ = nullptr;  // their device copy, for tables too big to inline
-  UnitRuns arena_units_{kArenaUnits};       // guarded by bulk_mu_
-  std::mutex bulk_mu_;  // guards arena_units_ and bulk_free_events_
-  std::vector<cudaEvent_t> bulk_free_events_;
-  // Per bulk stream, then per gate stream. Progress thread only.
-  std::array<std::deque<BulkFlight>, kBulkStreams + kGateStreams> bulk_inflight_;
-  // Gated launches (TrySubmitGated): their streams and launches in flight on each, gates,
-  // arena units held, and the lock keeping each stream's flights in launch order.
-  cudaStream_t gate_streams_[kGateStreams] = {};
-  std::array<std::atomic<int>, kGateStreams> gate_flights_{};
-  std::unique_ptr<CopyGates> gates_;
-  std::atomic<uint32_t> gated_units_{0};
-  std::mutex gate_launch_mu_;  // also guards gate_last_start_
-  cudaEvent_t gate_last_start_[kGateStreams] = {};  // the start event last queued on each
-  std::atomic<uint64_t> stats_gated_{0};
-
-  // The resident copy kernel (small bulk submissions; PublishResident, PollResident).
-  struct ResidentJob {
-    WorkOwner* owner = nullptr;
-    uint32_t tag = 0;
-    std::shared_ptr<void> keepalive;
-    uint64_t tile_end = 0;  // ring sequence just past its tiles
-    uint64_t tiles = 0;
-  };
-  std::atomic<int64_t> bulk_tiles_in_flight_{0};  // tiles of bulk parts not completed yet
-  int resident_blocks_ = 0;  // 0: no resident kernel
-  std::atomic<bool> resident_ok_{false};  // jobs may go to the ring (off after a failure)
-  cuda::RingTile* ring_ = nullptr;                       // pinned, kRingTiles slots
-  cuda::ResidentControl* resident_control_ = nullptr;    // pinned
-  uint64_t* job_done_ = nullptr;                         // pinned, kJobSlots flags
-  void* resident_device_ = nullptr;  // ResidentDeviceState, then kJobSlots tile counters
-  cudaStream_t resident_stream_ = nullptr;
-  cudaEvent_t resident_event_ = nullptr;  // recorded after each launch
-  std::mutex ring_mu_;      // submitters appending to the ring
-  uint64_t ring_head_ = 0;  // ring_mu_: tiles written (and published)
-  uint64_t job_head_ = 0;   // ring_mu_: jobs appended
-  // A slot is written under ring_mu_ before job_published_ covers it, then read and cleared
-  // by the progress thread, which hands it back through job_tail_.
-  std::vector<ResidentJob> jobs_;
-  std::atomic<uint64_t> job_published_{0};
-  std::atomic<uint64_t> job_tail_{0};   // first job not completed yet
-  std::atomic<uint64_t> ring_free_{0};  // ring slots below this sequence may be rewritten
-  std::mutex resident_mu_;  // launches; guards resident_error_ and resident_generation_
-  uint64_t resident_generation_ = 0;
-  std::atomic<bool> resident_running_{false};
-  Status resident_error_;
-  std::atomic<uint64_t> stats_resident_jobs_{0}, stats_resident_launches_{0}, stats_ring_full_{0};
-
+  std::atomic<int> bulk_submitting_{0};   // TrySubmitBulk calls in progress
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<WorkItem>> queue_;
-  std::vector<BulkFlight> bulk_new_;
-  // Prepared bulk submissions waiting for a launch (LaunchPending); launch_mu_ is held by the
-  // thread launching them.
-  std::mutex pending_mu_;
-  std::vector<BulkPart> pending_parts_;
-  // Bulk submissions waiting for a peer region to be mapped (ServiceParked), oldest first.
-  std::mutex parked_mu_;
-  std::deque<BulkSubmission> parked_;
-  std::atomic<bool> has_parked_{false};  // parked_ is not empty
-  std::mutex launch_mu_;  // launched bulk submissions not yet polled
-  std::atomic<int> bulk_submitting_{0};  // TrySubmitBulk calls in progress
-  std::mutex flights_mu_;                // guards bulk_new_
   bool closed_ = false;
+
+  BulkStats stats_;
+  std::atomic<int64_t> bulk_tiles_in_flight_{0};  // tiles of bulk parts not completed yet
+  BulkFlights flights_;
+  ParkedQueue parked_;
+
+  // The pieces owning CUDA objects. Members are destroyed bottom-up, so once the destructor's
+  // body ran (every copy finished, the thread's device set) they free in this order: the
+  // resident kernel (stopped and its stream waited for first), the item path's table slots,
+  // events and stream, the tile arena and the bulk launches' idle events, the peer mappings,
+  // the bulk streams, the gate streams, then the gates. The launchers hold references to
+  // pieces declared after them, used only once every piece is constructed.
+  GatedLauncher gated_;
+  BulkLauncher bulk_launcher_;
+  PeerMappings mappings_;
+  TileArena arena_;
+  BulkPreparer preparer_;
+  ItemPath item_path_;
+  ResidentKernel resident_;
+
   std::thread thread_;
 };
 

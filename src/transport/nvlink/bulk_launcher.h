@@ -1,0 +1,64 @@
+// Launches prepared bulk parts that wait for nothing (no start event, not through the resident
+// kernel): the submitting thread launches on one of kBulkStreams streams, taken in turn, so
+// several submitting threads launch in parallel. Parts that arrive while another thread
+// launches wait in a pending list and go with that thread's next round, small ones combined
+// into one kernel over their host tables (the driver takes a few microseconds per launch from
+// any thread, which capped batches of 64 blocks at ~250k per second when each had its own).
+// Each launch becomes a BulkFlight for the progress thread to complete. Owns the streams.
+//
+// Thread-safety: Launch from any thread; Init before, ReleaseCudaResources after any Launch.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "cuda/handles.h"
+#include "kvferry/status.h"
+#include "transport/nvlink/bulk_flights.h"
+#include "transport/nvlink/bulk_part.h"
+#include "transport/nvlink/tile_arena.h"
+
+namespace kvferry {
+
+class BulkLauncher {
+ public:
+  BulkLauncher(int device, TileArena& arena, BulkFlights& flights, BulkStats& stats);
+  BulkLauncher(const BulkLauncher&) = delete;
+  BulkLauncher& operator=(const BulkLauncher&) = delete;
+
+  // Creates the streams on the current device.
+  Status Init();
+
+  // Launches `part` (its owner, tag and keepalive set), with any others pending; or leaves it
+  // pending for the thread launching now.
+  void Launch(BulkPart&& part);
+
+  // Gives up the streams without destroying them.
+  void ReleaseCudaResources();
+
+ private:
+  // Launches every pending part, combining those that wait together into one kernel over
+  // their host tables. Whoever holds launch_mu_ launches for everyone; a thread that finds it
+  // held leaves its part pending, and the holder looks again after releasing it, so no part is
+  // left behind.
+  void LaunchPending();
+  // One launch and one event for `parts`. A lone part's table goes inside the launch
+  // parameters when small, else uploaded to its device copy; several parts go as one kernel
+  // reading their tables from host memory.
+  void LaunchGroup(std::vector<BulkPart> parts);
+
+  const int device_;
+  TileArena& arena_;
+  BulkFlights& flights_;
+  BulkStats& stats_;
+  std::array<cuda::Stream, kBulkStreams> streams_;
+  std::atomic<uint32_t> next_stream_{0};
+  std::mutex pending_mu_;  // guards pending_
+  std::vector<BulkPart> pending_;
+  std::mutex launch_mu_;  // held by the thread launching the pending parts
+};
+
+}  // namespace kvferry

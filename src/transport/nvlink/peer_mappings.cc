@@ -1,0 +1,116 @@
+#include "transport/nvlink/peer_mappings.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <utility>
+
+#include "common/checks.h"
+#include "common/logging.h"
+#include "transport/nvlink/fd_passing.h"
+
+namespace kvferry {
+
+PeerMappings::PeerMappings(SegmentDescriptor peer,
+                           std::function<StatusOr<SegmentDescriptor>()> refresh, int local_device)
+    : peer_(std::move(peer)), refresh_(std::move(refresh)), local_device_(local_device) {}
+
+const RegionDescriptor* PeerMappings::FindRegion(uint64_t addr, uint64_t length) const {
+  for (const auto& r : peer_.regions) {
+    if (r.Contains(addr, length)) return &r;
+  }
+  return nullptr;
+}
+
+uint8_t* PeerMappings::MapMapped(uint64_t remote, uint64_t length, uint32_t need,
+                                 MappedRegion* c) const {
+  if (c->region == nullptr || !c->region->Contains(remote, length)) {
+    const RegionDescriptor* region = FindRegion(remote, length);
+    if (region == nullptr || region->kind != MemoryKind::kCuda) return nullptr;
+    auto it = imports_.find(region->key);
+    if (it == imports_.end()) return nullptr;
+    *c = {region, it->second->base()};
+  }
+  if ((c->region->access & need) != need) return nullptr;
+  return c->base + c->region->alloc_offset + (remote - c->region->base);
+}
+
+StatusOr<uint8_t*> PeerMappings::Translate(uint64_t remote, uint64_t length, bool write) {
+  const uint32_t need = write ? kAccessRemoteWrite : kAccessRemoteRead;
+  // Most requests of a batch land in the region the previous one did; any mapped range is
+  // answered here. The rest: re-read the descriptor, say why not, or map the allocation.
+  if (uint8_t* mapped = MapMapped(remote, length, need, &last_region_)) return mapped;
+  const RegionDescriptor* region = FindRegion(remote, length);
+  if (region == nullptr && refresh_) {
+    auto fresh = refresh_();
+    if (fresh.ok()) {
+      std::unique_lock<std::shared_mutex> map_lock(mu_);
+      peer_ = std::move(*fresh);
+      last_region_ = {};  // pointed into the old descriptor
+    }
+    region = FindRegion(remote, length);
+  }
+  char range[80];
+  std::snprintf(range, sizeof(range), "[0x%llx, +%llu)", static_cast<unsigned long long>(remote),
+                static_cast<unsigned long long>(length));
+  if (region == nullptr || region->kind != MemoryKind::kCuda) {
+    return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
+                                   range + " is not inside GPU memory " + peer_.name +
+                                   " registered");
+  }
+  if ((region->access & need) != need) {
+    return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
+                                   range + " lies in a region registered without remote " +
+                                   (write ? "write" : "read") + " access");
+  }
+  ASSIGN_OR_RETURN(uint8_t * base, Import(*region));
+  last_region_ = {region, base};
+  return base + region->alloc_offset + (remote - region->base);
+}
+
+StatusOr<uint8_t*> PeerMappings::Import(const RegionDescriptor& region) {
+  auto it = imports_.find(region.key);
+  if (it != imports_.end()) return it->second->base();
+  StatusOr<std::unique_ptr<cuda::ImportedAllocation>> imported =
+      UnimplementedError("region is not shareable");
+  KVF_LOG_DEBUG("nvlink: mapping peer region {:x} ({} bytes on GPU {})", region.base,
+                region.alloc_bytes, region.device_id);
+  if (region.share_type == ShareHandleType::kCudaIpc) {
+    imported = cuda::ImportedAllocation::FromIpcHandle(region.share_handle, local_device_);
+  } else if (region.share_type == ShareHandleType::kPosixFd) {
+    auto fd = RequestFd(peer_.ipc_socket, region.key);
+    if (!fd.ok()) return fd.status();
+    imported =
+        cuda::ImportedAllocation::FromFd(*fd, region.alloc_bytes, region.device_id, local_device_);
+  }
+  if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
+  if (region.device_id != local_device_) {
+    // IPC mappings may have enabled it already; either way the call leaves its result as
+    // the thread's last error, which the next launch check would report: clear it.
+    if (cudaDeviceEnablePeerAccess(region.device_id, 0) != cudaSuccess) cudaGetLastError();
+  }
+  KVF_LOG_DEBUG("nvlink: mapped peer region {:x}", region.base);
+  std::unique_lock<std::shared_mutex> map_lock(mu_);
+  return imports_.emplace(region.key, std::move(*imported)).first->second->base();
+}
+
+bool PeerMappings::ImportNext() {
+  const auto& regions = peer_.regions;
+  while (import_next_ < regions.size()) {
+    const RegionDescriptor& region = regions[import_next_++];
+    if (region.kind != MemoryKind::kCuda || imports_.count(region.key) != 0 ||
+        (region.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
+      continue;
+    }
+    auto imported = Import(region);
+    if (!imported.ok()) {
+      KVF_LOG_DEBUG("nvlink: early mapping of peer region {:x} failed: {}", region.base,
+                    imported.status().ToString());
+    }
+    if (import_next_ < regions.size()) return true;
+  }
+  import_next_ = 0;
+  return false;
+}
+
+}  // namespace kvferry
