@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "cuda/copy_kernels.h"
-#include "kvferry/engine.h"
+#include "kvferry/transfer.h"
 #include "kvferry/status.h"
 #include "transport/nvlink/peer_mappings.h"
 #include "transport/nvlink/tile_arena.h"
