@@ -131,7 +131,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
           // Taken: the engine may no longer complete it as queued (a cancelled batch
           // completes queued items itself). One it already completed is dropped.
           uint8_t expected = WorkItem::kQueued;
-          if (queued_.front()->item->state.compare_exchange_strong(expected, WorkItem::kSending)) {
+          if (queued_.front()->item->state.compare_exchange_strong(expected, WorkItem::kTaken)) {
             active_.push_back(std::move(queued_.front()));
           }
           queued_.pop_front();

@@ -63,11 +63,11 @@ struct BulkSubmission {
 
 struct WorkItem {
   enum class Kind : uint8_t { kWrite, kRead, kNotify, kDescribe };
-  // Life of an item inside a transport; only moves forward. kDone is terminal.
-  // kAcked: the peer answered while the sending thread was still inside its write call (the
-  // bytes are in the kernel, but the call has not returned); that thread completes the item
-  // with acked_status once it returns, so nothing frees the item's memory under it.
-  enum State : uint8_t { kQueued, kSending, kSent, kReceiving, kAcked, kDone };
+  // Life of an item; only moves forward. kQueued: nobody moves it yet (the engine may complete
+  // it as queued, e.g. on cancel). kTaken: a transport thread took it. The transport carrying
+  // it may define further stages of its own from kTaken up (TCP: tcp_peer.cc). kDone is
+  // terminal.
+  enum State : uint8_t { kQueued = 0, kTaken = 1, kDone = 255 };
 
   Kind kind = Kind::kWrite;
   uint8_t* local = nullptr;  // kWrite source / kRead destination
@@ -88,8 +88,10 @@ struct WorkItem {
   std::shared_ptr<void> owner_keepalive;
 
   std::atomic<uint8_t> state{kQueued};
-  std::atomic<void*> carrier{nullptr};  // transport-private: what is moving the item
-  Status acked_status;                  // transport-private: the answer held while kAcked
+  // Scratch of the transport carrying the item: what is moving it, and an answer it holds
+  // until it may complete the item (TCP's kAcked stage).
+  std::atomic<void*> carrier{nullptr};
+  Status acked_status;
 
   // Moves the item to kDone and calls the owner once; later calls do nothing.
   void Complete(const Status& status) {

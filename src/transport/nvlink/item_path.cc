@@ -44,7 +44,7 @@ void ItemPath::Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
   tiles_.clear();
   for (auto& item : batch) {
     uint8_t expected = WorkItem::kQueued;
-    if (!item->state.compare_exchange_strong(expected, WorkItem::kSending)) continue;
+    if (!item->state.compare_exchange_strong(expected, WorkItem::kTaken)) continue;
     if (item->kind != WorkItem::Kind::kWrite && item->kind != WorkItem::Kind::kRead) {
       item->Complete(InternalError("NVLink channel carries only WRITE and READ"));
       continue;

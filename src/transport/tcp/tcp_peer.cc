@@ -12,6 +12,19 @@
 
 namespace kvferry::tcp {
 
+// TCP's stages of a WorkItem between WorkItem::kQueued and kDone, in order. kSending: a lane
+// thread is writing it. kSent: written, the answer not yet read. kReceiving: the lane's reader
+// is completing it. kAcked: the peer answered while the sending thread was still inside its
+// write call (the bytes are in the kernel, but the call has not returned); that thread
+// completes the item with acked_status once it returns, so nothing frees the item's memory
+// under it.
+enum TcpStage : uint8_t {
+  kSending = WorkItem::kTaken,
+  kSent,
+  kReceiving,
+  kAcked,
+};
+
 // One connection with its two threads. Items move queue_ -> inflight_ -> completed.
 class TcpLane : public std::enable_shared_from_this<TcpLane> {
  public:
@@ -45,7 +58,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     if (allow_inline && connected_ && !sending_ && queue_.empty() && inflight_.empty() &&
         InlineSize(*item) && SendQueueHasRoom()) {
       uint8_t expected = WorkItem::kQueued;
-      if (item->state.compare_exchange_strong(expected, WorkItem::kSending)) {
+      if (item->state.compare_exchange_strong(expected, kSending)) {
         sending_ = true;
         inflight_.push_back(item);
         lock.unlock();
@@ -187,7 +200,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
           std::shared_ptr<WorkItem> item = std::move(queue_.front());
           queue_.pop_front();
           uint8_t expected = WorkItem::kQueued;
-          if (!item->state.compare_exchange_strong(expected, WorkItem::kSending)) {
+          if (!item->state.compare_exchange_strong(expected, kSending)) {
             outstanding_bytes_ -= item->length + 64;  // abandoned while queued
             continue;
           }
@@ -266,7 +279,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     if (ec) {
       // Items the peer already answered are this thread's to complete (see kAcked).
       for (const auto& item : batch) {
-        if (item->state.load() == WorkItem::kAcked) CompleteAcked(item, inline_caller);
+        if (item->state.load() == kAcked) CompleteAcked(item, inline_caller);
       }
       Fail(UnavailableError("connection to peer " + options_.address + " (lane " +
                             std::to_string(index_) + ") failed while sending: " +
@@ -274,9 +287,9 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       return false;
     }
     for (const auto& item : batch) {
-      uint8_t expected = WorkItem::kSending;
-      if (!item->state.compare_exchange_strong(expected, WorkItem::kSent) &&
-          expected == WorkItem::kAcked) {
+      uint8_t expected = kSending;
+      if (!item->state.compare_exchange_strong(expected, kSent) &&
+          expected == kAcked) {
         CompleteAcked(item, inline_caller);  // answered while write() had not returned
       }
     }
@@ -371,8 +384,8 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         // Claim the item before touching its memory; an abandoned item's bytes are drained.
         uint8_t s = item->state.load();
         bool claimed = false;
-        while ((s == WorkItem::kSending || s == WorkItem::kSent) &&
-               !(claimed = item->state.compare_exchange_weak(s, WorkItem::kReceiving))) {
+        while ((s == kSending || s == kSent) &&
+               !(claimed = item->state.compare_exchange_weak(s, kReceiving))) {
         }
         if (claimed) {
           asio::read(*socket_, asio::buffer(item->local, item->length), ec);
@@ -392,8 +405,8 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         // An answer can overtake the sending thread's return from write(): let that thread
         // complete the item, so its memory is not released while the call still runs.
         item->acked_status = status;
-        uint8_t expected = WorkItem::kSending;
-        if (item->state.compare_exchange_strong(expected, WorkItem::kAcked)) continue;
+        uint8_t expected = kSending;
+        if (item->state.compare_exchange_strong(expected, kAcked)) continue;
       }
       FinishAfterTransfer(item.get(), status);
     }
@@ -538,14 +551,14 @@ void TcpPeer::SubmitOne(std::shared_ptr<WorkItem> item, bool allow_inline) {
 
 void TcpPeer::Abandon(WorkItem* item, const Status& why) {
   uint8_t s = item->state.load();
-  while (s == WorkItem::kQueued || s == WorkItem::kSent) {
+  while (s == WorkItem::kQueued || s == kSent) {
     // Not touching local memory now: complete at once. A late response is drained.
     if (item->state.compare_exchange_weak(s, WorkItem::kDone)) {
       item->owner->OnWorkDone(item, why);
       return;
     }
   }
-  if (s == WorkItem::kDone || s == WorkItem::kAcked) return;  // completes in a moment
+  if (s == WorkItem::kDone || s == kAcked) return;  // completes in a moment
   // Bytes are moving: interrupt the lane; its threads complete the item once they stopped.
   auto* lane = static_cast<TcpLane*>(item->carrier.load());
   std::lock_guard<std::mutex> lock(mu_);
