@@ -1,0 +1,193 @@
+// Control messages from decode ranks to a prefill rank (see prefill_control.h).
+#include "disagg/prefill_control.h"
+
+#include "common/checks.h"
+#include "common/logging.h"
+
+namespace kvferry::prefill {
+
+ControlHandler::ControlHandler(const PlanSource& source, TransferEngine* engine, TaskQueue* control,
+                               TaskQueue* setup, SenderRooms* rooms, DecodeRegistry* decodes,
+                               EarlyArrivals* early, BatchSender* batches, FailureNotices* failures,
+                               StagingWriter* staging)
+    : source_(source),
+      engine_(engine),
+      control_(control),
+      setup_(setup),
+      rooms_(rooms),
+      decodes_(decodes),
+      early_(early),
+      batches_(batches),
+      failures_(failures),
+      staging_(staging) {}
+
+void ControlHandler::OnNotification(const Notification& n) {
+  auto m = DecodeControl(n.message);
+  if (!m.ok()) {
+    KVF_LOG_WARN("prefill: dropping control message from {}: {}", n.peer_address,
+                 m.status().message());
+    return;
+  }
+  if (m->type == ControlType::kHeartbeat) {
+    decodes_->Heartbeat(m->decode_address);
+    return;
+  }
+  KVF_LOG_DEBUG("prefill: control message type {} for room {} from {}", static_cast<int>(m->type),
+                m->room, n.peer_address);
+  control_->Post([this, msg = std::move(*m)] {
+    switch (msg.type) {
+      case ControlType::kRegisterDecode:
+        HandleRegister(msg);
+        break;
+      case ControlType::kTransferInfo:
+        HandleTransferInfo(msg);
+        break;
+      case ControlType::kStagingGrant:
+        staging_->OnGrant(msg);
+        break;
+      case ControlType::kAbort:
+        HandleAbort(msg);
+        break;
+      default:
+        KVF_LOG_WARN("prefill: unexpected control message type {} from {}",
+                     static_cast<int>(msg.type), msg.decode_address);
+    }
+  });
+}
+
+void ControlHandler::HandleRegister(const ControlMessage& m) {
+  auto peer = std::make_shared<DecodePeer>();
+  peer->args = m.kv_args;
+  peer->last_heartbeat = Clock::now();
+  const DecodeKvArgs& a = m.kv_args;
+  peer->refused = CheckDecodePairing(source_.pool->layout(), source_.aux->layout(), source_.state,
+                                     source_.tp_size, a);
+  if (peer->refused.ok() && !a.done_mailbox.empty() &&
+      a.node_id == engine_->LocalDescriptor().node_id) {
+    auto mailbox = DoneMailbox::Open(a.done_mailbox, a.num_aux_rows);
+    if (mailbox.ok()) {
+      peer->mailbox = std::move(*mailbox);
+    } else {
+      // Not fatal: done notices still go over TCP.
+      KVF_LOG_INFO("prefill: decode {}: no done mailbox: {}", a.decode_address,
+                   mailbox.status().message());
+    }
+  }
+  // Connect even to a refused decode, so that its rooms hear why instead of timing out.
+  auto seg = engine_->OpenSegment(a.decode_address);
+  if (seg.ok()) {
+    peer->segment = *seg;
+    if (peer->refused.ok()) {
+      // Same-node GPUs: map decode's pools now, not when its first room's KV is ready.
+      setup_->Post([this, segment = *seg, address = a.decode_address] {
+        Status prepared = engine_->PrepareTransfers(segment, source_.pool->BufferBase(0));
+        if (!prepared.ok()) {
+          KVF_LOG_DEBUG("prefill: decode {}: no early transfer setup: {}", address,
+                        prepared.message());
+        }
+      });
+    }
+  } else if (peer->refused.ok()) {
+    peer->refused = seg.status();
+  }
+  if (!peer->refused.ok()) {
+    KVF_LOG_WARN("prefill: refusing decode {}: {}", a.decode_address, peer->refused.message());
+  }
+  decodes_->Add(a.decode_address, std::move(peer));
+}
+
+void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
+  std::shared_ptr<DecodePeer> decode = decodes_->Find(m.decode_address);
+  if (decode == nullptr) {
+    KVF_LOG_WARN("prefill: room {} from unregistered decode {}", m.room, m.decode_address);
+    return;
+  }
+  auto refuse = [&](const Status& why) {
+    ControlMessage f;
+    f.type = ControlType::kRoomFailed;
+    f.room = m.room;
+    f.status_code = static_cast<uint32_t>(why.code());
+    f.reason = why.message();
+    batches_->Tell(decode, f);
+  };
+  if (!decode->refused.ok()) {
+    refuse(decode->refused);
+    failures_->FailRoom(m.room, decode->refused);
+    return;
+  }
+  bool all_arrived = false;
+  Status s = rooms_->With(m.room, [&](SenderRooms::Room& r) -> Status {
+    SenderRoom& d = r.data;
+    if (d.uses(decode) || d.all_arrived()) {
+      return AlreadyExistsError("bootstrap room " + std::to_string(m.room) +
+                                " already has this decode destination (duplicate room id)");
+    }
+    if (IsFinal(r.status.state)) return OkStatus();
+    RETURN_IF_ERROR(CheckDestination(m, decode->args, d.num_pages, source_.pool->layout(),
+                                     source_.state, source_.tp_size));
+    if (d.expected_destinations == 0) d.expected_destinations = m.slice.decode_ranks;
+    Destination dest;
+    dest.decode = decode;
+    dest.dst_pages = m.dst_pages;
+    dest.dst_aux_row = m.aux_row;
+    dest.dst_state_slot = m.state_slot;
+    dest.slice = m.slice;
+    d.destinations.push_back(std::move(dest));
+    all_arrived = d.all_arrived();
+    return OkStatus();
+  });
+  if (s.code() == StatusCode::kNotFound) {
+    // CreateSender creates the room, then collects what came early: a room created since the
+    // check above has collected already, and this destination would wait forever (the room
+    // Bootstrapping until its timeout). Checked again under EarlyArrivals' lock: not there now
+    // means CreateSender collects after us.
+    switch (early_->HoldDestination(m, [&] { return rooms_->Get(m.room).ok(); })) {
+      case EarlyArrivals::Held::kHeld:
+        return;
+      case EarlyArrivals::Held::kDuplicate:
+        refuse(AlreadyExistsError("bootstrap room " + std::to_string(m.room) +
+                                  " already awaited from this decode (duplicate room id)"));
+        return;
+      case EarlyArrivals::Held::kRoomExists:
+        HandleTransferInfo(m);  // the room exists now: handle it as if it had been there
+        return;
+    }
+  }
+  if (s.code() == StatusCode::kAlreadyExists) {
+    refuse(s);
+    return;
+  }
+  if (!s.ok()) {
+    refuse(s);
+    failures_->FailRoom(m.room, s);
+    return;
+  }
+  if (all_arrived) {
+    rooms_->Advance(m.room, RoomState::kWaitingForInput, Clock::time_point::max(), "");
+  }
+}
+
+void ControlHandler::HandleAbort(const ControlMessage& m) {
+  // Checked under EarlyArrivals' lock, which CreateSender takes after creating the room: a
+  // sender not created yet collects the abort as soon as it is, instead of waiting out its
+  // bootstrap timeout for a destination that will not come.
+  const bool exists = early_->HoldAbort(m.room, m.reason, [&] { return rooms_->Get(m.room).ok(); });
+  if (!exists || !failures_->FailRoom(m.room, AbortedError("aborted by decode: " + m.reason))) {
+    // Nothing of the room leaves this rank any more (unknown here, or already final):
+    // say so, as decode waits for every rank to go quiet before failing the room.
+    AckAbort(m);
+  }
+}
+
+void ControlHandler::AckAbort(const ControlMessage& abort) {
+  if (failures_->Untold(abort.room)) return;
+  std::shared_ptr<DecodePeer> decode = decodes_->Find(abort.decode_address);
+  ControlMessage m;
+  m.type = ControlType::kRoomFailed;
+  m.room = abort.room;
+  m.status_code = static_cast<uint32_t>(StatusCode::kAborted);
+  m.reason = "aborted by decode; nothing of it in flight here";
+  batches_->Tell(decode, m);
+}
+
+}  // namespace kvferry::prefill

@@ -1,0 +1,53 @@
+// What decode sent for a room before it existed here (see prefill_early_arrivals.h).
+#include "disagg/prefill_early_arrivals.h"
+
+namespace kvferry::prefill {
+
+EarlyArrivals::Collected EarlyArrivals::Collect(uint64_t room) {
+  Collected c;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = pending_.find(room);
+  if (it != pending_.end()) {
+    for (Pending& p : it->second) c.destinations.push_back(std::move(p.message));
+    pending_.erase(it);
+  }
+  auto a = aborted_.find(room);
+  if (a != aborted_.end()) {
+    c.abort_reason = a->second.first;
+    aborted_.erase(a);
+  }
+  return c;
+}
+
+EarlyArrivals::Held EarlyArrivals::HoldDestination(const ControlMessage& m,
+                                                   const std::function<bool()>& room_exists) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (room_exists()) return Held::kRoomExists;
+  auto& waiting = pending_[m.room];
+  for (const Pending& p : waiting) {
+    if (p.message.decode_address == m.decode_address) return Held::kDuplicate;
+  }
+  waiting.push_back(Pending{m, Clock::now()});
+  return Held::kHeld;
+}
+
+bool EarlyArrivals::HoldAbort(uint64_t room, const std::string& reason,
+                              const std::function<bool()>& room_exists) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool exists = room_exists();
+  if (!exists) aborted_[room] = {reason, Clock::now()};
+  pending_.erase(room);
+  return exists;
+}
+
+void EarlyArrivals::Expire(Clock::time_point now, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    it = now - it->second.front().arrived > timeout ? pending_.erase(it) : std::next(it);
+  }
+  for (auto it = aborted_.begin(); it != aborted_.end();) {
+    it = now - it->second.second > timeout ? aborted_.erase(it) : std::next(it);
+  }
+}
+
+}  // namespace kvferry::prefill
