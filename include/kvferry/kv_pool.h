@@ -83,8 +83,8 @@ class KvPool {
   // The same pool in GPU memory of `device`, allocated by kvferry (cuMem, shareable with local
   // peers through a file descriptor). data() is then a device pointer. Errors: as Create, plus
   // kFailedPrecondition ("no CUDA device") and kUnimplemented (built without CUDA).
-  static StatusOr<std::unique_ptr<KvPool>> CreateOnDevice(const KvLayout& layout,
-                                                          int32_t num_pages, int device);
+  static StatusOr<std::unique_ptr<KvPool>> CreateOnDevice(const KvLayout& layout, int32_t num_pages,
+                                                          int device);
 
   // The most pages (all buffers) that fit in `pool_bytes`, clamped to INT32_MAX; may be 0.
   static int32_t PagesForBytes(const KvLayout& layout, uint64_t pool_bytes);

@@ -47,7 +47,7 @@ struct MemoryLocation {
 
 // One registered region as published in a segment descriptor.
 struct RegionDescriptor {
-  uint64_t base = 0;         // virtual address in the owning process
+  uint64_t base = 0;  // virtual address in the owning process
   uint64_t length_bytes = 0;
   MemoryKind kind = MemoryKind::kHost;
   int32_t device_id = -1;

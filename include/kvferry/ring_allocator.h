@@ -24,7 +24,7 @@ struct RingRegion {
   uint64_t round = 0;
   uint64_t offset = 0;  // bytes from the ring's start
   uint64_t length = 0;
-  uint64_t id = 0;      // allocation sequence number
+  uint64_t id = 0;  // allocation sequence number
 };
 
 struct Watermark {

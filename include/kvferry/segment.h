@@ -20,8 +20,8 @@ namespace kvferry {
 inline constexpr uint16_t kProtocolVersion = 2;  // 2: strided WRITE frames
 
 struct SegmentDescriptor {
-  std::string name;     // engine name, unique per process group (e.g. "prefill-0")
-  std::string host;     // address peers connect to
+  std::string name;  // engine name, unique per process group (e.g. "prefill-0")
+  std::string host;  // address peers connect to
   uint16_t port = 0;
   std::string node_id;  // identifies the host machine (engines on one node share it)
   uint32_t pid = 0;

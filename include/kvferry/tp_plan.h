@@ -34,10 +34,10 @@ struct HeadSlice {
 };
 
 struct TpPlan {
-  int total_kv_heads = 0;   // 1 for MLA
+  int total_kv_heads = 0;  // 1 for MLA
   int prefill_tp = 1, decode_tp = 1;
-  int prefill_heads = 0;    // hs
-  int decode_heads = 0;     // hd
+  int prefill_heads = 0;          // hs
+  int decode_heads = 0;           // hd
   std::vector<HeadSlice> slices;  // every (prefill, decode) pair that takes part
 
   // Slices a prefill rank handles / a decode rank receives.

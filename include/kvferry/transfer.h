@@ -29,7 +29,7 @@ struct TransferRequest {
   TransferOp op = TransferOp::kWrite;
   const void* local_addr = nullptr;  // for READ this memory is written
   SegmentHandle segment;
-  uint64_t remote_addr = 0;  // an address inside a region the peer registered
+  uint64_t remote_addr = 0;   // an address inside a region the peer registered
   uint64_t length_bytes = 0;  // of one row
   uint32_t num_rows = 1;
   uint64_t local_stride = 0;   // bytes between row starts in local memory (num_rows > 1)

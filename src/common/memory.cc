@@ -3,8 +3,10 @@
 namespace kvferry {
 std::string_view MemoryKindName(MemoryKind kind) {
   switch (kind) {
-    case MemoryKind::kHost: return "host";
-    case MemoryKind::kCuda: return "cuda";
+    case MemoryKind::kHost:
+      return "host";
+    case MemoryKind::kCuda:
+      return "cuda";
   }
   return "unknown";
 }

@@ -1,8 +1,8 @@
 #include "common/spin.h"
 
-#include <algorithm>
-
 #include <sys/prctl.h>
+
+#include <algorithm>
 
 #include "common/env.h"
 

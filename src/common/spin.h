@@ -79,9 +79,8 @@ bool SpinUntil(Ready&& ready, std::chrono::steady_clock::time_point until) {
 // Polls `ready` for up to SpinWindow(), never past `deadline`; returns true as soon as it
 // does, else its last answer.
 template <typename Ready>
-bool SpinFor(Ready&& ready,
-             std::chrono::steady_clock::time_point deadline =
-                 std::chrono::steady_clock::time_point::max()) {
+bool SpinFor(Ready&& ready, std::chrono::steady_clock::time_point deadline =
+                                std::chrono::steady_clock::time_point::max()) {
   const auto window = SpinWindow();
   if (window.count() <= 0) return ready();
   const auto now = std::chrono::steady_clock::now();

@@ -292,8 +292,8 @@ cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t s
 }
 
 cudaError_t LaunchResidentCopy(const ResidentArgs& args, int blocks, cudaStream_t stream) {
-  if (blocks <= 0 || args.ring == nullptr || args.control == nullptr ||
-      args.job_done == nullptr || args.job_count == nullptr || args.state == nullptr) {
+  if (blocks <= 0 || args.ring == nullptr || args.control == nullptr || args.job_done == nullptr ||
+      args.job_count == nullptr || args.state == nullptr) {
     return cudaErrorInvalidValue;
   }
   ResidentCopyKernel<<<blocks, kResidentThreads, 0, stream>>>(args);
@@ -302,8 +302,8 @@ cudaError_t LaunchResidentCopy(const ResidentArgs& args, int blocks, cudaStream_
 
 int ResidentBlocksPerSm() {
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, ResidentCopyKernel,
-                                                    kResidentThreads, 0) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, ResidentCopyKernel, kResidentThreads,
+                                                    0) != cudaSuccess) {
     (void)cudaGetLastError();
     return 1;
   }

@@ -111,10 +111,10 @@ struct ResidentControl {
 // Device-memory state of the resident kernel, kept across its launches (zeroed once). Each
 // field has its own cache line: blocks poll them.
 struct ResidentDeviceState {
-  alignas(128) unsigned long long next_tile;  // first tile not claimed yet
-  alignas(128) unsigned long long published;  // the blocks' copy of ResidentControl::published
-  alignas(128) unsigned int poll_token;       // held by the block reading host memory for work
-  unsigned int stop;                          // the blocks' copy of ResidentControl::stop
+  alignas(128) unsigned long long next_tile;       // first tile not claimed yet
+  alignas(128) unsigned long long published;       // the blocks' copy of ResidentControl::published
+  alignas(128) unsigned int poll_token;            // held by the block reading host memory for work
+  unsigned int stop;                               // the blocks' copy of ResidentControl::stop
   alignas(128) unsigned long long last_active_ns;  // %globaltimer when a block last got work
   // The latest launch whose blocks are leaving: once one block found the kernel idle, every
   // block of that launch leaves (blocks leaving one by one would thin the kernel out).

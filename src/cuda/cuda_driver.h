@@ -25,8 +25,7 @@ struct DriverApi {
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
   CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
   CUresult (*cuMemExportToShareableHandle)(void*, CUmemGenericAllocationHandle,
-                                           CUmemAllocationHandleType,
-                                           unsigned long long) = nullptr;
+                                           CUmemAllocationHandleType, unsigned long long) = nullptr;
   CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*,
                                              CUmemAllocationHandleType) = nullptr;
   CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*,
@@ -45,6 +44,5 @@ struct DriverApi {
 // Loads the table once. Errors: kFailedPrecondition ("no CUDA device ...") when there is no
 // driver or no device.
 StatusOr<const DriverApi*> Driver();
-
 
 }  // namespace kvferry::cuda

@@ -140,8 +140,8 @@ StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device,
   DeviceGuard guard(device);
   CUmemAllocationProp prop = PinnedProp(device);
   size_t granularity = 0;
-  CU_RETURN_IF_ERROR(*d, cuMemGetAllocationGranularity(&granularity, &prop,
-                                                       CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  CU_RETURN_IF_ERROR(
+      *d, cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   std::unique_ptr<DeviceAllocation> a(new DeviceAllocation());
   a->device_ = device;
   a->size_ = (bytes + granularity - 1) / granularity * granularity;
@@ -149,8 +149,8 @@ StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device,
   CUresult r = d->cuMemCreate(&h, a->size_, &prop, 0);
   if (r != CUDA_SUCCESS) {
     return ResourceExhaustedError("cuMemCreate of " + std::to_string(a->size_) +
-                                  " bytes on device " + std::to_string(device) + " failed: " +
-                                  d->ErrorName(r));
+                                  " bytes on device " + std::to_string(device) +
+                                  " failed: " + d->ErrorName(r));
   }
   a->handle_ = h;
   RETURN_IF_ERROR(MapForDevice(*d, h, a->size_, granularity, device, &a->ptr_));
@@ -192,15 +192,15 @@ StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromFd(int fd,
   std::unique_ptr<ImportedAllocation> a(new ImportedAllocation());
   a->device_ = local_device;
   CUmemGenericAllocationHandle h = 0;
-  CU_RETURN_IF_ERROR(*d, cuMemImportFromShareableHandle(
-                             &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  CU_RETURN_IF_ERROR(
+      *d, cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
   a->handle_ = h;
   a->size_ = alloc_bytes;
   CUmemAllocationProp prop = PinnedProp(owner_device);
   size_t granularity = 0;
-  CU_RETURN_IF_ERROR(*d, cuMemGetAllocationGranularity(&granularity, &prop,
-                                                       CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  CU_RETURN_IF_ERROR(
+      *d, cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   RETURN_IF_ERROR(MapForDevice(*d, h, alloc_bytes, granularity, local_device, &a->ptr_));
   return a;
 }

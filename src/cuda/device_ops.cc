@@ -237,15 +237,14 @@ class EventRelayImpl : public EventRelay {
       if (stream == nullptr) {
         CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       }
-      *lane = std::shared_ptr<void>(stream, [pool = pool_](void* st) {
-        pool->GiveStream(static_cast<cudaStream_t>(st));
-      });
+      *lane = std::shared_ptr<void>(
+          stream, [pool = pool_](void* st) { pool->GiveStream(static_cast<cudaStream_t>(st)); });
     }
     cudaEvent_t own = pool_->TakeEvent();
-    if (own == nullptr) CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&own, cudaEventDisableTiming));
-    std::shared_ptr<void> holder(own, [pool = pool_](void* e) {
-      pool->GiveEvent(static_cast<cudaEvent_t>(e));
-    });
+    if (own == nullptr)
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&own, cudaEventDisableTiming));
+    std::shared_ptr<void> holder(
+        own, [pool = pool_](void* e) { pool->GiveEvent(static_cast<cudaEvent_t>(e)); });
     cudaStream_t stream = static_cast<cudaStream_t>(lane->get());
     std::lock_guard<std::mutex> lock(mu_);  // a wait and its record stay paired on the lane
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event), 0));

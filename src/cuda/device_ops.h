@@ -81,10 +81,9 @@ class GpuHeadSlices {
   virtual ~GpuHeadSlices() = default;
   // `pages`: the request's pages in token order (host memory); `first_token`.. as in
   // head_slices.h, with attention layers [first_layer, first_layer + num_layers) (0: all).
-  virtual Status Gather(const PoolGeometry& g, const uint8_t* pool,
-                        std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
-                        int head_start, int num_heads, int first_layer, int num_layers,
-                        uint8_t* staging) = 0;
+  virtual Status Gather(const PoolGeometry& g, const uint8_t* pool, std::span<const int32_t> pages,
+                        int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
+                        int first_layer, int num_layers, uint8_t* staging) = 0;
   virtual Status Scatter(const PoolGeometry& g, uint8_t* pool, std::span<const int32_t> pages,
                          int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
                          int first_layer, int num_layers, const uint8_t* staging) = 0;

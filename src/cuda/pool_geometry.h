@@ -12,7 +12,7 @@ struct PoolGeometry {
   int num_layers = 0;
   int num_buffers = 0;  // MHA: 2 * num_layers (all K, then all V); MLA: num_layers
   int page_size = 0;
-  int heads = 0;               // head vectors per token per buffer
+  int heads = 0;  // head vectors per token per buffer
   uint64_t head_bytes = 0;
   uint64_t token_bytes = 0;    // heads * head_bytes
   uint64_t page_bytes = 0;     // page_size * token_bytes

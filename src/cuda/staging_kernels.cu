@@ -8,11 +8,12 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 
 // Byte offset in the pool of piece (j, i): selected buffer j, token first_token + i.
 __device__ __forceinline__ uint64_t PoolOffset(const PoolGeometry& g, const int32_t* pages,
-                                               const HeadSliceRange& r, int selected_layers,
-                                               int j, int64_t i) {
+                                               const HeadSliceRange& r, int selected_layers, int j,
+                                               int64_t i) {
   const bool mla = g.num_buffers == g.num_layers;
-  const int buffer = (mla || j < selected_layers) ? r.first_layer + j
-                                                  : g.num_layers + r.first_layer + (j - selected_layers);
+  const int buffer = (mla || j < selected_layers)
+                         ? r.first_layer + j
+                         : g.num_layers + r.first_layer + (j - selected_layers);
   const int64_t t = r.first_token + i;
   return static_cast<uint64_t>(buffer) * g.buffer_stride +
          static_cast<uint64_t>(pages[t / g.page_size]) * g.page_bytes +
@@ -61,8 +62,8 @@ int Blocks(const PoolGeometry& g, const HeadSliceRange& r) {
 cudaError_t LaunchGatherHeads(const PoolGeometry& g, const uint8_t* pool, const int32_t* pages,
                               const HeadSliceRange& range, uint8_t* staging, cudaStream_t stream) {
   if (range.num_tokens <= 0 || range.num_heads <= 0) return cudaSuccess;
-  HeadSliceKernel<true><<<Blocks(g, range), kThreads, 0, stream>>>(
-      g, const_cast<uint8_t*>(pool), pages, range, staging);
+  HeadSliceKernel<true><<<Blocks(g, range), kThreads, 0, stream>>>(g, const_cast<uint8_t*>(pool),
+                                                                   pages, range, staging);
   return cudaGetLastError();
 }
 
@@ -70,8 +71,8 @@ cudaError_t LaunchScatterHeads(const PoolGeometry& g, uint8_t* pool, const int32
                                const HeadSliceRange& range, const uint8_t* staging,
                                cudaStream_t stream) {
   if (range.num_tokens <= 0 || range.num_heads <= 0) return cudaSuccess;
-  HeadSliceKernel<false><<<Blocks(g, range), kThreads, 0, stream>>>(
-      g, pool, pages, range, const_cast<uint8_t*>(staging));
+  HeadSliceKernel<false><<<Blocks(g, range), kThreads, 0, stream>>>(g, pool, pages, range,
+                                                                    const_cast<uint8_t*>(staging));
   return cudaGetLastError();
 }
 

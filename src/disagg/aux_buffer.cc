@@ -1,10 +1,5 @@
 #include "kvferry/aux_buffer.h"
 
-#include "common/checks.h"
-#include "common/logging.h"
-#include "cuda/device_memory.h"
-#include "cuda/device_ops.h"
-
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -12,6 +7,11 @@
 #include <limits>
 #include <string>
 #include <string_view>
+
+#include "common/checks.h"
+#include "common/logging.h"
+#include "cuda/device_memory.h"
+#include "cuda/device_ops.h"
 
 namespace kvferry {
 

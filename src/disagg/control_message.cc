@@ -223,8 +223,8 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
       uint64_t first = 0, pages = 0;
       uint32_t dst = 0, heads = 0, first_layer = 0, layers = 0;
       if (!r.U64(&first) || !r.U64(&pages) || !r.U64(&m.chunk.bytes) || !r.U64(&m.chunk.round) ||
-          !r.U64(&m.chunk.offset) || !r.U64(&m.chunk.region_id) || !r.U32(&dst) ||
-          !r.U32(&heads) || !r.U32(&first_layer) || !r.U32(&layers)) {
+          !r.U64(&m.chunk.offset) || !r.U64(&m.chunk.region_id) || !r.U32(&dst) || !r.U32(&heads) ||
+          !r.U32(&first_layer) || !r.U32(&layers)) {
         return bad("");
       }
       m.chunk.first_layer = static_cast<int32_t>(first_layer);

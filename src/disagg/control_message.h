@@ -81,12 +81,12 @@ struct WatermarkCell {
 struct SliceInfo {
   int32_t src_head_start = 0;
   int32_t dst_head_start = 0;
-  int32_t num_heads = 0;      // 0: every head (equal layouts)
-  bool sends = true;          // false: a replica that reports done without sending
-  bool sends_aux = true;      // this prefill rank also writes the aux row
-  int32_t decode_ranks = 1;   // decode ranks this prefill rank serves for the room
-  bool staging = false;       // send through decode's staging ring instead of direct slices
-  bool fused = false;         // send each page run's slice as one strided request (NVLink)
+  int32_t num_heads = 0;     // 0: every head (equal layouts)
+  bool sends = true;         // false: a replica that reports done without sending
+  bool sends_aux = true;     // this prefill rank also writes the aux row
+  int32_t decode_ranks = 1;  // decode ranks this prefill rank serves for the room
+  bool staging = false;      // send through decode's staging ring instead of direct slices
+  bool fused = false;        // send each page run's slice as one strided request (NVLink)
   // Linear-attention state (hybrid models), split along its TP dimension: the prefill rank
   // sends part src_part of src_parts of its slot into part dst_part of dst_parts of decode's
   // (Ps > Ds: its whole share at part r mod (Ps/Ds); Ps < Ds: part d mod (Ds/Ps) of its own).
@@ -130,8 +130,7 @@ std::string EncodeControl(const ControlMessage& message);
 // Errors: kInvalidArgument naming what is malformed.
 StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes);
 inline StatusOr<ControlMessage> DecodeControl(const std::string& bytes) {
-  return DecodeControl(
-      std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+  return DecodeControl(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
 }
 
 }  // namespace kvferry

@@ -52,9 +52,8 @@ int DoneMailbox::RemoveOrphans(std::chrono::seconds min_age) {
     int fd = ::shm_open(name.c_str(), O_RDWR, 0);
     if (fd < 0) continue;
     struct stat st {};
-    const bool old_enough =
-        ::fstat(fd, &st) == 0 &&
-        now - std::chrono::system_clock::from_time_t(st.st_mtime) >= min_age;
+    const bool old_enough = ::fstat(fd, &st) == 0 &&
+                            now - std::chrono::system_clock::from_time_t(st.st_mtime) >= min_age;
     // Its creator holds a shared lock while it lives (in any PID namespace).
     if (old_enough && ::flock(fd, LOCK_EX | LOCK_NB) == 0) {
       if (::shm_unlink(name.c_str()) == 0) ++removed;

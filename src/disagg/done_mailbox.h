@@ -73,7 +73,10 @@ class DoneMailbox {
 
  private:
   DoneMailbox(std::string name, int32_t num_rows, void* base, size_t bytes, int owner_fd)
-      : name_(std::move(name)), num_rows_(num_rows), base_(base), bytes_(bytes),
+      : name_(std::move(name)),
+        num_rows_(num_rows),
+        base_(base),
+        bytes_(bytes),
         owner_fd_(owner_fd) {}
   std::atomic<uint64_t>* cell(int32_t row) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) +
@@ -93,7 +96,7 @@ class DoneMailbox {
   int32_t num_rows_ = 0;
   void* base_ = nullptr;
   size_t bytes_ = 0;
-  int owner_fd_ = -1;   // creator: the open segment, flock'ed shared; -1 when opened
+  int owner_fd_ = -1;    // creator: the open segment, flock'ed shared; -1 when opened
   int creator_pid_ = 0;  // creator: unlinks only from this process
 };
 

@@ -58,8 +58,8 @@ Status Check(const KvPool& pool, std::span<const int32_t> pages, int64_t first_t
   }
   const uint64_t need = StagingBytes(l, num_tokens, num_heads, num_layers);
   if (staging_bytes < need) {
-    return OutOfRangeError("staging region of " + std::to_string(staging_bytes) +
-                           " bytes, need " + std::to_string(need));
+    return OutOfRangeError("staging region of " + std::to_string(staging_bytes) + " bytes, need " +
+                           std::to_string(need));
   }
   return OkStatus();
 }
@@ -116,8 +116,7 @@ void ForEachPiece(Pool& pool, std::span<const int32_t> pages, int64_t first_toke
 
 void SetHeadSliceCopyThreads(int n) { forced_copy_threads.store(std::max(0, n)); }
 
-uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads,
-                      int num_layers) {
+uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads, int num_layers) {
   const int layers = layout.geometry().num_layers;
   const uint64_t buffers =
       num_layers == 0 ? static_cast<uint64_t>(layout.num_buffers())
@@ -127,13 +126,12 @@ uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads,
 }
 
 Status GatherHeads(const KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
-                   int64_t num_tokens, int head_start, int num_heads,
-                   std::span<uint8_t> staging, int first_layer, int num_layers) {
+                   int64_t num_tokens, int head_start, int num_heads, std::span<uint8_t> staging,
+                   int first_layer, int num_layers) {
   Status s = Check(pool, pages, first_token, num_tokens, head_start, num_heads, staging.size(),
                    first_layer, num_layers);
   if (!s.ok()) return s;
-  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads, first_layer,
-               num_layers,
+  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads, first_layer, num_layers,
                [&](const uint8_t* slot, uint64_t off, uint64_t n) {
                  std::memcpy(staging.data() + off, slot, n);
                });
@@ -146,11 +144,9 @@ Status ScatterHeads(KvPool& pool, std::span<const int32_t> pages, int64_t first_
   Status s = Check(pool, pages, first_token, num_tokens, head_start, num_heads, staging.size(),
                    first_layer, num_layers);
   if (!s.ok()) return s;
-  ForEachPiece(pool, pages, first_token, num_tokens, head_start, num_heads, first_layer,
-               num_layers,
-               [&](uint8_t* slot, uint64_t off, uint64_t n) {
-                 std::memcpy(slot, staging.data() + off, n);
-               });
+  ForEachPiece(
+      pool, pages, first_token, num_tokens, head_start, num_heads, first_layer, num_layers,
+      [&](uint8_t* slot, uint64_t off, uint64_t n) { std::memcpy(slot, staging.data() + off, n); });
   return OkStatus();
 }
 

@@ -26,8 +26,8 @@ uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads,
 // Errors: kOutOfRange (heads or layers beyond the layout, a page index outside the pool or
 // missing, staging too small), nothing copied then.
 Status GatherHeads(const KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
-                   int64_t num_tokens, int head_start, int num_heads,
-                   std::span<uint8_t> staging, int first_layer = 0, int num_layers = 0);
+                   int64_t num_tokens, int head_start, int num_heads, std::span<uint8_t> staging,
+                   int first_layer = 0, int num_layers = 0);
 
 // The inverse: writes the staging region into heads [head_start, head_start + num_heads) of
 // the request's tokens in `pool`. REQUIRES the staging region came from a layout with the same

@@ -71,10 +71,9 @@ uint64_t ModelGeometry::StateBytesPerRequest() const {
   const uint64_t conv = static_cast<uint64_t>(linear_conv_dim()) *
                         static_cast<uint64_t>(std::max(linear_conv_kernel_dim - 1, 0)) *
                         DTypeSize(dtype);
-  const uint64_t recurrent = static_cast<uint64_t>(linear_num_value_heads) *
-                             static_cast<uint64_t>(linear_value_head_dim) *
-                             static_cast<uint64_t>(linear_key_head_dim) *
-                             DTypeSize(linear_state_dtype);
+  const uint64_t recurrent =
+      static_cast<uint64_t>(linear_num_value_heads) * static_cast<uint64_t>(linear_value_head_dim) *
+      static_cast<uint64_t>(linear_key_head_dim) * DTypeSize(linear_state_dtype);
   return static_cast<uint64_t>(num_linear_layers) * (conv + recurrent);
 }
 
@@ -225,10 +224,11 @@ Status ParseLinearAttention(const Json& config, ModelGeometry& g) {
                                   std::to_string(g.num_layers) + ") layer types");
     }
     for (size_t i = 0; i < types.size(); ++i) {
-      if (!types[i].is_string() || (types[i] != "full_attention" && types[i] != "linear_attention")) {
-        return InvalidArgumentError("config field 'layer_types'[" + std::to_string(i) +
-                                    "] is not \"full_attention\" or \"linear_attention\": " +
-                                    types[i].dump());
+      if (!types[i].is_string() ||
+          (types[i] != "full_attention" && types[i] != "linear_attention")) {
+        return InvalidArgumentError(
+            "config field 'layer_types'[" + std::to_string(i) +
+            "] is not \"full_attention\" or \"linear_attention\": " + types[i].dump());
       }
       if (interval == 0 && types[i] == "full_attention") interval = static_cast<int>(i) + 1;
     }
@@ -238,10 +238,9 @@ Status ParseLinearAttention(const Json& config, ModelGeometry& g) {
     for (size_t i = 0; i < types.size(); ++i) {
       const bool full = (i + 1) % static_cast<size_t>(interval) == 0;
       if ((types[i] == "full_attention") != full) {
-        return InvalidArgumentError(
-            "config field 'layer_types' is not periodic (every " + std::to_string(interval) +
-            "th layer full attention): layer " + std::to_string(i) + " is " +
-            types[i].get<std::string>());
+        return InvalidArgumentError("config field 'layer_types' is not periodic (every " +
+                                    std::to_string(interval) + "th layer full attention): layer " +
+                                    std::to_string(i) + " is " + types[i].get<std::string>());
       }
     }
   } else {
@@ -260,7 +259,8 @@ Status ParseLinearAttention(const Json& config, ModelGeometry& g) {
   if (HasValue(config, "mamba_ssm_dtype")) {
     const Json& value = config["mamba_ssm_dtype"];
     if (!value.is_string()) {
-      return InvalidArgumentError("config field 'mamba_ssm_dtype' is not a string: " + value.dump());
+      return InvalidArgumentError("config field 'mamba_ssm_dtype' is not a string: " +
+                                  value.dump());
     }
     StatusOr<DType> dtype = ParseDType(value.get<std::string>());
     if (!dtype.ok()) return dtype.status().WithContext("config field 'mamba_ssm_dtype'");

@@ -1,13 +1,13 @@
 #include "kvferry/kv_pool.h"
 
-#include "cuda/device_memory.h"
-
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <limits>
 #include <string>
 #include <utility>
+
+#include "cuda/device_memory.h"
 
 namespace kvferry {
 
@@ -185,15 +185,17 @@ KvPool::~KvPool() {
   if (device_memory_ == nullptr) munmap(data_, static_cast<size_t>(size_bytes_));
 }
 
-StatusOr<std::unique_ptr<KvPool>> KvPool::CreateOnDevice(const KvLayout& layout,
-                                                         int32_t num_pages, int device) {
+StatusOr<std::unique_ptr<KvPool>> KvPool::CreateOnDevice(const KvLayout& layout, int32_t num_pages,
+                                                         int device) {
   if (num_pages < 1) {
     return InvalidArgumentError("a KV pool needs at least one page, got " +
                                 std::to_string(num_pages));
   }
-  const uint64_t size_bytes = layout.bytes_per_page_all_buffers() * static_cast<uint64_t>(num_pages);
+  const uint64_t size_bytes =
+      layout.bytes_per_page_all_buffers() * static_cast<uint64_t>(num_pages);
   auto memory = cuda::DeviceAllocation::Create(device, size_bytes);
-  if (!memory.ok()) return memory.status().WithContext("KV pool on CUDA device " + std::to_string(device));
+  if (!memory.ok())
+    return memory.status().WithContext("KV pool on CUDA device " + std::to_string(device));
   std::unique_ptr<KvPool> pool(new KvPool(layout, num_pages, (*memory)->data(), size_bytes));
   pool->location_ = MemoryLocation{MemoryKind::kCuda, device};
   pool->device_memory_ = std::move(*memory);

@@ -79,9 +79,9 @@ class PrefillConnectorImpl : public PrefillConnector {
         [this](const Notification& n) { control_handler_.OnNotification(n); });
     if (options_.start_bootstrap_server) {
       BootstrapServerOptions bs;
-      ASSIGN_OR_RETURN(HostPort listen, ParseHostPort(options_.bootstrap_address,
-                                                      "bootstrap address",
-                                                      /*allow_port_zero=*/true));
+      ASSIGN_OR_RETURN(HostPort listen,
+                       ParseHostPort(options_.bootstrap_address, "bootstrap address",
+                                     /*allow_port_zero=*/true));
       bs.host = listen.host;
       bs.port = listen.port;
       ASSIGN_OR_RETURN(bootstrap_server_, BootstrapServer::Create(bs));

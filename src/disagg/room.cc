@@ -3,11 +3,16 @@
 namespace kvferry {
 std::string_view RoomStateName(RoomState state) {
   switch (state) {
-    case RoomState::kBootstrapping: return "Bootstrapping";
-    case RoomState::kWaitingForInput: return "WaitingForInput";
-    case RoomState::kTransferring: return "Transferring";
-    case RoomState::kSuccess: return "Success";
-    case RoomState::kFailed: return "Failed";
+    case RoomState::kBootstrapping:
+      return "Bootstrapping";
+    case RoomState::kWaitingForInput:
+      return "WaitingForInput";
+    case RoomState::kTransferring:
+      return "Transferring";
+    case RoomState::kSuccess:
+      return "Success";
+    case RoomState::kFailed:
+      return "Failed";
   }
   return "Unknown";
 }

@@ -29,7 +29,7 @@ class RoomTable {
     Clock::time_point deadline = Clock::time_point::max();  // fails the room when passed
     std::string deadline_reason;
     T data;
-    int pins = 0;  // Pin: while > 0 the room does not become final and is not released
+    int pins = 0;               // Pin: while > 0 the room does not become final and is not released
     bool fail_pending = false;  // a failure waits for the pins: no new pin, no success
   };
 
@@ -95,8 +95,7 @@ class RoomTable {
 
   // Fails a non-final room, once no Pin holds it. Returns whether it changed.
   // `on_fail`, when given, runs under the lock as the room becomes Failed.
-  bool Fail(uint64_t room, const Status& why,
-            const std::function<void(Room&)>& on_fail = nullptr) {
+  bool Fail(uint64_t room, const Status& why, const std::function<void(Room&)>& on_fail = nullptr) {
     std::unique_lock<std::mutex> lock(mu_);
     auto it = rooms_.find(room);
     if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;

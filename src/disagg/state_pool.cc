@@ -12,7 +12,8 @@ namespace kvferry {
 StatusOr<StateLayout> StateLayout::Create(const ModelGeometry& geometry, int tp_size) {
   const std::string what = "model '" + geometry.name + "': ";
   if (!geometry.hybrid()) return InvalidArgumentError(what + "has no linear-attention layers");
-  if (tp_size < 1) return InvalidArgumentError("TP size must be >= 1, got " + std::to_string(tp_size));
+  if (tp_size < 1)
+    return InvalidArgumentError("TP size must be >= 1, got " + std::to_string(tp_size));
   if (geometry.linear_num_value_heads < 1 || geometry.linear_num_key_heads < 1 ||
       geometry.linear_key_head_dim < 1 || geometry.linear_value_head_dim < 1 ||
       geometry.linear_conv_kernel_dim < 2) {
@@ -22,11 +23,11 @@ StatusOr<StateLayout> StateLayout::Create(const ModelGeometry& geometry, int tp_
   const int qk = geometry.linear_num_key_heads * geometry.linear_key_head_dim;
   const int v = geometry.linear_num_value_heads * geometry.linear_value_head_dim;
   if (qk % tp_size != 0 || v % tp_size != 0 || geometry.linear_num_value_heads % tp_size != 0) {
-    return InvalidArgumentError(
-        what + "TP " + std::to_string(tp_size) + " does not divide the linear-attention state: " +
-        "conv_dim " + std::to_string(conv_dim) + " (q/k " + std::to_string(qk) + ", v " +
-        std::to_string(v) + " channels), linear_num_value_heads " +
-        std::to_string(geometry.linear_num_value_heads));
+    return InvalidArgumentError(what + "TP " + std::to_string(tp_size) +
+                                " does not divide the linear-attention state: " + "conv_dim " +
+                                std::to_string(conv_dim) + " (q/k " + std::to_string(qk) + ", v " +
+                                std::to_string(v) + " channels), linear_num_value_heads " +
+                                std::to_string(geometry.linear_num_value_heads));
   }
   StateLayout l;
   l.geometry_ = geometry;
@@ -51,7 +52,8 @@ std::vector<int> StateLayout::SegmentRows(int buffer) const {
 int StateLayout::SegmentOffset(int buffer, int segment, int tp_size) const {
   const std::vector<int> rows = SegmentRows(buffer);
   int offset = 0;
-  for (int s = 0; s < segment && s < static_cast<int>(rows.size()); ++s) offset += rows[s] / tp_size;
+  for (int s = 0; s < segment && s < static_cast<int>(rows.size()); ++s)
+    offset += rows[s] / tp_size;
   return offset;
 }
 

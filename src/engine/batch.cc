@@ -385,9 +385,9 @@ bool Batch::ApplyLocked(size_t index, uint64_t bytes, const Status& status, bool
     r.error = status;
   }
   if (!last) return false;
-  r.state = r.error.ok() ? TransferState::kCompleted
+  r.state = r.error.ok()                               ? TransferState::kCompleted
             : r.error.code() == StatusCode::kCancelled ? TransferState::kCancelled
-                                                        : TransferState::kFailed;
+                                                       : TransferState::kFailed;
   if (r.state == TransferState::kCompleted) {
     ++num_completed_;
   } else {

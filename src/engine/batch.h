@@ -180,5 +180,4 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   void UnwatchedLocked() { watched_ = false; }
 };
 
-
 }  // namespace kvferry

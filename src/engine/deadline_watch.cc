@@ -48,13 +48,13 @@ void Watchdog::Loop() {
       if (batch->final()) continue;
       BatchStatus s = batch->Snapshot();
       std::string peer = batch->peers.empty() ? "" : batch->peers[0]->address;
-      batch->Abandon(DeadlineExceededError(
-                         "batch " + std::to_string(batch->id) + " missed its deadline of " +
-                         std::to_string(batch->deadline_ms.count()) + " ms with " +
-                         std::to_string(s.num_requests - s.num_completed - s.num_failed) +
-                         " of " + std::to_string(s.num_requests) +
-                         " requests unfinished (peer " + peer + ")"),
-                     false);
+      batch->Abandon(
+          DeadlineExceededError("batch " + std::to_string(batch->id) + " missed its deadline of " +
+                                std::to_string(batch->deadline_ms.count()) + " ms with " +
+                                std::to_string(s.num_requests - s.num_completed - s.num_failed) +
+                                " of " + std::to_string(s.num_requests) +
+                                " requests unfinished (peer " + peer + ")"),
+          false);
     }
     expired.clear();
     lock.lock();

@@ -8,7 +8,9 @@
 
 namespace kvferry {
 
-EventGate::EventGate() { thread_ = std::thread([this] { Loop(); }); }
+EventGate::EventGate() {
+  thread_ = std::thread([this] { Loop(); });
+}
 
 EventGate::~EventGate() {
   {

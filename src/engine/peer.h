@@ -25,8 +25,8 @@ namespace kvferry {
 class Peer {
  public:
   uint64_t id = 0;
-  std::string address;                     // "host:port" as opened
-  std::shared_ptr<tcp::TcpPeer> control;   // its descriptor() is the handshake's
+  std::string address;                    // "host:port" as opened
+  std::shared_ptr<tcp::TcpPeer> control;  // its descriptor() is the handshake's
   // The transport for each kind of local memory (TransportSet::Pick at open), or why none.
   std::array<StatusOr<Transport*>, 2> routes{StatusOr<Transport*>(nullptr),
                                              StatusOr<Transport*>(nullptr)};

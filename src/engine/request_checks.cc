@@ -26,11 +26,10 @@ Status CheckRows(const TransferRequest& r, size_t i) {
   auto where = [i] { return "request " + std::to_string(i) + ": "; };
   if (r.num_rows == 0) return InvalidArgumentError(where() + "zero rows");
   if (r.local_stride < r.length_bytes || r.remote_stride < r.length_bytes) {
-    return InvalidArgumentError(where() + "rows overlap: strides " +
-                                std::to_string(r.local_stride) + " (local) and " +
-                                std::to_string(r.remote_stride) +
-                                " (remote) must be >= the row length " +
-                                std::to_string(r.length_bytes));
+    return InvalidArgumentError(
+        where() + "rows overlap: strides " + std::to_string(r.local_stride) + " (local) and " +
+        std::to_string(r.remote_stride) + " (remote) must be >= the row length " +
+        std::to_string(r.length_bytes));
   }
   const uint64_t max = UINT64_MAX - r.length_bytes;
   const uint64_t rows = r.num_rows - 1;

@@ -33,10 +33,14 @@ namespace kvferry {
 
 std::string_view TransferStateName(TransferState state) {
   switch (state) {
-    case TransferState::kPending: return "pending";
-    case TransferState::kCompleted: return "completed";
-    case TransferState::kFailed: return "failed";
-    case TransferState::kCancelled: return "cancelled";
+    case TransferState::kPending:
+      return "pending";
+    case TransferState::kCompleted:
+      return "completed";
+    case TransferState::kFailed:
+      return "failed";
+    case TransferState::kCancelled:
+      return "cancelled";
   }
   return "unknown";
 }
@@ -193,8 +197,8 @@ class EngineImpl : public TransferEngine {
 
   StatusOr<SegmentDescriptor> RefreshSegment(SegmentHandle segment) override {
     ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
-    ASSIGN_OR_RETURN(SegmentDescriptor desc, tcp::TcpTransport::FetchDescriptor(
-                                                 *peer->control, options_.connect_timeout));
+    ASSIGN_OR_RETURN(SegmentDescriptor desc,
+                     tcp::TcpTransport::FetchDescriptor(*peer->control, options_.connect_timeout));
     std::lock_guard<std::mutex> lock(peers_mu_);
     descriptors_[segment.value] = desc;
     return desc;
@@ -203,7 +207,8 @@ class EngineImpl : public TransferEngine {
   StatusOr<SegmentDescriptor> GetSegmentDescriptor(SegmentHandle segment) const override {
     std::lock_guard<std::mutex> lock(peers_mu_);
     auto it = peers_.find(segment.value);
-    if (it == peers_.end()) return NotFoundError("unknown segment " + std::to_string(segment.value));
+    if (it == peers_.end())
+      return NotFoundError("unknown segment " + std::to_string(segment.value));
     auto d = descriptors_.find(segment.value);
     if (d != descriptors_.end()) return d->second;
     return it->second->control->descriptor();
@@ -262,8 +267,8 @@ class EngineImpl : public TransferEngine {
         RETURN_IF_ERROR(CheckRequestShape(r, i));
         if (!options.notification.empty() && r.segment != requests[0].segment) {
           return InvalidArgumentError(
-              "a batch with a notification must target one segment (request " +
-              std::to_string(i) + " targets another)");
+              "a batch with a notification must target one segment (request " + std::to_string(i) +
+              " targets another)");
         }
         if (peer == nullptr || r.segment != peer_segment) {
           relock();
@@ -384,7 +389,8 @@ class EngineImpl : public TransferEngine {
       BatchShard& shard = ShardOf(id.value);
       std::lock_guard<std::mutex> lock(shard.mu);
       auto it = shard.batches.find(id.value);
-      if (it == shard.batches.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
+      if (it == shard.batches.end())
+        return NotFoundError("unknown batch " + std::to_string(id.value));
       if (!it->second->final()) {
         return FailedPreconditionError("batch " + std::to_string(id.value) + " is still pending");
       }
@@ -477,13 +483,13 @@ class EngineImpl : public TransferEngine {
     MemoryRegistry::Span local;
     const bool registered = registry_.Lookup(addr, r.local_extent(), &local);
     const bool local_device = registered && local.kind == MemoryKind::kCuda;
-    StatusOr<PeerChannel*> channel =
-        local_device ? peer.ChannelFor(MemoryKind::kCuda, local.device_id)
-                     : peer.ChannelFor(MemoryKind::kHost, -1);
+    StatusOr<PeerChannel*> channel = local_device
+                                         ? peer.ChannelFor(MemoryKind::kCuda, local.device_id)
+                                         : peer.ChannelFor(MemoryKind::kHost, -1);
     if (!channel.ok()) {
       return channel.status().WithContext("request " + std::to_string(index) + ": " +
-                                          (local_device ? "GPU" : "host") +
-                                          " memory to peer " + peer.address);
+                                          (local_device ? "GPU" : "host") + " memory to peer " +
+                                          peer.address);
     }
     cache->peer = &peer;
     cache->region = registered ? local : MemoryRegistry::Span{addr, r.local_extent()};
@@ -507,7 +513,8 @@ class EngineImpl : public TransferEngine {
   StatusOr<std::shared_ptr<Peer>> FindPeer(SegmentHandle segment) const {
     std::lock_guard<std::mutex> lock(peers_mu_);
     auto it = peers_.find(segment.value);
-    if (it == peers_.end()) return NotFoundError("unknown segment " + std::to_string(segment.value));
+    if (it == peers_.end())
+      return NotFoundError("unknown segment " + std::to_string(segment.value));
     return it->second;
   }
 
@@ -515,7 +522,8 @@ class EngineImpl : public TransferEngine {
     const BatchShard& shard = ShardOf(id.value);
     std::lock_guard<std::mutex> lock(shard.mu);
     auto it = shard.batches.find(id.value);
-    if (it == shard.batches.end()) return NotFoundError("unknown batch " + std::to_string(id.value));
+    if (it == shard.batches.end())
+      return NotFoundError("unknown batch " + std::to_string(id.value));
     return it->second;
   }
 
@@ -531,7 +539,8 @@ class EngineImpl : public TransferEngine {
   void Publish(const std::shared_ptr<Batch>& batch, const BatchOptions& options) {
     batch->on_complete = options.on_complete;
     batch->on_landed = options.on_landed;
-    batch->deadline_ms = options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
+    batch->deadline_ms =
+        options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
     batch->deadline = Clock::now() + batch->deadline_ms;
     batch->id = next_batch_id_.fetch_add(1, std::memory_order_relaxed);
     BatchShard& shard = ShardOf(batch->id);

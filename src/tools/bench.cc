@@ -19,11 +19,11 @@
 #include <vector>
 
 #include "common/env.h"
-#include "tools/gpu/baselines.h"
 #include "tools/bench_config.h"
 #include "tools/bench_session.h"
 #include "tools/bench_target.h"
 #include "tools/commands.h"
+#include "tools/gpu/baselines.h"
 #include "tools/stats.h"
 
 namespace kvferry::tools {
@@ -84,7 +84,7 @@ std::string FormatLatencyUs(double us) {
 
 // What CUDA itself achieves between the two GPUs, measured in the same run.
 struct GpuBaseline {
-  std::string what;          // "cudaMemcpyPeer" or "cudaMemcpyBatchAsync"
+  std::string what;  // "cudaMemcpyPeer" or "cudaMemcpyBatchAsync"
   uint64_t block_bytes = 0;
   size_t count = 1;
   double gbps = 0;
@@ -107,7 +107,8 @@ std::vector<GpuBaseline> MeasureGpuBaselines(const BenchPlan& plan) {
       // The same blocks the engine moved; never less than 64 MiB in flight per copy call.
       size_t count = std::max<size_t>(batch, static_cast<size_t>((64ull << 20) / block));
       count = std::min<size_t>(count, static_cast<size_t>((4ull << 30) / block));
-      auto b = cuda::MeasureMemcpyBatch(src, dst, block, static_cast<int>(std::max<size_t>(1, count)), 5);
+      auto b = cuda::MeasureMemcpyBatch(src, dst, block,
+                                        static_cast<int>(std::max<size_t>(1, count)), 5);
       if (b.ok()) {
         out.push_back({"cudaMemcpyBatchAsync", block, count, *b});
       } else {
@@ -121,7 +122,8 @@ std::vector<GpuBaseline> MeasureGpuBaselines(const BenchPlan& plan) {
     std::snprintf(gbps, sizeof(gbps), "%.2f", b.gbps);
     rows.push_back({b.what, FormatBytes(b.block_bytes), std::to_string(b.count), gbps});
   }
-  std::printf("\nCUDA baselines, GPU %d -> GPU %d, same run:\n%s", src, dst, RenderTable(rows).c_str());
+  std::printf("\nCUDA baselines, GPU %d -> GPU %d, same run:\n%s", src, dst,
+              RenderTable(rows).c_str());
   return out;
 }
 
@@ -154,8 +156,8 @@ Status WriteJson(const std::string& path, const BenchPlan& plan, const Effective
   }
   nlohmann::ordered_json ceilings = nlohmann::ordered_json::array();
   for (const GpuBaseline& b : baselines) {
-    ceilings.push_back({{"what", b.what}, {"block_size", b.block_bytes}, {"count", b.count},
-                        {"gbps", b.gbps}});
+    ceilings.push_back(
+        {{"what", b.what}, {"block_size", b.block_bytes}, {"count", b.count}, {"gbps", b.gbps}});
   }
   nlohmann::ordered_json doc = {
       {"device", plan.device},
@@ -261,8 +263,7 @@ int RunBench(const BenchFlags& flags) {
   if (plan.device == "cuda") baselines = MeasureGpuBaselines(plan);
   std::fflush(stdout);
   if (!plan.json_path.empty()) {
-    if (Status written = WriteJson(plan.json_path, plan, tcp, results, baselines);
-        !written.ok()) {
+    if (Status written = WriteJson(plan.json_path, plan, tcp, results, baselines); !written.ok()) {
       return Fail(written);
     }
   }

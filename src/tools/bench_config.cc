@@ -1,15 +1,14 @@
 #include "tools/bench_config.h"
 
-#include "cuda/device_memory.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
 
 #include "common/checks.h"
-#include "common/host_port.h"
 #include "common/env.h"
+#include "common/host_port.h"
+#include "cuda/device_memory.h"
 
 namespace kvferry::tools {
 
@@ -173,7 +172,8 @@ StatusOr<BenchPlan> MakeBenchPlan(const BenchFlags& flags) {
     if (!plan.target_address.empty()) {
       return FlagError("--serve", "cannot be combined with --target");
     }
-    RETURN_IF_ERROR(ParseFlagHostPort("--listen", flags.listen, &plan.listen_host, &plan.listen_port));
+    RETURN_IF_ERROR(
+        ParseFlagHostPort("--listen", flags.listen, &plan.listen_host, &plan.listen_port));
   }
   return plan;
 }

@@ -79,7 +79,7 @@ StatusOr<std::vector<size_t>> ParseCountList(const std::string& flag, const std:
 // Parses "HOST:PORT" (ParseHostPort; PORT may be 0 to pick a free one). Errors:
 // kInvalidArgument naming `flag`.
 Status ParseFlagHostPort(const std::string& flag, const std::string& text, std::string* host,
-                     uint16_t* port);
+                         uint16_t* port);
 
 // The buffer that lets every thread keep a whole batch of the largest blocks in flight at
 // distinct offsets, capped at kMaxDefaultBenchBufferBytes but never below one largest block

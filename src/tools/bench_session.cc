@@ -1,15 +1,13 @@
 #include "tools/bench_session.h"
 
-#include "cuda/device_ops.h"
-
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <deque>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <latch>
 #include <mutex>
 #include <random>
@@ -18,6 +16,7 @@
 
 #include "common/checks.h"
 #include "common/env.h"
+#include "cuda/device_ops.h"
 #include "tools/stats.h"
 
 namespace kvferry::tools {
@@ -104,8 +103,7 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
     }
   }
   if (region == nullptr) {
-    return FailedPreconditionError("target " + address +
-                                   " has no read-write " +
+    return FailedPreconditionError("target " + address + " has no read-write " +
                                    std::string(plan.device == "cuda" ? "GPU" : "host") +
                                    " region to benchmark against");
   }
@@ -132,10 +130,9 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
   }
   // Not needed by TCP (it reads local memory directly) but what a real client does, and what
   // transports with memory keys require.
-  RETURN_IF_ERROR(session->engine_->RegisterMemory(session->local_.data(),
-                                                   session->local_.size_bytes(),
-                                                   session->local_.location(),
-                                                   kAccessRemoteReadWrite));
+  RETURN_IF_ERROR(
+      session->engine_->RegisterMemory(session->local_.data(), session->local_.size_bytes(),
+                                       session->local_.location(), kAccessRemoteReadWrite));
   return session;
 }
 

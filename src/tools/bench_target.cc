@@ -1,9 +1,5 @@
 #include "tools/bench_target.h"
 
-#include "common/checks.h"
-#include "cuda/device_memory.h"
-#include "cuda/device_ops.h"
-
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
@@ -23,6 +19,8 @@
 
 #include "common/checks.h"
 #include "common/env.h"
+#include "cuda/device_memory.h"
+#include "cuda/device_ops.h"
 #include "kvferry/engine.h"
 
 namespace kvferry::tools {
@@ -156,9 +154,9 @@ int RunBenchTarget(const TargetOptions& options) {
     sigaddset(&stop_signals, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   }
-  StatusOr<HostBuffer> buffer = options.device == "cuda"
-                                    ? HostBuffer::AllocateOnDevice(options.buffer_bytes, options.gpu)
-                                    : HostBuffer::Allocate(options.buffer_bytes);
+  StatusOr<HostBuffer> buffer =
+      options.device == "cuda" ? HostBuffer::AllocateOnDevice(options.buffer_bytes, options.gpu)
+                               : HostBuffer::Allocate(options.buffer_bytes);
   if (!buffer.ok()) {
     std::fprintf(stderr, "%s: %s\n", who, buffer.status().ToString().c_str());
     return 1;

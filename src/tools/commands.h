@@ -10,9 +10,9 @@ namespace kvferry::tools {
 
 using RunFn = std::function<int()>;
 
-void AddReplayCommand(CLI::App& app, RunFn* run);    // replay.cc
+void AddReplayCommand(CLI::App& app, RunFn* run);     // replay.cc
 void AddInstanceCommands(CLI::App& app, RunFn* run);  // instance.cc: prefill, decode
-void AddBenchCommand(CLI::App& app, RunFn* run);     // bench.cc
+void AddBenchCommand(CLI::App& app, RunFn* run);      // bench.cc
 
 // The GPU a replay rank runs on (replay.cc). `index` counts the side's ranks (prefill in
 // (cp, tp) order). When every rank fits on its own GPU, prefill ranks take GPUs 0..P-1 and decode

@@ -10,15 +10,15 @@
 #include <thread>
 
 #include "common/checks.h"
-#include "common/logging.h"
 #include "common/env.h"
+#include "common/logging.h"
 #include "cuda/device_ops.h"
-#include "tools/gpu/gpu_pattern.h"
 #include "disagg/connector_pools.h"
-#include "tools/kv_pattern.h"
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
 #include "tools/commands.h"
+#include "tools/gpu/gpu_pattern.h"
+#include "tools/kv_pattern.h"
 
 namespace kvferry::tools {
 
@@ -162,8 +162,8 @@ struct Instance {
     }
     // A TP rank's pool holds only its share of the heads (replicated when TP > heads).
     total_kv_heads = g.attention == AttentionKind::kMla ? 1 : g.num_kv_heads;
-    ASSIGN_OR_RETURN(TpPlan plan, PlanHeadSlices(total_kv_heads, flags.tp_size, flags.tp_size,
-                                                 g.attention));
+    ASSIGN_OR_RETURN(TpPlan plan,
+                     PlanHeadSlices(total_kv_heads, flags.tp_size, flags.tp_size, g.attention));
     if (g.attention != AttentionKind::kMla) {
       g.num_kv_heads = plan.prefill_heads;
       head_offset = flags.tp_size <= total_kv_heads
@@ -192,7 +192,8 @@ struct Instance {
       }
       state_slots = std::make_unique<PageAllocator>(flags.state_slots);
     }
-    ASSIGN_OR_RETURN(AuxLayout al, AuxLayout::Create(g.hidden_size > 0 ? g.hidden_size : 1, g.dtype));
+    ASSIGN_OR_RETURN(AuxLayout al,
+                     AuxLayout::Create(g.hidden_size > 0 ? g.hidden_size : 1, g.dtype));
     if (flags.device == "cuda") {
       on_gpu = true;
       ASSIGN_OR_RETURN(pool, KvPool::CreateOnDevice(*layout, pages, flags.gpu));
@@ -301,11 +302,16 @@ void Reply(httplib::Response& res, int code, const json& body) {
 
 int HttpCode(const Status& s) {
   switch (s.code()) {
-    case StatusCode::kInvalidArgument: return 400;
-    case StatusCode::kAlreadyExists: return 409;
-    case StatusCode::kResourceExhausted: return 413;
-    case StatusCode::kDeadlineExceeded: return 504;
-    default: return 500;
+    case StatusCode::kInvalidArgument:
+      return 400;
+    case StatusCode::kAlreadyExists:
+      return 409;
+    case StatusCode::kResourceExhausted:
+      return 413;
+    case StatusCode::kDeadlineExceeded:
+      return 504;
+    default:
+      return 500;
   }
 }
 
@@ -329,7 +335,8 @@ StatusOr<std::vector<int32_t>> AllocatePages(Instance& in, int64_t num_pages) {
                                   " pages is larger than the whole pool of " +
                                   std::to_string(in.allocator->capacity()) + " pages");
   }
-  return in.allocator->AllocateWait(static_cast<int32_t>(num_pages), milliseconds(in.flags.timeout_ms));
+  return in.allocator->AllocateWait(static_cast<int32_t>(num_pages),
+                                    milliseconds(in.flags.timeout_ms));
 }
 
 // A request's pages and aux row, handed back to the instance when the handler ends.
@@ -383,7 +390,8 @@ std::unique_ptr<Admission> Admit(Instance& in, const httplib::Request& req, http
   if (in.state_slots != nullptr) {
     auto slot = in.state_slots->AllocateWait(1, milliseconds(in.flags.timeout_ms));
     if (!slot.ok()) {
-      Reply(res, 504, {{"ok", false}, {"error", slot.status().WithContext("state slot").ToString()}});
+      Reply(res, 504,
+            {{"ok", false}, {"error", slot.status().WithContext("state slot").ToString()}});
       return nullptr;
     }
     a->state_slot = (*slot)[0];
@@ -453,8 +461,10 @@ int RunPrefillInstance(const InstanceFlags& flags) {
   };
   auto stats = [&] {
     ConnectorStats st = c.stats();
-    return json{{"transfer_requests", st.transfer_requests}, {"bytes", st.bytes},
-                {"rooms_succeeded", st.rooms_succeeded}, {"rooms_failed", st.rooms_failed}};
+    return json{{"transfer_requests", st.transfer_requests},
+                {"bytes", st.bytes},
+                {"rooms_succeeded", st.rooms_succeeded},
+                {"rooms_failed", st.rooms_failed}};
   };
   in.AddCommonRoutes(info, stats);
   in.server.Post("/prefill", [&](const httplib::Request& req, httplib::Response& res) {
@@ -605,20 +615,21 @@ int RunPrefillInstance(const InstanceFlags& flags) {
     double tail_ms = std::chrono::duration<double, std::milli>(success - compute_end).count();
     double compute_ms = std::chrono::duration<double, std::milli>(compute_end - start).count();
     if (!done.ok() || done->state != RoomState::kSuccess) {
-      return fail(done.ok() ? (done->error.ok() ? DeadlineExceededError("transfer timed out")
-                                                : done->error)
-                            : done.status());
+      return fail(
+          done.ok() ? (done->error.ok() ? DeadlineExceededError("transfer timed out") : done->error)
+                    : done.status());
     }
     c.Release(room).IgnoreError();
-    Reply(res, 200, {{"ok", true},
-                 {"room", room},
-                 {"pages", num_pages},
-                 {"pages_sent", range.num_pages},
-                 {"transfer_ms", transfer_ms},
-                 {"compute_ms", compute_ms},
-                 {"tail_ms", tail_ms},
-                 {"compute_end_ns", SteadyNs(compute_end)},
-                 {"layers", model_layers}});
+    Reply(res, 200,
+          {{"ok", true},
+           {"room", room},
+           {"pages", num_pages},
+           {"pages_sent", range.num_pages},
+           {"transfer_ms", transfer_ms},
+           {"compute_ms", compute_ms},
+           {"tail_ms", tail_ms},
+           {"compute_end_ns", SteadyNs(compute_end)},
+           {"layers", model_layers}});
   });
   return in.Serve(info);
 }
@@ -633,7 +644,8 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   o.kv_path = flags.kv_path;
   auto staging = ParseByteSize(flags.staging_size);
   if (!staging.ok()) {
-    std::fprintf(stderr, "kvferry decode: --staging-size: %s\n", staging.status().message().c_str());
+    std::fprintf(stderr, "kvferry decode: --staging-size: %s\n",
+                 staging.status().message().c_str());
     return 2;
   }
   o.staging_bytes = *staging;
@@ -652,7 +664,8 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   };
   auto stats = [&] {
     ConnectorStats st = c.stats();
-    return json{{"bytes", st.bytes}, {"rooms_succeeded", st.rooms_succeeded},
+    return json{{"bytes", st.bytes},
+                {"rooms_succeeded", st.rooms_succeeded},
                 {"rooms_failed", st.rooms_failed},
                 {"rooms_done_by_mailbox", st.rooms_done_by_mailbox}};
   };
@@ -679,7 +692,8 @@ int RunDecodeInstance(const InstanceFlags& flags) {
     if (!done.ok() || done->state != RoomState::kSuccess) {
       if (done.ok() && !IsFinal(done->state)) c.Abort(room, "decode gave up waiting").IgnoreError();
       auto st = c.Poll(room);
-      std::string reason = st.ok() && !st->error.ok() ? st->error.ToString() : "room did not finish";
+      std::string reason =
+          st.ok() && !st->error.ok() ? st->error.ToString() : "room did not finish";
       c.Release(room).IgnoreError();
       json out = {{"ok", false}, {"error", reason}};
       if (flags.abort_every > 0 && in.on_gpu) {
@@ -712,16 +726,16 @@ int RunDecodeInstance(const InstanceFlags& flags) {
     }
     const int64_t pages_mismatched = v->first;
     int64_t mismatched_pages = std::min<int64_t>(num_pages, pages_mismatched);
-    json out = {{"ok", true},
-                {"room", room},
-                {"pages", num_pages},
-                {"pages_verified", num_pages - mismatched_pages},
-                {"verify_ms", std::chrono::duration<double, std::milli>(Clock::now() - verify_start)
-                                  .count()},
-                {"mismatches", pages_mismatched + (aux_ok.ok() ? 0 : 1) + state_v->pages_mismatched},
-                {"success_ns", SteadyNs(success_time)},
-                {"bytes", num_pages * layout.bytes_per_page_all_buffers() +
-                              in.aux->layout().row_bytes()}};
+    json out = {
+        {"ok", true},
+        {"room", room},
+        {"pages", num_pages},
+        {"pages_verified", num_pages - mismatched_pages},
+        {"verify_ms",
+         std::chrono::duration<double, std::milli>(Clock::now() - verify_start).count()},
+        {"mismatches", pages_mismatched + (aux_ok.ok() ? 0 : 1) + state_v->pages_mismatched},
+        {"success_ns", SteadyNs(success_time)},
+        {"bytes", num_pages * layout.bytes_per_page_all_buffers() + in.aux->layout().row_bytes()}};
     if (pages_mismatched > 0) out["first_mismatch"] = v->second;
     if (!aux_ok.ok()) out["aux_error"] = aux_ok.ToString();
     if (!state_v->ok()) out["state_error"] = state_v->first_mismatch;
@@ -736,7 +750,8 @@ int RunDecodeInstance(const InstanceFlags& flags) {
 namespace {
 void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
   cmd->add_option("--model", f->model, "Model preset (KV geometry)")->capture_default_str();
-  cmd->add_option("--model-config", f->model_config, "Hugging Face config.json (overrides --model)");
+  cmd->add_option("--model-config", f->model_config,
+                  "Hugging Face config.json (overrides --model)");
   cmd->add_option("--page-size", f->page_size, "Tokens per KV page")->capture_default_str();
   cmd->add_option("--pool-size", f->pool_size, "KV pool bytes (KiB/MiB/GiB suffixes)")
       ->capture_default_str();
@@ -759,7 +774,8 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
   cmd->add_option("--tp-size", f->tp_size, "Attention TP size (this rank holds its share of heads)")
       ->capture_default_str();
   if (!prefill) {
-    cmd->add_option("--kv-path", f->kv_path, "Unequal TP: auto, direct, staging or fused")->capture_default_str();
+    cmd->add_option("--kv-path", f->kv_path, "Unequal TP: auto, direct, staging or fused")
+        ->capture_default_str();
     cmd->add_option("--staging-size", f->staging_size, "Staging ring bytes for --kv-path staging")
         ->capture_default_str();
   }
@@ -789,7 +805,8 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
 
 void AddInstanceCommands(CLI::App& app, RunFn* run) {
   auto flags = std::make_shared<InstanceFlags>();
-  auto* prefill = app.add_subcommand("prefill", "Run a prefill instance (bootstrap server + sender)");
+  auto* prefill =
+      app.add_subcommand("prefill", "Run a prefill instance (bootstrap server + sender)");
   AddInstanceFlags(prefill, flags.get(), true);
   prefill->callback([run, flags] { *run = [flags] { return RunPrefillInstance(*flags); }; });
   auto* decode = app.add_subcommand("decode", "Run a decode instance (receiver + verifier)");

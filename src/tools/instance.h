@@ -30,7 +30,7 @@ struct InstanceFlags {
   std::string transport = "auto";
   std::string host = "127.0.0.1";
   int control_port = 0;
-  int bootstrap_port = 0;  // prefill only
+  int bootstrap_port = 0;       // prefill only
   int64_t chunk_tokens = 8192;  // prefill: tokens per prefill chunk (chunked prefill)
   int aux_rows = 1024;
   int state_slots = 8;  // hybrid models: linear-attention state slots (one per request in flight)

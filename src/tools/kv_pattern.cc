@@ -1,13 +1,13 @@
 #include "tools/kv_pattern.h"
 
-#include "tools/kv_pattern_math.h"
-
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "tools/kv_pattern_math.h"
 
 namespace kvferry {
 
@@ -17,9 +17,9 @@ constexpr uint64_t kAuxSalt = 0xa0761d6478bd642fULL;
 
 using pattern::BufferSeed;
 using pattern::HeadSeed;
+using pattern::kGolden;
 using pattern::Mix64;
 using pattern::PatternWord;
-using pattern::kGolden;
 
 inline void StoreWord(uint8_t* dst, uint64_t word) { std::memcpy(dst, &word, sizeof(word)); }
 inline uint64_t LoadWord(const uint8_t* src) {

@@ -18,12 +18,12 @@
 
 #include "common/checks.h"
 #include "common/env.h"
-#include "tools/gpu/baselines.h"
-#include "cuda/device_memory.h"
-#include "tools/commands.h"
-#include "kvferry/tp_plan.h"
-#include "tools/instance.h"
 #include "common/host_port.h"
+#include "cuda/device_memory.h"
+#include "kvferry/tp_plan.h"
+#include "tools/commands.h"
+#include "tools/gpu/baselines.h"
+#include "tools/instance.h"
 #include "tools/stats.h"
 #include "tools/trace.h"
 
@@ -99,7 +99,8 @@ class ChildInstance {
       int status = 0;
       ::waitpid(pid_, &status, 0);
       pid_ = -1;
-      return UnavailableError("the " + role + " instance exited before it was ready (see its "
+      return UnavailableError("the " + role +
+                              " instance exited before it was ready (see its "
                               "error above)");
     }
     info_ = json::parse(text.substr(14), nullptr, false);
@@ -180,11 +181,13 @@ int Fail(const std::string& message) {
 }
 
 std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
-  std::vector<std::string> a = {"--page-size", std::to_string(f.page_size), "--pool-size",
-                                f.pool_size, "--transport", f.transport, "--host", f.host,
-                                "--timeout-ms", std::to_string(f.timeout_ms), "--aux-rows",
-                                std::to_string(f.aux_rows), "--state-slots",
-                                std::to_string(f.state_slots)};
+  std::vector<std::string> a = {"--page-size",   std::to_string(f.page_size),
+                                "--pool-size",   f.pool_size,
+                                "--transport",   f.transport,
+                                "--host",        f.host,
+                                "--timeout-ms",  std::to_string(f.timeout_ms),
+                                "--aux-rows",    std::to_string(f.aux_rows),
+                                "--state-slots", std::to_string(f.state_slots)};
   if (!f.model_config.empty()) {
     a.insert(a.end(), {"--model-config", f.model_config});
   } else {
@@ -195,14 +198,14 @@ std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
                        std::to_string(f.compute_us_per_layer)});
     if (f.layerwise) a.push_back("--layerwise");
   }
-  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(f.gpu),
-                      "--tp-rank", std::to_string(f.tp_rank), "--tp-size",
-                      std::to_string(f.tp_size)});
-  if (prefill && !f.join_bootstrap.empty()) a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
+  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(f.gpu), "--tp-rank",
+                     std::to_string(f.tp_rank), "--tp-size", std::to_string(f.tp_size)});
+  if (prefill && !f.join_bootstrap.empty())
+    a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
   if (!prefill) a.insert(a.end(), {"--kv-path", f.kv_path, "--staging-size", f.staging_size});
   if (prefill && f.cp_size > 1) {
-    a.insert(a.end(), {"--cp-rank", std::to_string(f.cp_rank), "--cp-size",
-                       std::to_string(f.cp_size)});
+    a.insert(a.end(),
+             {"--cp-rank", std::to_string(f.cp_rank), "--cp-size", std::to_string(f.cp_size)});
     if (f.cp_rank0_only) a.push_back("--cp-rank0-only");
   }
   if (f.abort_every > 0) {
@@ -269,7 +272,8 @@ int RunReplay(ReplayFlags flags) {
       flags.synthetic = flags.limit > 0 ? flags.limit : 40;
     }
   }
-  if (!flags.trace.empty() && flags.synthetic > 0) return Fail("give --trace or --synthetic, not both");
+  if (!flags.trace.empty() && flags.synthetic > 0)
+    return Fail("give --trace or --synthetic, not both");
   if (!flags.trace.empty()) {
     auto t = LoadTrace(flags.trace, flags.limit);
     if (!t.ok()) return Fail(t.status().message());
@@ -339,9 +343,8 @@ int RunReplay(ReplayFlags flags) {
     // Prefill ranks in (cp, tp) order; rank 0 runs the bootstrap server, the rest join it.
     for (int cp = 0; cp < flags.prefill_cp; ++cp) {
       for (int r = 0; r < flags.prefill_tp; ++r) {
-        std::string join = prefill_infos.empty()
-                               ? ""
-                               : prefill_infos[0]["bootstrap_address"].get<std::string>();
+        std::string join =
+            prefill_infos.empty() ? "" : prefill_infos[0]["bootstrap_address"].get<std::string>();
         if (Status st = start_rank(true, r, flags.prefill_tp, join, cp); !st.ok()) {
           return Fail(st.message());
         }
@@ -418,9 +421,7 @@ int RunReplay(ReplayFlags flags) {
         arrival = due;
       }
       const int64_t pages = (r.input_length + page_size - 1) / page_size;
-      auto finish_one = [&] {
-        progress.Update(++totals.done, totals.bytes.load());
-      };
+      auto finish_one = [&] { progress.Update(++totals.done, totals.bytes.load()); };
       if (pages > pool_pages) {
         ++totals.rejected;
         finish_one();
@@ -458,7 +459,9 @@ int RunReplay(ReplayFlags flags) {
         bodies.push_back(res ? json::parse(res->body, nullptr, false) : json());
         if (res && res->status == 413) rejected = true;
         if (!res || res->status != 200 || !bodies.back().value("ok", false)) {
-          if (ok) why = !res ? who + " unreachable" : who + ": " + bodies.back().value("error", res->body);
+          if (ok)
+            why =
+                !res ? who + " unreachable" : who + ": " + bodies.back().value("error", res->body);
           ok = false;
         }
       }
@@ -467,7 +470,8 @@ int RunReplay(ReplayFlags flags) {
       bool drilled = false;
       for (size_t k = 0; k < bodies.size(); ++k) {
         if (k >= num_decode && bodies[k].is_object() &&
-            bodies[k].value("error", std::string()).find("--abort-every drill") != std::string::npos) {
+            bodies[k].value("error", std::string()).find("--abort-every drill") !=
+                std::string::npos) {
           drilled = true;
         }
       }
@@ -480,7 +484,8 @@ int RunReplay(ReplayFlags flags) {
           if (late > 0) {
             std::lock_guard<std::mutex> lock(errors_mu);
             errors.push_back("request " + std::to_string(i) + " (room " + std::to_string(room) +
-                             ", aborted): " + std::to_string(late) + " pages written after decode "
+                             ", aborted): " + std::to_string(late) +
+                             " pages written after decode "
                              "heard of the abort, first: " +
                              bodies[k].value("first_late_write", std::string("?")));
           }
@@ -508,20 +513,23 @@ int RunReplay(ReplayFlags flags) {
             verified = std::min<uint64_t>(verified, j.value("pages_verified", 0ull));
             uint64_t m = j.value("mismatches", 0ull);
             if (m > 0 && first.empty()) {
-              first = j.value("first_mismatch", j.value("aux_error", j.value("state_error", std::string("?"))));
+              first = j.value("first_mismatch",
+                              j.value("aux_error", j.value("state_error", std::string("?"))));
             }
             mism += m;
             totals.bytes += j.value("bytes", 0ull);
-            decode_success_ns = std::max<int64_t>(decode_success_ns, j.value("success_ns", int64_t{0}));
+            decode_success_ns =
+                std::max<int64_t>(decode_success_ns, j.value("success_ns", int64_t{0}));
             verify_ms = std::max(verify_ms, j.value("verify_ms", 0.0));
           } else {
             transfer_ms = std::max(transfer_ms, j.value("transfer_ms", 0.0));
             tail_ms = std::max(tail_ms, j.value("tail_ms", 0.0));
-            compute_end_ns = std::max<int64_t>(compute_end_ns, j.value("compute_end_ns", int64_t{0}));
+            compute_end_ns =
+                std::max<int64_t>(compute_end_ns, j.value("compute_end_ns", int64_t{0}));
             // Without layerwise transfer the whole transfer runs after compute: its tail over
             // the layer count is the transfer time of one layer.
-            per_layer_ms = std::max(per_layer_ms, j.value("tail_ms", 0.0) /
-                                                      std::max(1, j.value("layers", 1)));
+            per_layer_ms =
+                std::max(per_layer_ms, j.value("tail_ms", 0.0) / std::max(1, j.value("layers", 1)));
             // Prefill ranks are in (cp, tp) order.
             // Every TP rank of a CP rank covers the same page range (its heads of it): count
             // the range once, from TP rank 0.
@@ -536,12 +544,14 @@ int RunReplay(ReplayFlags flags) {
         latency.Add(transfer_ms);
         tail.Add(tail_ms);
         if (decode_success_ns > 0 && compute_end_ns > 0) {
-          tail_decode.Add(std::max<double>(0.0, static_cast<double>(decode_success_ns - compute_end_ns) / 1e6));
+          tail_decode.Add(
+              std::max<double>(0.0, static_cast<double>(decode_success_ns - compute_end_ns) / 1e6));
         }
         transfer_per_layer.Add(per_layer_ms);
         // Arrival to decode success: decode answers after verifying, which is not transfer.
-        ttft.Add(std::max(0.0, std::chrono::duration<double, std::milli>(answered - arrival).count() -
-                                   verify_ms));
+        ttft.Add(std::max(
+            0.0,
+            std::chrono::duration<double, std::milli>(answered - arrival).count() - verify_ms));
         if (mism > 0) {
           std::lock_guard<std::mutex> lock(errors_mu);
           errors.push_back("request " + std::to_string(i) + " (room " + std::to_string(room) +
@@ -584,14 +594,16 @@ int RunReplay(ReplayFlags flags) {
       {"seconds", seconds},
       {"gbps", gbps},
       {"transfer_latency_ms",
-       {{"p50", latency.Percentile(50)}, {"p90", latency.Percentile(90)},
+       {{"p50", latency.Percentile(50)},
+        {"p90", latency.Percentile(90)},
         {"p99", latency.Percentile(99)}}},
       {"transfer_requests", transfer_requests},
       {"rooms_done_by_mailbox", done_by_mailbox},
       {"layerwise", flags.instance.layerwise},
       {"compute_us_per_layer", flags.instance.compute_us_per_layer},
       {"tail_ms", {{"p50", tail.Percentile(50)}, {"p99", tail.Percentile(99)}}},
-      {"tail_to_decode_ms", {{"p50", tail_decode.Percentile(50)}, {"p99", tail_decode.Percentile(99)}}},
+      {"tail_to_decode_ms",
+       {{"p50", tail_decode.Percentile(50)}, {"p99", tail_decode.Percentile(99)}}},
       {"ttft_ms", {{"p50", ttft.Percentile(50)}, {"p99", ttft.Percentile(99)}}},
       {"tail_per_layer_ms", {{"p50", transfer_per_layer.Percentile(50)}}},
       {"model", prefill_info["model"]},
@@ -603,7 +615,8 @@ int RunReplay(ReplayFlags flags) {
       {"decode_tp", flags.decode_tp},
       {"kv_path", flags.kv_path},
       {"prefill_cp", flags.prefill_cp},
-      {"pages_sent_per_cp_rank", [&] {
+      {"pages_sent_per_cp_rank",
+       [&] {
          json list = json::array();
          for (auto& p : pages_sent_per_cp) list.push_back(p.load());
          return list;
@@ -624,9 +637,9 @@ int RunReplay(ReplayFlags flags) {
       {"bytes delivered", FormatBytes(totals.bytes.load())},
       {"seconds", Fixed(seconds, 2)},
       {"throughput (GB/s)", Fixed(gbps, 2)},
-      {"transfer latency p50/p90/p99 (ms)",
-       Fixed(latency.Percentile(50), 1) + " / " + Fixed(latency.Percentile(90), 1) + " / " +
-           Fixed(latency.Percentile(99), 1)},
+      {"transfer latency p50/p90/p99 (ms)", Fixed(latency.Percentile(50), 1) + " / " +
+                                                Fixed(latency.Percentile(90), 1) + " / " +
+                                                Fixed(latency.Percentile(99), 1)},
       {"engine transfer requests", std::to_string(transfer_requests)},
       {"rooms done by mailbox", std::to_string(done_by_mailbox)},
       {std::string("tail after last layer p50/p99 (ms)") +
@@ -641,7 +654,8 @@ int RunReplay(ReplayFlags flags) {
   for (size_t i = 0; i < errors.size() && i < 10; ++i) {
     std::fprintf(stderr, "kvferry replay: %s\n", errors[i].c_str());
   }
-  if (errors.size() > 10) std::fprintf(stderr, "kvferry replay: ... %zu more\n", errors.size() - 10);
+  if (errors.size() > 10)
+    std::fprintf(stderr, "kvferry replay: ... %zu more\n", errors.size() - 10);
   if (!flags.json_path.empty()) {
     std::ofstream f(flags.json_path);
     f << out.dump(2) << "\n";
@@ -657,7 +671,8 @@ int RunReplay(ReplayFlags flags) {
 void AddReplayCommand(CLI::App& app, RunFn* run) {
   auto flags = std::make_shared<ReplayFlags>();
   auto* cmd = app.add_subcommand(
-      "replay", "Replay a request trace through prefill and decode instances, verifying every byte");
+      "replay",
+      "Replay a request trace through prefill and decode instances, verifying every byte");
   cmd->add_option("--trace", flags->trace, "Mooncake-format JSONL trace");
   cmd->add_option("--synthetic", flags->synthetic, "Generate N requests with trace-like lengths");
   cmd->add_flag("--demo", flags->demo,
@@ -708,9 +723,10 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
   cmd->add_option("--staging-size", flags->instance.staging_size,
                   "Decode staging ring bytes for --kv-path staging")
       ->capture_default_str();
-  cmd->add_option("--kv-path", flags->kv_path,
-                  "Unequal-TP data path: auto (staging for host pools, fused for GPU pools), direct, "
-                  "staging or fused")
+  cmd->add_option(
+         "--kv-path", flags->kv_path,
+         "Unequal-TP data path: auto (staging for host pools, fused for GPU pools), direct, "
+         "staging or fused")
       ->capture_default_str();
   cmd->add_option("--device", flags->instance.device,
                   "Pools on cpu, or on cuda (each rank its own GPU where they fit, see ReplayGpu; "

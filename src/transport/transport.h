@@ -21,10 +21,10 @@
 #include <string_view>
 #include <vector>
 
-#include "kvferry/transfer.h"
 #include "kvferry/memory.h"
 #include "kvferry/segment.h"
 #include "kvferry/status.h"
+#include "kvferry/transfer.h"
 
 namespace kvferry {
 
@@ -79,9 +79,9 @@ struct WorkItem {
   uint64_t row_bytes = 0;
   uint64_t local_stride = 0;
   uint64_t remote_stride = 0;
-  std::string message;               // kNotify
-  std::vector<uint8_t> reply_body;   // kDescribe reply
-  uint32_t request_index = 0;        // owner's bookkeeping
+  std::string message;              // kNotify
+  std::vector<uint8_t> reply_body;  // kDescribe reply
+  uint32_t request_index = 0;       // owner's bookkeeping
   WorkOwner* owner = nullptr;
   // Keeps `owner` alive until completion when the item is not itself owned through it (a
   // batch's items are aliasing pointers into the batch and need none).
@@ -161,12 +161,12 @@ class PeerChannel {
 // What a transport can do. The engine picks a transport for a request from these and
 // Transport::CanReach (TransportSet::Pick).
 struct TransportCapabilities {
-  std::string name;                   // as in EngineOptions::transport and descriptors
-  MemoryKindMask local_memory = 0;    // kinds of local memory it reads (WRITE) and writes (READ)
-  MemoryKindMask remote_memory = 0;   // kinds of peer memory it writes (WRITE) and reads (READ)
-  bool same_node_only = false;        // reaches only engines with this engine's node_id
-  bool strided_rows = false;          // moves strided requests (rows at two strides)
-  bool notifications = false;         // carries notifications and descriptor queries itself
+  std::string name;                  // as in EngineOptions::transport and descriptors
+  MemoryKindMask local_memory = 0;   // kinds of local memory it reads (WRITE) and writes (READ)
+  MemoryKindMask remote_memory = 0;  // kinds of peer memory it writes (WRITE) and reads (READ)
+  bool same_node_only = false;       // reaches only engines with this engine's node_id
+  bool strided_rows = false;         // moves strided requests (rows at two strides)
+  bool notifications = false;        // carries notifications and descriptor queries itself
 };
 
 // What a transport needs to open a channel to one peer for one kind of local memory.

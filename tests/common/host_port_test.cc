@@ -39,10 +39,9 @@ TEST(HostPortTest, RefusesBadPortsByName) {
     const char* why;
   };
   for (const Case& c : {Case{"h:abc", "not a decimal number"}, Case{"h:70000", "above 65535"},
-                        Case{"h:", "no port"}, Case{":80", "no host"},
-                        Case{"h:0", "port 0"}, Case{"h", "not host:port"},
-                        Case{"h:-1", "not a decimal number"}, Case{"h:99999999999", "above"},
-                        Case{"[::1]:", "no port"}}) {
+                        Case{"h:", "no port"}, Case{":80", "no host"}, Case{"h:0", "port 0"},
+                        Case{"h", "not host:port"}, Case{"h:-1", "not a decimal number"},
+                        Case{"h:99999999999", "above"}, Case{"[::1]:", "no port"}}) {
     auto r = ParseHostPort(c.text, "bootstrap address");
     ASSERT_FALSE(r.ok()) << c.text;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << c.text;

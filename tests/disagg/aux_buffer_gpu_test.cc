@@ -7,10 +7,10 @@
 #include <cstring>
 #include <vector>
 
-#include "tools/gpu/baselines.h"
 #include "cuda/device_ops.h"
-#include "tools/gpu/gpu_pattern.h"
 #include "kvferry/aux_buffer.h"
+#include "tools/gpu/baselines.h"
+#include "tools/gpu/gpu_pattern.h"
 
 namespace kvferry {
 namespace {
@@ -92,13 +92,12 @@ TEST(AuxBufferGpuTest, RoomSeenByBackgroundReads) {
 TEST(AuxBufferGpuTest, DeviceCopiesRefuseHostAddressesAndCrossTheScratchSize) {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   std::vector<uint8_t> host(16);
-  EXPECT_EQ(cuda::CopyToHost(host.data(), host.data() + 8, 8).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::CopyToHost(host.data(), host.data() + 8, 8).code(), StatusCode::kInvalidArgument);
   // 3 MiB + 5 bytes: several pieces through the 1 MiB pinned scratch, and an odd tail.
   auto layout = AuxLayout::Create(0, DType::kBFloat16);
   ASSERT_TRUE(layout.ok());
-  const int32_t rows = static_cast<int32_t>(((3u << 20) + 5 + layout->row_bytes() - 1) /
-                                            layout->row_bytes());
+  const int32_t rows =
+      static_cast<int32_t>(((3u << 20) + 5 + layout->row_bytes() - 1) / layout->row_bytes());
   auto aux = AuxBuffer::CreateOnDevice(*layout, rows, 0);
   ASSERT_TRUE(aux.ok()) << aux.status().ToString();
   const uint64_t n = (3u << 20) + 5;

@@ -6,9 +6,9 @@
 #include <map>
 #include <thread>
 
+#include "cuda/device_memory.h"
 #include "disagg/control_message.h"
 #include "tools/kv_pattern.h"
-#include "cuda/device_memory.h"
 
 namespace kvferry {
 namespace {
@@ -88,8 +88,8 @@ class ConnectorTest : public ::testing::Test {
     EXPECT_TRUE(src.ok() && dst.ok());
     int32_t src_row = *prefill_->aux->AllocateRow();
     int32_t dst_row = *decode_->aux->AllocateRow();
-    EXPECT_TRUE(decode_conn_->CreateReceiver(room, prefill_conn_->bootstrap_address(), *dst,
-                                             dst_row).ok());
+    EXPECT_TRUE(
+        decode_conn_->CreateReceiver(room, prefill_conn_->bootstrap_address(), *dst, dst_row).ok());
     EXPECT_TRUE(prefill_conn_->CreateSender(room, num_pages).ok());
     auto st = prefill_conn_->Wait(room, RoomState::kWaitingForInput, milliseconds(5000));
     EXPECT_TRUE(st.ok());
@@ -257,8 +257,7 @@ TEST_F(ConnectorTest, DecodeWaitingTimeoutFailsAndAbortsPrefill) {
   ASSERT_TRUE(prefill_conn_->CreateSender(12, 2).ok());
   auto st = decode_conn_->Wait(12, RoomState::kSuccess, milliseconds(3000));
   ASSERT_EQ(st->state, RoomState::kFailed);
-  EXPECT_NE(st->error.message().find("waiting timeout"), std::string::npos)
-      << st->error.message();
+  EXPECT_NE(st->error.message().find("waiting timeout"), std::string::npos) << st->error.message();
   auto ps = prefill_conn_->Wait(12, RoomState::kSuccess, milliseconds(3000));
   ASSERT_EQ(ps->state, RoomState::kFailed);
   EXPECT_NE(ps->error.message().find("aborted by decode"), std::string::npos)
@@ -326,9 +325,11 @@ TEST_F(ConnectorTest, BadSendChunkArgumentsAreRefused) {
   Start();
   std::vector<int32_t> dst = {4, 5, 6};
   ASSERT_TRUE(decode_conn_->CreateReceiver(15, prefill_conn_->bootstrap_address(), dst, 0).ok());
-  EXPECT_EQ(decode_conn_->CreateReceiver(16, prefill_conn_->bootstrap_address(),
-                                         std::vector<int32_t>{9999}, 0).code(),
-            StatusCode::kOutOfRange);
+  EXPECT_EQ(
+      decode_conn_
+          ->CreateReceiver(16, prefill_conn_->bootstrap_address(), std::vector<int32_t>{9999}, 0)
+          .code(),
+      StatusCode::kOutOfRange);
   ASSERT_TRUE(prefill_conn_->CreateSender(15, 3).ok());
   ASSERT_EQ(prefill_conn_->Wait(15, RoomState::kWaitingForInput, milliseconds(5000))->state,
             RoomState::kWaitingForInput);
@@ -413,8 +414,10 @@ class LayerwiseConnectorTest : public ::testing::Test {
     dst_[room] = *decode_->allocator.Allocate(static_cast<int32_t>(pages));
     int32_t src_row = *prefill_->aux->AllocateRow();
     rows_[room] = *decode_->aux->AllocateRow();
-    EXPECT_TRUE(decode_conn_->CreateReceiver(room, prefill_conn_->bootstrap_address(), dst_[room],
-                                             rows_[room]).ok());
+    EXPECT_TRUE(
+        decode_conn_
+            ->CreateReceiver(room, prefill_conn_->bootstrap_address(), dst_[room], rows_[room])
+            .ok());
     EXPECT_TRUE(prefill_conn_->CreateSender(room, pages).ok());
     EXPECT_EQ(prefill_conn_->Wait(room, RoomState::kWaitingForInput, milliseconds(5000))->state,
               RoomState::kWaitingForInput);
@@ -484,8 +487,7 @@ TEST_F(LayerwiseConnectorTest, BadCallsAreRefusedAndChangeNothing) {
   auto twice = std::vector{chunk, chunk};
   EXPECT_EQ(prefill_conn_->BeginLayerwisePass(std::span(&bad, 1)).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(prefill_conn_->BeginLayerwisePass(twice).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill_conn_->BeginLayerwisePass(twice).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(prefill_conn_->BeginLayerwisePass({}).status().code(), StatusCode::kInvalidArgument);
   auto pass = prefill_conn_->BeginLayerwisePass(std::span(&chunk, 1));  // still accepted
   ASSERT_TRUE(pass.ok()) << pass.status().ToString();

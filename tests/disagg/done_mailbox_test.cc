@@ -1,6 +1,7 @@
 #include "disagg/done_mailbox.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -8,8 +9,6 @@
 #include <chrono>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 namespace kvferry {
 namespace {
@@ -94,8 +93,7 @@ TEST(DoneMailboxTest, OpenRefusesBadNamesMissingAndShortSegments) {
   EXPECT_EQ(short_one.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(short_one.status().message().find("fewer than 5 rows"), std::string::npos)
       << short_one.status().ToString();
-  EXPECT_EQ(DoneMailbox::Open((*decode)->name(), 0).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DoneMailbox::Open((*decode)->name(), 0).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(DoneMailboxTest, NameIsRemovedWithItsCreatorAndOrphansBySomeoneElse) {

@@ -6,11 +6,11 @@
 #include <cstring>
 #include <random>
 
-#include "tools/gpu/baselines.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
 #include "disagg/head_slices.h"
+#include "tools/gpu/baselines.h"
 
 namespace kvferry {
 namespace {
@@ -62,7 +62,8 @@ void Check(AttentionKind kind, int head_start, int num_heads, int first_layer, i
   // Gather: the GPU's staging bytes equal the CPU's.
   std::vector<uint8_t> want(bytes), got(bytes);
   ASSERT_TRUE(GatherHeads(*host, pages, first_token, tokens, head_start, num_heads, want,
-                          first_layer, num_layers).ok());
+                          first_layer, num_layers)
+                  .ok());
   Status s = (*slices)->Gather(g, (*device)->data(), pages, first_token, tokens, head_start,
                                num_heads, first_layer, num_layers, (*staging)->data());
   ASSERT_TRUE(s.ok()) << s.ToString();
@@ -75,7 +76,8 @@ void Check(AttentionKind kind, int head_start, int num_heads, int first_layer, i
   Randomize(region.data(), bytes, 11);
   ASSERT_TRUE(cuda::CopyToDevice((*staging)->data(), region.data(), bytes).ok());
   ASSERT_TRUE(ScatterHeads(*host, pages, first_token, tokens, head_start, num_heads, region,
-                           first_layer, num_layers).ok());
+                           first_layer, num_layers)
+                  .ok());
   s = (*slices)->Scatter(g, (*device)->data(), pages, first_token, tokens, head_start, num_heads,
                          first_layer, num_layers, (*staging)->data());
   ASSERT_TRUE(s.ok()) << s.ToString();
@@ -84,8 +86,10 @@ void Check(AttentionKind kind, int head_start, int num_heads, int first_layer, i
   EXPECT_EQ(std::memcmp(pool.data(), host->data(), pool.size()), 0);
 
   // Out-of-range calls are refused before any kernel runs.
-  EXPECT_EQ((*slices)->Gather(g, (*device)->data(), pages, 0, 200, head_start, num_heads, 0, 0,
-                              (*staging)->data()).code(),
+  EXPECT_EQ((*slices)
+                ->Gather(g, (*device)->data(), pages, 0, 200, head_start, num_heads, 0, 0,
+                         (*staging)->data())
+                .code(),
             StatusCode::kOutOfRange);
 }
 

@@ -10,8 +10,8 @@
 #include <cstring>
 #include <numeric>
 
-#include "tools/kv_pattern.h"
 #include "kvferry/tp_plan.h"
+#include "tools/kv_pattern.h"
 
 namespace kvferry {
 namespace {
@@ -149,13 +149,16 @@ TEST(HeadSlicesTest, LayerRangesStageOneLayerAtATime) {
     if (layer == 1) {
       // Layers 1 and 2 are in, layer 0 not yet: its K buffer is still zero.
       const uint8_t* k0 = layered->BufferBase(0);
-      EXPECT_TRUE(std::all_of(k0, k0 + 16 * dst_layout.page_bytes(), [](uint8_t b) { return b == 0; }));
+      EXPECT_TRUE(
+          std::all_of(k0, k0 + 16 * dst_layout.page_bytes(), [](uint8_t b) { return b == 0; }));
     }
   }
   EXPECT_EQ(std::memcmp(all->data(), layered->data(), all->size_bytes()), 0);
   std::vector<uint8_t> region(one);
-  EXPECT_EQ(GatherHeads(*src, pages, 0, tokens, 2, 2, region, 3, 1).code(), StatusCode::kOutOfRange);
-  EXPECT_EQ(GatherHeads(*src, pages, 0, tokens, 2, 2, region, 2, 2).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(GatherHeads(*src, pages, 0, tokens, 2, 2, region, 3, 1).code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(GatherHeads(*src, pages, 0, tokens, 2, 2, region, 2, 2).code(),
+            StatusCode::kOutOfRange);
 }
 
 }  // namespace

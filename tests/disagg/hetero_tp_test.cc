@@ -3,9 +3,9 @@
 // keyed by global head); every decode rank must end up with exactly the bytes of its heads.
 #include <gtest/gtest.h>
 
-#include "tools/kv_pattern.h"
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
+#include "tools/kv_pattern.h"
 
 namespace kvferry {
 namespace {
@@ -91,11 +91,11 @@ int FirstGlobalHead(int heads, int tp, int rank) {
 // Returns the engine requests all prefill ranks issued.
 // With abort_rank >= 0, that prefill rank aborts the first room right after its first chunk
 // (whose staging grant is then never written); the later rooms must still succeed.
-uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::string& kv_path = "direct",
-                 uint64_t staging_bytes = 1 << 20, int rooms = 1,
-                 const std::string& expect_failure = "", int abort_rank = -1) {
-  SCOPED_TRACE("H=" + std::to_string(heads) + " " + std::to_string(ps) + "->" +
-               std::to_string(ds) + (kind == AttentionKind::kMla ? " MLA" : ""));
+uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds,
+                 const std::string& kv_path = "direct", uint64_t staging_bytes = 1 << 20,
+                 int rooms = 1, const std::string& expect_failure = "", int abort_rank = -1) {
+  SCOPED_TRACE("H=" + std::to_string(heads) + " " + std::to_string(ps) + "->" + std::to_string(ds) +
+               (kind == AttentionKind::kMla ? " MLA" : ""));
   auto plan = PlanHeadSlices(heads, ps, ds, kind);
   EXPECT_TRUE(plan.ok()) << plan.status().ToString();
   if (!plan.ok()) return 0;
@@ -105,7 +105,8 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
   std::vector<std::unique_ptr<DecodeConnector>> dconn;
   std::string bootstrap;
   for (int r = 0; r < ps; ++r) {
-    prefill.push_back(std::make_unique<Rank>(Geometry(kind, plan->prefill_heads), page_size, 0, ps));
+    prefill.push_back(
+        std::make_unique<Rank>(Geometry(kind, plan->prefill_heads), page_size, 0, ps));
     PrefillConnectorOptions o;
     o.state_pool = prefill[r]->state.get();
     o.tp_rank = r;
@@ -120,7 +121,8 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
     pconn.push_back(std::move(*c));
   }
   for (int d = 0; d < ds; ++d) {
-    decode.push_back(std::make_unique<Rank>(Geometry(kind, plan->decode_heads), page_size, 7 + d, ds));
+    decode.push_back(
+        std::make_unique<Rank>(Geometry(kind, plan->decode_heads), page_size, 7 + d, ds));
     DecodeConnectorOptions o;
     o.state_pool = decode[d]->state.get();
     o.tp_rank = d;
@@ -145,8 +147,10 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
     for (int d = 0; d < ds; ++d) {
       dst_pages[d] = *decode[d]->allocator.Allocate(static_cast<int32_t>(num_pages));
       dst_rows[d] = *decode[d]->aux->AllocateRow();
-      EXPECT_TRUE(dconn[d]->CreateReceiver(room, bootstrap, dst_pages[d], dst_rows[d],
-                                           g_hybrid ? (k + d) % 4 : -1).ok());
+      EXPECT_TRUE(dconn[d]
+                      ->CreateReceiver(room, bootstrap, dst_pages[d], dst_rows[d],
+                                       g_hybrid ? (k + d) % 4 : -1)
+                      .ok());
     }
     for (int r = 0; r < ps; ++r) {
       auto src = *prefill[r]->allocator.Allocate(static_cast<int32_t>(num_pages));
@@ -157,15 +161,16 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
       auto st = pconn[r]->Wait(room, RoomState::kWaitingForInput, milliseconds(5000));
       // When a failure is expected, decode may already have aborted this rank's room.
       if (!expect_failure.empty() && st->state == RoomState::kFailed) continue;
-      EXPECT_EQ(st->state, RoomState::kWaitingForInput) << "prefill rank " << r << ": "
-                                                        << st->error.ToString();
+      EXPECT_EQ(st->state, RoomState::kWaitingForInput)
+          << "prefill rank " << r << ": " << st->error.ToString();
       if (st->state != RoomState::kWaitingForInput) return 0;
       FillTokens(prefill[r]->layout, *prefill[r]->pool, room, src, 0, tokens,
                  kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ps, r));
       FillAuxRow(prefill[r]->aux->layout(), prefill[r]->aux->Row(row), room);
       if (g_layerwise) {
         const int layers = prefill[r]->layout.geometry().num_model_layers();
-        SendLayerwise(*pconn[r], room, 0, {src.begin(), src.begin() + 5}, std::nullopt, layers, true);
+        SendLayerwise(*pconn[r], room, 0, {src.begin(), src.begin() + 5}, std::nullopt, layers,
+                      true);
         SendLayerwise(*pconn[r], room, 5, {src.begin() + 5, src.end()}, row, layers, false);
         continue;
       }
@@ -199,23 +204,26 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds, const std::strin
             << st->error.ToString();
         return 0;
       }
-      EXPECT_EQ(st->state, RoomState::kSuccess) << "decode rank " << d << ": " << st->error.ToString();
+      EXPECT_EQ(st->state, RoomState::kSuccess)
+          << "decode rank " << d << ": " << st->error.ToString();
       if (st->state != RoomState::kSuccess) return 0;
-      VerifyResult v = VerifyTokens(decode[d]->layout, *decode[d]->pool, room, dst_pages[d], tokens,
-                                    kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ds, d));
+      VerifyResult v =
+          VerifyTokens(decode[d]->layout, *decode[d]->pool, room, dst_pages[d], tokens,
+                       kind == AttentionKind::kMla ? 0 : FirstGlobalHead(heads, ds, d));
       EXPECT_EQ(v.pages_mismatched, 0) << "decode rank " << d << ": " << v.first_mismatch;
-      EXPECT_TRUE(VerifyAuxRow(decode[d]->aux->layout(), decode[d]->aux->Row(dst_rows[d]), room).ok());
+      EXPECT_TRUE(
+          VerifyAuxRow(decode[d]->aux->layout(), decode[d]->aux->Row(dst_rows[d]), room).ok());
       if (g_hybrid) {
-        VerifyResult sv = VerifyStateSlot(decode[d]->state->layout(), *decode[d]->state,
-                                          (k + d) % 4, room, d);
+        VerifyResult sv =
+            VerifyStateSlot(decode[d]->state->layout(), *decode[d]->state, (k + d) % 4, room, d);
         EXPECT_EQ(sv.pages_checked, 12);
         EXPECT_EQ(sv.pages_mismatched, 0) << "decode rank " << d << ": " << sv.first_mismatch;
       }
     }
     for (int r = 0; r < ps; ++r) {
       auto st = pconn[r]->Wait(room, RoomState::kSuccess, milliseconds(5000));
-      EXPECT_EQ(st->state, RoomState::kSuccess) << "prefill rank " << r << ": "
-                                                << st->error.ToString();
+      EXPECT_EQ(st->state, RoomState::kSuccess)
+          << "prefill rank " << r << ": " << st->error.ToString();
     }
   }
   uint64_t requests = 0;
@@ -375,7 +383,8 @@ void RunCp(int cp, int64_t tokens, bool all_send) {
     sent += range.num_pages;
     // This rank's pages sit at their request positions; the others are absent (-1).
     std::vector<int32_t> pages(num_pages, -1);
-    auto local = *prefill[c]->allocator.Allocate(static_cast<int32_t>(std::max<int64_t>(1, range.num_pages)));
+    auto local = *prefill[c]->allocator.Allocate(
+        static_cast<int32_t>(std::max<int64_t>(1, range.num_pages)));
     for (int64_t i = 0; i < range.num_pages; ++i) pages[range.first_page + i] = local[i];
     FillTokens(prefill[c]->layout, *prefill[c]->pool, room, pages, 0, tokens);
     int32_t row = *prefill[c]->aux->AllocateRow();
@@ -383,8 +392,8 @@ void RunCp(int cp, int64_t tokens, bool all_send) {
     ASSERT_TRUE(pconn[c]->CreateSender(room, num_pages).ok());
     ASSERT_EQ(pconn[c]->Wait(room, RoomState::kWaitingForInput, milliseconds(5000))->state,
               RoomState::kWaitingForInput);
-    Status s = pconn[c]->SendChunk(room, range.first_page,
-                                   std::span(pages.data() + range.first_page, range.num_pages), row);
+    Status s = pconn[c]->SendChunk(
+        room, range.first_page, std::span(pages.data() + range.first_page, range.num_pages), row);
     ASSERT_TRUE(s.ok()) << s.ToString();
   }
   EXPECT_EQ(sent, num_pages);

@@ -1,15 +1,10 @@
 #include "kvferry/kv_layout.h"
 
-#include <algorithm>
-#include <cstring>
-
-#include "tools/kv_pattern.h"
-#include "tools/kv_pattern_math.h"
-#include "kvferry/state_pool.h"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -17,6 +12,10 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "kvferry/state_pool.h"
+#include "tools/kv_pattern.h"
+#include "tools/kv_pattern_math.h"
 
 namespace kvferry {
 namespace {
@@ -51,8 +50,8 @@ TEST(DTypeTest, ParsesAliasesAndRejectsUnknown) {
 
 TEST(ModelPresetsTest, KnownBytesPerToken) {
   const std::map<std::string, uint64_t> expected = {
-      {"llama-3.1-8b", 131072}, {"llama-3.1-70b", 327680},   {"qwen3-8b", 147456},
-      {"qwen3-32b", 262144},    {"qwen3-235b-a22b", 192512}, {"deepseek-v3", 70272},
+      {"llama-3.1-8b", 131072},      {"llama-3.1-70b", 327680},    {"qwen3-8b", 147456},
+      {"qwen3-32b", 262144},         {"qwen3-235b-a22b", 192512},  {"deepseek-v3", 70272},
       {"qwen3-next-80b-a3b", 24576}, {"qwen3.5-397b-a17b", 30720},  // full-attention layers only
   };
   ASSERT_EQ(ModelPresets().size(), expected.size());
@@ -378,16 +377,19 @@ TEST(HybridGeometryTest, HfConfigWithIntervalLayerTypesOrTextConfig) {
   ASSERT_TRUE(g.ok()) << g.status().ToString();
   EXPECT_EQ(g->num_layers, 12);
   EXPECT_EQ(g->num_linear_layers, 36);
-  EXPECT_EQ(g->StateBytesPerRequest(), FindModelPreset("qwen3-next-80b-a3b")->StateBytesPerRequest());
+  EXPECT_EQ(g->StateBytesPerRequest(),
+            FindModelPreset("qwen3-next-80b-a3b")->StateBytesPerRequest());
 
   std::string types = "[";
   for (int l = 0; l < 8; ++l) {
-    types += std::string(l ? "," : "") + ((l + 1) % 4 == 0 ? "\"full_attention\"" : "\"linear_attention\"");
+    types += std::string(l ? "," : "") +
+             ((l + 1) % 4 == 0 ? "\"full_attention\"" : "\"linear_attention\"");
   }
   types += "]";
   const std::string nested = R"({"dtype": "bfloat16", "text_config": {"num_hidden_layers": 8,
       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256,
-      "layer_types": )" + types + R"(, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+      "layer_types": )" + types +
+                             R"(, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
       "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
       "mamba_ssm_dtype": "bfloat16"}})";
   g = ParseHfConfig(nested, "nested");
@@ -457,7 +459,8 @@ TEST(StatePoolTest, SlotsAreDisjointAndPatternsAgreeAcrossTpShares) {
   FillStateSlot(l2, *pool2, 0, 42, 1);
   for (int b : {36, 71}) {
     const uint64_t half = l2.slot_bytes(b);
-    EXPECT_EQ(std::memcmp(pool2->SlotAddress(b, 0), (*pool1)->SlotAddress(b, 1) + half, half), 0) << b;
+    EXPECT_EQ(std::memcmp(pool2->SlotAddress(b, 0), (*pool1)->SlotAddress(b, 1) + half, half), 0)
+        << b;
   }
   EXPECT_EQ(l1.SegmentRows(0), (std::vector<int>{2048, 2048, 4096}));
   EXPECT_EQ(l2.SegmentOffset(0, 2, 2), 2048);
@@ -506,8 +509,8 @@ TEST(StatePoolTest, RowSeedsReproduceTheStatePattern) {
           }
         }
         VerifyResult v = VerifyStateBuffer(l, b, slot.data(), 77, rank);
-        EXPECT_EQ(v.pages_mismatched, 0) << "tp " << tp << " rank " << rank << " buffer " << b
-                                         << ": " << v.first_mismatch;
+        EXPECT_EQ(v.pages_mismatched, 0)
+            << "tp " << tp << " rank " << rank << " buffer " << b << ": " << v.first_mismatch;
         slot[row_bytes + 3] ^= 1;  // and a wrong byte is still seen
         EXPECT_EQ(VerifyStateBuffer(l, b, slot.data(), 77, rank).pages_mismatched, 1);
       }

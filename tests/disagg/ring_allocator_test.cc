@@ -27,7 +27,7 @@ TEST(RingAllocatorTest, RoundsWrapAndWatermarkFollowsTheOldest) {
   ASSERT_TRUE(ring.Free(*a).ok());
   EXPECT_EQ(ring.watermark(), (Watermark{0, 60}));
   EXPECT_TRUE(RingAllocator::CanWrite(*c, ring.watermark()));  // [0,50) clear of B at [60,90)
-  auto d = ring.Allocate(30);  // [50,80) of round 1 overlaps B
+  auto d = ring.Allocate(30);                                  // [50,80) of round 1 overlaps B
   ASSERT_TRUE(d.ok());
   EXPECT_FALSE(RingAllocator::CanWrite(*d, ring.watermark()));
   ASSERT_TRUE(ring.Free(*b).ok());
@@ -67,8 +67,8 @@ TEST(RingAllocatorTest, OversizeFailsOnlyThatRequestAndTwoRoundsBackIsRefused) {
   RingAllocator ring(100);
   EXPECT_EQ(ring.Allocate(101).status().code(), StatusCode::kOutOfRange);
   EXPECT_EQ(ring.Allocate(0).status().code(), StatusCode::kInvalidArgument);
-  auto a = ring.Allocate(80);             // round 0
-  auto b = ring.Allocate(80);             // round 1
+  auto a = ring.Allocate(80);  // round 0
+  auto b = ring.Allocate(80);  // round 1
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(ring.Allocate(80).status().code(), StatusCode::kResourceExhausted);  // round 2
   ASSERT_TRUE(ring.Free(*a).ok());
@@ -94,17 +94,18 @@ TEST(RingAllocatorTest, GatedWritersNeverClobberLiveData) {
     while (!pending.empty() && RingAllocator::CanWrite(pending.front(), ring.watermark())) {
       const RingRegion& r = pending.front();
       for (uint64_t i = r.offset; i < r.offset + r.length; ++i) {
-        bool free_byte = owner[i] == -1 ||
-                         std::none_of(live.begin(), live.end(), [&](const RingRegion& l) {
-                           return static_cast<int64_t>(l.id) == owner[i];
-                         });
+        bool free_byte =
+            owner[i] == -1 || std::none_of(live.begin(), live.end(), [&](const RingRegion& l) {
+              return static_cast<int64_t>(l.id) == owner[i];
+            });
         ASSERT_TRUE(free_byte) << "region " << r.id << " would clobber live region " << owner[i];
         owner[i] = static_cast<int64_t>(r.id);
       }
       live.push_back(r);
       pending.pop_front();
     }
-    if (!live.empty() && rng() % 2 == 0 && live.front().id < (pending.empty() ? UINT64_MAX : pending.front().id)) {
+    if (!live.empty() && rng() % 2 == 0 &&
+        live.front().id < (pending.empty() ? UINT64_MAX : pending.front().id)) {
       ASSERT_TRUE(ring.Free(live.front()).ok());
       live.pop_front();
     }

@@ -15,7 +15,7 @@ TEST(RoomTableTest, StatesOnlyMoveForward) {
   RoomTable<int> t;
   ASSERT_TRUE(t.Create(1, 0, Clock::time_point::max(), "").ok());
   EXPECT_EQ(t.Get(1)->state, RoomState::kBootstrapping);
-  EXPECT_TRUE(t.Advance(1, RoomState::kTransferring));  // skipping ahead is forward
+  EXPECT_TRUE(t.Advance(1, RoomState::kTransferring));      // skipping ahead is forward
   EXPECT_FALSE(t.Advance(1, RoomState::kWaitingForInput));  // never back
   EXPECT_EQ(t.Get(1)->state, RoomState::kTransferring);
   EXPECT_FALSE(t.Advance(1, RoomState::kFailed));  // failing goes through Fail
@@ -53,9 +53,9 @@ TEST(RoomTableTest, FailCallbackRunsOnceAsTheRoomFails) {
   EXPECT_FALSE(t.Fail(4, AbortedError("again"), on_fail));
   EXPECT_EQ(calls, 1);
   ASSERT_TRUE(t.With(4, [](RoomTable<int>::Room& r) -> Status {
-    EXPECT_EQ(r.data, 12);
-    return OkStatus();
-  }).ok());
+                 EXPECT_EQ(r.data, 12);
+                 return OkStatus();
+               }).ok());
 }
 
 TEST(RoomTableTest, DuplicateRoomIsRefusedUntilReleased) {
@@ -103,7 +103,8 @@ TEST(RoomTableTest, WaitWakesOnTransitionsAndTimesOut) {
   auto w = t.Wait(7, RoomState::kSuccess, milliseconds(50));
   EXPECT_EQ(w->state, RoomState::kBootstrapping);
   EXPECT_GE(Clock::now() - start, milliseconds(45));
-  EXPECT_EQ(t.Wait(99, RoomState::kSuccess, milliseconds(1)).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(t.Wait(99, RoomState::kSuccess, milliseconds(1)).status().code(),
+            StatusCode::kNotFound);
 }
 
 // A pinned room (work on its memory outside the lock) does not fail, succeed, expire or get

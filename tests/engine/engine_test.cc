@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "cuda/device_memory.h"
-#include "transport/tcp/wire.h"
 #include "testutil/peer_process.h"
 #include "testutil/scale.h"
+#include "transport/tcp/wire.h"
 
 namespace kvferry {
 namespace {
@@ -203,7 +203,7 @@ TEST_F(EngineTest, StridedRowsLandAtTheirStridesAndNothingBetween) {
   std::vector<uint8_t> src(kRows * kLocalStride);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + 3);
   TransferRequest w{TransferOp::kWrite, src.data() + 32, segment_, rw(1000), kLen, kRows,
-                    kLocalStride, kRemoteStride};
+                    kLocalStride,       kRemoteStride};
   BatchOptions o;
   auto id = engine_->SubmitBatch(std::span(&w, 1), o);
   ASSERT_TRUE(id.ok()) << id.status().ToString();
@@ -216,15 +216,15 @@ TEST_F(EngineTest, StridedRowsLandAtTheirStridesAndNothingBetween) {
   ASSERT_TRUE(Read(back.data(), rw(1000), back.size()).ok());
   for (uint32_t r = 0; r < kRows; ++r) {
     for (uint64_t b = 0; b < kRemoteStride; ++b) {
-      const uint8_t want = b < kLen ? src[32 + r * kLocalStride + b]
-                                    : PeerPatternByte(1000 + r * kRemoteStride + b);
+      const uint8_t want =
+          b < kLen ? src[32 + r * kLocalStride + b] : PeerPatternByte(1000 + r * kRemoteStride + b);
       ASSERT_EQ(back[r * kRemoteStride + b], want) << "row " << r << " byte " << b;
     }
   }
   // READ the rows back into a strided local buffer.
   std::vector<uint8_t> dst(kRows * kLocalStride, 0xEE);
-  TransferRequest rd{TransferOp::kRead, dst.data(), segment_, rw(1000), kLen, kRows,
-                     kLocalStride, kRemoteStride};
+  TransferRequest rd{TransferOp::kRead, dst.data(),   segment_, rw(1000), kLen, kRows,
+                     kLocalStride,      kRemoteStride};
   ASSERT_TRUE(TransferSync(*engine_, std::span(&rd, 1)).ok());
   for (uint32_t r = 0; r < kRows; ++r) {
     for (uint64_t b = 0; b < kLocalStride; ++b) {
@@ -237,8 +237,8 @@ TEST_F(EngineTest, StridedRowsLandAtTheirStridesAndNothingBetween) {
 TEST_F(EngineTest, StridedRequestsOutsideMemoryOrOverlappingAreRefused) {
   std::vector<uint8_t> src(1 << 20);
   // The last rows end past the region: refused before any row moves.
-  TransferRequest past{TransferOp::kWrite, src.data(), segment_, rw(kRegionBytes - 4096), 64, 64,
-                       64, 128};
+  TransferRequest past{
+      TransferOp::kWrite, src.data(), segment_, rw(kRegionBytes - 4096), 64, 64, 64, 128};
   Status s = TransferSync(*engine_, std::span(&past, 1));
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_NE(s.message().find("not inside a registered region"), std::string::npos) << s.message();
@@ -248,20 +248,18 @@ TEST_F(EngineTest, StridedRequestsOutsideMemoryOrOverlappingAreRefused) {
     ASSERT_EQ(back[i], PeerPatternByte(kRegionBytes - 4096 + i)) << "byte " << i << " changed";
   }
   // Rows inside the read-only region: refused for WRITE.
-  TransferRequest ro{TransferOp::kWrite, src.data(), segment_, peer_->info().ro_base, 64, 4, 64,
-                     64};
+  TransferRequest ro{
+      TransferOp::kWrite, src.data(), segment_, peer_->info().ro_base, 64, 4, 64, 64};
   s = TransferSync(*engine_, std::span(&ro, 1));
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   TransferRequest overlap{TransferOp::kWrite, src.data(), segment_, rw(0), 64, 4, 32, 64};
   auto id = engine_->SubmitBatch(std::span(&overlap, 1));
   EXPECT_EQ(id.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(id.status().message().find("rows overlap"), std::string::npos)
-      << id.status().message();
+  EXPECT_NE(id.status().message().find("rows overlap"), std::string::npos) << id.status().message();
   TransferRequest no_rows{TransferOp::kWrite, src.data(), segment_, rw(0), 64, 0, 64, 64};
   EXPECT_EQ(engine_->SubmitBatch(std::span(&no_rows, 1)).status().code(),
             StatusCode::kInvalidArgument);
-  TransferRequest wraps{TransferOp::kWrite, src.data(), segment_, rw(0), 64, 3,
-                        64, UINT64_MAX / 2};
+  TransferRequest wraps{TransferOp::kWrite, src.data(), segment_, rw(0), 64, 3, 64, UINT64_MAX / 2};
   EXPECT_EQ(engine_->SubmitBatch(std::span(&wraps, 1)).status().code(),
             StatusCode::kInvalidArgument);
 }
@@ -438,7 +436,8 @@ TEST_F(EngineTest, StalledPeerHitsDeadlineAndSurvivorsStayUsable) {
 TEST_F(EngineTest, CancelStopsQueuedRequests) {
   std::vector<uint8_t> src(1 << 20, 3);
   peer_->Stop();
-  std::vector<TransferRequest> reqs(500, {TransferOp::kWrite, src.data(), segment_, rw(0), 1 << 20});
+  std::vector<TransferRequest> reqs(500,
+                                    {TransferOp::kWrite, src.data(), segment_, rw(0), 1 << 20});
   BatchOptions o;
   o.deadline = milliseconds(2000);
   auto id = engine_->SubmitBatch(reqs, o);
@@ -583,7 +582,7 @@ TEST_F(EngineTest, HostileStridedFramesAreRefusedAndWriteNothing) {
     auto body = wire::EncodeStridedWrite({rows, row_bytes, stride});
     std::vector<uint8_t> payload(length, fill);
     asio::write(s, std::array<asio::const_buffer, 3>{asio::buffer(h), asio::buffer(body),
-                                                       asio::buffer(payload)});
+                                                     asio::buffer(payload)});
     return read_reply();
   };
   // 16 rows of 64 KiB at a 128 KiB stride from the last MiB: the extent runs 1 MiB past the end.

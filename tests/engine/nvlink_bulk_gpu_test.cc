@@ -111,7 +111,7 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   NvlinkChannelOptions options;
   options.peer = *descriptor;
   options.copy_engine_threshold_bytes = 64 << 10;
-  options.resident_min_tiles = 0;  // short-only submissions may take the resident kernel
+  options.resident_min_tiles = 0;      // short-only submissions may take the resident kernel
   constexpr uint64_t kSpan = 8 << 20;  // bytes of local_ and of the peer's region used
   std::vector<uint8_t> src(kSpan);
   std::mt19937_64 rng(41);
@@ -123,24 +123,23 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   for (uint64_t i = 0; i < kSpan; ++i) mirror[i] = Pattern(i);
   auto* local = static_cast<uint8_t*>(local_);
   std::vector<TransferRequest> mixed, engine_only;
-  auto add = [&](std::vector<TransferRequest>& to, uint64_t src_off, uint64_t dst_off,
-                 uint64_t len, uint32_t rows, uint64_t src_stride, uint64_t dst_stride) {
-    TransferRequest r{TransferOp::kWrite, local + src_off, segment_, peer_.vmm_base + dst_off,
-                      len};
+  auto add = [&](std::vector<TransferRequest>& to, uint64_t src_off, uint64_t dst_off, uint64_t len,
+                 uint32_t rows, uint64_t src_stride, uint64_t dst_stride) {
+    TransferRequest r{TransferOp::kWrite, local + src_off, segment_, peer_.vmm_base + dst_off, len};
     r.num_rows = rows;
     r.local_stride = src_stride;
     r.remote_stride = dst_stride;
     to.push_back(r);
     for (uint32_t row = 0; row < rows; ++row) {
-      std::memcpy(mirror.data() + dst_off + row * dst_stride, src.data() + src_off + row * src_stride,
-                  len);
+      std::memcpy(mirror.data() + dst_off + row * dst_stride,
+                  src.data() + src_off + row * src_stride, len);
     }
   };
   // 96 short blocks: a table too long for the launch parameters (uploaded to the device).
   for (int i = 0; i < 96; ++i) add(mixed, i * 2048, (i * 7 % 96) * 2048, 2048, 1, 0, 0);
-  add(mixed, 1 << 20, 1 << 20, 1 << 20, 1, 0, 0);                        // copy engine
+  add(mixed, 1 << 20, 1 << 20, 1 << 20, 1, 0, 0);                           // copy engine
   add(mixed, 2 << 20, (2 << 20) + 100, 96 << 10, 8, 128 << 10, 160 << 10);  // 2D, copy engine
-  add(mixed, 200 << 10, (4 << 20) + 16, 1000, 64, 1024, 1040);            // strided, kernel
+  add(mixed, 200 << 10, (4 << 20) + 16, 1000, 64, 1024, 1040);              // strided, kernel
   add(engine_only, 5 << 20, (6 << 20) + 8, (1 << 20) + 3, 1, 0, 0);
   add(engine_only, 3 << 20, 5 << 20, 64 << 10, 4, 100 << 10, 120 << 10);
   std::vector<TransferRequest> short_only;

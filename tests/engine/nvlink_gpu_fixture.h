@@ -5,11 +5,8 @@
 // (it defines the peer's entry test, NvlinkGpuPeer.Serve). CUDA builds only.
 #pragma once
 
-#include <gtest/gtest.h>
-
-#include "kvferry/engine.h"
-
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -18,8 +15,8 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -27,6 +24,7 @@
 #include <thread>
 
 #include "cuda/device_memory.h"
+#include "kvferry/engine.h"
 #include "transport/nvlink/fd_passing.h"
 #include "transport/nvlink/nvlink_channel.h"
 
@@ -269,7 +267,8 @@ class NvlinkGpuTest : public ::testing::Test {
     void* fresh = nullptr;
     ASSERT_EQ(cudaMallocHost(&fresh, total), cudaSuccess);
     std::mt19937_64 rng(seed);
-    for (uint64_t i = 0; i < total; ++i) static_cast<uint8_t*>(fresh)[i] = static_cast<uint8_t>(rng());
+    for (uint64_t i = 0; i < total; ++i)
+      static_cast<uint8_t*>(fresh)[i] = static_cast<uint8_t>(rng());
     ASSERT_EQ(cudaMemset(local_, 0, total), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     if (mapped) {
@@ -284,8 +283,8 @@ class NvlinkGpuTest : public ::testing::Test {
     std::vector<TransferRequest> reqs;
     for (int b = 0; b < blocks; ++b) {
       // Reversed order on the peer: every block lands somewhere else than it came from.
-      reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + b * block_bytes,
-                      segment_, peer_.ipc_base + (blocks - 1 - b) * block_bytes, block_bytes});
+      reqs.push_back({TransferOp::kWrite, static_cast<uint8_t*>(local_) + b * block_bytes, segment_,
+                      peer_.ipc_base + (blocks - 1 - b) * block_bytes, block_bytes});
     }
     BatchOptions o;
     o.start_after_event = event;

@@ -107,8 +107,8 @@ TEST_F(NvlinkGpuTest, StridedRowsOfRandomShapesVerifiedByteForByte) {
     }
   }
   // A strided request whose last row leaves the registered region is refused, nothing lands.
-  TransferRequest past{TransferOp::kWrite, local_, segment_, peer_.vmm_base + kRegionBytes - 4096,
-                       64, 64, 64, 128};
+  TransferRequest past{
+      TransferOp::kWrite, local_, segment_, peer_.vmm_base + kRegionBytes - 4096, 64, 64, 64, 128};
   Status s = TransferSync(*engine_, std::span(&past, 1));
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base + kRegionBytes - 4096, 4096).ok());
@@ -136,8 +136,8 @@ TEST_F(NvlinkGpuTest, RangeOutsideRegisteredMemoryIsRefused) {
 TEST_F(NvlinkGpuTest, KilledPeerFailsTheBatchWithinDeadlineAndWeSurvive) {
   std::vector<TransferRequest> reqs;
   for (int i = 0; i < 400; ++i) {
-    reqs.push_back({TransferOp::kWrite, local_, segment_, peer_.vmm_base + (i % 8) * (8 << 20),
-                    8 << 20});
+    reqs.push_back(
+        {TransferOp::kWrite, local_, segment_, peer_.vmm_base + (i % 8) * (8 << 20), 8 << 20});
   }
   BatchOptions o;
   o.deadline = milliseconds(3000);
@@ -233,8 +233,8 @@ TEST_F(NvlinkGpuTest, ConcurrentSmallBatchesFromManyThreadsLandExactly) {
 }
 
 // Small batches through the resident copy kernel (turned on; from the first tile in flight,
-// and at the default threshold with 16 batches in flight per thread): five rounds of 20,480 tiles wrap
-// its ring of 65,536, and the pause between rounds (well past KVFERRY_IDLE_SPIN_US) lets the
+// and at the default threshold with 16 batches in flight per thread): five rounds of 20,480 tiles
+// wrap its ring of 65,536, and the pause between rounds (well past KVFERRY_IDLE_SPIN_US) lets the
 // kernel leave the GPU, so each round also has to bring it back.
 TEST_F(NvlinkGpuTest, ResidentKernelWrapsItsRingAndReturnsAfterIdling) {
   for (int64_t min_tiles : {int64_t{0}, EngineOptions().nvlink_resident_min_tiles}) {
@@ -344,9 +344,7 @@ TEST_F(GpuOverTcpTest, HostMemoryToPeerGpuMemory) {
 }
 
 // Many small GPU blocks in one batch: every one a chunk of its own through the bounce ring.
-TEST_F(GpuOverTcpTest, ManySmallBlocksInOneBatch) {
-  ScatteredBlocksInOneBatch(2048, 769, 9);
-}
+TEST_F(GpuOverTcpTest, ManySmallBlocksInOneBatch) { ScatteredBlocksInOneBatch(2048, 769, 9); }
 
 // start_after_event off NVLink: the engine holds the batch until the event completed.
 TEST_F(GpuOverTcpTest, WriteStartsAfterTheCallersEvent) { WriteAfterEvent(64, 16 << 10, 7); }

@@ -7,8 +7,8 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -29,11 +29,11 @@ namespace {
     (void)!::write(write_fd, msg.data(), msg.size());
     ::_exit(1);
   };
-  auto* rw = static_cast<uint8_t*>(::mmap(nullptr, region_bytes, PROT_READ | PROT_WRITE,
-                                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  auto* rw = static_cast<uint8_t*>(
+      ::mmap(nullptr, region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   const uint64_t ro_bytes = 1 << 20;
-  auto* ro = static_cast<uint8_t*>(::mmap(nullptr, ro_bytes, PROT_READ | PROT_WRITE,
-                                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  auto* ro = static_cast<uint8_t*>(
+      ::mmap(nullptr, ro_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   if (rw == MAP_FAILED || ro == MAP_FAILED) fail("mmap");
   for (uint64_t i = 0; i < region_bytes; ++i) rw[i] = PeerPatternByte(i);
   for (uint64_t i = 0; i < ro_bytes; ++i) ro[i] = PeerPatternByte(i);

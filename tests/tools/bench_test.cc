@@ -187,8 +187,10 @@ TEST(BenchBinaryTest, ReadOpRunsAndVerifies) {
 // Several batches in flight per thread: whole batches counted, bytes verified, recorded.
 TEST(BenchBinaryTest, BatchesInFlightRunAndAreRecorded) {
   const std::string json_path = TempPath("inflight.json");
-  CommandResult run = RunKvferry("bench --duration 0.2 --block-size 16KiB --batch-size 8 "
-                                 "--threads 2 --inflight 4 --json " + json_path);
+  CommandResult run = RunKvferry(
+      "bench --duration 0.2 --block-size 16KiB --batch-size 8 "
+      "--threads 2 --inflight 4 --json " +
+      json_path);
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_NE(run.output.find("verified"), std::string::npos) << run.output;
   std::ifstream in(json_path);

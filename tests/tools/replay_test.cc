@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <tuple>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "testutil/run_command.h"
 
@@ -119,13 +119,14 @@ TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
   for (int k = 0; k < 2; ++k) {
     json j = Replay("--synthetic 3 --seed 5 --model-config " + Config("tiny-gqa-config.json") +
                     " --page-size 16 --pool-size 64MiB --prefill-tp 2 --decode-tp 1 "
-                    "--staging-size 8MiB --kv-path " + (k == 0 ? "direct" : "staging"));
+                    "--staging-size 8MiB --kv-path " +
+                    (k == 0 ? "direct" : "staging"));
     ASSERT_FALSE(j.is_null());
     ExpectEveryPageVerified(j);
     requests[k] = j["transfer_requests"].get<uint64_t>();
   }
-  EXPECT_GE(requests[0], 100 * requests[1]) << "direct " << requests[0] << ", staging "
-                                            << requests[1];
+  EXPECT_GE(requests[0], 100 * requests[1])
+      << "direct " << requests[0] << ", staging " << requests[1];
   // Fused: the same bytes as strided requests, one per page run and buffer.
   json fused = Replay("--synthetic 3 --seed 5 --model-config " + Config("tiny-gqa-config.json") +
                       " --page-size 16 --pool-size 64MiB --prefill-tp 2 --decode-tp 1 "
@@ -183,11 +184,11 @@ TEST(ReplayTest, LayerwiseVerifiesEveryByteAndReportsTails) {
     int prefill_tp, decode_tp;
     const char* kv_path;
   };
-  for (const Case& c : {Case{"tiny-gqa-config.json", 1, 1, "direct"},
-                        Case{"tiny-gqa-config.json", 2, 1, "staging"},
-                        Case{"tiny-mla-config.json", 1, 2, "direct"},
-                        Case{"tiny-hybrid-config.json", 2, 1, "direct"},
-                        Case{"tiny-hybrid-config.json", 1, 2, "direct"}}) {
+  for (const Case& c :
+       {Case{"tiny-gqa-config.json", 1, 1, "direct"}, Case{"tiny-gqa-config.json", 2, 1, "staging"},
+        Case{"tiny-mla-config.json", 1, 2, "direct"},
+        Case{"tiny-hybrid-config.json", 2, 1, "direct"},
+        Case{"tiny-hybrid-config.json", 1, 2, "direct"}}) {
     SCOPED_TRACE(std::string(c.config) + " " + std::to_string(c.prefill_tp) + "->" +
                  std::to_string(c.decode_tp) + " " + c.kv_path);
     json j = Replay("--synthetic 3 --seed 11 --model-config " + Config(c.config) +
@@ -207,8 +208,9 @@ TEST(ReplayTest, LayerwiseVerifiesEveryByteAndReportsTails) {
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--compute-us-per-layer"), std::string::npos) << bad.output;
   // The failure drill runs on GPUs only (its check reads decode's pages with kernels).
-  auto drill = RunCommand(KvferryBinary() +
-                          " replay --synthetic 1 --layerwise --compute-us-per-layer 100 --abort-every 2");
+  auto drill =
+      RunCommand(KvferryBinary() +
+                 " replay --synthetic 1 --layerwise --compute-us-per-layer 100 --abort-every 2");
   EXPECT_NE(drill.exit_code, 0);
   EXPECT_NE(drill.output.find("--abort-every needs --device cuda"), std::string::npos)
       << drill.output;
@@ -247,11 +249,14 @@ TEST(ReplayTest, RequestLargerThanThePoolIsRejectedOthersWait) {
   std::string trace = TempPath("big.jsonl");
   {
     std::ofstream f(trace);
-    f << R"({"timestamp": 0, "input_length": 3000, "output_length": 1, "hash_ids": [0]})" << "\n";
+    f << R"({"timestamp": 0, "input_length": 3000, "output_length": 1, "hash_ids": [0]})"
+      << "\n";
     f << R"({"timestamp": 1, "input_length": 900000, "output_length": 1, "hash_ids": [1]})"
       << "\n";
-    f << R"({"timestamp": 2, "input_length": 5000, "output_length": 1, "hash_ids": [2]})" << "\n";
-    f << R"({"timestamp": 3, "input_length": 6000, "output_length": 1, "hash_ids": [3]})" << "\n";
+    f << R"({"timestamp": 2, "input_length": 5000, "output_length": 1, "hash_ids": [2]})"
+      << "\n";
+    f << R"({"timestamp": 3, "input_length": 6000, "output_length": 1, "hash_ids": [3]})"
+      << "\n";
   }
   std::string out = TempPath("big.json");
   // 8 MiB pool: 8192 tokens of 1 KiB; two requests never fit together, so they wait.
@@ -281,8 +286,8 @@ TEST(ReplayTest, TimeScaleHonoursArrivalTimes) {
   std::string out = TempPath("timed.json");
   // Arrivals at 0..3 s, replayed 10x faster: the last one starts at 0.3 s.
   auto r = RunCommand(KvferryBinary() + " replay --trace " + trace + " --model-config " +
-                      Config("tiny-gqa-config.json") +
-                      " --pool-size 8MiB --time-scale 10 --json " + out);
+                      Config("tiny-gqa-config.json") + " --pool-size 8MiB --time-scale 10 --json " +
+                      out);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   json j = ReadJson(out);
   EXPECT_EQ(j["requests"], 4);
@@ -297,8 +302,10 @@ TEST(ReplayTest, MalformedTraceNamesFileAndLine) {
   std::string trace = TempPath("bad.jsonl");
   {
     std::ofstream f(trace);
-    f << R"({"timestamp": 0, "input_length": 30, "output_length": 1})" << "\n";
-    f << R"({"timestamp": 1, "input_length": )" << "\n";
+    f << R"({"timestamp": 0, "input_length": 30, "output_length": 1})"
+      << "\n";
+    f << R"({"timestamp": 1, "input_length": )"
+      << "\n";
   }
   auto r = RunCommand(KvferryBinary() + " replay --trace " + trace + " --model-config " +
                       Config("tiny-gqa-config.json"));

@@ -66,8 +66,8 @@ TEST(UnitRunsTest, TakesConsecutiveRunsFirstFitAndReusesHoles) {
   EXPECT_EQ(r.Take(3), 1u);
   EXPECT_EQ(r.Take(1), 4u);
   r.Give(1, 3);
-  EXPECT_EQ(r.Take(4), 5u);   // the hole of 3 is too small
-  EXPECT_EQ(r.Take(2), 1u);   // but takes 2
+  EXPECT_EQ(r.Take(4), 5u);  // the hole of 3 is too small
+  EXPECT_EQ(r.Take(2), 1u);  // but takes 2
   EXPECT_EQ(r.Take(120), 9u);
   EXPECT_EQ(r.free_units(), 2u);  // units 3 and 129
   EXPECT_EQ(r.Take(2), std::nullopt);

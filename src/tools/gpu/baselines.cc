@@ -92,8 +92,8 @@ StatusOr<double> MeasureMemcpyPeer(int src_device, int dst_device, uint64_t byte
   return static_cast<double>(bytes) / *s / 1e9;
 }
 
-StatusOr<double> MeasureMemcpyBatch(int src_device, int dst_device, uint64_t block_bytes,
-                                    int count, int repeats) {
+StatusOr<double> MeasureMemcpyBatch(int src_device, int dst_device, uint64_t block_bytes, int count,
+                                    int repeats) {
   Buffers b;
   const uint64_t total = block_bytes * static_cast<uint64_t>(count);
   RETURN_IF_ERROR(Allocate(&b, src_device, dst_device, total));
@@ -117,8 +117,8 @@ StatusOr<double> MeasureMemcpyBatch(int src_device, int dst_device, uint64_t blo
   attr.dstLocHint.id = dst_device;
   size_t attr_index = 0;
   auto s = MedianSeconds(stream, repeats, [&] {
-    return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), count, &attr,
-                                &attr_index, 1, stream);
+    return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), count, &attr, &attr_index,
+                                1, stream);
   });
   cudaStreamDestroy(stream);
   if (!s.ok()) return s.status();

@@ -14,8 +14,8 @@ StatusOr<double> MeasureMemcpyPeer(int src_device, int dst_device, uint64_t byte
 
 // GB/s of cudaMemcpyBatchAsync copying `count` blocks of `block_bytes` from `src_device` to
 // scattered slots of `dst_device` (the reference transport's fast path), median of `repeats`.
-StatusOr<double> MeasureMemcpyBatch(int src_device, int dst_device, uint64_t block_bytes,
-                                    int count, int repeats);
+StatusOr<double> MeasureMemcpyBatch(int src_device, int dst_device, uint64_t block_bytes, int count,
+                                    int repeats);
 
 // Number of CUDA devices (0 without CUDA).
 int DeviceCount();

@@ -25,8 +25,8 @@ class GpuPatternImpl : public GpuPattern {
 
   Status Init() { return gpu_.Init(); }
 
-  Status Fill(const PoolGeometry& g, uint8_t* pool, uint64_t room,
-              std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens) override {
+  Status Fill(const PoolGeometry& g, uint8_t* pool, uint64_t room, std::span<const int32_t> pages,
+              int64_t first_token, int64_t num_tokens) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu_.device()));
     RETURN_IF_ERROR(gpu_.pages().Upload(pages, gpu_.stream()));
     CUDA_RETURN_IF_ERROR(LaunchFillTokens(g, pool, gpu_.pages().data(), room, first_token,
@@ -170,7 +170,7 @@ class ComputeStreamImpl : public ComputeStream {
 }  // namespace
 
 StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int device, int max_events,
-                                                              bool legacy_default_stream) {
+                                                               bool legacy_default_stream) {
   auto s = std::make_unique<ComputeStreamImpl>(device, legacy_default_stream);
   RETURN_IF_ERROR(s->Init(max_events));
   return std::unique_ptr<ComputeStream>(std::move(s));

@@ -45,7 +45,8 @@ class ComputeStream {
   // Enqueues writing seeds.size() rows of `row_bytes` at `dst` (device memory), row r the
   // pattern of seeds[r] (LaunchFillPatternRows): the seeds are staged in this stream's
   // pinned memory, reused only after Synchronize. Returns at once.
-  virtual Status FillPatternRows(void* dst, uint64_t row_bytes, std::span<const uint64_t> seeds) = 0;
+  virtual Status FillPatternRows(void* dst, uint64_t row_bytes,
+                                 std::span<const uint64_t> seeds) = 0;
   // Blocks until everything enqueued so far has run.
   virtual Status Synchronize() = 0;
 };

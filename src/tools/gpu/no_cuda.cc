@@ -10,9 +10,7 @@ Status NoCuda() {
 }
 }  // namespace
 
-StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int, bool) {
-  return NoCuda();
-}
+StatusOr<std::unique_ptr<ComputeStream>> ComputeStream::Create(int, int, bool) { return NoCuda(); }
 StatusOr<std::unique_ptr<GpuPattern>> GpuPattern::Create(int) { return NoCuda(); }
 StatusOr<double> MeasureMemcpyPeer(int, int, uint64_t, int) { return NoCuda(); }
 StatusOr<double> MeasureMemcpyBatch(int, int, uint64_t, int, int) { return NoCuda(); }

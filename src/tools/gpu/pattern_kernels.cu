@@ -1,6 +1,6 @@
-#include "tools/gpu/pattern_kernels.h"
-
 #include <algorithm>
+
+#include "tools/gpu/pattern_kernels.h"
 #include "tools/kv_pattern_math.h"
 
 namespace kvferry::cuda {
@@ -39,7 +39,8 @@ __device__ __forceinline__ uint64_t SeedOf(const PoolGeometry& g, uint64_t room,
 __global__ void FillKernel(PoolGeometry g, uint8_t* pool, const int32_t* pages, uint64_t room,
                            int64_t first_token, int64_t num_tokens) {
   const uint64_t words_per_head = (g.head_bytes + 7) / 8;
-  const uint64_t total = static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * words_per_head;
+  const uint64_t total =
+      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * words_per_head;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     Element e = Decompose(i, words_per_head, g.heads, num_tokens);
@@ -78,10 +79,10 @@ __global__ void FillRowsKernel(uint8_t* dst, uint64_t row_bytes, int rows, const
 }
 
 __global__ void VerifyKernel(PoolGeometry g, const uint8_t* pool, const int32_t* pages,
-                             int64_t num_pages, uint64_t room, int64_t num_tokens,
-                             uint8_t* flags) {
+                             int64_t num_pages, uint64_t room, int64_t num_tokens, uint8_t* flags) {
   const uint64_t words_per_head = (g.head_bytes + 7) / 8;
-  const uint64_t total = static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * words_per_head;
+  const uint64_t total =
+      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * words_per_head;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     Element e = Decompose(i, words_per_head, g.heads, num_tokens);
@@ -115,16 +116,18 @@ cudaError_t LaunchFillTokens(const PoolGeometry& g, uint8_t* pool, const int32_t
                              uint64_t room, int64_t first_token, int64_t num_tokens,
                              cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
-  uint64_t total = static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ((g.head_bytes + 7) / 8);
+  uint64_t total =
+      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ((g.head_bytes + 7) / 8);
   FillKernel<<<Blocks(total), kThreads, 0, stream>>>(g, pool, pages, room, first_token, num_tokens);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool,
-                               const int32_t* pages, int64_t num_pages, uint64_t room,
-                               int64_t num_tokens, uint8_t* flags, cudaStream_t stream) {
+cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool, const int32_t* pages,
+                               int64_t num_pages, uint64_t room, int64_t num_tokens, uint8_t* flags,
+                               cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
-  uint64_t total = static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ((g.head_bytes + 7) / 8);
+  uint64_t total =
+      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ((g.head_bytes + 7) / 8);
   VerifyKernel<<<Blocks(total), kThreads, 0, stream>>>(g, pool, pages, num_pages, room, num_tokens,
                                                        flags);
   return cudaGetLastError();
@@ -144,12 +147,13 @@ __global__ void SpinKernel(uint64_t nanoseconds) {
 }
 }  // namespace
 
-cudaError_t LaunchFillPatternRows(uint8_t* dst, uint64_t row_bytes, int rows,
-                                  const uint64_t* seeds, cudaStream_t stream) {
+cudaError_t LaunchFillPatternRows(uint8_t* dst, uint64_t row_bytes, int rows, const uint64_t* seeds,
+                                  cudaStream_t stream) {
   const uint64_t total = (row_bytes + 7) / 8 * static_cast<uint64_t>(rows);
   if (total == 0) return cudaSuccess;
   const uint64_t blocks = std::min<uint64_t>((total + kThreads - 1) / kThreads, 4096);
-  FillRowsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(dst, row_bytes, rows, seeds);
+  FillRowsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(dst, row_bytes, rows,
+                                                                         seeds);
   return cudaGetLastError();
 }
 

@@ -19,14 +19,14 @@ cudaError_t LaunchFillTokens(const PoolGeometry& g, uint8_t* pool, const int32_t
 // Checks tokens [0, num_tokens); sets flags[b * num_pages + p] = 1 for every buffer b and
 // request page p holding a wrong byte. `flags` (device, num_buffers * num_pages bytes) must be
 // zeroed by the caller.
-cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool,
-                               const int32_t* pages, int64_t num_pages, uint64_t room,
-                               int64_t num_tokens, uint8_t* flags, cudaStream_t stream);
+cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool, const int32_t* pages,
+                               int64_t num_pages, uint64_t room, int64_t num_tokens, uint8_t* flags,
+                               cudaStream_t stream);
 
 // Writes `rows` rows of `row_bytes` at dst + r * row_bytes, row r holding the pattern of
 // seeds[r] (device array): the bytes kv_pattern.cc's WritePattern writes on the host.
-cudaError_t LaunchFillPatternRows(uint8_t* dst, uint64_t row_bytes, int rows,
-                                  const uint64_t* seeds, cudaStream_t stream);
+cudaError_t LaunchFillPatternRows(uint8_t* dst, uint64_t row_bytes, int rows, const uint64_t* seeds,
+                                  cudaStream_t stream);
 
 // Simulated prefill compute for replays: one thread busy-waits `nanoseconds` of GPU time
 // (%globaltimer), so work recorded after it on `stream` completes that much later.

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "cuda/copy_kernels.h"
-#include "kvferry/transfer.h"
 #include "kvferry/status.h"
+#include "kvferry/transfer.h"
 #include "transport/nvlink/peer_mappings.h"
 #include "transport/nvlink/tile_arena.h"
 #include "transport/transport.h"

@@ -76,8 +76,7 @@ std::vector<std::pair<WorkOwner*, uint32_t>> CopyGates::WithdrawWhere(Which&& wh
 
 int CopyGates::Withdraw(WorkOwner* owner, uint32_t tag, const Status& why) {
   return static_cast<int>(
-      WithdrawWhere([&](const State& s) { return s.owner == owner && s.tag == tag; }, why)
-          .size());
+      WithdrawWhere([&](const State& s) { return s.owner == owner && s.tag == tag; }, why).size());
 }
 
 std::vector<std::pair<WorkOwner*, uint32_t>> CopyGates::WithdrawAll(const Status& why) {

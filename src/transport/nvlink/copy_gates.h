@@ -58,11 +58,11 @@ class CopyGates {
   };
   struct State {
     bool armed = false;
-    bool reported = false;       // the submission's outcome was reported
-    bool before_start = false;   // withdrawn while started == 0
+    bool reported = false;      // the submission's outcome was reported
+    bool before_start = false;  // withdrawn while started == 0
     WorkOwner* owner = nullptr;
     uint32_t tag = 0;
-    Status why;                  // set once withdrawn
+    Status why;  // set once withdrawn
   };
   CopyGates() = default;
   // Withdraws gate `g` (REQUIRES mu_ held, g armed, not withdrawn): true when it is claimed.

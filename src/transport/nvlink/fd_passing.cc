@@ -37,7 +37,8 @@ StatusOr<std::unique_ptr<FdServer>> FdServer::Create(const std::string& name, Pr
   s->name_ = name;
   s->provider_ = std::move(provider);
   s->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s->listen_fd_ < 0) return UnavailableError("fd server socket: " + std::string(strerror(errno)));
+  if (s->listen_fd_ < 0)
+    return UnavailableError("fd server socket: " + std::string(strerror(errno)));
   sockaddr_un addr;
   socklen_t len = AbstractAddress(name, &addr);
   if (::bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
@@ -113,7 +114,8 @@ StatusOr<int> RequestFd(const std::string& name, uint64_t key) {
   msg.msg_controllen = sizeof(control);
   timeval tv{5, 0};
   ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  if (::recvmsg(c, &msg, 0) != 1) return UnavailableError("fd server '" + name + "' did not answer");
+  if (::recvmsg(c, &msg, 0) != 1)
+    return UnavailableError("fd server '" + name + "' did not answer");
   if (status != 0) return NotFoundError("fd server '" + name + "' refused region key");
   cmsghdr* cm = CMSG_FIRSTHDR(&msg);
   if (cm == nullptr || cm->cmsg_type != SCM_RIGHTS) {

@@ -60,10 +60,9 @@ Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address
   // Connect asynchronously so the timeout bounds it, then continue with blocking I/O.
   asio::io_context& io = static_cast<asio::io_context&>(socket.get_executor().context());
   asio::error_code connect_ec = asio::error::timed_out;
-  asio::async_connect(socket, endpoints,
-                      [&](const asio::error_code& e, const asio::ip::tcp::endpoint&) {
-                        connect_ec = e;
-                      });
+  asio::async_connect(
+      socket, endpoints,
+      [&](const asio::error_code& e, const asio::ip::tcp::endpoint&) { connect_ec = e; });
   io.restart();
   io.run_for(timeout);
   if (!io.stopped()) {
@@ -180,8 +179,9 @@ void ReadAll(asio::ip::tcp::socket& socket, std::span<const asio::mutable_buffer
   for (const auto& b : buffers) {
     if (b.size() > 0) iov.push_back({b.data(), b.size()});
   }
-  TransferAll(socket.native_handle(), iov,
-              [](int fd, const iovec* v, int n) { return ::readv(fd, v, n); }, true, ec);
+  TransferAll(
+      socket.native_handle(), iov, [](int fd, const iovec* v, int n) { return ::readv(fd, v, n); },
+      true, ec);
 }
 
 void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec) {

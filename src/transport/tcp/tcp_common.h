@@ -8,9 +8,9 @@
 #include <span>
 #include <string>
 
-#include "transport/tcp/wire.h"
 #include "kvferry/segment.h"
 #include "kvferry/status.h"
+#include "transport/tcp/wire.h"
 
 namespace kvferry::tcp {
 

@@ -156,10 +156,13 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   // Frames small enough to send from the calling thread (Enqueue).
   static bool InlineSize(const WorkItem& item) {
     switch (item.kind) {
-      case WorkItem::Kind::kNotify: return item.message.size() <= kInlineBytes;
+      case WorkItem::Kind::kNotify:
+        return item.message.size() <= kInlineBytes;
       case WorkItem::Kind::kRead:
-      case WorkItem::Kind::kDescribe: return true;
-      case WorkItem::Kind::kWrite: return item.rows == 1 && item.length <= kInlineBytes;
+      case WorkItem::Kind::kDescribe:
+        return true;
+      case WorkItem::Kind::kWrite:
+        return item.rows == 1 && item.length <= kInlineBytes;
     }
     return false;
   }
@@ -240,8 +243,8 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
           if (item->rows > 1) {
             h.flags = wire::kFlagStrided;
             h.body_bytes = wire::kStridedBodyBytes;
-            bodies.push_back(wire::EncodeStridedWrite(
-                {item->rows, item->row_bytes, item->remote_stride}));
+            bodies.push_back(
+                wire::EncodeStridedWrite({item->rows, item->row_bytes, item->remote_stride}));
           }
           break;
         case WorkItem::Kind::kRead:
@@ -282,14 +285,12 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         if (item->state.load() == kAcked) CompleteAcked(item, inline_caller);
       }
       Fail(UnavailableError("connection to peer " + options_.address + " (lane " +
-                            std::to_string(index_) + ") failed while sending: " +
-                            ec.message()));
+                            std::to_string(index_) + ") failed while sending: " + ec.message()));
       return false;
     }
     for (const auto& item : batch) {
       uint8_t expected = kSending;
-      if (!item->state.compare_exchange_strong(expected, kSent) &&
-          expected == kAcked) {
+      if (!item->state.compare_exchange_strong(expected, kSent) && expected == kAcked) {
         CompleteAcked(item, inline_caller);  // answered while write() had not returned
       }
     }
@@ -323,8 +324,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       asio::error_code ec;
       auto header = ReadHeader(*socket_, options_.max_body_bytes, ec);
       if (ec) {
-        Fail(UnavailableError("connection to peer " + options_.address + " lost: " +
-                              ec.message()));
+        Fail(UnavailableError("connection to peer " + options_.address + " lost: " + ec.message()));
         return;
       }
       if (!header.ok()) {
@@ -348,17 +348,24 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       }
       wire::FrameType want = wire::FrameType::kWriteAck;
       switch (item->kind) {
-        case WorkItem::Kind::kWrite: want = wire::FrameType::kWriteAck; break;
-        case WorkItem::Kind::kRead: want = wire::FrameType::kReadData; break;
-        case WorkItem::Kind::kNotify: want = wire::FrameType::kNotifyAck; break;
-        case WorkItem::Kind::kDescribe: want = wire::FrameType::kDescribeAck; break;
+        case WorkItem::Kind::kWrite:
+          want = wire::FrameType::kWriteAck;
+          break;
+        case WorkItem::Kind::kRead:
+          want = wire::FrameType::kReadData;
+          break;
+        case WorkItem::Kind::kNotify:
+          want = wire::FrameType::kNotifyAck;
+          break;
+        case WorkItem::Kind::kDescribe:
+          want = wire::FrameType::kDescribeAck;
+          break;
       }
-      if (header->type != want ||
-          (header->type == wire::FrameType::kReadData && header->status == 0 &&
-           header->length != item->length)) {
+      if (header->type != want || (header->type == wire::FrameType::kReadData &&
+                                   header->status == 0 && header->length != item->length)) {
         Status s = UnavailableError("peer " + options_.address + " answered with " +
-                                    std::string(wire::FrameTypeName(header->type)) +
-                                    " where " + std::string(wire::FrameTypeName(want)) +
+                                    std::string(wire::FrameTypeName(header->type)) + " where " +
+                                    std::string(wire::FrameTypeName(want)) +
                                     " of the same length was due");
         Fail(s);
         FinishAfterTransfer(item.get(), s);
@@ -368,18 +375,18 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       if (!body.empty()) {
         asio::read(*socket_, asio::buffer(body), ec);
         if (ec) {
-          Status s = UnavailableError("connection to peer " + options_.address + " lost: " +
-                                      ec.message());
+          Status s =
+              UnavailableError("connection to peer " + options_.address + " lost: " + ec.message());
           Fail(s);
           FinishAfterTransfer(item.get(), s);
           return;
         }
       }
-      Status status = header->status == 0
-                          ? OkStatus()
-                          : Status(StatusCodeFromInt(header->status),
-                                   "peer " + options_.address + ": " +
-                                       std::string(body.begin(), body.end()));
+      Status status =
+          header->status == 0
+              ? OkStatus()
+              : Status(StatusCodeFromInt(header->status),
+                       "peer " + options_.address + ": " + std::string(body.begin(), body.end()));
       if (header->type == wire::FrameType::kReadData && header->status == 0) {
         // Claim the item before touching its memory; an abandoned item's bytes are drained.
         uint8_t s = item->state.load();
@@ -413,9 +420,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   }
 
   // Completes an item the receiver owns (state kSending/kSent/kReceiving/kDone).
-  static void FinishAfterTransfer(WorkItem* item, const Status& status) {
-    item->Complete(status);
-  }
+  static void FinishAfterTransfer(WorkItem* item, const Status& status) { item->Complete(status); }
 
   void ThreadExit() {
     std::deque<std::shared_ptr<WorkItem>> leftover;

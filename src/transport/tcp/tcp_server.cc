@@ -282,7 +282,8 @@ void TcpServer::Serve(Connection* connection) {
         auto pin = strided.ok() ? registry_->PinRange(h.addr, extent, kAccessRemoteWrite)
                                 : StatusOr<MemoryRegistry::Pin>(strided.status());
         if (pin.ok() && strided->rows > 1 && pin->region().kind != MemoryKind::kHost) {
-          pin = UnimplementedError("strided WRITE into GPU memory over TCP (send its rows one by one)");
+          pin = UnimplementedError(
+              "strided WRITE into GPU memory over TCP (send its rows one by one)");
         }
         if (!pin.ok()) {
           Discard(socket, h.length, ec);

@@ -18,9 +18,9 @@
 #include <mutex>
 #include <thread>
 
+#include "kvferry/transfer.h"
 #include "transport/memory_registry.h"
 #include "transport/tcp/wire.h"
-#include "kvferry/transfer.h"
 
 namespace kvferry::tcp {
 

@@ -22,16 +22,26 @@ constexpr uint32_t kDescriptorMagic = 0x44535646u;  // "FVSD"
 
 std::string_view FrameTypeName(FrameType type) {
   switch (type) {
-    case FrameType::kHello: return "HELLO";
-    case FrameType::kHelloAck: return "HELLO_ACK";
-    case FrameType::kWrite: return "WRITE";
-    case FrameType::kWriteAck: return "WRITE_ACK";
-    case FrameType::kRead: return "READ";
-    case FrameType::kReadData: return "READ_DATA";
-    case FrameType::kNotify: return "NOTIFY";
-    case FrameType::kNotifyAck: return "NOTIFY_ACK";
-    case FrameType::kDescribe: return "DESCRIBE";
-    case FrameType::kDescribeAck: return "DESCRIBE_ACK";
+    case FrameType::kHello:
+      return "HELLO";
+    case FrameType::kHelloAck:
+      return "HELLO_ACK";
+    case FrameType::kWrite:
+      return "WRITE";
+    case FrameType::kWriteAck:
+      return "WRITE_ACK";
+    case FrameType::kRead:
+      return "READ";
+    case FrameType::kReadData:
+      return "READ_DATA";
+    case FrameType::kNotify:
+      return "NOTIFY";
+    case FrameType::kNotifyAck:
+      return "NOTIFY_ACK";
+    case FrameType::kDescribe:
+      return "DESCRIBE";
+    case FrameType::kDescribeAck:
+      return "DESCRIBE_ACK";
   }
   return "UNKNOWN";
 }
@@ -92,8 +102,8 @@ StatusOr<FrameHeader> DecodeFrameHeader(std::span<const uint8_t, kFrameHeaderByt
                                 std::to_string(h.length) + " exceeds limit " +
                                 std::to_string(kMaxPayloadBytes));
   }
-  bool carries_length = h.type == FrameType::kWrite || h.type == FrameType::kRead ||
-                        h.type == FrameType::kReadData;
+  bool carries_length =
+      h.type == FrameType::kWrite || h.type == FrameType::kRead || h.type == FrameType::kReadData;
   if (!carries_length && h.length != 0) {
     return InvalidArgumentError(std::string(FrameTypeName(h.type)) +
                                 " must not carry a length (got " + std::to_string(h.length) + ")");
@@ -129,8 +139,8 @@ StatusOr<StridedWrite> DecodeStridedWrite(std::span<const uint8_t> body, uint64_
     return InvalidArgumentError("strided WRITE of " + std::to_string(s.rows) +
                                 " rows exceeds the limit of " + std::to_string(kMaxStridedRows));
   }
-  if (s.rows == 0 || s.row_bytes == 0 || s.row_bytes > length ||
-      length / s.row_bytes != s.rows || length % s.row_bytes != 0) {
+  if (s.rows == 0 || s.row_bytes == 0 || s.row_bytes > length || length / s.row_bytes != s.rows ||
+      length % s.row_bytes != 0) {
     return InvalidArgumentError("strided WRITE of " + std::to_string(s.rows) + " rows of " +
                                 std::to_string(s.row_bytes) + " bytes does not make its " +
                                 std::to_string(length) + "-byte payload");
@@ -196,8 +206,7 @@ StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
   if (magic != kDescriptorMagic) return bad("bad magic");
   if (!r.U16(&version)) return bad("");
   if (version != kProtocolVersion) {
-    return bad("version " + std::to_string(version) + ", want " +
-               std::to_string(kProtocolVersion));
+    return bad("version " + std::to_string(version) + ", want " + std::to_string(kProtocolVersion));
   }
   if (!r.Str(&d.name, "name") || !r.Str(&d.host, "host") || !r.U16(&d.port) ||
       !r.Str(&d.node_id, "node_id") || !r.U32(&d.pid) || !r.Str(&d.ipc_socket, "ipc_socket")) {
