@@ -8,6 +8,8 @@
 #           and without --layerwise).
 #   PART=2: per round: unequal TP 2->1 and 1->2, staging and fused, page sizes 64 and 1
 #           (300 requests), equal TP beside them; then abort drills on each build.
+#   PART=3: per round: the 500-request replays at page sizes 64 and 1, and the sequential
+#           (not layerwise) 16k-token runs whose tail is one large transfer.
 # Prints one line per run (bench/ab_summary.py) and leaves logs and JSON in $OUT/ab<PART>.tgz.
 set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.devbuild/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -59,6 +61,22 @@ if [ "$PART" = 1 ]; then
             --compute-us-per-layer 500 $([ $lw = lw ] && echo --layerwise)
         done
       done
+    done
+  done
+fi
+
+if [ "$PART" = 3 ]; then
+  n=0
+  for b in $ROUNDS; do
+    n=$((n + 1))
+    for ps in 64 1; do
+      replay "x${n}_${b}_replay_p$ps" "$b" 150 --trace "$TRACE" --limit 500 --model llama-3.1-8b \
+        --page-size "$ps" --pool-size 40GiB --concurrency 8
+    done
+    for model in llama-3.1-8b qwen3-next-80b-a3b; do
+      replay "x${n}_${b}_layer_${model}_16k_seq" "$b" 120 --trace "$(fixed_trace 16384 20)" \
+        --model "$model" --concurrency 1 --pool-size 20GiB --chunk-tokens 16384 \
+        --compute-us-per-layer 500
     done
   done
 fi

@@ -5,23 +5,6 @@
 
 namespace kvferry {
 
-bool RowsInside(const SegmentDescriptor& desc, const TransferRequest& r,
-                const RegionDescriptor** last) {
-  const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
-  const uint64_t extent = r.remote_extent();
-  if (*last != nullptr && (*last)->Contains(r.remote_addr, extent) &&
-      ((*last)->access & need) == need) {
-    return true;
-  }
-  for (const RegionDescriptor& region : desc.regions) {
-    if (region.Contains(r.remote_addr, extent) && (region.access & need) == need) {
-      *last = &region;
-      return true;
-    }
-  }
-  return false;
-}
-
 Status CheckRows(const TransferRequest& r, size_t i) {
   auto where = [i] { return "request " + std::to_string(i) + ": "; };
   if (r.num_rows == 0) return InvalidArgumentError(where() + "zero rows");

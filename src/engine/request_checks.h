@@ -41,8 +41,23 @@ inline Status CheckRequestShape(const TransferRequest& r, size_t i) {
 }
 
 // Whether every row of `r` lies in one region of `desc` with the access `r` needs; `last`
-// caches the region the previous request fell in (same descriptor) and is updated.
-bool RowsInside(const SegmentDescriptor& desc, const TransferRequest& r,
-                const RegionDescriptor** last);
+// caches the region the previous request fell in (same descriptor) and is updated. Inline:
+// SubmitBatch calls it for every strided request.
+inline bool RowsInside(const SegmentDescriptor& desc, const TransferRequest& r,
+                       const RegionDescriptor** last) {
+  const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
+  const uint64_t extent = r.remote_extent();
+  if (*last != nullptr && (*last)->Contains(r.remote_addr, extent) &&
+      ((*last)->access & need) == need) {
+    return true;
+  }
+  for (const RegionDescriptor& region : desc.regions) {
+    if (region.Contains(r.remote_addr, extent) && (region.access & need) == need) {
+      *last = &region;
+      return true;
+    }
+  }
+  return false;
+}
 
 }  // namespace kvferry

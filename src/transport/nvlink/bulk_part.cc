@@ -24,11 +24,6 @@ Status BulkPreparer::Init(int device) {
   return OkStatus();
 }
 
-bool BulkPreparer::UsesCopyEngine(const TransferRequest& r) const {
-  return r.length_bytes >= copy_engine_threshold_bytes_ &&
-         (r.num_rows <= 1 || (r.local_stride <= max_pitch_ && r.remote_stride <= max_pitch_));
-}
-
 BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPart* part,
                               const RegionDescriptor** missing, bool take_space,
                               bool allow_engine) {

@@ -95,7 +95,10 @@ class BulkPreparer {
   // Whether a request goes through the copy engine: long enough, and strided rows only with
   // pitches cudaMemcpy2DAsync takes (a page's rows across a layer-major pool may be GiBs
   // apart: those stay in the kernel).
-  bool UsesCopyEngine(const TransferRequest& r) const;
+  bool UsesCopyEngine(const TransferRequest& r) const {
+    return r.length_bytes >= copy_engine_threshold_bytes_ &&
+           (r.num_rows <= 1 || (r.local_stride <= max_pitch_ && r.remote_stride <= max_pitch_));
+  }
 
   const PeerMappings& mappings_;
   TileArena& arena_;

@@ -22,17 +22,13 @@ const RegionDescriptor* PeerMappings::FindRegion(uint64_t addr, uint64_t length)
   return nullptr;
 }
 
-uint8_t* PeerMappings::MapMapped(uint64_t remote, uint64_t length, uint32_t need,
-                                 MappedRegion* c) const {
-  if (c->region == nullptr || !c->region->Contains(remote, length)) {
-    const RegionDescriptor* region = FindRegion(remote, length);
-    if (region == nullptr || region->kind != MemoryKind::kCuda) return nullptr;
-    auto it = imports_.find(region->key);
-    if (it == imports_.end()) return nullptr;
-    *c = {region, it->second->base()};
-  }
-  if ((c->region->access & need) != need) return nullptr;
-  return c->base + c->region->alloc_offset + (remote - c->region->base);
+bool PeerMappings::FindMapped(uint64_t remote, uint64_t length, MappedRegion* c) const {
+  const RegionDescriptor* region = FindRegion(remote, length);
+  if (region == nullptr || region->kind != MemoryKind::kCuda) return false;
+  auto it = imports_.find(region->key);
+  if (it == imports_.end()) return false;
+  *c = {region, it->second->base()};
+  return true;
 }
 
 StatusOr<uint8_t*> PeerMappings::Translate(uint64_t remote, uint64_t length, bool write) {

@@ -51,7 +51,14 @@ class PeerMappings {
   // a GPU region with `need` access that is already mapped. `c` remembers the last region
   // found (only a mapped GPU region is remembered). REQUIRES ReadLock() held, or the progress
   // thread.
-  uint8_t* MapMapped(uint64_t remote, uint64_t length, uint32_t need, MappedRegion* c) const;
+  // Inline: bulk submitters call it for every request.
+  uint8_t* MapMapped(uint64_t remote, uint64_t length, uint32_t need, MappedRegion* c) const {
+    if (c->region == nullptr || !c->region->Contains(remote, length)) {
+      if (!FindMapped(remote, length, c)) return nullptr;
+    }
+    if ((c->region->access & need) != need) return nullptr;
+    return c->base + c->region->alloc_offset + (remote - c->region->base);
+  }
 
   // Progress thread: maps [remote, remote + length) of the peer to a local pointer, or says
   // why not. A range outside the descriptor re-reads it first (refresh); a region not mapped
@@ -70,6 +77,10 @@ class PeerMappings {
   bool ImportNext();
 
  private:
+  // MapMapped's miss: finds the mapped GPU region holding the range and remembers it in *c, or
+  // returns false.
+  bool FindMapped(uint64_t remote, uint64_t length, MappedRegion* c) const;
+
   SegmentDescriptor peer_;  // the peer's regions (replaced by a refresh)
   std::function<StatusOr<SegmentDescriptor>()> refresh_;
   const int local_device_;
