@@ -1,7 +1,5 @@
 // ReceiverCompletion on its own: a real room table, host pools, a real done mailbox, and an
 // abort hook that records what the connector would send. No sockets.
-#include "disagg/decode_completion.h"
-
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -10,6 +8,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "disagg/decode/completion.h"
 
 namespace kvferry {
 namespace {

@@ -2,14 +2,13 @@
 // chunk's pages, a room's linear-attention state and its aux row into a decode rank's pools,
 // with the exact addresses, lengths and rows expected for whole pages, page runs, head slices
 // of unequal TP (direct and fused), and the cut of a chunk into staging regions.
-#include "disagg/prefill_plan.h"
-
 #include <gtest/gtest.h>
 
 #include <memory>
 #include <vector>
 
 #include "disagg/head_slices.h"
+#include "disagg/prefill/plan.h"
 #include "kvferry/tp_plan.h"
 
 namespace kvferry::prefill {

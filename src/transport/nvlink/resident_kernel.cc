@@ -36,7 +36,7 @@ ResidentKernel::~ResidentKernel() {
 Status ResidentKernel::Init() {
   int sms = 0;
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-  // Default: as many blocks as fit on the GPU at once (one per SM of 16 warps on H200), so
+  // Default: as many blocks as fit on the GPU at once (one per SM of 16 warps on Hopper), so
   // that every block runs from the launch on.
   {
     cuda::DeviceGuard device(device_);

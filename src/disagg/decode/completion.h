@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "disagg/decode_room.h"
+#include "disagg/decode/room.h"
 #include "disagg/done_mailbox.h"
 #include "disagg/task_queue.h"
 #include "kvferry/aux_buffer.h"

@@ -1,5 +1,5 @@
-// Control messages from decode ranks to a prefill rank (see prefill_control.h).
-#include "disagg/prefill_control.h"
+// Control messages from decode ranks to a prefill rank (see prefill/control.h).
+#include "disagg/prefill/control.h"
 
 #include "common/checks.h"
 #include "common/logging.h"

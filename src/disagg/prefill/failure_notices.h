@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "disagg/control_message.h"
-#include "disagg/prefill_batches.h"
-#include "disagg/prefill_room.h"
+#include "disagg/prefill/batches.h"
+#include "disagg/prefill/room.h"
 
 namespace kvferry::prefill {
 

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "disagg/control_message.h"
-#include "disagg/prefill_room.h"
+#include "disagg/prefill/room.h"
 
 namespace kvferry::prefill {
 

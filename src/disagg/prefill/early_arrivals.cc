@@ -1,5 +1,5 @@
-// What decode sent for a room before it existed here (see prefill_early_arrivals.h).
-#include "disagg/prefill_early_arrivals.h"
+// What decode sent for a room before it existed here (see prefill/early_arrivals.h).
+#include "disagg/prefill/early_arrivals.h"
 
 namespace kvferry::prefill {
 

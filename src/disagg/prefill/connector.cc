@@ -1,18 +1,20 @@
 // Prefill side of the disaggregation connector: the PrefillConnector API over its pieces.
 //
-//   prefill_plan.h             which requests move a chunk to a decode rank (pure functions)
-//   prefill_room.h             the records: decode peers, destinations, sender rooms
-//   prefill_batches.h          engine submissions and where their outcomes run
-//   prefill_done_notices.h     a destination's batches in flight, its aux row and done notice
-//   prefill_failure_notices.h  failing a room and telling decode once its copies ended
-//   prefill_staging_writer.h   unequal-TP writes through decode's staging ring
-//   prefill_layerwise.h        layerwise passes and the layer thread
-//   prefill_decode_registry.h  registered decode ranks and the pairing checks
-//   prefill_early_arrivals.h   what decode sent before a room existed here
-//   prefill_control.h          control messages from decode ranks
+//   prefill/plan.h             which requests move a chunk to a decode rank (pure functions)
+//   prefill/room.h             the records: decode peers, destinations, sender rooms
+//   prefill/batches.h          engine submissions and where their outcomes run
+//   prefill/done_notices.h     a destination's batches in flight, its aux row and done notice
+//   prefill/failure_notices.h  failing a room and telling decode once its copies ended
+//   prefill/staging_writer.h   unequal-TP writes through decode's staging ring
+//   prefill/layerwise.h        layerwise passes and the layer thread
+//   prefill/decode_registry.h  registered decode ranks and the pairing checks
+//   prefill/early_arrivals.h   what decode sent before a room existed here
+//   prefill/control.h          control messages from decode ranks
 //
 // This file owns them all, with the engine, the bootstrap registration, the task queues and
 // the timer thread, and takes chunks (SendChunk) into rooms.
+#include "kvferry/connector.h"
+
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
@@ -23,19 +25,18 @@
 #include "common/logging.h"
 #include "disagg/connector_pools.h"
 #include "disagg/control_message.h"
-#include "disagg/prefill_batches.h"
-#include "disagg/prefill_control.h"
-#include "disagg/prefill_decode_registry.h"
-#include "disagg/prefill_done_notices.h"
-#include "disagg/prefill_early_arrivals.h"
-#include "disagg/prefill_failure_notices.h"
-#include "disagg/prefill_layerwise.h"
-#include "disagg/prefill_plan.h"
-#include "disagg/prefill_room.h"
-#include "disagg/prefill_staging_writer.h"
+#include "disagg/prefill/batches.h"
+#include "disagg/prefill/control.h"
+#include "disagg/prefill/decode_registry.h"
+#include "disagg/prefill/done_notices.h"
+#include "disagg/prefill/early_arrivals.h"
+#include "disagg/prefill/failure_notices.h"
+#include "disagg/prefill/layerwise.h"
+#include "disagg/prefill/plan.h"
+#include "disagg/prefill/room.h"
+#include "disagg/prefill/staging_writer.h"
 #include "disagg/task_queue.h"
 #include "kvferry/bootstrap.h"
-#include "kvferry/connector.h"
 
 namespace kvferry {
 namespace {

@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "disagg/prefill_batches.h"
-#include "disagg/prefill_failure_notices.h"
-#include "disagg/prefill_plan.h"
-#include "disagg/prefill_room.h"
+#include "disagg/prefill/batches.h"
+#include "disagg/prefill/failure_notices.h"
+#include "disagg/prefill/plan.h"
+#include "disagg/prefill/room.h"
 
 namespace kvferry::prefill {
 

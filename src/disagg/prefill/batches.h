@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "disagg/control_message.h"
-#include "disagg/prefill_room.h"
+#include "disagg/prefill/room.h"
 #include "disagg/task_queue.h"
 #include "kvferry/engine.h"
 

@@ -1,5 +1,5 @@
-// Layerwise passes of the prefill connector (see prefill_layerwise.h).
-#include "disagg/prefill_layerwise.h"
+// Layerwise passes of the prefill connector (see prefill/layerwise.h).
+#include "disagg/prefill/layerwise.h"
 
 #include <algorithm>
 

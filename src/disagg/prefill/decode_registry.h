@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "disagg/control_message.h"
-#include "disagg/prefill_room.h"
+#include "disagg/prefill/room.h"
 #include "kvferry/aux_buffer.h"
 #include "kvferry/kv_layout.h"
 #include "kvferry/state_pool.h"

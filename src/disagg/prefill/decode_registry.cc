@@ -1,7 +1,7 @@
-// The decode ranks a prefill rank pairs with (see prefill_decode_registry.h).
-#include "disagg/prefill_decode_registry.h"
+// The decode ranks a prefill rank pairs with (see prefill/decode_registry.h).
+#include "disagg/prefill/decode_registry.h"
 
-#include "disagg/prefill_plan.h"
+#include "disagg/prefill/plan.h"
 
 namespace kvferry::prefill {
 namespace {

@@ -19,7 +19,7 @@
 
 #include "disagg/control_message.h"
 #include "disagg/done_mailbox.h"
-#include "disagg/prefill_plan.h"
+#include "disagg/prefill/plan.h"
 #include "disagg/room_table.h"
 #include "kvferry/aux_buffer.h"
 #include "kvferry/cp_split.h"

@@ -1,5 +1,5 @@
-// The checks a prefill room makes on a chunk (see prefill_room.h).
-#include "disagg/prefill_room.h"
+// The checks a prefill room makes on a chunk (see prefill/room.h).
+#include "disagg/prefill/room.h"
 
 #include <string>
 

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "disagg/control_message.h"
-#include "disagg/decode_room.h"
-#include "disagg/decode_staging.h"
+#include "disagg/decode/room.h"
+#include "disagg/decode/staging.h"
 #include "disagg/done_mailbox.h"
 #include "kvferry/aux_buffer.h"
 #include "kvferry/connector.h"

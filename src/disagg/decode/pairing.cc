@@ -1,6 +1,6 @@
 // PrefillPairing: bootstrap lookup of prefill ranks and the register handshake
-// (decode_pairing.h).
-#include "disagg/decode_pairing.h"
+// (decode/pairing.h).
+#include "disagg/decode/pairing.h"
 
 #include <algorithm>
 #include <map>

@@ -1,5 +1,5 @@
-// How a prefill room's destinations finish (see prefill_done_notices.h).
-#include "disagg/prefill_done_notices.h"
+// How a prefill room's destinations finish (see prefill/done_notices.h).
+#include "disagg/prefill/done_notices.h"
 
 #include <algorithm>
 #include <optional>

@@ -1,5 +1,5 @@
-// Transfer planning of the prefill connector (see prefill_plan.h).
-#include "disagg/prefill_plan.h"
+// Transfer planning of the prefill connector (see prefill/plan.h).
+#include "disagg/prefill/plan.h"
 
 #include <algorithm>
 

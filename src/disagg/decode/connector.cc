@@ -1,8 +1,10 @@
 // Decode side of the disaggregation connector: the public API, the rooms, control messages
 // from prefill, and the timer and heartbeat threads. Its pieces: PrefillPairing
-// (decode_pairing.h) pairs with prefill instances, ReceiverCompletion (decode_completion.h)
-// decides when rooms succeed or fail, StagingReceiver (decode_staging.h) runs the unequal-TP
+// (decode/pairing.h) pairs with prefill instances, ReceiverCompletion (decode/completion.h)
+// decides when rooms succeed or fail, StagingReceiver (decode/staging.h) runs the unequal-TP
 // staging ring.
+#include "kvferry/connector.h"
+
 #include <sched.h>
 
 #include <algorithm>
@@ -17,13 +19,12 @@
 #include "common/logging.h"
 #include "disagg/connector_pools.h"
 #include "disagg/control_message.h"
-#include "disagg/decode_completion.h"
-#include "disagg/decode_pairing.h"
-#include "disagg/decode_room.h"
-#include "disagg/decode_staging.h"
+#include "disagg/decode/completion.h"
+#include "disagg/decode/pairing.h"
+#include "disagg/decode/room.h"
+#include "disagg/decode/staging.h"
 #include "disagg/done_mailbox.h"
 #include "disagg/task_queue.h"
-#include "kvferry/connector.h"
 
 namespace kvferry {
 namespace {

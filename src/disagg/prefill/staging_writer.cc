@@ -1,5 +1,5 @@
-// Unequal-TP staging writes of the prefill connector (see prefill_staging_writer.h).
-#include "disagg/prefill_staging_writer.h"
+// Unequal-TP staging writes of the prefill connector (see prefill/staging_writer.h).
+#include "disagg/prefill/staging_writer.h"
 
 #include <algorithm>
 #include <thread>
@@ -8,7 +8,7 @@
 #include "common/logging.h"
 #include "disagg/connector_pools.h"
 #include "disagg/head_slices.h"
-#include "disagg/prefill_plan.h"
+#include "disagg/prefill/plan.h"
 #include "kvferry/ring_allocator.h"
 
 namespace kvferry::prefill {

@@ -1,5 +1,5 @@
-// Failing prefill rooms and telling decode (see prefill_failure_notices.h).
-#include "disagg/prefill_failure_notices.h"
+// Failing prefill rooms and telling decode (see prefill/failure_notices.h).
+#include "disagg/prefill/failure_notices.h"
 
 #include "common/logging.h"
 

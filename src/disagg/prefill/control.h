@@ -12,13 +12,13 @@
 #include <memory>
 
 #include "disagg/control_message.h"
-#include "disagg/prefill_batches.h"
-#include "disagg/prefill_decode_registry.h"
-#include "disagg/prefill_early_arrivals.h"
-#include "disagg/prefill_failure_notices.h"
-#include "disagg/prefill_plan.h"
-#include "disagg/prefill_room.h"
-#include "disagg/prefill_staging_writer.h"
+#include "disagg/prefill/batches.h"
+#include "disagg/prefill/decode_registry.h"
+#include "disagg/prefill/early_arrivals.h"
+#include "disagg/prefill/failure_notices.h"
+#include "disagg/prefill/plan.h"
+#include "disagg/prefill/room.h"
+#include "disagg/prefill/staging_writer.h"
 #include "disagg/task_queue.h"
 #include "kvferry/engine.h"
 

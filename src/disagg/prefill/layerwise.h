@@ -33,12 +33,12 @@
 #include <vector>
 
 #include "cuda/device_ops.h"
-#include "disagg/prefill_batches.h"
-#include "disagg/prefill_done_notices.h"
-#include "disagg/prefill_failure_notices.h"
-#include "disagg/prefill_plan.h"
-#include "disagg/prefill_room.h"
-#include "disagg/prefill_staging_writer.h"
+#include "disagg/prefill/batches.h"
+#include "disagg/prefill/done_notices.h"
+#include "disagg/prefill/failure_notices.h"
+#include "disagg/prefill/plan.h"
+#include "disagg/prefill/room.h"
+#include "disagg/prefill/staging_writer.h"
 #include "kvferry/connector.h"
 
 namespace kvferry::prefill {
@@ -158,7 +158,7 @@ class LayerwiseScheduler {
   // marked by MarkLayerReadyOnEvent, sleeping 20 us between rounds while any is pending. A
   // completed event marks its layer, whose submission then runs on this same thread in the
   // next round, with no hand-off to another thread (whose wake-up would add to the layer's
-  // tail: docs/perf/layerwise.md, run L). Polling without sleeping would hold a core for the
+  // tail: docs/perf/layerwise.md). Polling without sleeping would hold a core for the
   // whole forward pass; it is done only while a pass's last layer computes, every earlier
   // layer handed over (the tail starts when it ends), for at most kLastLayerSpin at a time.
   // On stopping, runs what is queued and drops pending events.

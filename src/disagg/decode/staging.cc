@@ -1,5 +1,5 @@
-// StagingReceiver: decode's staging ring for unequal TP (decode_staging.h).
-#include "disagg/decode_staging.h"
+// StagingReceiver: decode's staging ring for unequal TP (decode/staging.h).
+#include "disagg/decode/staging.h"
 
 #include <algorithm>
 #include <atomic>

@@ -1,5 +1,5 @@
-// ReceiverCompletion: when the decode connector's rooms succeed or fail (decode_completion.h).
-#include "disagg/decode_completion.h"
+// ReceiverCompletion: when the decode connector's rooms succeed or fail (decode/completion.h).
+#include "disagg/decode/completion.h"
 
 #include <algorithm>
 #include <utility>

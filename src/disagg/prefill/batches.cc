@@ -1,5 +1,5 @@
-// The prefill connector's engine submissions (see prefill_batches.h).
-#include "disagg/prefill_batches.h"
+// The prefill connector's engine submissions (see prefill/batches.h).
+#include "disagg/prefill/batches.h"
 
 #include <thread>
 
