@@ -8,6 +8,7 @@
 
 #include "cuda/device_memory.h"
 #include "disagg/control_message.h"
+#include "testutil/tiny_model.h"
 #include "tools/kv_pattern.h"
 
 namespace kvferry {
@@ -15,18 +16,7 @@ namespace {
 
 using std::chrono::milliseconds;
 
-ModelGeometry TinyGeometry() {
-  ModelGeometry g;
-  g.name = "tiny";
-  g.attention = AttentionKind::kMha;
-  g.num_layers = 3;
-  g.num_attention_heads = 4;
-  g.num_kv_heads = 2;
-  g.head_dim = 16;
-  g.hidden_size = 64;
-  g.dtype = DType::kBFloat16;
-  return g;
-}
+using testutil::TinyGeometry;
 
 // One side's pools.
 struct Side {

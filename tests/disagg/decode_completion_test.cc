@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "disagg/decode/completion.h"
+#include "testutil/tiny_model.h"
 
 namespace kvferry {
 namespace {
@@ -17,18 +18,7 @@ namespace {
 using Clock = ReceiverCompletion::Clock;
 using std::chrono::milliseconds;
 
-ModelGeometry TinyGeometry() {
-  ModelGeometry g;
-  g.name = "tiny";
-  g.attention = AttentionKind::kMha;
-  g.num_layers = 3;
-  g.num_attention_heads = 4;
-  g.num_kv_heads = 2;
-  g.head_dim = 16;
-  g.hidden_size = 64;
-  g.dtype = DType::kBFloat16;
-  return g;
-}
+using testutil::TinyGeometry;
 
 struct AbortCall {
   uint64_t room;
