@@ -82,9 +82,12 @@ struct BootstrapServerOptions {
   std::string host = "127.0.0.1";
   // TCP port; 0 (default) lets the kernel pick a free one (see BootstrapServer::port()).
   uint16_t port = 0;
-  // Request-handling threads, >= 1. Requests are tiny; 4 (default) serves a few hundred
-  // ranks registering at once without queueing behind slow clients.
-  int num_threads = 4;
+  // Request-handling threads, >= 1. A connection holds one while it sends its request (at
+  // most read_timeout between bytes); 32 (default) keeps serving while a few clients
+  // trickle theirs.
+  int num_threads = 32;
+  // Longest wait for a client's next bytes, or for it to take an answer's. Default 2 s.
+  std::chrono::milliseconds io_timeout{2000};
 };
 
 // The prefill side's bootstrap HTTP server.

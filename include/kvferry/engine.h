@@ -68,6 +68,15 @@ struct EngineOptions {
   // Requests longer than this are split into slices of this size, spread over lanes, so one
   // huge request uses every lane. Default 4 MiB: large enough to amortize framing.
   uint64_t tcp_slice_bytes = 4ull << 20;
+  // TCP serving side: connections served at once (each has a thread); more are closed when
+  // they connect, logged. Default 1024 (256 peers of 4 lanes).
+  int tcp_max_connections = 1024;
+  // TCP serving side: a connection must complete its handshake within this time. Default 10 s.
+  std::chrono::milliseconds tcp_handshake_timeout{10000};
+  // TCP serving side: a frame, once its first byte arrived, must arrive whole (and its answer
+  // leave) within this time plus its size at 1 MiB/s, else the connection is closed. Idle
+  // connections between frames stay open. Default 10 s.
+  std::chrono::milliseconds tcp_frame_timeout{10000};
   // Deadline applied to a batch that does not set its own. Default 30 s.
   std::chrono::milliseconds default_deadline{30000};
   // Timeout of a TCP connect plus handshake. Default 5 s.

@@ -79,6 +79,10 @@ class BootstrapServer::Impl {
     });
     // Bounds how long the destructor can wait on an idle keep-alive connection.
     server_.set_keep_alive_timeout(1);
+    // A client that stops sending (or reading) frees its thread after io_timeout.
+    const auto io = options_.io_timeout;
+    server_.set_read_timeout(io.count() / 1000, (io.count() % 1000) * 1000);
+    server_.set_write_timeout(io.count() / 1000, (io.count() % 1000) * 1000);
     server_.set_exception_handler(
         [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
           res.status = 500;
@@ -265,6 +269,9 @@ class BootstrapServer::Impl {
 StatusOr<std::unique_ptr<BootstrapServer>> BootstrapServer::Create(
     const BootstrapServerOptions& options) {
   if (options.host.empty()) return InvalidArgumentError("bootstrap server host is empty");
+  if (options.io_timeout.count() <= 0) {
+    return InvalidArgumentError("bootstrap server io_timeout must be positive");
+  }
   if (options.num_threads < 1) {
     return InvalidArgumentError("bootstrap server num_threads must be >= 1, got " +
                                 std::to_string(options.num_threads));

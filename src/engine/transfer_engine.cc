@@ -73,6 +73,9 @@ class EngineImpl : public TransferEngine {
     t.tcp.slice_bytes = options_.tcp_slice_bytes;
     t.tcp.connect_timeout = options_.connect_timeout;
     t.tcp.max_body_bytes = MaxBodyBytes();
+    t.tcp.max_connections = options_.tcp_max_connections;
+    t.tcp.handshake_timeout = options_.tcp_handshake_timeout;
+    t.tcp.frame_timeout = options_.tcp_frame_timeout;
     t.tcp.describe = [this] { return LocalDescriptor(); };
     t.tcp.on_notification = [this](Notification n) { Deliver(std::move(n)); };
     t.nvlink.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;

@@ -271,6 +271,11 @@ struct Instance {
   // Binds the control port and prints the ready line; then serves until /shutdown.
   int Serve(const std::function<json()>& info) {
     server.new_task_queue = [] { return new httplib::ThreadPool(128); };
+    // A client that stops sending (or reading) frees its thread after 5 s; request bodies are
+    // a few hundred bytes.
+    server.set_read_timeout(5, 0);
+    server.set_write_timeout(5, 0);
+    server.set_payload_max_length(1 << 20);
     int port = flags.control_port > 0
                    ? (server.bind_to_port(flags.host, flags.control_port) ? flags.control_port : -1)
                    : server.bind_to_any_port(flags.host);

@@ -1,9 +1,14 @@
 // Bootstrap server and client over real loopback sockets.
 #include "kvferry/bootstrap.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -355,6 +360,49 @@ TEST(BootstrapTest, ServerStopsPromptlyWithClientsAround) {
     ASSERT_TRUE(client.Health().ok());
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(2000));
+}
+
+}  // namespace
+}  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// Clients that trickle their requests (a byte every 300 ms, never finishing) hold a thread
+// each; the server keeps answering others, and a client that stops sending altogether is
+// dropped after io_timeout.
+TEST(BootstrapBoundsTest, TricklingClientsDoNotStarveTheServer) {
+  BootstrapServerOptions options;
+  options.io_timeout = milliseconds(500);
+  auto server = BootstrapServer::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  const std::string address = (*server)->address();
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> tricklers;
+  for (int i = 0; i < 8; ++i) {
+    tricklers.emplace_back([&] {
+      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in sa{};
+      sa.sin_family = AF_INET;
+      sa.sin_port = htons((*server)->port());
+      sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0) {
+        const std::string text = "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+        for (size_t k = 0; !stop.load() && k < 1000; ++k) {
+          if (::send(fd, text.data() + k % text.size(), 1, MSG_NOSIGNAL) != 1) break;
+          std::this_thread::sleep_for(milliseconds(300));
+        }
+      }
+      ::close(fd);
+    });
+  }
+  std::this_thread::sleep_for(milliseconds(300));
+  const auto start = std::chrono::steady_clock::now();
+  BootstrapClient client(address);
+  EXPECT_TRUE(client.Health().ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
+  stop = true;
+  for (auto& t : tricklers) t.join();
 }
 
 }  // namespace

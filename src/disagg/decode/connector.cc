@@ -250,8 +250,8 @@ class DecodeConnectorImpl : public DecodeConnector {
   void OnNotification(const Notification& n) {
     auto m = DecodeControl(n.message);
     if (!m.ok()) {
-      KVF_LOG_WARN("decode: dropping control message from {}: {}", n.peer_address,
-                   m.status().message());
+      KVF_LOG_WARN_LIMITED("decode: dropping control message from {}: {}", n.peer_address,
+                           m.status().message());
       return;
     }
     const uint64_t room = m->room;
@@ -289,8 +289,8 @@ class DecodeConnectorImpl : public DecodeConnector {
         break;
       }
       default:
-        KVF_LOG_WARN("decode: unexpected control message type {} from {}",
-                     static_cast<int>(m->type), n.peer_address);
+        KVF_LOG_WARN_LIMITED("decode: unexpected control message type {} from {}",
+                             static_cast<int>(m->type), n.peer_address);
     }
   }
 

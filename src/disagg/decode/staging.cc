@@ -230,7 +230,7 @@ void StagingReceiver::Scatter(const ControlMessage& m) {
     // Only a region this rank granted, exactly as granted, is scattered.
     std::lock_guard<std::mutex> lock(staging_mu_);
     if (ring_ == nullptr) {
-      KVF_LOG_WARN("decode: staging notice for room {} without a staging ring", m.room);
+      KVF_LOG_WARN_LIMITED("decode: staging notice for room {} without a staging ring", m.room);
       return;
     }
     for (const auto& live : live_regions_) {

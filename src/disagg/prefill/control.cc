@@ -24,8 +24,8 @@ ControlHandler::ControlHandler(const PlanSource& source, TransferEngine* engine,
 void ControlHandler::OnNotification(const Notification& n) {
   auto m = DecodeControl(n.message);
   if (!m.ok()) {
-    KVF_LOG_WARN("prefill: dropping control message from {}: {}", n.peer_address,
-                 m.status().message());
+    KVF_LOG_WARN_LIMITED("prefill: dropping control message from {}: {}", n.peer_address,
+                         m.status().message());
     return;
   }
   if (m->type == ControlType::kHeartbeat) {
@@ -49,8 +49,8 @@ void ControlHandler::OnNotification(const Notification& n) {
         HandleAbort(msg);
         break;
       default:
-        KVF_LOG_WARN("prefill: unexpected control message type {} from {}",
-                     static_cast<int>(msg.type), msg.decode_address);
+        KVF_LOG_WARN_LIMITED("prefill: unexpected control message type {} from {}",
+                             static_cast<int>(msg.type), msg.decode_address);
     }
   });
 }
@@ -99,7 +99,7 @@ void ControlHandler::HandleRegister(const ControlMessage& m) {
 void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
   std::shared_ptr<DecodePeer> decode = decodes_->Find(m.decode_address);
   if (decode == nullptr) {
-    KVF_LOG_WARN("prefill: room {} from unregistered decode {}", m.room, m.decode_address);
+    KVF_LOG_WARN_LIMITED("prefill: room {} from unregistered decode {}", m.room, m.decode_address);
     return;
   }
   auto refuse = [&](const Status& why) {

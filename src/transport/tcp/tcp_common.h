@@ -28,6 +28,23 @@ void TuneSocket(asio::ip::tcp::socket& socket);
 StatusOr<wire::FrameHeader> ReadHeader(asio::ip::tcp::socket& socket, uint32_t max_body_bytes,
                                        asio::error_code& ec);
 
+// Like ReadHeader, but calls `started()` as soon as the header's first bytes arrived, before
+// waiting for the rest (the serving side starts a frame's deadline there). One read when the
+// whole header is already in the socket.
+template <typename Started>
+StatusOr<wire::FrameHeader> ReadHeaderThen(asio::ip::tcp::socket& socket, uint32_t max_body_bytes,
+                                           asio::error_code& ec, Started started) {
+  wire::HeaderBytes bytes;
+  const size_t got = socket.read_some(asio::buffer(bytes), ec);
+  if (ec) return UnavailableError(ec.message());
+  started();
+  if (got < bytes.size()) {
+    asio::read(socket, asio::buffer(bytes.data() + got, bytes.size() - got), ec);
+    if (ec) return UnavailableError(ec.message());
+  }
+  return wire::DecodeFrameHeader(bytes, max_body_bytes);
+}
+
 // Writes every byte of `buffers`, up to IOV_MAX buffers per sendmsg (MSG_NOSIGNAL): asio
 // passes at most 64 per call, which for the 1 KiB rows of a strided frame meant a system call
 // per 64 KiB. Partial writes continue where they stopped. Errors through `ec`.

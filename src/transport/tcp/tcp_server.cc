@@ -12,6 +12,21 @@
 
 namespace kvferry::tcp {
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// Frame bodies (descriptors, notifications, strided-row headers) are read this much at a time,
+// so a header announcing a large body costs memory only as its bytes arrive.
+constexpr uint32_t kBodyChunkBytes = 64u << 10;
+
+}  // namespace
+
 StatusOr<std::unique_ptr<TcpServer>> TcpServer::Create(const TcpServerOptions& options,
                                                        MemoryRegistry* registry) {
   std::unique_ptr<TcpServer> server(new TcpServer(options, registry));
@@ -30,6 +45,7 @@ StatusOr<std::unique_ptr<TcpServer>> TcpServer::Create(const TcpServerOptions& o
   server->port_ = server->acceptor_.local_endpoint().port();
   TcpServer* raw = server.get();
   server->accept_thread_ = std::thread([raw] { raw->AcceptLoop(); });
+  server->watchdog_thread_ = std::thread([raw] { raw->WatchdogLoop(); });
   return server;
 }
 
@@ -41,10 +57,12 @@ TcpServer::~TcpServer() {
       if (c.socket->is_open()) ::shutdown(c.socket->native_handle(), SHUT_RDWR);
     }
   }
+  watchdog_cv_.notify_all();
   ::shutdown(acceptor_.native_handle(), SHUT_RDWR);
   asio::error_code ec;
   acceptor_.close(ec);
   if (accept_thread_.joinable()) accept_thread_.join();
+  if (watchdog_thread_.joinable()) watchdog_thread_.join();
   for (auto& c : connections_) {
     if (c.thread.joinable()) c.thread.join();
   }
@@ -71,15 +89,41 @@ void TcpServer::AcceptLoop() {
     if (stopping_) return;
     if (ec) {
       if (ec == asio::error::bad_descriptor || ec == asio::error::invalid_argument) return;
-      KVF_LOG_WARN("accept failed: {}", ec.message());
+      KVF_LOG_WARN_LIMITED("accept failed: {}", ec.message());
       continue;
     }
     TuneSocket(*socket);
     ReapFinished();
+    if (connections_.size() >= static_cast<size_t>(std::max(options_.max_connections, 1))) {
+      asio::error_code ignored;
+      auto ep = socket->remote_endpoint(ignored);
+      KVF_LOG_WARN_LIMITED("refusing a connection from {}: {} connections open (max_connections)",
+                           ignored ? "unknown" : ep.address().to_string(), connections_.size());
+      socket->close(ignored);
+      continue;
+    }
     connections_.emplace_back();
     Connection* c = &connections_.back();
+    c->deadline_ns.store(NowNs() + std::chrono::nanoseconds(options_.handshake_timeout).count());
     c->socket = std::move(socket);
     c->thread = std::thread([this, c] { Serve(c); });
+  }
+}
+
+void TcpServer::WatchdogLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    watchdog_cv_.wait_for(lock, std::chrono::milliseconds(100));
+    if (stopping_) break;
+    const int64_t now = NowNs();
+    for (Connection& c : connections_) {
+      if (c.done || !c.socket->is_open()) continue;
+      const int fd = c.socket->native_handle();
+      bool expire = false;
+      const int64_t deadline = c.deadline_ns.load(std::memory_order_relaxed);
+      if (deadline != 0 && now > deadline) expire = true;
+      if (expire && !c.timed_out.exchange(true)) ::shutdown(fd, SHUT_RDWR);
+    }
   }
 }
 
@@ -225,30 +269,55 @@ void TcpServer::Serve(Connection* connection) {
     queued_acks.clear();  // drops the pins: every copy above finished
     return !wec;
   };
+  const int64_t frame_timeout_ns = std::chrono::nanoseconds(options_.frame_timeout).count();
+  // The watchdog's deadline for this connection: the handshake's (set at accept) until HELLO,
+  // and while a frame is under way, its own (never past the handshake's).
+  int64_t handshake_deadline_ns = connection->deadline_ns.load(std::memory_order_relaxed);
+  auto arm = [&](int64_t until_ns) {
+    connection->deadline_ns.store(
+        handshake_deadline_ns != 0 ? std::min(handshake_deadline_ns, until_ns) : until_ns,
+        std::memory_order_relaxed);
+  };
+  int64_t frame_start_ns = 0;
   while (close_reason.empty()) {
     asio::error_code ec;
     if (!queued_acks.empty() &&
         (queued_acks.size() >= kMaxQueuedAcks || socket.available(ec) == 0 || ec)) {
       if (!flush_acks()) break;
     }
-    auto header = ReadHeader(socket, options_.max_body_bytes, ec);
-    if (ec) break;  // peer closed or connection reset: nothing to report
+    // Idle between frames: only a greeted peer may wait without a deadline. Once a header's
+    // first bytes arrived, the rest must follow within frame_timeout.
+    if (greeted) connection->deadline_ns.store(0, std::memory_order_relaxed);
+    auto header = ReadHeaderThen(socket, options_.max_body_bytes, ec, [&] {
+      frame_start_ns = NowNs();
+      arm(frame_start_ns + frame_timeout_ns);
+    });
+    if (ec) break;  // peer closed, connection reset, or closed by the watchdog
     if (!header.ok()) {
       close_reason = "malformed frame: " + header.status().message();
       break;
     }
     const wire::FrameHeader& h = *header;
+    // The rest of the frame and its answer: frame_timeout plus its bytes at the minimum rate.
+    arm(frame_start_ns + frame_timeout_ns +
+        static_cast<int64_t>(
+            std::min<uint64_t>((h.body_bytes + h.length) / kMinFrameBytesPerSecond, 1u << 20)) *
+            1000000000);
     if (h.type != wire::FrameType::kWrite && !flush_acks()) break;
     if (!greeted && h.type != wire::FrameType::kHello) {
       close_reason =
           std::string("first frame is ") + std::string(wire::FrameTypeName(h.type)) + ", not HELLO";
       break;
     }
-    body.resize(h.body_bytes);
-    if (!body.empty()) {
-      asio::read(socket, asio::buffer(body), ec);
-      if (ec) break;
+    if (body.capacity() > 4 * kBodyChunkBytes) std::vector<uint8_t>().swap(body);
+    body.clear();
+    for (uint32_t got = 0; got < h.body_bytes && !ec;) {
+      const uint32_t n = std::min<uint32_t>(h.body_bytes - got, kBodyChunkBytes);
+      body.resize(got + n);
+      asio::read(socket, asio::buffer(body.data() + got, n), ec);
+      got += n;
     }
+    if (ec) break;
     Status io;
     switch (h.type) {
       case wire::FrameType::kHello: {
@@ -264,6 +333,7 @@ void TcpServer::Serve(Connection* connection) {
         }
         peer = std::move(*desc);
         greeted = true;
+        handshake_deadline_ns = 0;
         std::vector<uint8_t> mine = wire::EncodeDescriptor(options_.describe());
         io = WriteReply(socket, wire::FrameType::kHelloAck, h.request_id, OkStatus(), &mine);
         break;
@@ -384,9 +454,13 @@ void TcpServer::Serve(Connection* connection) {
     if (ec || !io.ok()) break;
   }
   flush_acks();  // WRITEs that landed before the connection closes are still acknowledged
+  if (close_reason.empty() && connection->timed_out.load()) {
+    close_reason = greeted ? "a frame did not arrive or leave in time (frame_timeout)"
+                           : "no HELLO in time (handshake_timeout)";
+  }
   if (!close_reason.empty()) {
-    KVF_LOG_WARN("closing connection from {} ({}): {}", peer_endpoint,
-                 peer.name.empty() ? "no handshake" : peer.name, close_reason);
+    KVF_LOG_WARN_LIMITED("closing connection from {} ({}): {}", peer_endpoint,
+                         peer.name.empty() ? "no handshake" : peer.name, close_reason);
   }
   asio::error_code ignored;
   socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);

@@ -8,10 +8,20 @@
 // is read or written (a WRITE's payload is drained). A malformed frame closes that connection
 // with a logged reason; other connections carry on.
 //
+// Bounded: at most max_connections are served at once (more are closed when accepted); a
+// connection must complete its HELLO within handshake_timeout; once a frame starts arriving,
+// all of it (and its answer) must pass within frame_timeout plus its size at
+// kMinFrameBytesPerSecond, or the connection is closed; frame bodies are allocated as their
+// bytes arrive. Idle connections between frames of a greeted peer stay open (they are the
+// peer's persistent lanes). A watchdog thread enforces the times.
+//
 // Thread-safety: Create/destruction from one thread; serving runs on internal threads.
 #pragma once
 
 #include <asio.hpp>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <list>
 #include <memory>
@@ -32,7 +42,18 @@ struct TcpServerOptions {
   std::function<SegmentDescriptor()> describe;
   // Called for each NOTIFY, on the connection's thread, before it is acknowledged.
   std::function<void(Notification)> on_notification;
+  // Connections served at once (one thread each); more are closed when accepted, logged.
+  int max_connections = 1024;
+  // From accept to a completed HELLO.
+  std::chrono::milliseconds handshake_timeout{10000};
+  // A frame's time from its first header byte to its answer, plus its size at
+  // kMinFrameBytesPerSecond.
+  std::chrono::milliseconds frame_timeout{10000};
 };
+
+// Slowest rate a frame's bytes may arrive (or its answer leave) before the connection counts
+// as stalled: 1 MiB/s.
+inline constexpr uint64_t kMinFrameBytesPerSecond = 1ull << 20;
 
 class TcpServer {
  public:
@@ -47,11 +68,16 @@ class TcpServer {
   struct Connection {
     std::unique_ptr<asio::ip::tcp::socket> socket;
     std::thread thread;
-    bool done = false;
+    bool done = false;  // guarded by mu_
+    // Steady-clock nanoseconds by which the current handshake or frame must be over; 0: none
+    // (idle between frames). Set by the connection's thread, enforced by the watchdog.
+    std::atomic<int64_t> deadline_ns{0};
+    std::atomic<bool> timed_out{false};  // closed by the watchdog
   };
   TcpServer(const TcpServerOptions& options, MemoryRegistry* registry)
       : options_(options), registry_(registry), acceptor_(io_) {}
   void AcceptLoop();
+  void WatchdogLoop();
   void Serve(Connection* connection);
   // Answers a READ of GPU memory through the connection's bounce buffers (`bounce_for`).
   template <typename BounceFor>
@@ -70,7 +96,9 @@ class TcpServer {
   asio::ip::tcp::acceptor acceptor_;
   uint16_t port_ = 0;
   std::thread accept_thread_;
+  std::thread watchdog_thread_;
   std::mutex mu_;
+  std::condition_variable watchdog_cv_;
   bool stopping_ = false;
   std::list<Connection> connections_;
 };

@@ -27,6 +27,13 @@ StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(const TcpTransportO
     return InvalidArgumentError("tcp_lanes_per_peer must be in 1..64, got " +
                                 std::to_string(options.num_lanes));
   }
+  if (options.max_connections < 1) {
+    return InvalidArgumentError("tcp_max_connections must be >= 1, got " +
+                                std::to_string(options.max_connections));
+  }
+  if (options.handshake_timeout.count() <= 0 || options.frame_timeout.count() <= 0) {
+    return InvalidArgumentError("tcp_handshake_timeout and tcp_frame_timeout must be positive");
+  }
   if (options.slice_bytes < 4096 || options.slice_bytes > wire::kMaxPayloadBytes) {
     return InvalidArgumentError("tcp_slice_bytes must be in 4 KiB..1 GiB, got " +
                                 std::to_string(options.slice_bytes));
@@ -38,6 +45,9 @@ StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(const TcpTransportO
   server_options.max_body_bytes = options.max_body_bytes;
   server_options.describe = options.describe;
   server_options.on_notification = options.on_notification;
+  server_options.max_connections = options.max_connections;
+  server_options.handshake_timeout = options.handshake_timeout;
+  server_options.frame_timeout = options.frame_timeout;
   ASSIGN_OR_RETURN(transport->server_, TcpServer::Create(server_options, registry));
   transport->listen_port_ = transport->server_->port();
   return transport;

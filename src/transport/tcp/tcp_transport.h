@@ -29,6 +29,9 @@ struct TcpTransportOptions {
   uint64_t slice_bytes = 4ull << 20;
   std::chrono::milliseconds connect_timeout{5000};
   uint32_t max_body_bytes = 4u << 20;  // frame bodies (descriptors, notifications) at most
+  int max_connections = 1024;          // served at once (TcpServerOptions)
+  std::chrono::milliseconds handshake_timeout{10000};
+  std::chrono::milliseconds frame_timeout{10000};
   // This engine's current descriptor (answers HELLO and DESCRIBE).
   std::function<SegmentDescriptor()> describe;
   // Called for each NOTIFY, on the connection's thread, before it is acknowledged.

@@ -1,0 +1,203 @@
+// The TCP serving side's bounds, against a real engine over real sockets: connections beyond
+// the cap are closed at once, a connection that never says HELLO is closed after the handshake
+// timeout, a frame that stalls or trickles in is closed after the frame timeout, a greeted
+// connection may stay idle between frames, and a frame body costs memory only as its bytes
+// arrive.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <asio.hpp>
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvferry/engine.h"
+#include "transport/tcp/tcp_common.h"
+#include "transport/tcp/wire.h"
+
+namespace kvferry {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+std::unique_ptr<TransferEngine> MakeEngine(int max_connections = 1024) {
+  EngineOptions o;
+  o.name = "bounded";
+  o.tcp_max_connections = max_connections;
+  o.tcp_handshake_timeout = milliseconds(400);
+  o.tcp_frame_timeout = milliseconds(400);
+  auto e = TransferEngine::Create(o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+// A raw connection to the engine's port.
+class RawConnection {
+ public:
+  explicit RawConnection(uint16_t port) : socket_(io_) {
+    asio::error_code ec;
+    socket_.connect({asio::ip::make_address("127.0.0.1"), port}, ec);
+    EXPECT_FALSE(ec) << ec.message();
+  }
+  asio::ip::tcp::socket& socket() { return socket_; }
+  int fd() { return socket_.native_handle(); }
+
+  // Whether the server closed the connection within `limit` (a read returns EOF or an error).
+  bool ClosedWithin(milliseconds limit) {
+    const auto until = Clock::now() + limit;
+    while (Clock::now() < until) {
+      pollfd p{fd(), POLLIN, 0};
+      const int left =
+          static_cast<int>(std::chrono::duration_cast<milliseconds>(until - Clock::now()).count());
+      if (::poll(&p, 1, std::max(left, 1)) > 0) {
+        char byte;
+        const ssize_t n = ::recv(fd(), &byte, 1, MSG_DONTWAIT);
+        if (n <= 0) return true;
+      }
+    }
+    return false;
+  }
+
+  // Performs the HELLO handshake (a greeted connection).
+  void Greet() {
+    SegmentDescriptor self;
+    self.name = "raw";
+    self.host = "127.0.0.1";
+    self.port = 1;
+    std::vector<uint8_t> body = wire::EncodeDescriptor(self);
+    wire::FrameHeader h;
+    h.type = wire::FrameType::kHello;
+    h.request_id = 1;
+    h.body_bytes = static_cast<uint32_t>(body.size());
+    Send(h);
+    asio::write(socket_, asio::buffer(body));
+    asio::error_code ec;
+    auto ack = tcp::ReadHeader(socket_, 16u << 20, ec);
+    ASSERT_FALSE(ec) << ec.message();
+    ASSERT_TRUE(ack.ok()) << ack.status().ToString();
+    ASSERT_EQ(ack->type, wire::FrameType::kHelloAck);
+    std::vector<uint8_t> reply(ack->body_bytes);
+    asio::read(socket_, asio::buffer(reply), ec);
+    ASSERT_FALSE(ec);
+  }
+
+  void Send(const wire::FrameHeader& h) {
+    wire::HeaderBytes bytes = wire::EncodeFrameHeader(h);
+    asio::write(socket_, asio::buffer(bytes));
+  }
+
+ private:
+  asio::io_context io_;
+  asio::ip::tcp::socket socket_;
+};
+
+int64_t ResidentBytes() {
+  std::ifstream in("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  in >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+TEST(TcpBoundsTest, ConnectionsBeyondTheCapAreClosedAtOnce) {
+  auto engine = MakeEngine(/*max_connections=*/4);
+  ASSERT_NE(engine, nullptr);
+  const uint16_t port = engine->LocalDescriptor().port;
+  std::vector<std::unique_ptr<RawConnection>> held;
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(std::make_unique<RawConnection>(port));
+    held.back()->Greet();
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  RawConnection extra(port);
+  EXPECT_TRUE(extra.ClosedWithin(milliseconds(300)));
+  // The held ones are served: a greeted connection idle for longer than the frame timeout is
+  // still open.
+  std::this_thread::sleep_for(milliseconds(700));
+  for (auto& c : held) EXPECT_FALSE(c->ClosedWithin(milliseconds(10)));
+  held.clear();
+  // Room again once they closed (the server notices at its next accept).
+  std::this_thread::sleep_for(milliseconds(100));
+  RawConnection first_after(port);
+  RawConnection second_after(port);
+  second_after.Greet();
+  EXPECT_FALSE(second_after.ClosedWithin(milliseconds(100)));
+}
+
+TEST(TcpBoundsTest, ConnectionWithoutHelloIsClosedAfterTheHandshakeTimeout) {
+  auto engine = MakeEngine();
+  ASSERT_NE(engine, nullptr);
+  RawConnection silent(engine->LocalDescriptor().port);
+  const auto start = Clock::now();
+  EXPECT_TRUE(silent.ClosedWithin(milliseconds(3000)));
+  EXPECT_GE(Clock::now() - start, milliseconds(300));
+}
+
+TEST(TcpBoundsTest, TrickledHeaderIsClosedAfterTheFrameTimeout) {
+  auto engine = MakeEngine();
+  ASSERT_NE(engine, nullptr);
+  RawConnection c(engine->LocalDescriptor().port);
+  c.Greet();
+  ASSERT_FALSE(HasFatalFailure());
+  wire::FrameHeader h;
+  h.type = wire::FrameType::kDescribe;
+  h.request_id = 2;
+  wire::HeaderBytes bytes = wire::EncodeFrameHeader(h);
+  bool closed = false;
+  for (size_t i = 0; i + 1 < bytes.size() && !closed; ++i) {
+    asio::error_code ec;
+    asio::write(c.socket(), asio::buffer(&bytes[i], 1), ec);
+    closed = ec || c.ClosedWithin(milliseconds(100));
+  }
+  EXPECT_TRUE(closed) << "a header trickling in at 10 bytes/s was served for 4 s";
+}
+
+TEST(TcpBoundsTest, StalledWritePayloadIsClosedAfterTheFrameTimeout) {
+  auto engine = MakeEngine();
+  ASSERT_NE(engine, nullptr);
+  std::vector<uint8_t> region(1 << 20);
+  ASSERT_TRUE(engine->RegisterMemory(region.data(), region.size(), {}).ok());
+  RawConnection c(engine->LocalDescriptor().port);
+  c.Greet();
+  ASSERT_FALSE(HasFatalFailure());
+  wire::FrameHeader h;
+  h.type = wire::FrameType::kWrite;
+  h.request_id = 3;
+  h.addr = reinterpret_cast<uint64_t>(region.data());
+  h.length = region.size();
+  c.Send(h);
+  asio::write(c.socket(), asio::buffer(region.data(), 1000));  // then silence
+  // frame_timeout (0.4 s) plus 1 MiB at 1 MiB/s: not sooner, and not much later.
+  const auto start = Clock::now();
+  EXPECT_TRUE(c.ClosedWithin(milliseconds(4000)));
+  EXPECT_GE(Clock::now() - start, milliseconds(1200));
+}
+
+TEST(TcpBoundsTest, AnnouncedBodyCostsMemoryOnlyAsItArrives) {
+  auto engine = MakeEngine();
+  ASSERT_NE(engine, nullptr);
+  const uint16_t port = engine->LocalDescriptor().port;
+  const int64_t before = ResidentBytes();
+  std::vector<std::unique_ptr<RawConnection>> conns;
+  for (int i = 0; i < 40; ++i) {
+    conns.push_back(std::make_unique<RawConnection>(port));
+    wire::FrameHeader h;
+    h.type = wire::FrameType::kHello;
+    h.request_id = 1;
+    h.body_bytes = 4u << 20;  // the largest body allowed, announced and never sent
+    conns.back()->Send(h);
+  }
+  std::this_thread::sleep_for(milliseconds(200));
+  const int64_t grown = ResidentBytes() - before;
+  // Allocated up front, 40 bodies of 4 MiB would take 160 MiB.
+  EXPECT_LT(grown, 40ll << 20) << "resident memory grew by " << (grown >> 20) << " MiB";
+  for (auto& c : conns) EXPECT_TRUE(c->ClosedWithin(milliseconds(3000)));
+}
+
+}  // namespace
+}  // namespace kvferry
