@@ -1,7 +1,11 @@
 // Serving side of the TCP transport: accepts peers' connections and executes their frames
 // against this engine's registered memory.
 //
-// Each connection gets one thread that reads a frame, executes it and answers in order:
+// Each connection first runs the server's side of the handshake (wire.h): until the client
+// proved the shared secret (TcpServerOptions::auth_secret; the proof of no secret when empty)
+// it is answered nothing but the challenge, and a wrong proof or any other frame closes it,
+// logged at most once a second. Then one thread per connection reads a frame, executes it and
+// answers in order:
 // WRITE payloads are read straight into registered memory, READ payloads written straight
 // from it. Every WRITE and READ range is checked against the MemoryRegistry first; a range
 // outside memory registered for that access is answered with kFailedPrecondition and nothing
@@ -18,6 +22,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/log_limiter.h"
 #include "kvferry/transfer.h"
 #include "transport/memory_registry.h"
 #include "transport/tcp/wire.h"
@@ -27,6 +32,10 @@ namespace kvferry::tcp {
 struct TcpServerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
+  // The shared secret clients must prove (common/auth.h); empty: none (any client proves "no
+  // secret"). Without one, a non-loopback `host` is refused unless `insecure`.
+  std::string auth_secret;
+  bool insecure = false;
   uint32_t max_body_bytes = 4u << 20;
   // Current descriptor of this engine (answers HELLO and DESCRIBE).
   std::function<SegmentDescriptor()> describe;
@@ -36,7 +45,9 @@ struct TcpServerOptions {
 
 class TcpServer {
  public:
-  // Binds and starts accepting. Errors: kUnavailable when the address cannot be bound.
+  // Binds and starts accepting. Errors: kInvalidArgument for a host that is not an IP address,
+  // kFailedPrecondition for a non-loopback host without a secret (CheckListenSecurity),
+  // kUnavailable when the address cannot be bound.
   static StatusOr<std::unique_ptr<TcpServer>> Create(const TcpServerOptions& options,
                                                      MemoryRegistry* registry);
   ~TcpServer();  // closes every connection and joins its threads
@@ -53,6 +64,9 @@ class TcpServer {
       : options_(options), registry_(registry), acceptor_(io_) {}
   void AcceptLoop();
   void Serve(Connection* connection);
+  // The server's side of the handshake on a new connection: the client's descriptor, or why
+  // the connection is closed (an empty message: the client went away).
+  StatusOr<SegmentDescriptor> Handshake(asio::ip::tcp::socket& socket);
   // Answers a READ of GPU memory through the connection's bounce buffers (`bounce_for`).
   template <typename BounceFor>
   Status ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameHeader& h, int device,
@@ -73,6 +87,7 @@ class TcpServer {
   std::mutex mu_;
   bool stopping_ = false;
   std::list<Connection> connections_;
+  LogLimiter refused_log_;  // refused handshakes and malformed frames
 };
 
 }  // namespace kvferry::tcp

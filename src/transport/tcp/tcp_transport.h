@@ -29,6 +29,10 @@ struct TcpTransportOptions {
   uint64_t slice_bytes = 4ull << 20;
   std::chrono::milliseconds connect_timeout{5000};
   uint32_t max_body_bytes = 4u << 20;  // frame bodies (descriptors, notifications) at most
+  // The shared secret both sides of every handshake prove (common/auth.h); empty: none. The
+  // server refuses a non-loopback listen_host without one unless `insecure`.
+  std::string auth_secret;
+  bool insecure = false;
   // This engine's current descriptor (answers HELLO and DESCRIBE).
   std::function<SegmentDescriptor()> describe;
   // Called for each NOTIFY, on the connection's thread, before it is acknowledged.
