@@ -2,7 +2,7 @@
 # Installs the Debian packages kvferry builds and tests with, skipping those already present.
 # Needs root (or passwordless sudo) only when something is missing.
 set -euo pipefail
-pkgs=(cmake g++ make pkg-config libasio-dev libcpp-httplib-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
+pkgs=(cmake g++ make pkg-config libasio-dev libcpp-httplib-dev libssl-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libfmt-dev libxxhash-dev libgtest-dev iperf3 clang-format)
 missing=()
 for p in "${pkgs[@]}"; do

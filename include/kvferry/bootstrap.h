@@ -24,6 +24,11 @@
 //                 that one rank, or 404 when it has not registered.
 //   GET /health   200 "OK".
 //
+// Authentication (docs/security.md): with a shared secret (BootstrapServerOptions::auth_secret,
+// else KVFERRY_AUTH_TOKEN) every route but GET /health needs "Authorization: Bearer <token>",
+// the token derived from the secret; without it the answer is 401 and nothing is registered or
+// listed.
+//
 // Thread-safety: BootstrapServer serves concurrent requests from its own threads; its
 // methods may be called from any thread. BootstrapClient holds no connection between calls
 // (each call opens its own), so one client may be used from several threads at once. The
@@ -88,6 +93,11 @@ struct BootstrapServerOptions {
   int num_threads = 32;
   // Longest wait for a client's next bytes, or for it to take an answer's. Default 2 s.
   std::chrono::milliseconds io_timeout{2000};
+  // The deployment's shared secret (at least 16 bytes): every route but /health then needs its
+  // bearer token. Empty (default): KVFERRY_AUTH_TOKEN when set, else none.
+  std::string auth_secret;
+  // Listening on a non-loopback host without a secret is refused unless this is set.
+  bool insecure = false;
 };
 
 // The prefill side's bootstrap HTTP server.
@@ -95,8 +105,9 @@ class BootstrapServer {
  public:
   // Binds, starts serving on background threads and returns once the socket is listening
   // (requests may be sent as soon as this returns).
-  // Errors: kInvalidArgument for an empty host or num_threads < 1; kUnavailable when the
-  // address cannot be bound (port in use, host not local), naming host:port.
+  // Errors: kInvalidArgument for an empty host, num_threads < 1 or a malformed secret;
+  // kFailedPrecondition for a non-loopback host without a secret or `insecure`; kUnavailable
+  // when the address cannot be bound (port in use, host not local), naming host:port.
   static StatusOr<std::unique_ptr<BootstrapServer>> Create(const BootstrapServerOptions& options);
 
   // Stops listening and joins the serving threads; blocks until in-flight requests finish.
@@ -121,15 +132,19 @@ class BootstrapServer {
 //
 // Error codes of every call: kUnavailable when the server cannot be reached or the
 // connection drops (the message names the address); kInvalidArgument for an address that
-// is not "host:port" or a 400 answer; kNotFound for 404; kFailedPrecondition for 409;
+// is not "host:port", a 400 answer or a malformed secret; kPermissionDenied for 401 (no or a
+// different secret); kNotFound for 404; kFailedPrecondition for 409;
 // kInternal for a 5xx answer or a response that is not the expected JSON. Messages carry
 // the server's own explanation.
 class BootstrapClient {
  public:
   // `address` is the server's "host:port" (e.g. BootstrapServer::address()). `timeout`
-  // bounds connecting and each read/write of one request.
+  // bounds connecting and each read/write of one request. `auth_secret`: the deployment's
+  // shared secret, whose bearer token every request but Health carries; empty (default):
+  // KVFERRY_AUTH_TOKEN when set, else none.
   explicit BootstrapClient(std::string address,
-                           std::chrono::milliseconds timeout = std::chrono::milliseconds(5000));
+                           std::chrono::milliseconds timeout = std::chrono::milliseconds(5000),
+                           std::string auth_secret = "");
 
   // PUTs this rank's registration. kFailedPrecondition when it conflicts with ranks
   // registered earlier (different sizes, page_size, kv_dtype or num_kv_heads).
@@ -153,6 +168,7 @@ class BootstrapClient {
  private:
   std::string address_;
   std::chrono::milliseconds timeout_;
+  std::string auth_secret_;
 };
 
 // Decode refuses to pair with a prefill instance whose page size or KV dtype differ from its

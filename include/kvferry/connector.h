@@ -49,6 +49,11 @@ struct ConnectorStats {
   // Decode: rooms that turned Success on a same-node done-mailbox report, before prefill's
   // TCP done notice was handled (DecodeConnectorOptions::done_poll_us).
   uint64_t rooms_done_by_mailbox = 0;
+  // Control messages dropped unhandled: undecodable, or from an engine that may not send them
+  // (prefill: one naming another engine as its sender; decode: one about a room from an engine
+  // that is not one of the room's prefill ranks). An abort from a decode rank that is not (yet)
+  // a destination of the room is not dropped but kept until it is one (docs/security.md).
+  uint64_t control_messages_refused = 0;
 };
 
 struct PrefillConnectorOptions {

@@ -83,6 +83,16 @@ struct EngineOptions {
   std::chrono::milliseconds connect_timeout{5000};
   // Notifications and handshake bodies longer than this are refused. Default 1 MiB.
   uint32_t max_message_bytes = 1u << 20;
+  // The secret shared by every engine of the deployment (at least 16 bytes; docs/security.md).
+  // Both sides of every handshake prove it by challenge and response, on every TCP lane and on
+  // the NVLink fd socket; it never crosses the wire. A peer that does not prove it gets nothing
+  // (no descriptor, no byte read or written, no notification delivered). Empty (default): the
+  // environment's KVFERRY_AUTH_TOKEN when set, else none; engines without a secret only talk
+  // to engines without one.
+  std::string auth_secret;
+  // Listening on a non-loopback listen_host without a secret is refused (Create fails with
+  // kFailedPrecondition) unless this is set.
+  bool insecure = false;
 };
 
 enum class TransferState : uint8_t {
@@ -162,14 +172,17 @@ class TransferEngine {
  public:
   using NotificationHandler = std::function<void(const Notification&)>;
 
-  // Creates an engine listening per `options`. Errors: kInvalidArgument for bad options,
-  // kUnavailable when the port cannot be bound.
+  // Creates an engine listening per `options`. Errors: kInvalidArgument for bad options (an auth
+  // secret shorter than 16 bytes), kFailedPrecondition for a non-loopback listen_host without a
+  // secret or `insecure`, kUnavailable when the port cannot be bound.
   static StatusOr<std::unique_ptr<TransferEngine>> Create(const EngineOptions& options);
 
   // Stops accepting, fails every pending request with kCancelled, joins engine threads.
   virtual ~TransferEngine() = default;
 
-  // Registers [addr, addr + length_bytes) for remote access. Regions may not overlap.
+  // Registers [addr, addr + length_bytes) for remote access (`access`, AccessFlags). A region
+  // registered with kAccessNone is the local side of requests only and is not published to
+  // peers. Regions may not overlap.
   // Errors: kInvalidArgument (null or zero-length, overlap, bad device id), kUnimplemented
   // (device memory in a build without CUDA). Does not block on the network.
   virtual Status RegisterMemory(void* addr, uint64_t length_bytes, MemoryLocation location,
@@ -184,7 +197,8 @@ class TransferEngine {
   // Opens a peer segment by "host:port": connects and exchanges descriptors (blocks up to
   // connect_timeout). Opening the same address twice returns the same handle.
   // Errors: kInvalidArgument (malformed address), kUnavailable (unreachable, handshake
-  // refused: version or magic mismatch).
+  // refused: version or magic mismatch), kPermissionDenied (the peer did not prove this
+  // engine's auth secret).
   virtual StatusOr<SegmentHandle> OpenSegment(const std::string& address) = 0;
   // Re-reads the peer's descriptor (e.g. after it registered more memory).
   virtual StatusOr<SegmentDescriptor> RefreshSegment(SegmentHandle segment) = 0;

@@ -17,7 +17,8 @@
 namespace kvferry {
 
 // Version of the handshake and frame protocol. Peers with a different version are refused.
-inline constexpr uint16_t kProtocolVersion = 2;  // 2: strided WRITE frames
+// 2: strided WRITE frames; 3: the handshake authenticates both sides (challenge and response).
+inline constexpr uint16_t kProtocolVersion = 3;
 
 struct SegmentDescriptor {
   std::string name;  // engine name, unique per process group (e.g. "prefill-0")

@@ -95,6 +95,9 @@ inline Status NotFoundError(std::string m) { return {StatusCode::kNotFound, std:
 inline Status AlreadyExistsError(std::string m) {
   return {StatusCode::kAlreadyExists, std::move(m)};
 }
+inline Status PermissionDeniedError(std::string m) {
+  return {StatusCode::kPermissionDenied, std::move(m)};
+}
 inline Status ResourceExhaustedError(std::string m) {
   return {StatusCode::kResourceExhausted, std::move(m)};
 }

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "common/auth.h"
 #include "common/checks.h"
 
 namespace kvferry {
@@ -134,6 +135,11 @@ StatusOr<EnvConfig> ReadEnvConfig() {
                               &config.nvlink_resident_min_tiles));
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
     config.listen_host = std::string(v);
+  }
+  if (const char* v = std::getenv("KVFERRY_AUTH_TOKEN"); v != nullptr && *v != '\0') {
+    std::string token(v);
+    RETURN_IF_ERROR(CheckAuthSecret(token, "KVFERRY_AUTH_TOKEN"));
+    config.auth_token = std::move(token);
   }
   return config;
 }

@@ -19,6 +19,9 @@
 //   KVFERRY_NVLINK_RESIDENT_MIN_TILES  16 KiB tiles of small batches that must be in flight on
 //                          a channel before they go to the resident kernel, 0..2^30
 //                          default EngineOptions value (2048)
+//   KVFERRY_AUTH_TOKEN     the shared secret every engine, bootstrap and control server of one
+//                          deployment holds (docs/security.md), at least 16 bytes; never
+//                          echoed in messages             default none (EngineOptions etc.)
 #pragma once
 
 #include <cstdint>
@@ -40,6 +43,7 @@ struct EnvConfig {
   std::optional<int64_t> done_poll_us;
   std::optional<int> nvlink_resident_blocks;
   std::optional<int64_t> nvlink_resident_min_tiles;
+  std::optional<std::string> auth_token;
 };
 
 // Reads and validates all variables above. Errors: kInvalidArgument naming the variable.

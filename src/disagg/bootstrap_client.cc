@@ -9,9 +9,11 @@
 #include <thread>
 #include <utility>
 
+#include "common/auth.h"
 #include "common/checks.h"
 #include "common/host_port.h"
 #include "disagg/bootstrap_wire.h"
+#include "disagg/http_auth.h"
 #include "kvferry/bootstrap.h"
 
 namespace kvferry {
@@ -33,6 +35,8 @@ Status StatusFromHttp(const std::string& what, const HttpAnswer& answer) {
   switch (answer.status) {
     case 400:
       return InvalidArgumentError(std::move(message));
+    case 401:
+      return PermissionDeniedError(std::move(message));
     case 404:
       return NotFoundError(std::move(message));
     case 409:
@@ -47,12 +51,15 @@ Status StatusFromHttp(const std::string& what, const HttpAnswer& answer) {
 }
 
 // One request. `what` ("PUT /route at host:port") prefixes every error message.
-StatusOr<HttpAnswer> Send(const std::string& address, std::chrono::milliseconds timeout,
-                          const std::string& method, const std::string& path,
-                          const std::string* json_body, const std::string& what) {
+// `secret` (empty: none) gives the bearer token sent.
+StatusOr<HttpAnswer> Send(const std::string& address, const std::string& secret,
+                          std::chrono::milliseconds timeout, const std::string& method,
+                          const std::string& path, const std::string* json_body,
+                          const std::string& what) {
   ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address, "bootstrap address"));
   try {
     httplib::Client client(hp.host, hp.port);
+    SetBearerToken(client, secret);
     client.set_connection_timeout(timeout);
     client.set_read_timeout(timeout);
     client.set_write_timeout(timeout);
@@ -78,10 +85,11 @@ StatusOr<nlohmann::json> ParseAnswer(const std::string& what, const HttpAnswer& 
 }
 
 // GET /route with an explicit per-request timeout (WaitForTopology shortens it to its deadline).
-StatusOr<PrefillTopology> FetchTopology(const std::string& address,
+StatusOr<PrefillTopology> FetchTopology(const std::string& address, const std::string& secret,
                                         std::chrono::milliseconds timeout) {
   const std::string what = "GET /route at " + address;
-  ASSIGN_OR_RETURN(HttpAnswer answer, Send(address, timeout, "GET", "/route", nullptr, what));
+  ASSIGN_OR_RETURN(HttpAnswer answer,
+                   Send(address, secret, timeout, "GET", "/route", nullptr, what));
   if (answer.status != 200) return StatusFromHttp(what, answer);
   ASSIGN_OR_RETURN(nlohmann::json value, ParseAnswer(what, answer));
   StatusOr<PrefillTopology> topology = bootstrap_wire::TopologyFromJson(value);
@@ -93,19 +101,23 @@ StatusOr<PrefillTopology> FetchTopology(const std::string& address,
 
 }  // namespace
 
-BootstrapClient::BootstrapClient(std::string address, std::chrono::milliseconds timeout)
-    : address_(std::move(address)), timeout_(timeout) {}
+BootstrapClient::BootstrapClient(std::string address, std::chrono::milliseconds timeout,
+                                 std::string auth_secret)
+    : address_(std::move(address)), timeout_(timeout), auth_secret_(std::move(auth_secret)) {}
 
 Status BootstrapClient::RegisterRank(const PrefillRegistration& registration) {
   const std::string what = "PUT /route at " + address_;
   const std::string body = bootstrap_wire::RegistrationToJson(registration).dump();
-  ASSIGN_OR_RETURN(HttpAnswer answer, Send(address_, timeout_, "PUT", "/route", &body, what));
+  ASSIGN_OR_RETURN(std::string secret, ResolveAuthSecret(auth_secret_));
+  ASSIGN_OR_RETURN(HttpAnswer answer,
+                   Send(address_, secret, timeout_, "PUT", "/route", &body, what));
   if (answer.status != 200) return StatusFromHttp(what, answer);
   return OkStatus();
 }
 
 StatusOr<PrefillTopology> BootstrapClient::GetTopology() {
-  return FetchTopology(address_, timeout_);
+  ASSIGN_OR_RETURN(std::string secret, ResolveAuthSecret(auth_secret_));
+  return FetchTopology(address_, secret, timeout_);
 }
 
 StatusOr<PrefillRankInfo> BootstrapClient::GetRank(int tp_rank, int cp_rank, int pp_rank) {
@@ -117,7 +129,8 @@ StatusOr<PrefillRankInfo> BootstrapClient::GetRank(int tp_rank, int cp_rank, int
                            "&cp_rank=" + std::to_string(cp_rank) +
                            "&pp_rank=" + std::to_string(pp_rank);
   const std::string what = "GET " + path + " at " + address_;
-  ASSIGN_OR_RETURN(HttpAnswer answer, Send(address_, timeout_, "GET", path, nullptr, what));
+  ASSIGN_OR_RETURN(std::string secret, ResolveAuthSecret(auth_secret_));
+  ASSIGN_OR_RETURN(HttpAnswer answer, Send(address_, secret, timeout_, "GET", path, nullptr, what));
   if (answer.status != 200) return StatusFromHttp(what, answer);
   ASSIGN_OR_RETURN(nlohmann::json value, ParseAnswer(what, answer));
   StatusOr<PrefillRankInfo> rank = bootstrap_wire::RankFromJson(value);
@@ -127,13 +140,15 @@ StatusOr<PrefillRankInfo> BootstrapClient::GetRank(int tp_rank, int cp_rank, int
 
 Status BootstrapClient::Health() {
   const std::string what = "GET /health at " + address_;
-  ASSIGN_OR_RETURN(HttpAnswer answer, Send(address_, timeout_, "GET", "/health", nullptr, what));
+  ASSIGN_OR_RETURN(HttpAnswer answer,
+                   Send(address_, "", timeout_, "GET", "/health", nullptr, what));
   if (answer.status != 200) return StatusFromHttp(what, answer);
   return OkStatus();
 }
 
 StatusOr<PrefillTopology> BootstrapClient::WaitForTopology(std::chrono::milliseconds timeout) {
   const Clock::time_point deadline = Clock::now() + timeout;
+  ASSIGN_OR_RETURN(std::string secret, ResolveAuthSecret(auth_secret_));
   // Start fast (ranks usually register within milliseconds of each other), back off to 200 ms
   // so a long wait does not hammer the server.
   std::chrono::milliseconds poll(10);
@@ -145,7 +160,7 @@ StatusOr<PrefillTopology> BootstrapClient::WaitForTopology(std::chrono::millisec
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     const std::chrono::milliseconds request_timeout =
         std::max(std::chrono::milliseconds(1), std::min(left, timeout_));
-    StatusOr<PrefillTopology> topology = FetchTopology(address_, request_timeout);
+    StatusOr<PrefillTopology> topology = FetchTopology(address_, secret, request_timeout);
     if (topology.ok()) {
       if (topology->complete()) return topology;
       last = std::move(topology).value();

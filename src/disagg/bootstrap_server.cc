@@ -17,9 +17,11 @@
 #include <tuple>
 #include <utility>
 
+#include "common/auth.h"
 #include "common/checks.h"
 #include "common/logging.h"
 #include "disagg/bootstrap_wire.h"
+#include "disagg/http_auth.h"
 #include "kvferry/bootstrap.h"
 
 namespace kvferry {
@@ -55,7 +57,9 @@ std::optional<int> ParseRankParam(const std::string& text) {
 
 class BootstrapServer::Impl {
  public:
-  explicit Impl(const BootstrapServerOptions& options) : options_(options) {}
+  // `secret`: the resolved shared secret (empty: none).
+  Impl(const BootstrapServerOptions& options, std::string secret)
+      : options_(options), secret_(std::move(secret)) {}
 
   ~Impl() {
     if (thread_.joinable()) {
@@ -88,6 +92,7 @@ class BootstrapServer::Impl {
           res.status = 500;
           res.set_content("internal error in bootstrap server", kTextPlain);
         });
+    RequireBearerToken(server_, secret_, "bootstrap server");
     server_.Put("/route", [this](const httplib::Request& req, httplib::Response& res) {
       Guarded(res, [&] { HandlePut(req, res); });
     });
@@ -257,6 +262,7 @@ class BootstrapServer::Impl {
   }
 
   const BootstrapServerOptions options_;
+  const std::string secret_;
   httplib::Server server_;
   std::thread thread_;
   std::atomic<bool> loop_exited_{false};
@@ -276,7 +282,10 @@ StatusOr<std::unique_ptr<BootstrapServer>> BootstrapServer::Create(
     return InvalidArgumentError("bootstrap server num_threads must be >= 1, got " +
                                 std::to_string(options.num_threads));
   }
-  auto impl = std::make_unique<Impl>(options);
+  ASSIGN_OR_RETURN(std::string secret, ResolveAuthSecret(options.auth_secret));
+  RETURN_IF_ERROR(
+      CheckListenSecurity("bootstrap server", options.host, !secret.empty(), options.insecure));
+  auto impl = std::make_unique<Impl>(options, std::move(secret));
   RETURN_IF_ERROR(impl->Start());
   return std::unique_ptr<BootstrapServer>(new BootstrapServer(std::move(impl)));
 }

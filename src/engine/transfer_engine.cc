@@ -14,6 +14,7 @@
 #include <random>
 #include <unordered_map>
 
+#include "common/auth.h"
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/host_port.h"
@@ -76,11 +77,14 @@ class EngineImpl : public TransferEngine {
     t.tcp.max_connections = options_.tcp_max_connections;
     t.tcp.handshake_timeout = options_.tcp_handshake_timeout;
     t.tcp.frame_timeout = options_.tcp_frame_timeout;
+    t.tcp.auth_secret = options_.auth_secret;
+    t.tcp.insecure = options_.insecure;
     t.tcp.describe = [this] { return LocalDescriptor(); };
     t.tcp.on_notification = [this](Notification n) { Deliver(std::move(n)); };
     t.nvlink.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;
     t.nvlink.resident_min_tiles = options_.nvlink_resident_min_tiles;
+    t.nvlink.auth_secret = options_.auth_secret;
     ASSIGN_OR_RETURN(transports_, TransportSet::Create(t, &registry_));
     listen_port_ = transports_->control().listen_port();
     {
@@ -155,7 +159,11 @@ class EngineImpl : public TransferEngine {
       d.transports = self_transports_.transports;
       d.ipc_socket = self_transports_.ipc_socket;
     }
-    d.regions = registry_.Regions();
+    // Regions without remote access are the local side of requests only: peers see none of
+    // them (not their addresses, sizes or IPC handles).
+    for (RegionDescriptor& r : registry_.Regions()) {
+      if ((r.access & kAccessRemoteReadWrite) != 0) d.regions.push_back(std::move(r));
+    }
     return d;
   }
 
@@ -607,6 +615,11 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   }
   if (env.listen_host && options.listen_host == EngineOptions().listen_host) {
     resolved.listen_host = *env.listen_host;
+  }
+  if (!resolved.auth_secret.empty()) {
+    RETURN_IF_ERROR(CheckAuthSecret(resolved.auth_secret, "EngineOptions::auth_secret"));
+  } else if (env.auth_token) {
+    resolved.auth_secret = *env.auth_token;
   }
   auto engine = std::make_unique<EngineImpl>(resolved);
   RETURN_IF_ERROR(engine->Init());

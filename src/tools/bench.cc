@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/auth.h"
 #include "common/env.h"
 #include "tools/bench_config.h"
 #include "tools/bench_session.h"
@@ -191,8 +192,21 @@ int RunBench(const BenchFlags& flags) {
     std::fprintf(stderr, "kvferry bench: %s\n", plan_or.status().message().c_str());
     return kExitUsage;
   }
-  const BenchPlan& plan = *plan_or;
+  BenchPlan& plan = *plan_or;
+  // The shared secret: the given one, else (no running target to match) a fresh one for the
+  // target this run spawns.
+  StatusOr<std::string> secret = ResolveAuthFlags(flags.auth);
+  if (secret.ok() && secret->empty() && !plan.serve && plan.target_address.empty()) {
+    secret = GenerateAuthSecret();
+  }
+  if (!secret.ok()) {
+    std::fprintf(stderr, "kvferry bench: %s\n", secret.status().message().c_str());
+    return kExitUsage;
+  }
+  plan.auth_secret = *secret;
   TargetOptions target_options;
+  target_options.auth_secret = plan.auth_secret;
+  target_options.insecure = plan.insecure;
   target_options.transport = plan.transport;
   target_options.buffer_bytes = plan.buffer_bytes;
   target_options.device = plan.device;
@@ -305,6 +319,7 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
                 "Serve as a target (for --target elsewhere) until SIGINT/SIGTERM");
   cmd->add_option("--listen", flags->listen, "With --serve: HOST:PORT to listen on")
       ->capture_default_str();
+  AddAuthFlags(cmd, &flags->auth);
   cmd->callback([run, flags] { *run = [flags] { return RunBench(*flags); }; });
 
   // Hidden: the target an initiator spawns. Serves until its stdin closes.

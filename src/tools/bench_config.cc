@@ -105,6 +105,7 @@ StatusOr<BenchPlan> MakeBenchPlan(const BenchFlags& flags) {
   }
   BenchPlan plan;
   plan.serve = flags.serve;
+  plan.insecure = flags.auth.insecure;
   plan.transport = flags.transport;
   plan.device = flags.device;
   if (plan.device == "cuda") {

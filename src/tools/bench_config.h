@@ -15,6 +15,7 @@
 
 #include "kvferry/engine.h"
 #include "kvferry/status.h"
+#include "tools/auth_flags.h"
 
 namespace kvferry::tools {
 
@@ -41,6 +42,7 @@ struct BenchFlags {
   std::string target;                  // empty: spawn a target process
   bool serve = false;                  // run as a target until SIGINT/SIGTERM
   std::string listen = "127.0.0.1:0";  // --serve only
+  AuthFlags auth;                      // --auth-token-file, --insecure
 };
 
 // What one benchmark run does. Built only by MakeBenchPlan, so every field is valid.
@@ -65,6 +67,10 @@ struct BenchPlan {
   bool serve = false;
   std::string listen_host;   // --serve only
   uint16_t listen_port = 0;  // --serve only; 0 picks a free port
+  // The shared secret both engines prove (empty: none): --auth-token-file or
+  // KVFERRY_AUTH_TOKEN; a fresh one for a spawned target when neither is given (RunBench).
+  std::string auth_secret;
+  bool insecure = false;  // --insecure
 };
 
 // Parses "4KiB,1MiB,..." (ParseByteSize syntax per item). Errors: kInvalidArgument naming

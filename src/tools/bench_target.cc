@@ -22,6 +22,7 @@
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "kvferry/engine.h"
+#include "tools/auth_flags.h"
 
 namespace kvferry::tools {
 
@@ -166,6 +167,8 @@ int RunBenchTarget(const TargetOptions& options) {
   engine_options.listen_host = options.listen_host;
   engine_options.listen_port = options.listen_port;
   engine_options.name = "bench-target-" + std::to_string(::getpid());
+  engine_options.auth_secret = options.auth_secret;
+  engine_options.insecure = options.insecure;
   StatusOr<std::unique_ptr<TransferEngine>> engine = TransferEngine::Create(engine_options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s: cannot create engine: %s\n", who, engine.status().ToString().c_str());
@@ -215,6 +218,8 @@ StatusOr<std::unique_ptr<TargetProcess>> TargetProcess::Spawn(
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  std::vector<std::string> env_storage;
+  std::vector<char*> env = ChildEnvironment(options.auth_secret, &env_storage);
   const char* exe = "/proc/self/exe";
 
   int to_child[2];
@@ -240,7 +245,7 @@ StatusOr<std::unique_ptr<TargetProcess>> TargetProcess::Spawn(
     }
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(125);  // the parent died before prctl took effect
-    ::execv(exe, argv.data());
+    ::execve(exe, argv.data(), env.data());
     ::_exit(127);
   }
   ::close(to_child[0]);

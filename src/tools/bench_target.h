@@ -76,6 +76,10 @@ struct TargetOptions {
   // true: serve until stdin reaches end of file (spawned by an initiator, which closes the
   // pipe to stop it). false: serve until SIGINT or SIGTERM (`kvferry bench --serve`).
   bool until_stdin_closes = false;
+  // The shared secret initiators must prove (empty: KVFERRY_AUTH_TOKEN, else none); a spawned
+  // target receives it in its environment, never on its command line.
+  std::string auth_secret;
+  bool insecure = false;  // listen on a non-loopback host without a secret
 };
 
 // Creates the engine, registers a buffer, prints the target line, serves, returns the exit

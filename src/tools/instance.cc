@@ -9,11 +9,13 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "common/auth.h"
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/logging.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
+#include "disagg/http_auth.h"
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
 #include "tools/commands.h"
@@ -59,6 +61,7 @@ struct Instance {
   std::mutex aux_mu;
   std::condition_variable aux_freed;
   httplib::Server server;
+  std::string auth_secret;  // the shared secret (empty: none)
   std::atomic<bool> stopping{false};
   bool on_gpu = false;
   int total_kv_heads = 0;  // of the model; this rank holds its share
@@ -246,6 +249,7 @@ struct Instance {
             {"tp_rank", flags.tp_rank},
             {"tp_size", flags.tp_size},
             {"gpu", on_gpu ? flags.gpu : -1},
+            {"auth_required", !auth_secret.empty()},
             {"control_address", flags.host + ":" + std::to_string(control_port)}};
   }
   int control_port = 0;
@@ -270,6 +274,7 @@ struct Instance {
 
   // Binds the control port and prints the ready line; then serves until /shutdown.
   int Serve(const std::function<json()>& info) {
+    RequireBearerToken(server, auth_secret, "control server");
     server.new_task_queue = [] { return new httplib::ThreadPool(128); };
     // A client that stops sending (or reading) frees its thread after 5 s; request bodies are
     // a few hundred bytes.
@@ -419,11 +424,21 @@ bool StartInstance(const InstanceFlags& flags, const char* role, Instance* in,
                    EngineOptions* engine) {
   InstallSignalExit(flags.exit_with_parent);
   in->flags = flags;
-  Status s = in->Init(/*fragmented=*/std::string(role) == "decode");
+  // The shared secret, and whether the control server may listen on --host with what it has
+  // (the engine and the bootstrap server check the same when they start).
+  auto secret = ResolveAuthFlags(flags.auth);
+  Status s = secret.status();
+  if (s.ok()) {
+    s = CheckListenSecurity("control server", flags.host, !secret->empty(), flags.auth.insecure);
+  }
+  if (s.ok()) s = in->Init(/*fragmented=*/std::string(role) == "decode");
   if (!s.ok()) {
     std::fprintf(stderr, "kvferry %s: %s\n", role, s.ToString().c_str());
     return false;
   }
+  in->auth_secret = *secret;
+  engine->auth_secret = *secret;
+  engine->insecure = flags.auth.insecure;
   engine->listen_host = flags.host;
   engine->transport = flags.transport;
   engine->name = std::string(role) + "-tp" + std::to_string(flags.tp_rank);
@@ -771,6 +786,7 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
       ->capture_default_str();
   cmd->add_option("--device", f->device, "Where pools live: cpu or cuda")->capture_default_str();
   cmd->add_option("--gpu", f->gpu, "CUDA device for --device cuda")->capture_default_str();
+  AddAuthFlags(cmd, &f->auth);
   cmd->add_option("--exit-with-parent", f->exit_with_parent,
                   "End when process PID (the replay that started it) ends")
       ->group("");

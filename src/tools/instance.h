@@ -9,6 +9,9 @@
 //   decode   POST /decode {"room","input_length","bootstrap_address"}: allocates pages in
 //            fragmented order, receives, verifies every byte and the aux row, frees.
 //   both     GET /info, GET /stats, GET /health, POST /shutdown.
+// With a shared secret (--auth-token-file or KVFERRY_AUTH_TOKEN) every route but /health needs
+// its bearer token (disagg/http_auth.h), and the engine and bootstrap server admit only peers
+// that prove it; without one, a non-loopback --host is refused unless --insecure.
 // A request larger than the whole pool is refused with HTTP 413 ("rejected"); smaller ones
 // wait for pool space.
 // On start an instance prints one line "KVFERRY_READY <json of /info>" on stdout.
@@ -19,6 +22,7 @@
 
 #include "kvferry/kv_layout.h"
 #include "kvferry/status.h"
+#include "tools/auth_flags.h"
 
 namespace kvferry::tools {
 
@@ -48,6 +52,7 @@ struct InstanceFlags {
   std::string kv_path = "auto";
   std::string staging_size = "1GiB";
   int exit_with_parent = 0;  // pid of the replay that spawned this instance; 0: none
+  AuthFlags auth;            // --auth-token-file, --insecure
   // Prefill context parallelism: rank cp_rank of cp_size sends its share of each request's
   // pages (cp_split.h); cp_rank0_only keeps the old behaviour (rank 0 sends everything).
   int cp_rank = 0;

@@ -16,11 +16,14 @@
 #include <random>
 #include <thread>
 
+#include "common/auth.h"
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/host_port.h"
 #include "cuda/device_memory.h"
+#include "disagg/http_auth.h"
 #include "kvferry/tp_plan.h"
+#include "tools/auth_flags.h"
 #include "tools/commands.h"
 #include "tools/gpu/baselines.h"
 #include "tools/instance.h"
@@ -54,12 +57,17 @@ struct ReplayFlags {
   int prefill_cp = 1;
   std::string kv_path = "auto";
   InstanceFlags instance;
+  AuthFlags auth;  // for joined instances; ours get a fresh secret
 };
 
-// An HTTP client for an instance's control "host:port". Errors: kInvalidArgument naming it.
-StatusOr<std::unique_ptr<httplib::Client>> ControlClient(const std::string& address) {
+// An HTTP client for an instance's control "host:port", sending the bearer token of `secret`
+// (empty: none). Errors: kInvalidArgument naming the address.
+StatusOr<std::unique_ptr<httplib::Client>> ControlClient(const std::string& address,
+                                                         const std::string& secret) {
   ASSIGN_OR_RETURN(HostPort endpoint, ParseHostPort(address, "control address"));
-  return std::make_unique<httplib::Client>(endpoint.host, endpoint.port);
+  auto client = std::make_unique<httplib::Client>(endpoint.host, endpoint.port);
+  SetBearerToken(*client, secret);
+  return client;
 }
 
 // A child instance process started by the replay.
@@ -67,7 +75,19 @@ class ChildInstance {
  public:
   ~ChildInstance() { Stop(); }
 
-  Status Start(const std::string& role, const std::vector<std::string>& args) {
+  // Starts `kvferry <role> <args>` holding `secret` (through its environment's
+  // KVFERRY_AUTH_TOKEN, never its command line) and waits for its ready line.
+  Status Start(const std::string& role, const std::vector<std::string>& args,
+               const std::string& secret) {
+    secret_ = secret;
+    // Everything the child needs is built before fork: after it, only async-signal-safe calls.
+    std::vector<std::string> argv_s = {"kvferry", role};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env_storage;
+    std::vector<char*> env = ChildEnvironment(secret, &env_storage);
     int out[2];
     if (::pipe(out) != 0) return InternalError("pipe failed");
     pid_ = ::fork();
@@ -76,12 +96,7 @@ class ChildInstance {
       ::dup2(out[1], STDOUT_FILENO);
       ::close(out[0]);
       ::close(out[1]);
-      std::vector<std::string> argv_s = {"kvferry", role};
-      argv_s.insert(argv_s.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (auto& a : argv_s) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv("/proc/self/exe", argv.data());
+      ::execve("/proc/self/exe", argv.data(), env.data());
       std::perror("kvferry replay: exec");
       ::_exit(127);
     }
@@ -113,7 +128,7 @@ class ChildInstance {
   void Stop() {
     if (pid_ <= 0) return;
     if (info_.contains("control_address")) {
-      if (auto c = ControlClient(info_["control_address"]); c.ok()) {
+      if (auto c = ControlClient(info_["control_address"], secret_); c.ok()) {
         (*c)->set_connection_timeout(2);
         (*c)->Post("/shutdown");
       }
@@ -134,13 +149,20 @@ class ChildInstance {
  private:
   pid_t pid_ = -1;
   json info_;
+  std::string secret_;
 };
 
-StatusOr<json> GetJson(const std::string& address, const std::string& path) {
-  ASSIGN_OR_RETURN(auto c, ControlClient(address));
+StatusOr<json> GetJson(const std::string& address, const std::string& path,
+                       const std::string& secret) {
+  ASSIGN_OR_RETURN(auto c, ControlClient(address, secret));
   c->set_connection_timeout(5);
   auto res = c->Get(path.c_str());
   if (!res) return UnavailableError("cannot reach instance at " + address);
+  if (res->status == 401) {
+    return PermissionDeniedError(address + path +
+                                 " refused the bearer token: give the instances' secret "
+                                 "(KVFERRY_AUTH_TOKEN or --auth-token-file)");
+  }
   json j = json::parse(res->body, nullptr, false);
   if (j.is_discarded()) return InternalError(address + path + " returned no JSON");
   return j;
@@ -304,16 +326,23 @@ int RunReplay(ReplayFlags flags) {
   }
   std::vector<std::unique_ptr<ChildInstance>> children;
   std::vector<json> prefill_infos, decode_infos;
-  if (!flags.prefill_address.empty() || !flags.decode_address.empty()) {
+  // The shared secret: the given one for running instances we join; a fresh one for the
+  // instances we start, which no other process needs to know.
+  std::string secret;
+  const bool joining = !flags.prefill_address.empty() || !flags.decode_address.empty();
+  auto resolved = joining ? ResolveAuthFlags(flags.auth) : GenerateAuthSecret();
+  if (!resolved.ok()) return Fail(resolved.status().message());
+  secret = std::move(*resolved);
+  if (joining) {
     if (flags.prefill_address.empty() || flags.decode_address.empty()) {
       return Fail("--prefill and --decode must be given together");
     }
     if (flags.prefill_tp != 1 || flags.decode_tp != 1 || flags.prefill_cp != 1) {
       return Fail("joining running instances supports one rank per side so far");
     }
-    auto p = GetJson(flags.prefill_address, "/info");
+    auto p = GetJson(flags.prefill_address, "/info", secret);
     if (!p.ok()) return Fail("--prefill: " + p.status().message());
-    auto d = GetJson(flags.decode_address, "/info");
+    auto d = GetJson(flags.decode_address, "/info", secret);
     if (!d.ok()) return Fail("--decode: " + d.status().message());
     prefill_infos.push_back(*p);
     decode_infos.push_back(*d);
@@ -335,7 +364,7 @@ int RunReplay(ReplayFlags flags) {
       f.join_bootstrap = join;
       auto args = InstanceArgs(f, prefill);
       children.push_back(std::make_unique<ChildInstance>());
-      Status st = children.back()->Start(prefill ? "prefill" : "decode", args);
+      Status st = children.back()->Start(prefill ? "prefill" : "decode", args, secret);
       if (!st.ok()) return st;
       (prefill ? prefill_infos : decode_infos).push_back(children.back()->info());
       return OkStatus();
@@ -358,6 +387,12 @@ int RunReplay(ReplayFlags flags) {
   }
   const json& prefill_info = prefill_infos[0];
   const int page_size = prefill_info["page_size"];
+  // Whether every instance requires the shared secret (its engine, control and bootstrap
+  // servers admit only peers that prove it).
+  bool auth_required = true;
+  for (const auto* infos : {&prefill_infos, &decode_infos}) {
+    for (const json& j : *infos) auth_required = auth_required && j.value("auth_required", false);
+  }
   int64_t pool_pages = INT64_MAX;  // a request must fit every rank's pool
   std::vector<std::string> prefill_ctl, decode_ctl;
   for (const json& j : prefill_infos) {
@@ -371,7 +406,7 @@ int RunReplay(ReplayFlags flags) {
   const std::string bootstrap = prefill_info["bootstrap_address"];
   for (const auto* list : {&prefill_ctl, &decode_ctl}) {
     for (const std::string& a : *list) {
-      if (auto c = ControlClient(a); !c.ok()) {
+      if (auto c = ControlClient(a, secret); !c.ok()) {
         return Fail("instance control address: " + c.status().message());
       }
     }
@@ -401,7 +436,7 @@ int RunReplay(ReplayFlags flags) {
   auto make_clients = [&](const std::vector<std::string>& addresses) {
     std::vector<std::unique_ptr<httplib::Client>> clients;
     for (const std::string& a : addresses) {
-      clients.push_back(std::move(*ControlClient(a)));  // validated below, before any worker
+      clients.push_back(std::move(*ControlClient(a, secret)));  // validated before any worker
       clients.back()->set_read_timeout(read_timeout);
     }
     return clients;
@@ -568,10 +603,10 @@ int RunReplay(ReplayFlags flags) {
   progress.Finish();
 
   // One counter of the instances' /stats, summed (an instance that does not answer adds 0).
-  auto sum_stat = [](const std::vector<std::string>& ctls, const char* key) {
+  auto sum_stat = [&secret](const std::vector<std::string>& ctls, const char* key) {
     uint64_t sum = 0;
     for (const std::string& ctl : ctls) {
-      if (auto st = GetJson(ctl, "/stats"); st.ok()) sum += st->value(key, 0ull);
+      if (auto st = GetJson(ctl, "/stats", secret); st.ok()) sum += st->value(key, 0ull);
     }
     return sum;
   };
@@ -622,6 +657,7 @@ int RunReplay(ReplayFlags flags) {
          return list;
        }()},
       {"trace", source},
+      {"auth_required", auth_required},
   };
   std::vector<std::vector<std::string>> rows = {
       {"metric", "value"},
@@ -706,6 +742,7 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
   cmd->add_option("--decode", flags->decode_address,
                   "Join a running decode instance (its control host:port)");
   cmd->add_option("--seed", flags->seed, "Seed for rooms and the synthetic workload");
+  AddAuthFlags(cmd, &flags->auth);
   cmd->add_option("--prefill-tp", flags->prefill_tp,
                   "Prefill attention TP size (one process per rank, each with its heads)")
       ->capture_default_str();

@@ -201,7 +201,7 @@ TEST_F(NvlinkGpuTest, ParkedBulkSubmissionsFailAbandonAndCloseCleanly) {
   auto descriptor = engine_->GetSegmentDescriptor(segment_);
   ASSERT_TRUE(descriptor.ok());
   const std::string slow_name = "kvferry-test-slow-fd-" + std::to_string(::getpid());
-  auto slow = FdServer::Create(slow_name, [](uint64_t) -> StatusOr<int> {
+  auto slow = FdServer::Create(slow_name, "", [](uint64_t) -> StatusOr<int> {
     std::this_thread::sleep_for(milliseconds(300));
     return NotFoundError("refused by the test");
   });

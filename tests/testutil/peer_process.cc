@@ -7,10 +7,13 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <thread>
 
 #include "kvferry/engine.h"
@@ -23,7 +26,7 @@ uint64_t Hash64(const void* data, size_t length) { return XXH64(data, length, 0)
 
 namespace {
 
-[[noreturn]] void ChildMain(int write_fd, uint64_t region_bytes) {
+[[noreturn]] void ChildMain(int write_fd, uint64_t region_bytes, const std::string& auth_secret) {
   auto fail = [&](const std::string& why) {
     std::string msg = "ERR " + why + "\n";
     (void)!::write(write_fd, msg.data(), msg.size());
@@ -39,16 +42,25 @@ namespace {
   for (uint64_t i = 0; i < ro_bytes; ++i) ro[i] = PeerPatternByte(i);
   EngineOptions options;
   options.name = "test-peer";
+  options.auth_secret = auth_secret;
   auto engine = TransferEngine::Create(options);
   if (!engine.ok()) fail(engine.status().ToString());
   TransferEngine* e = engine->get();
   if (!e->RegisterMemory(rw, region_bytes, {}, kAccessRemoteReadWrite).ok()) fail("register rw");
   if (!e->RegisterMemory(ro, ro_bytes, {}, kAccessRemoteRead).ok()) fail("register ro");
-  e->SetNotificationHandler([e, rw, region_bytes](const Notification& n) {
+  auto received = std::make_shared<std::atomic<uint64_t>>(0);
+  e->SetNotificationHandler([e, rw, region_bytes, received](const Notification& n) {
+    const uint64_t before = (*received)++;
     unsigned long long off = 0, len = 0;
-    if (std::sscanf(n.message.c_str(), "hash:%llu:%llu", &off, &len) != 2) return;
-    std::string reply = "echo:";
-    if (off + len <= region_bytes) reply += std::to_string(Hash64(rw + off, len));
+    std::string reply;
+    if (n.message == "count") {
+      reply = "count:" + std::to_string(before);
+    } else if (std::sscanf(n.message.c_str(), "hash:%llu:%llu", &off, &len) == 2) {
+      reply = "echo:";
+      if (off + len <= region_bytes) reply += std::to_string(Hash64(rw + off, len));
+    } else {
+      return;
+    }
     // Reply from another thread: the handler runs on the connection's serving thread.
     std::thread([e, reply, addr = n.peer_address] {
       auto seg = e->OpenSegment(addr);
@@ -69,7 +81,7 @@ namespace {
 
 }  // namespace
 
-PeerProcess::PeerProcess(uint64_t region_bytes) {
+PeerProcess::PeerProcess(uint64_t region_bytes, const std::string& auth_secret) {
   int fds[2];
   if (::pipe(fds) != 0) return;
   pid_t parent = ::getpid();
@@ -78,7 +90,7 @@ PeerProcess::PeerProcess(uint64_t region_bytes) {
     ::close(fds[0]);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive a crashed test
     if (::getppid() != parent) ::_exit(1);
-    ChildMain(fds[1], region_bytes);
+    ChildMain(fds[1], region_bytes, auth_secret);
   }
   ::close(fds[1]);
   if (pid_ < 0) {

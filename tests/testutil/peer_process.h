@@ -4,7 +4,8 @@
 // `region_bytes` and a second, read-only region, fills both with a known pattern, and serves
 // until killed. It echoes every notification back to the sender as "echo:<xxh64 of range>"
 // when the message is "hash:<offset>:<length>" (offset into the read-write region), so a
-// test can check what had landed when the notification arrived.
+// test can check what had landed when the notification arrived. Every notification it receives
+// is counted; "count" is answered "count:<notifications received before>".
 #pragma once
 
 #include <sys/types.h>
@@ -24,8 +25,9 @@ struct PeerInfo {
 
 class PeerProcess {
  public:
-  // Forks the child. Call before the test creates threads.
-  explicit PeerProcess(uint64_t region_bytes);
+  // Forks the child, whose engine holds `auth_secret` (empty: none, unless the environment's
+  // KVFERRY_AUTH_TOKEN). Call before the test creates threads.
+  explicit PeerProcess(uint64_t region_bytes, const std::string& auth_secret = "");
   ~PeerProcess();  // SIGKILLs and reaps the child
 
   const PeerInfo& info() const { return info_; }

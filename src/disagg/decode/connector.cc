@@ -1,5 +1,6 @@
 // Decode side of the disaggregation connector: the public API, the rooms, control messages
-// from prefill, and the timer and heartbeat threads. Its pieces: PrefillPairing
+// from prefill (accepted only from the prefill ranks each room is paired with), and the timer
+// and heartbeat threads. Its pieces: PrefillPairing
 // (decode/pairing.h) pairs with prefill instances, ReceiverCompletion (decode/completion.h)
 // decides when rooms succeed or fail, StagingReceiver (decode/staging.h) runs the unequal-TP
 // staging ring.
@@ -16,6 +17,7 @@
 
 #include "common/checks.h"
 #include "common/env.h"
+#include "common/log_limiter.h"
 #include "common/logging.h"
 #include "disagg/connector_pools.h"
 #include "disagg/control_message.h"
@@ -177,7 +179,11 @@ class DecodeConnectorImpl : public DecodeConnector {
 
   Status Release(uint64_t room) override { return rooms_.Release(room); }
 
-  ConnectorStats stats() const override { return completion_->stats(); }
+  ConnectorStats stats() const override {
+    ConnectorStats s = completion_->stats();
+    s.control_messages_refused = refused_.load();
+    return s;
+  }
 
  private:
   // Pairs the room with its prefill instance and sends each prefill rank of it the room's
@@ -247,14 +253,53 @@ class DecodeConnectorImpl : public DecodeConnector {
                    WaitingReason(options_.waiting_timeout));
   }
 
+  // Drops message `n`: counts it and logs `why` at most once a second.
+  void Refuse(const Notification& n, const std::string& why) {
+    const uint64_t total = ++refused_;
+    if (uint64_t dropped = 0; refused_log_.Allow(&dropped)) {
+      KVF_LOG_WARN("decode: dropping control message from {} ({}): {} ({} dropped so far)",
+                   n.peer_address, n.peer_name, why, total);
+    }
+  }
+
+  // Whether `room` is known here and the engine at `address` is one of the prefill ranks it is
+  // paired with.
+  enum class Pairing { kUnknownRoom, kPaired, kNotPaired };
+  Pairing PairedWith(uint64_t room, const std::string& address) {
+    bool paired = false;
+    Status known = rooms_.With(room, [&](ReceiverRooms::Room& r) -> Status {
+      for (const auto& p : r.data.prefills) paired = paired || p->engine_address == address;
+      return OkStatus();
+    });
+    if (!known.ok()) return Pairing::kUnknownRoom;
+    return paired ? Pairing::kPaired : Pairing::kNotPaired;
+  }
+
   void OnNotification(const Notification& n) {
     auto m = DecodeControl(n.message);
     if (!m.ok()) {
-      KVF_LOG_WARN_LIMITED("decode: dropping control message from {}: {}", n.peer_address,
-                           m.status().message());
+      Refuse(n, m.status().message());
       return;
     }
     const uint64_t room = m->room;
+    // Every message prefill sends is about a room: only the room's own prefill ranks may
+    // advance, finish, fail or stage it (the sender's address is the one its engine
+    // authenticated with).
+    switch (PairedWith(room, n.peer_address)) {
+      case Pairing::kPaired:
+        break;
+      case Pairing::kUnknownRoom:
+        // Released already (a late report), or never here. A staging region granted for it
+        // is still freed by the writer it was granted to (StagingReceiver checks the sender).
+        if (m->type == ControlType::kStagingCancel || m->type == ControlType::kStagingReady) break;
+        KVF_LOG_DEBUG("decode: control message type {} for unknown room {} from {}",
+                      static_cast<int>(m->type), room, n.peer_address);
+        return;
+      case Pairing::kNotPaired:
+        Refuse(n, "type " + std::to_string(static_cast<int>(m->type)) + " about room " +
+                      std::to_string(room) + ", which is not paired with it");
+        return;
+    }
     switch (m->type) {
       case ControlType::kChunkLanded:
         rooms_.Advance(room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
@@ -276,11 +321,11 @@ class DecodeConnectorImpl : public DecodeConnector {
         // The room is pinned here, before the notice is acknowledged, and the chunk scattered
         // on the scatter queue: the connection goes on receiving meanwhile, and the room cannot
         // succeed (prefill's done notice may come first) or fail until the scatter ended.
-        staging_->Scatter(*m);
+        staging_->Scatter(*m, n.peer_address);
         break;
       case ControlType::kStagingCancel:
         // The writer will not write it (its room failed or was aborted on its side).
-        staging_->Release(m->chunk.region_id, m->room);
+        staging_->Release(m->chunk.region_id, m->room, n.peer_address);
         break;
       case ControlType::kRoomFailed: {
         const Status why(StatusCodeFromInt(m->status_code),
@@ -289,8 +334,7 @@ class DecodeConnectorImpl : public DecodeConnector {
         break;
       }
       default:
-        KVF_LOG_WARN_LIMITED("decode: unexpected control message type {} from {}",
-                             static_cast<int>(m->type), n.peer_address);
+        Refuse(n, "unexpected type " + std::to_string(static_cast<int>(m->type)));
     }
   }
 
@@ -388,6 +432,9 @@ class DecodeConnectorImpl : public DecodeConnector {
   std::unique_ptr<ReceiverCompletion> completion_;
   std::unique_ptr<StagingReceiver> staging_;
   std::unique_ptr<PrefillPairing> pairing_;
+
+  std::atomic<uint64_t> refused_{0};  // control messages dropped (Refuse)
+  LogLimiter refused_log_;
 
   std::mutex timer_mu_;
   std::condition_variable timer_cv_;

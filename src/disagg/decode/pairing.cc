@@ -36,7 +36,8 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
   }
   std::lock_guard<std::mutex> setup(group->setup_mu);
   if (group->ready) return group;
-  BootstrapClient client(bootstrap_address, options_.bootstrap_timeout);
+  BootstrapClient client(bootstrap_address, options_.bootstrap_timeout,
+                         options_.engine.auth_secret);
   ASSIGN_OR_RETURN(PrefillTopology topology, client.WaitForTopology(options_.bootstrap_timeout));
   const KvLayout& layout = pool_.layout();
   RETURN_IF_ERROR(CheckPairing(topology, layout.page_size(), DTypeName(layout.geometry().dtype)));

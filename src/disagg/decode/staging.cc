@@ -89,7 +89,7 @@ void StagingReceiver::Grant(const ControlMessage& m, const std::string& from) {
       }
       region = ring_->Allocate(m.chunk.bytes);
       if (region.ok()) {
-        live_regions_.push_back({*region, m.room});
+        live_regions_.push_back({*region, m.room, from});
         PublishWatermarkLocked();  // before the grant goes out
         grant.region = *region;
         grant.grant.chunk.round = region->round;
@@ -150,12 +150,14 @@ void StagingReceiver::PostGrants(std::vector<DeferredGrant> grants) {
   grants_->Post([this, g = std::move(grants)]() mutable { SendGrants(std::move(g)); });
 }
 
-void StagingReceiver::Release(uint64_t region_id, uint64_t room) {
+void StagingReceiver::Release(uint64_t region_id, uint64_t room, const std::string& writer) {
   std::vector<DeferredGrant> ready;
   {
     std::lock_guard<std::mutex> lock(staging_mu_);
     for (auto& live : live_regions_) {
-      if (live.region.id == region_id && live.room == room) live.consumed = true;
+      if (live.region.id == region_id && live.room == room && live.writer == writer) {
+        live.consumed = true;
+      }
     }
     if (ring_ != nullptr) ready = FreeConsumedLocked();
   }
@@ -224,7 +226,7 @@ void StagingReceiver::PublishWatermarkLocked() {
   watermark_.check = WatermarkCell::Check(w.round, w.offset);
 }
 
-void StagingReceiver::Scatter(const ControlMessage& m) {
+void StagingReceiver::Scatter(const ControlMessage& m, const std::string& from) {
   bool granted = false;
   {
     // Only a region this rank granted, exactly as granted, is scattered.
@@ -235,15 +237,15 @@ void StagingReceiver::Scatter(const ControlMessage& m) {
     }
     for (const auto& live : live_regions_) {
       if (live.region.id == m.chunk.region_id) {
-        granted = !live.consumed && live.room == m.room && live.region.offset == m.chunk.offset &&
-                  live.region.length == m.chunk.bytes;
+        granted = !live.consumed && live.room == m.room && live.writer == from &&
+                  live.region.offset == m.chunk.offset && live.region.length == m.chunk.bytes;
       }
     }
   }
   if (!granted) {
     // A mismatched notice must not block the ring, but it frees the named region only when
-    // that region was granted to this room (its writer is the sender).
-    Release(m.chunk.region_id, m.room);
+    // that region was granted to this room and this sender.
+    Release(m.chunk.region_id, m.room, from);
     completion_.Fail(
         m.room,
         InvalidArgumentError("staging notice names region " + std::to_string(m.chunk.region_id) +
@@ -256,10 +258,10 @@ void StagingReceiver::Scatter(const ControlMessage& m) {
   // scatter (RoomTable::Pin). Its pages stay where they are while it is pinned.
   const std::vector<int32_t>* dst_pages = nullptr;
   if (!rooms_.Pin(m.room, [&](ReceiverRooms::Room& r) { dst_pages = &r.data.dst_pages; })) {
-    Release(m.chunk.region_id, m.room);  // final or gone: nothing to scatter into
+    Release(m.chunk.region_id, m.room, from);  // final or gone: nothing to scatter into
     return;
   }
-  auto scatter = [this, m, dst_pages] {
+  auto scatter = [this, m, from, dst_pages] {
     Status s = OkStatus();
     // GPU scatters one at a time (one stream and page table): the queue has one thread, and
     // this also covers a scatter run by a connection thread while the connector closes.
@@ -288,7 +290,7 @@ void StagingReceiver::Scatter(const ControlMessage& m) {
       }
     }
     if (gpu_turn.owns_lock()) gpu_turn.unlock();
-    Release(m.chunk.region_id, m.room);
+    Release(m.chunk.region_id, m.room, from);
     KVF_LOG_DEBUG("decode: room {} scattered staging region {}: {}", m.room, m.chunk.region_id,
                   s.ToString());
     if (!s.ok()) {

@@ -61,13 +61,16 @@ class StagingReceiver {
   // kStagingRequest from the prefill rank at engine address `from`: places one chunk slice in
   // the staging ring and tells the writer where. Blocks for ring space (waiting timeout).
   void Grant(const ControlMessage& m, const std::string& from);
-  // kStagingReady: scatters a written staging region into the room's pages and frees what is
-  // consumed: pins the room on the caller's thread, scatters on the scatter queue.
-  void Scatter(const ControlMessage& m);
-  // Marks region `region_id` consumed if it was granted to `room` (scattered, or its writer
-  // said it will not write it: kStagingCancel), frees the consumed prefix of the ring in FIFO
-  // order, publishes the new watermark and sends the grants that became writable.
-  void Release(uint64_t region_id, uint64_t room);
+  // kStagingReady from the prefill rank at engine address `from`: scatters a written staging
+  // region into the room's pages and frees what is consumed: pins the room on the caller's
+  // thread, scatters on the scatter queue. Only a region granted to `from` for the room, exactly
+  // as granted, is scattered.
+  void Scatter(const ControlMessage& m, const std::string& from);
+  // Marks region `region_id` consumed if it was granted to `room` and the writer at engine
+  // address `writer` (scattered, or its writer said it will not write it: kStagingCancel),
+  // frees the consumed prefix of the ring in FIFO order, publishes the new watermark and sends
+  // the grants that became writable.
+  void Release(uint64_t region_id, uint64_t room, const std::string& writer);
   // Takes back regions whose room is final or gone but that were never written: each waits
   // one waiting timeout after that was first seen (its writer may still be writing until
   // its own deadline), then counts as consumed. A writer whose WRITE lands later than that
@@ -93,6 +96,7 @@ class StagingReceiver {
   struct LiveRegion {
     RingRegion region;
     uint64_t room = 0;
+    std::string writer;     // engine address of the prefill rank it was granted to
     bool consumed = false;  // scattered, cancelled by its writer, or reclaimed
     // Set once its room is final or gone while the region is still unwritten: a writer may
     // still be writing it until then, after which the ring takes it back (ReclaimAbandoned).

@@ -74,8 +74,10 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   Status Init() {
+    // Decode ranks only take KV from here (prefill WRITEs into them): nothing of this rank's
+    // pools is exposed to peers.
     RETURN_IF_ERROR(RegisterConnectorPools(*engine_, *pool_, *aux_, options_.state_pool,
-                                           options_.tp_size, kAccessRemoteRead));
+                                           options_.tp_size, kAccessNone));
     engine_->SetNotificationHandler(
         [this](const Notification& n) { control_handler_.OnNotification(n); });
     if (options_.start_bootstrap_server) {
@@ -85,6 +87,8 @@ class PrefillConnectorImpl : public PrefillConnector {
                                      /*allow_port_zero=*/true));
       bs.host = listen.host;
       bs.port = listen.port;
+      bs.auth_secret = options_.engine.auth_secret;
+      bs.insecure = options_.engine.insecure;
       ASSIGN_OR_RETURN(bootstrap_server_, BootstrapServer::Create(bs));
       bootstrap_address_ = bootstrap_server_->address();
     } else {
@@ -106,7 +110,8 @@ class PrefillConnectorImpl : public PrefillConnector {
     reg.num_kv_heads = pool_->layout().geometry().attention == AttentionKind::kMla ? 0
                        : options_.total_kv_heads > 0 ? options_.total_kv_heads
                                                      : rank_heads * options_.tp_size;
-    BootstrapClient client(bootstrap_address_);
+    BootstrapClient client(bootstrap_address_, std::chrono::milliseconds(5000),
+                           options_.engine.auth_secret);
     RETURN_IF_ERROR(client.RegisterRank(reg).WithContext("registering with bootstrap server " +
                                                          bootstrap_address_));
     timer_ = std::thread([this] { TimerLoop(); });
@@ -284,6 +289,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     s.bytes = batches_.bytes();
     s.rooms_succeeded = done_.rooms_succeeded();
     s.rooms_failed = failures_.rooms_failed();
+    s.control_messages_refused = control_handler_.refused();
     return s;
   }
 

@@ -21,11 +21,41 @@ ControlHandler::ControlHandler(const PlanSource& source, TransferEngine* engine,
       failures_(failures),
       staging_(staging) {}
 
+void ControlHandler::Refuse(const Notification& n, const std::string& why) {
+  const uint64_t total = ++refused_;
+  if (uint64_t dropped = 0; refused_log_.Allow(&dropped)) {
+    KVF_LOG_WARN("prefill: dropping control message from {} ({}): {} ({} dropped so far)",
+                 n.peer_address, n.peer_name, why, total);
+  }
+}
+
+bool ControlHandler::PairedWith(uint64_t room, const std::string& decode_address) {
+  bool paired = false;
+  rooms_
+      ->With(room,
+             [&](SenderRooms::Room& r) -> Status {
+               for (const Destination& d : r.data.destinations) {
+                 paired = paired || d.decode->args.decode_address == decode_address;
+               }
+               return OkStatus();
+             })
+      .IgnoreError();
+  return paired;
+}
+
 void ControlHandler::OnNotification(const Notification& n) {
   auto m = DecodeControl(n.message);
   if (!m.ok()) {
-    KVF_LOG_WARN_LIMITED("prefill: dropping control message from {}: {}", n.peer_address,
-                         m.status().message());
+    Refuse(n, m.status().message());
+    return;
+  }
+  // Every message from a decode rank names the engine address it comes from, and everything
+  // later is keyed by it (its registration, its rooms' destinations, its heartbeats): it must
+  // be the address the sending engine authenticated with.
+  if (m->decode_address != n.peer_address ||
+      (m->type == ControlType::kRegisterDecode && m->kv_args.decode_address != n.peer_address)) {
+    Refuse(n, "type " + std::to_string(static_cast<int>(m->type)) + " claims to come from " +
+                  m->decode_address);
     return;
   }
   if (m->type == ControlType::kHeartbeat) {
@@ -49,6 +79,7 @@ void ControlHandler::OnNotification(const Notification& n) {
         HandleAbort(msg);
         break;
       default:
+        ++refused_;
         KVF_LOG_WARN_LIMITED("prefill: unexpected control message type {} from {}",
                              static_cast<int>(msg.type), msg.decode_address);
     }
@@ -162,17 +193,26 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
     failures_->FailRoom(m.room, s);
     return;
   }
+  // This decode rank aborted the room before its destination got here (HandleAbort).
+  if (auto reason = early_->TakeAbort(m.room, m.decode_address)) {
+    failures_->FailRoom(m.room, AbortedError("aborted by decode: " + *reason));
+    return;
+  }
   if (all_arrived) {
     rooms_->Advance(m.room, RoomState::kWaitingForInput, Clock::time_point::max(), "");
   }
 }
 
 void ControlHandler::HandleAbort(const ControlMessage& m) {
-  // Checked under EarlyArrivals' lock, which CreateSender takes after creating the room: a
-  // sender not created yet collects the abort as soon as it is, instead of waiting out its
-  // bootstrap timeout for a destination that will not come.
-  const bool exists = early_->HoldAbort(m.room, m.reason, [&] { return rooms_->Get(m.room).ok(); });
-  if (!exists || !failures_->FailRoom(m.room, AbortedError("aborted by decode: " + m.reason))) {
+  // Only a decode rank the room is paired with (one of its destinations) may abort it. Checked
+  // under EarlyArrivals' lock, which CreateSender takes after creating the room: an abort from
+  // a rank that is not a destination yet (the room not created here yet, or its destination
+  // still on its way: decode aborts a room at each of its prefill ranks) is kept, and fails the
+  // room once that rank's destination arrives (CreateSender, HandleTransferInfo); one from any
+  // other engine never has an effect.
+  const bool paired = early_->HoldAbort(m.room, m.decode_address, m.reason,
+                                        [&] { return PairedWith(m.room, m.decode_address); });
+  if (!paired || !failures_->FailRoom(m.room, AbortedError("aborted by decode: " + m.reason))) {
     // Nothing of the room leaves this rank any more (unknown here, or already final):
     // say so, as decode waits for every rank to go quiet before failing the room.
     AckAbort(m);

@@ -1,5 +1,7 @@
 // ControlHandler: the control messages decode ranks send this prefill rank. OnNotification
-// (on an engine thread) decodes each message and records heartbeats at once; the rest runs
+// (on an engine thread) decodes each message, drops it unless the address it names as its
+// sender is the one its engine authenticated with (counted, logged at most once a second), and
+// records heartbeats at once; the rest runs
 // on the control queue: a decode rank's registration (kRegisterDecode: pairing checks, its
 // engine segment, its done mailbox on this node), a room's destination (kTransferInfo: checked
 // and added to the room, or kept until the room exists), decode's abort (kAbort), and its
@@ -9,8 +11,11 @@
 // control queue (one thread), so control messages are handled in arrival order.
 #pragma once
 
+#include <atomic>
 #include <memory>
+#include <string>
 
+#include "common/log_limiter.h"
 #include "disagg/control_message.h"
 #include "disagg/prefill/batches.h"
 #include "disagg/prefill/decode_registry.h"
@@ -43,17 +48,28 @@ class ControlHandler {
   // A room's destination on one decode rank (kTransferInfo): refused when that decode rank
   // was refused or the destination does not fit, kept when the room does not exist yet (see
   // EarlyArrivals), else added to the room, which waits for input once every destination
-  // arrived. Runs on the control queue.
+  // arrived (or fails, when that rank aborted the room before). Runs on the control queue.
   void HandleTransferInfo(const ControlMessage& m);
+
+  // Control messages dropped: undecodable, sent in another engine's name, or of a type decode
+  // does not send.
+  uint64_t refused() const { return refused_.load(); }
 
  private:
   // A decode rank's pools (kRegisterDecode): registered even when they cannot pair (with the
   // reason), so that its rooms hear why instead of timing out.
   void HandleRegister(const ControlMessage& m);
 
-  // Decode abandoned a room (kAbort): fails it here, or keeps the abort until the room
-  // exists; answered at once when nothing of the room leaves this rank any more.
+  // Decode abandoned a room (kAbort): fails it here when the sender is one of the room's
+  // destinations, else keeps the abort until the sender's destination arrives (EarlyArrivals);
+  // answered at once when nothing of the room leaves this rank for the sender any more.
   void HandleAbort(const ControlMessage& m);
+
+  // Whether `room` exists and decode rank `decode_address` is one of its destinations.
+  bool PairedWith(uint64_t room, const std::string& decode_address);
+
+  // Drops message `n`: counts it and logs `why` at most once a second.
+  void Refuse(const Notification& n, const std::string& why);
 
   // Answers decode's abort of a room this rank no longer sends anything of (kRoomFailed).
   // A room failed here earlier sends its own notice once its copies ended (FailureNotices).
@@ -69,6 +85,8 @@ class ControlHandler {
   BatchSender* const batches_;
   FailureNotices* const failures_;
   StagingWriter* const staging_;
+  std::atomic<uint64_t> refused_{0};
+  LogLimiter refused_log_;
 };
 
 }  // namespace kvferry::prefill

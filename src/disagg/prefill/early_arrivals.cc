@@ -11,9 +11,10 @@ EarlyArrivals::Collected EarlyArrivals::Collect(uint64_t room) {
     for (Pending& p : it->second) c.destinations.push_back(std::move(p.message));
     pending_.erase(it);
   }
-  auto a = aborted_.find(room);
-  if (a != aborted_.end()) {
-    c.abort_reason = a->second.first;
+  for (const ControlMessage& d : c.destinations) {
+    auto a = aborted_.find({room, d.decode_address});
+    if (a == aborted_.end()) continue;
+    if (!c.abort_reason) c.abort_reason = a->second.first;
     aborted_.erase(a);
   }
   return c;
@@ -31,13 +32,21 @@ EarlyArrivals::Held EarlyArrivals::HoldDestination(const ControlMessage& m,
   return Held::kHeld;
 }
 
-bool EarlyArrivals::HoldAbort(uint64_t room, const std::string& reason,
-                              const std::function<bool()>& room_exists) {
+bool EarlyArrivals::HoldAbort(uint64_t room, const std::string& from, const std::string& reason,
+                              const std::function<bool()>& paired) {
   std::lock_guard<std::mutex> lock(mu_);
-  const bool exists = room_exists();
-  if (!exists) aborted_[room] = {reason, Clock::now()};
-  pending_.erase(room);
-  return exists;
+  if (paired()) return true;
+  aborted_[{room, from}] = {reason, Clock::now()};
+  return false;
+}
+
+std::optional<std::string> EarlyArrivals::TakeAbort(uint64_t room, const std::string& from) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto a = aborted_.find({room, from});
+  if (a == aborted_.end()) return std::nullopt;
+  std::string reason = std::move(a->second.first);
+  aborted_.erase(a);
+  return reason;
 }
 
 void EarlyArrivals::Expire(Clock::time_point now, std::chrono::milliseconds timeout) {

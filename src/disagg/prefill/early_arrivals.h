@@ -1,6 +1,9 @@
 // EarlyArrivals: what decode sent for a room before CreateSender created it here: its
-// destinations (kTransferInfo) and its abort (kAbort). CreateSender collects them right after
-// creating the room; what nobody collects is dropped after a bootstrap timeout.
+// destinations (kTransferInfo) and its aborts (kAbort). CreateSender collects them right after
+// creating the room; what nobody collects is dropped after a bootstrap timeout. An abort counts
+// only from a decode rank the room is paired with (one of its destinations): one from a rank
+// that is not (yet) a destination is kept, keyed by that rank, until the rank's destination
+// arrives (TakeAbort), so that no other engine can abort a room.
 //
 // Whether the room exists is asked under this object's lock (the `room_exists` callbacks,
 // which read the room table), and CreateSender collects under it after creating the room, so
@@ -30,9 +33,12 @@ class EarlyArrivals {
   // What came for a room before it was created.
   struct Collected {
     std::vector<ControlMessage> destinations;  // kTransferInfo, in arrival order
-    std::optional<std::string> abort_reason;   // set when decode aborted it
+    // Set when the decode rank of one of `destinations` aborted the room.
+    std::optional<std::string> abort_reason;
   };
-  // Takes (and forgets) what came for `room`. CreateSender calls it after creating the room.
+  // Takes (and forgets) what came for `room`: its destinations, and the abort of a decode rank
+  // among them (aborts from other ranks stay, for TakeAbort). CreateSender calls it after
+  // creating the room.
   Collected Collect(uint64_t room);
 
   // A destination (kTransferInfo) for `m.room`: kept for CreateSender unless `room_exists()`
@@ -40,10 +46,15 @@ class EarlyArrivals {
   enum class Held { kRoomExists, kHeld, kDuplicate };
   Held HoldDestination(const ControlMessage& m, const std::function<bool()>& room_exists);
 
-  // Decode's abort of `room`: forgets destinations kept for it and, unless `room_exists()`,
-  // keeps the abort for CreateSender. Returns room_exists().
-  bool HoldAbort(uint64_t room, const std::string& reason,
-                 const std::function<bool()>& room_exists);
+  // Decode rank `from`'s abort of `room`: returns true when `paired()` (the room exists and
+  // `from` is one of its destinations: the caller fails it), else keeps the abort for
+  // CreateSender or TakeAbort and returns false.
+  bool HoldAbort(uint64_t room, const std::string& from, const std::string& reason,
+                 const std::function<bool()>& paired);
+
+  // The reason of an abort of `room` that decode rank `from` sent before it was one of the
+  // room's destinations, taken; nullopt when none. Called once its destination was added.
+  std::optional<std::string> TakeAbort(uint64_t room, const std::string& from);
 
   // Drops what came more than `timeout` before `now` (the timer).
   void Expire(Clock::time_point now, std::chrono::milliseconds timeout);
@@ -55,8 +66,9 @@ class EarlyArrivals {
   };
   std::mutex mu_;
   std::map<uint64_t, std::vector<Pending>> pending_;  // destinations that came before the room
-  // Aborts that came before the room (reason, arrival), kept for a bootstrap timeout.
-  std::map<uint64_t, std::pair<std::string, Clock::time_point>> aborted_;
+  // Aborts that came before the room, or before their sender was one of its destinations, by
+  // (room, sender's engine address): (reason, arrival), kept for a bootstrap timeout.
+  std::map<std::pair<uint64_t, std::string>, std::pair<std::string, Clock::time_point>> aborted_;
 };
 
 }  // namespace kvferry::prefill

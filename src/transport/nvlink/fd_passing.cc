@@ -5,8 +5,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
+
+#include "common/auth.h"
+#include "common/logging.h"
 
 namespace kvferry {
 namespace {
@@ -30,11 +35,30 @@ bool ReadAll(int fd, void* buf, size_t n) {
   return true;
 }
 
+bool WriteAll(int fd, const void* buf, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(buf);
+  while (n > 0) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// The client's opening: its nonce, then the key.
+constexpr size_t kRequestBytes = kAuthNonceBytes + 8;
+// The server's challenge: its nonce, then its proof.
+constexpr size_t kChallengeBytes = kAuthNonceBytes + kAuthProofBytes;
+
 }  // namespace
 
-StatusOr<std::unique_ptr<FdServer>> FdServer::Create(const std::string& name, Provider provider) {
+StatusOr<std::unique_ptr<FdServer>> FdServer::Create(const std::string& name,
+                                                     const std::string& auth_secret,
+                                                     Provider provider) {
   std::unique_ptr<FdServer> s(new FdServer());
   s->name_ = name;
+  s->auth_secret_ = auth_secret;
   s->provider_ = std::move(provider);
   s->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (s->listen_fd_ < 0)
@@ -65,34 +89,59 @@ void FdServer::Loop() {
     if (c < 0) continue;
     timeval tv{2, 0};
     ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    uint8_t key_bytes[8];
-    if (ReadAll(c, key_bytes, 8)) {
-      uint64_t key = 0;
-      for (int i = 0; i < 8; ++i) key |= static_cast<uint64_t>(key_bytes[i]) << (8 * i);
-      StatusOr<int> fd = provider_(key);
-      uint8_t status = fd.ok() ? 0 : 1;
-      iovec iov{&status, 1};
-      msghdr msg{};
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-      if (fd.ok()) {
-        msg.msg_control = control;
-        msg.msg_controllen = sizeof(control);
-        cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int));
-        std::memcpy(CMSG_DATA(cm), &*fd, sizeof(int));
-      }
-      (void)!::sendmsg(c, &msg, MSG_NOSIGNAL);
-      if (fd.ok()) ::close(*fd);
+    ::setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    const std::string refused = Serve(c);
+    if (uint64_t dropped = 0; !refused.empty() && refused_log_.Allow(&dropped)) {
+      KVF_LOG_WARN(
+          "fd server '{}': refused a request: {}{}", name_, refused,
+          dropped > 0 ? " (" + std::to_string(dropped) + " more refusals not logged)" : "");
     }
     ::close(c);
   }
 }
 
-StatusOr<int> RequestFd(const std::string& name, uint64_t key) {
+std::string FdServer::Serve(int c) {
+  std::array<uint8_t, kRequestBytes> request;
+  if (!ReadAll(c, request.data(), request.size())) return "";  // went away: nothing to tell
+  AuthNonce client_nonce;
+  std::copy(request.begin(), request.begin() + kAuthNonceBytes, client_nonce.begin());
+  uint64_t key = 0;
+  for (int i = 0; i < 8; ++i) key |= static_cast<uint64_t>(request[kAuthNonceBytes + i]) << (8 * i);
+  auto server_nonce = RandomAuthNonce();
+  if (!server_nonce.ok()) return server_nonce.status().message();
+  const AuthProof server_proof = HandshakeProof(auth_secret_, AuthContext::kFdSocket,
+                                                AuthRole::kServer, client_nonce, *server_nonce);
+  std::array<uint8_t, kChallengeBytes> challenge;
+  std::copy(server_nonce->begin(), server_nonce->end(), challenge.begin());
+  std::copy(server_proof.begin(), server_proof.end(), challenge.begin() + kAuthNonceBytes);
+  if (!WriteAll(c, challenge.data(), challenge.size())) return "";
+  AuthProof client_proof;
+  if (!ReadAll(c, client_proof.data(), client_proof.size())) return "";
+  const AuthProof want = HandshakeProof(auth_secret_, AuthContext::kFdSocket, AuthRole::kClient,
+                                        client_nonce, *server_nonce);
+  if (!ProofMatches(client_proof, want)) return "wrong proof of the shared secret";
+  StatusOr<int> fd = provider_(key);
+  uint8_t status = fd.ok() ? 0 : 1;
+  iovec iov{&status, 1};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (fd.ok()) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cm), &*fd, sizeof(int));
+  }
+  (void)!::sendmsg(c, &msg, MSG_NOSIGNAL);
+  if (fd.ok()) ::close(*fd);
+  return "";
+}
+
+StatusOr<int> RequestFd(const std::string& name, uint64_t key, const std::string& auth_secret) {
   int c = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (c < 0) return UnavailableError("socket: " + std::string(strerror(errno)));
   std::unique_ptr<int, void (*)(int*)> guard(&c, [](int* f) { ::close(*f); });
@@ -101,9 +150,34 @@ StatusOr<int> RequestFd(const std::string& name, uint64_t key) {
   if (::connect(c, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     return UnavailableError("cannot reach fd server '" + name + "': " + strerror(errno));
   }
-  uint8_t key_bytes[8];
-  for (int i = 0; i < 8; ++i) key_bytes[i] = static_cast<uint8_t>(key >> (8 * i));
-  if (::write(c, key_bytes, 8) != 8) return UnavailableError("fd request send failed");
+  timeval tv{5, 0};
+  ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  auto client_nonce = RandomAuthNonce();
+  if (!client_nonce.ok()) return client_nonce.status();
+  std::array<uint8_t, kRequestBytes> request;
+  std::copy(client_nonce->begin(), client_nonce->end(), request.begin());
+  for (int i = 0; i < 8; ++i) request[kAuthNonceBytes + i] = static_cast<uint8_t>(key >> (8 * i));
+  if (!WriteAll(c, request.data(), request.size())) {
+    return UnavailableError("fd request to '" + name + "' failed to send");
+  }
+  std::array<uint8_t, kChallengeBytes> challenge;
+  if (!ReadAll(c, challenge.data(), challenge.size())) {
+    return UnavailableError("fd server '" + name + "' sent no challenge");
+  }
+  AuthNonce server_nonce;
+  std::copy(challenge.begin(), challenge.begin() + kAuthNonceBytes, server_nonce.begin());
+  const AuthProof server_proof = HandshakeProof(auth_secret, AuthContext::kFdSocket,
+                                                AuthRole::kServer, *client_nonce, server_nonce);
+  if (!ProofMatches(std::span(challenge).subspan(kAuthNonceBytes), server_proof)) {
+    return PermissionDeniedError("fd server '" + name +
+                                 "' failed to prove the shared secret (the auth secrets differ)");
+  }
+  const AuthProof client_proof = HandshakeProof(auth_secret, AuthContext::kFdSocket,
+                                                AuthRole::kClient, *client_nonce, server_nonce);
+  if (!WriteAll(c, client_proof.data(), client_proof.size())) {
+    return UnavailableError("fd request to '" + name + "' failed to send its proof");
+  }
   uint8_t status = 1;
   iovec iov{&status, 1};
   msghdr msg{};
@@ -112,17 +186,16 @@ StatusOr<int> RequestFd(const std::string& name, uint64_t key) {
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
-  timeval tv{5, 0};
-  ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  if (::recvmsg(c, &msg, 0) != 1)
-    return UnavailableError("fd server '" + name + "' did not answer");
-  if (status != 0) return NotFoundError("fd server '" + name + "' refused region key");
+  const ssize_t got = ::recvmsg(c, &msg, MSG_CMSG_CLOEXEC);
+  if (got != 1) return UnavailableError("fd server '" + name + "' did not answer");
   cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-  if (cm == nullptr || cm->cmsg_type != SCM_RIGHTS) {
-    return UnavailableError("fd server '" + name + "' sent no descriptor");
-  }
   int fd = -1;
-  std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+  if (cm != nullptr && cm->cmsg_type == SCM_RIGHTS) std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+  if (status != 0) {
+    if (fd >= 0) ::close(fd);
+    return NotFoundError("fd server '" + name + "' refused region key");
+  }
+  if (fd < 0) return UnavailableError("fd server '" + name + "' sent no descriptor");
   return fd;
 }
 

@@ -44,7 +44,7 @@ class NvlinkChannel : public PeerChannel {
         local_device_(options.local_device),
         gated_(options.local_device, arena_, flights_, stats_),
         bulk_launcher_(options.local_device, arena_, flights_, stats_),
-        mappings_(options.peer, options.refresh, options.local_device),
+        mappings_(options.peer, options.refresh, options.local_device, options.auth_secret),
         preparer_(mappings_, arena_, options.copy_engine_threshold_bytes),
         item_path_(mappings_, options.copy_engine_threshold_bytes),
         resident_(options, arena_, stats_, bulk_tiles_in_flight_, sleeping_) {}

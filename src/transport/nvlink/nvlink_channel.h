@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "kvferry/segment.h"
 #include "transport/transport.h"
@@ -35,6 +36,9 @@ struct NvlinkChannelOptions {
   // kernel ran at 93% of cudaMemcpyPeer where launches reached 75-86%
   // (docs/perf/nvlink-h200.md).
   int64_t resident_min_tiles = 2048;
+  // The shared secret proved to the peer's fd socket when mapping its cuMem allocations
+  // (fd_passing.h); empty: none.
+  std::string auth_secret;
 };
 
 // True when this build has CUDA and a device is present.

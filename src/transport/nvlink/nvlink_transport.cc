@@ -32,15 +32,18 @@ StatusOr<std::unique_ptr<NvlinkTransport>> NvlinkTransport::Create(
                            std::to_string(options.listen_port) + "-" +
                            std::to_string(rd() % 100000);
   // Serves file descriptors of kvferry-allocated (cuMem) device memory to local peers.
-  ASSIGN_OR_RETURN(transport->fd_server_,
-                   FdServer::Create(name, [registry](uint64_t key) -> StatusOr<int> {
-                     for (const auto& r : registry->Regions()) {
-                       if (r.key == key && r.share_type == ShareHandleType::kPosixFd) {
-                         return cuda::ExportFd(r.base - r.alloc_offset, r.device_id);
-                       }
-                     }
-                     return NotFoundError("no shareable region with that key");
-                   }));
+  // Only regions peers may access (a descriptor of one maps its whole allocation).
+  ASSIGN_OR_RETURN(
+      transport->fd_server_,
+      FdServer::Create(name, options.auth_secret, [registry](uint64_t key) -> StatusOr<int> {
+        for (const auto& r : registry->Regions()) {
+          if (r.key == key && r.share_type == ShareHandleType::kPosixFd &&
+              (r.access & kAccessRemoteReadWrite) != 0) {
+            return cuda::ExportFd(r.base - r.alloc_offset, r.device_id);
+          }
+        }
+        return NotFoundError("no shareable region with that key");
+      }));
   return transport;
 }
 
@@ -62,6 +65,7 @@ StatusOr<std::shared_ptr<PeerChannel>> NvlinkTransport::OpenChannel(const Channe
   o.resident_blocks = options_.resident_blocks;
   o.resident_min_tiles = options_.resident_min_tiles;
   o.refresh = setup.refresh;
+  o.auth_secret = options_.auth_secret;
   ASSIGN_OR_RETURN(std::unique_ptr<PeerChannel> channel, CreateNvlinkChannel(o));
   return std::shared_ptr<PeerChannel>(std::move(channel));
 }

@@ -23,6 +23,9 @@ struct NvlinkTransportOptions {
   uint64_t copy_engine_threshold_bytes = UINT64_MAX;
   int resident_blocks = -1;
   int64_t resident_min_tiles = 2048;
+  // The shared secret a peer proves before the fd socket sends it anything, and which this side
+  // proves when it asks a peer's socket (fd_passing.h); empty: none.
+  std::string auth_secret;
 };
 
 class NvlinkTransport : public Transport {

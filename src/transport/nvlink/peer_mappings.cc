@@ -12,8 +12,12 @@
 namespace kvferry {
 
 PeerMappings::PeerMappings(SegmentDescriptor peer,
-                           std::function<StatusOr<SegmentDescriptor>()> refresh, int local_device)
-    : peer_(std::move(peer)), refresh_(std::move(refresh)), local_device_(local_device) {}
+                           std::function<StatusOr<SegmentDescriptor>()> refresh, int local_device,
+                           std::string auth_secret)
+    : peer_(std::move(peer)),
+      refresh_(std::move(refresh)),
+      local_device_(local_device),
+      auth_secret_(std::move(auth_secret)) {}
 
 const RegionDescriptor* PeerMappings::FindRegion(uint64_t addr, uint64_t length) const {
   for (const auto& r : peer_.regions) {
@@ -74,7 +78,7 @@ StatusOr<uint8_t*> PeerMappings::Import(const RegionDescriptor& region) {
   if (region.share_type == ShareHandleType::kCudaIpc) {
     imported = cuda::ImportedAllocation::FromIpcHandle(region.share_handle, local_device_);
   } else if (region.share_type == ShareHandleType::kPosixFd) {
-    auto fd = RequestFd(peer_.ipc_socket, region.key);
+    auto fd = RequestFd(peer_.ipc_socket, region.key, auth_secret_);
     if (!fd.ok()) return fd.status();
     imported =
         cuda::ImportedAllocation::FromFd(*fd, region.alloc_bytes, region.device_id, local_device_);

@@ -31,8 +31,9 @@ struct MappedRegion {
 
 class PeerMappings {
  public:
+  // `auth_secret` is proved to the peer's fd socket (fd_passing.h); empty: none.
   PeerMappings(SegmentDescriptor peer, std::function<StatusOr<SegmentDescriptor>()> refresh,
-               int local_device);
+               int local_device, std::string auth_secret);
   PeerMappings(const PeerMappings&) = delete;
   PeerMappings& operator=(const PeerMappings&) = delete;
 
@@ -84,6 +85,7 @@ class PeerMappings {
   SegmentDescriptor peer_;  // the peer's regions (replaced by a refresh)
   std::function<StatusOr<SegmentDescriptor>()> refresh_;
   const int local_device_;
+  const std::string auth_secret_;  // proved to the peer's fd socket
   // peer_ and imports_: written by the progress thread under an exclusive lock, read by bulk
   // submitters under a shared one (the progress thread reads without it).
   mutable std::shared_mutex mu_;

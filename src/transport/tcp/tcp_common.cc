@@ -35,8 +35,9 @@ void SetReceiveTimeout(asio::ip::tcp::socket& socket, std::chrono::milliseconds 
 }  // namespace
 
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
-                       const SegmentDescriptor& self, std::chrono::milliseconds timeout,
-                       uint32_t max_body_bytes, SegmentDescriptor* peer) {
+                       const SegmentDescriptor& self, const std::string& auth_secret,
+                       std::chrono::milliseconds timeout, uint32_t max_body_bytes,
+                       SegmentDescriptor* peer) {
   ASSIGN_OR_RETURN(HostPort endpoint, ParseHostPort(address, "peer address"));
   const std::string& host = endpoint.host;
   const uint16_t port = endpoint.port;
@@ -73,32 +74,99 @@ Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address
   if (connect_ec) return fail("connect: " + connect_ec.message());
   TuneSocket(socket);
   SetReceiveTimeout(socket, timeout);
+  Status handshake = ClientHandshake(socket, address, self, auth_secret, max_body_bytes, peer);
+  if (!handshake.ok()) {
+    socket.close(ec);
+    return handshake;
+  }
+  SetReceiveTimeout(socket, std::chrono::milliseconds(0));  // 0 = block without limit
+  return OkStatus();
+}
 
-  std::vector<uint8_t> body = wire::EncodeDescriptor(self);
-  wire::FrameHeader hello;
-  hello.type = wire::FrameType::kHello;
-  hello.body_bytes = static_cast<uint32_t>(body.size());
-  wire::HeaderBytes hb = wire::EncodeFrameHeader(hello);
-  std::array<asio::const_buffer, 2> out{asio::buffer(hb), asio::buffer(body)};
-  asio::write(socket, out, ec);
+Status ClientHandshake(asio::ip::tcp::socket& socket, const std::string& address,
+                       const SegmentDescriptor& self, const std::string& auth_secret,
+                       uint32_t max_body_bytes, SegmentDescriptor* peer) {
+  auto fail = [&](const std::string& why) {
+    return UnavailableError("cannot reach peer " + address + ": " + why);
+  };
+  asio::error_code ec;
+  // Reads the next frame's header and body, which must be of `type`; the body at most
+  // `max_body` bytes.
+  auto read_frame = [&](wire::FrameType type, uint32_t max_body, std::vector<uint8_t>* body,
+                        wire::FrameHeader* header) -> Status {
+    auto h = ReadHeader(socket, max_body_bytes, ec);
+    if (ec) return fail("handshake receive: " + ec.message());
+    if (!h.ok()) return fail("handshake: " + h.status().message());
+    if (h->type != type) {
+      return fail("handshake: expected " + std::string(wire::FrameTypeName(type)) + ", got " +
+                  std::string(wire::FrameTypeName(h->type)));
+    }
+    if (h->body_bytes > max_body) {
+      return fail("handshake: " + std::string(wire::FrameTypeName(type)) + " body of " +
+                  std::to_string(h->body_bytes) + " bytes");
+    }
+    body->resize(h->body_bytes);
+    asio::read(socket, asio::buffer(*body), ec);
+    if (ec) return fail("handshake body: " + ec.message());
+    *header = *h;
+    return OkStatus();
+  };
+
+  wire::AuthHello hello;
+  hello.flags = auth_secret.empty() ? 0 : wire::kAuthFlagSecret;
+  auto nonce = RandomAuthNonce();
+  if (!nonce.ok()) return nonce.status();
+  hello.client_nonce = *nonce;
+  auto hello_body = wire::EncodeAuthHello(hello);
+  wire::FrameHeader h;
+  h.type = wire::FrameType::kHello;
+  h.body_bytes = static_cast<uint32_t>(hello_body.size());
+  wire::HeaderBytes hb = wire::EncodeFrameHeader(h);
+  asio::write(socket, std::array<asio::const_buffer, 2>{asio::buffer(hb), asio::buffer(hello_body)},
+              ec);
   if (ec) return fail("handshake send: " + ec.message());
-  auto header = ReadHeader(socket, max_body_bytes, ec);
-  if (ec) return fail("handshake receive: " + ec.message());
-  if (!header.ok()) return fail("handshake: " + header.status().message());
-  if (header->type != wire::FrameType::kHelloAck) {
-    return fail(std::string("handshake: expected HELLO_ACK, got ") +
-                std::string(wire::FrameTypeName(header->type)));
+
+  std::vector<uint8_t> body;
+  wire::FrameHeader reply;
+  RETURN_IF_ERROR(
+      read_frame(wire::FrameType::kChallenge, wire::kAuthChallengeBytes, &body, &reply));
+  auto challenge = wire::DecodeAuthChallenge(body);
+  if (!challenge.ok()) return fail("handshake: " + challenge.status().message());
+  const AuthProof server_proof =
+      HandshakeProof(auth_secret, AuthContext::kEngine, AuthRole::kServer, hello.client_nonce,
+                     challenge->server_nonce);
+  if (!ProofMatches(challenge->server_proof, server_proof)) {
+    const bool peer_has = (challenge->flags & wire::kAuthFlagSecret) != 0;
+    std::string why = peer_has && auth_secret.empty() ? "it holds an auth secret and this engine "
+                                                        "has none (set KVFERRY_AUTH_TOKEN or "
+                                                        "--auth-token-file)"
+                      : !peer_has && !auth_secret.empty()
+                          ? "it holds no auth secret and this engine holds one"
+                          : "the auth secrets differ";
+    return PermissionDeniedError("peer " + address + " failed to prove the shared secret: " + why);
   }
-  std::vector<uint8_t> reply(header->body_bytes);
-  asio::read(socket, asio::buffer(reply), ec);
-  if (ec) return fail("handshake body: " + ec.message());
-  if (header->status != 0) {
-    return fail("handshake refused: " + std::string(reply.begin(), reply.end()));
+
+  const AuthProof client_proof =
+      HandshakeProof(auth_secret, AuthContext::kEngine, AuthRole::kClient, hello.client_nonce,
+                     challenge->server_nonce);
+  std::vector<uint8_t> descriptor = wire::EncodeDescriptor(self);
+  h = wire::FrameHeader{};
+  h.type = wire::FrameType::kAuth;
+  h.body_bytes = static_cast<uint32_t>(client_proof.size() + descriptor.size());
+  hb = wire::EncodeFrameHeader(h);
+  asio::write(socket,
+              std::array<asio::const_buffer, 3>{asio::buffer(hb), asio::buffer(client_proof),
+                                                asio::buffer(descriptor)},
+              ec);
+  if (ec) return fail("handshake send: " + ec.message());
+
+  RETURN_IF_ERROR(read_frame(wire::FrameType::kHelloAck, max_body_bytes, &body, &reply));
+  if (reply.status != 0) {
+    return fail("handshake refused: " + std::string(body.begin(), body.end()));
   }
-  auto desc = wire::DecodeDescriptor(reply);
+  auto desc = wire::DecodeDescriptor(body);
   if (!desc.ok()) return fail("handshake: " + desc.status().message());
   *peer = std::move(*desc);
-  SetReceiveTimeout(socket, std::chrono::milliseconds(0));  // 0 = block without limit
   return OkStatus();
 }
 

@@ -1,5 +1,5 @@
-// Helpers shared by the TCP client and server: connect with a timeout, the HELLO handshake,
-// and framed reads.
+// Helpers shared by the TCP client and server: connect with a timeout, the client's side of the
+// authenticated handshake (wire.h), and framed reads.
 #pragma once
 
 #include <asio.hpp>
@@ -14,10 +14,22 @@
 
 namespace kvferry::tcp {
 
-// Connects and performs the handshake: sends HELLO with `self`, reads HELLO_ACK into `peer`.
-// Blocks at most `timeout`. Errors: kUnavailable naming the address and the reason.
+// Connects and performs the handshake (ClientHandshake). Blocks at most `timeout` (connect, and
+// each read and write of the handshake). Errors: those of ClientHandshake, kUnavailable when
+// the address cannot be reached; the socket is closed on any error.
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
-                       const SegmentDescriptor& self, std::chrono::milliseconds timeout,
+                       const SegmentDescriptor& self, const std::string& auth_secret,
+                       std::chrono::milliseconds timeout, uint32_t max_body_bytes,
+                       SegmentDescriptor* peer);
+
+// The client's side of the handshake on a connected `socket` to `address`: sends HELLO with a
+// fresh nonce, checks the server's proof of `auth_secret` in its CHALLENGE (empty: the proof of
+// no secret), answers with its own proof and `self`, and reads the server's descriptor from
+// HELLO_ACK into `peer`. Errors: kPermissionDenied when the server did not prove the secret
+// (its claim to hold one or not is named), kUnavailable for I/O errors, a malformed answer or a
+// refused HELLO.
+Status ClientHandshake(asio::ip::tcp::socket& socket, const std::string& address,
+                       const SegmentDescriptor& self, const std::string& auth_secret,
                        uint32_t max_body_bytes, SegmentDescriptor* peer);
 
 // Sets TCP_NODELAY and large socket buffers; failures are ignored (performance only).

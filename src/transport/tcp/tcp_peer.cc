@@ -122,7 +122,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       io_ = std::make_unique<asio::io_context>();
       socket_ = std::make_unique<asio::ip::tcp::socket>(*io_);
       SegmentDescriptor ignored;
-      Status s = ConnectAndHello(*socket_, options_.address, options_.self,
+      Status s = ConnectAndHello(*socket_, options_.address, options_.self, options_.auth_secret,
                                  options_.connect_timeout, options_.max_body_bytes, &ignored);
       if (!s.ok()) {
         Fail(s);
@@ -485,8 +485,9 @@ StatusOr<std::unique_ptr<TcpPeer>> TcpPeer::Create(const TcpPeerOptions& options
   std::unique_ptr<TcpPeer> peer(new TcpPeer(options));
   auto io = std::make_unique<asio::io_context>();
   auto socket = std::make_unique<asio::ip::tcp::socket>(*io);
-  RETURN_IF_ERROR(ConnectAndHello(*socket, options.address, options.self, options.connect_timeout,
-                                  options.max_body_bytes, &peer->descriptor_));
+  RETURN_IF_ERROR(ConnectAndHello(*socket, options.address, options.self, options.auth_secret,
+                                  options.connect_timeout, options.max_body_bytes,
+                                  &peer->descriptor_));
   peer->lanes_.resize(static_cast<size_t>(options.num_lanes));
   auto lane = std::make_shared<TcpLane>(peer->options_, 0);
   lane->Start(std::move(io), std::move(socket));

@@ -1,8 +1,9 @@
 // Client side of the TCP transport: a pool of persistent connections ("lanes") to one peer.
 //
-// Each lane has a sender thread that pipelines frames (gathering several small requests into
-// one writev, payloads sent straight from the caller's memory) and a receiver thread that
-// matches responses in order and reads READ payloads straight into the caller's memory. A
+// Every lane runs the authenticated handshake (tcp_common.h) when it connects. Each lane has a
+// sender thread that pipelines frames (gathering several small requests into one writev,
+// payloads sent straight from the caller's memory) and a receiver thread that matches
+// responses in order and reads READ payloads straight into the caller's memory. A
 // lane that fails (peer closed, reset, malformed response, abandoned mid-transfer) completes
 // everything it held with kUnavailable and is replaced on the next submission.
 //
@@ -30,6 +31,8 @@ struct TcpPeerOptions {
   uint64_t slice_bytes = 4ull << 20;
   std::chrono::milliseconds connect_timeout{5000};
   uint32_t max_body_bytes = 4u << 20;
+  // The shared secret every lane's handshake proves and checks (common/auth.h); empty: none.
+  std::string auth_secret;
 };
 
 class TcpLane;

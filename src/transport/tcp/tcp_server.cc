@@ -5,6 +5,7 @@
 #include <deque>
 #include <map>
 
+#include "common/auth.h"
 #include "common/checks.h"
 #include "common/logging.h"
 #include "cuda/device_ops.h"
@@ -33,6 +34,8 @@ StatusOr<std::unique_ptr<TcpServer>> TcpServer::Create(const TcpServerOptions& o
   asio::error_code ec;
   asio::ip::address ip = asio::ip::make_address(options.host, ec);
   if (ec) return InvalidArgumentError("listen host '" + options.host + "' is not an IP address");
+  RETURN_IF_ERROR(
+      CheckListenSecurity("engine", options.host, !options.auth_secret.empty(), options.insecure));
   asio::ip::tcp::endpoint endpoint(ip, options.port);
   server->acceptor_.open(endpoint.protocol(), ec);
   if (!ec) server->acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), ec);
@@ -196,6 +199,84 @@ Status TcpServer::ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameH
   return OkStatus();
 }
 
+StatusOr<SegmentDescriptor> TcpServer::Handshake(asio::ip::tcp::socket& socket) {
+  const std::string& secret = options_.auth_secret;
+  asio::error_code ec;
+  auto gone = [] { return UnavailableError(""); };  // the client closed: nothing to report
+  auto refuse = [](const std::string& why) { return PermissionDeniedError(why); };
+  // HELLO: a fixed-size body, read only once the header says so.
+  auto header = ReadHeader(socket, options_.max_body_bytes, ec);
+  if (ec) return gone();
+  if (!header.ok()) return refuse("malformed frame: " + header.status().message());
+  if (header->type != wire::FrameType::kHello) {
+    return refuse("first frame is " + std::string(wire::FrameTypeName(header->type)) +
+                  ", not HELLO");
+  }
+  if (header->body_bytes != wire::kAuthHelloBytes) {
+    return refuse("HELLO body of " + std::to_string(header->body_bytes) + " bytes, want " +
+                  std::to_string(wire::kAuthHelloBytes));
+  }
+  std::array<uint8_t, wire::kAuthHelloBytes> hello_body;
+  asio::read(socket, asio::buffer(hello_body), ec);
+  if (ec) return gone();
+  auto hello = wire::DecodeAuthHello(hello_body);
+  if (!hello.ok()) return refuse(hello.status().message());
+  // CHALLENGE: this side's nonce and proof; the only answer before the client proved itself.
+  wire::AuthChallenge challenge;
+  challenge.flags = secret.empty() ? 0 : wire::kAuthFlagSecret;
+  auto nonce = RandomAuthNonce();
+  if (!nonce.ok()) return nonce.status();
+  challenge.server_nonce = *nonce;
+  challenge.server_proof = HandshakeProof(secret, AuthContext::kEngine, AuthRole::kServer,
+                                          hello->client_nonce, challenge.server_nonce);
+  auto challenge_body = wire::EncodeAuthChallenge(challenge);
+  wire::FrameHeader out;
+  out.type = wire::FrameType::kChallenge;
+  out.request_id = header->request_id;
+  out.body_bytes = static_cast<uint32_t>(challenge_body.size());
+  wire::HeaderBytes hb = wire::EncodeFrameHeader(out);
+  asio::write(socket,
+              std::array<asio::const_buffer, 2>{asio::buffer(hb), asio::buffer(challenge_body)},
+              ec);
+  if (ec) return gone();
+  // AUTH: the client's proof first; its descriptor is read only once the proof holds.
+  header = ReadHeader(socket, options_.max_body_bytes, ec);
+  if (ec) return gone();
+  if (!header.ok()) return refuse("malformed frame: " + header.status().message());
+  if (header->type != wire::FrameType::kAuth) {
+    return refuse("second frame is " + std::string(wire::FrameTypeName(header->type)) +
+                  ", not AUTH");
+  }
+  if (header->body_bytes < kAuthProofBytes) {
+    return refuse("AUTH body of " + std::to_string(header->body_bytes) + " bytes holds no proof");
+  }
+  AuthProof proof;
+  asio::read(socket, asio::buffer(proof), ec);
+  if (ec) return gone();
+  const AuthProof want = HandshakeProof(secret, AuthContext::kEngine, AuthRole::kClient,
+                                        hello->client_nonce, challenge.server_nonce);
+  if (!ProofMatches(proof, want)) {
+    const bool client_has = (hello->flags & wire::kAuthFlagSecret) != 0;
+    return refuse(std::string("wrong proof of the shared secret (the client ") +
+                  (client_has ? "holds" : "holds no") + " secret, this engine " +
+                  (secret.empty() ? "none" : "one") + ")");
+  }
+  std::vector<uint8_t> body(header->body_bytes - kAuthProofBytes);
+  asio::read(socket, asio::buffer(body), ec);
+  if (ec) return gone();
+  auto desc = wire::DecodeDescriptor(body);
+  if (!desc.ok()) {
+    // The client proved the secret: it is told why.
+    WriteReply(socket, wire::FrameType::kHelloAck, header->request_id, desc.status()).IgnoreError();
+    return InvalidArgumentError("bad descriptor in AUTH: " + desc.status().message());
+  }
+  std::vector<uint8_t> mine = wire::EncodeDescriptor(options_.describe());
+  if (!WriteReply(socket, wire::FrameType::kHelloAck, header->request_id, OkStatus(), &mine).ok()) {
+    return gone();
+  }
+  return desc;
+}
+
 void TcpServer::Serve(Connection* connection) {
   asio::ip::tcp::socket& socket = *connection->socket;
   std::string peer_endpoint;
@@ -204,9 +285,15 @@ void TcpServer::Serve(Connection* connection) {
     auto ep = socket.remote_endpoint(ec);
     peer_endpoint = ec ? "unknown" : ep.address().to_string() + ":" + std::to_string(ep.port());
   }
-  SegmentDescriptor peer;
-  bool greeted = false;
   std::string close_reason;
+  SegmentDescriptor peer;
+  bool authenticated = false;
+  if (auto handshake = Handshake(socket); handshake.ok()) {
+    peer = std::move(*handshake);
+    authenticated = true;
+  } else {
+    close_reason = handshake.status().message();  // empty when the client went away
+  }
   std::vector<uint8_t> body;
   // GPU memory over TCP: payloads pass through pinned bounce buffers, one set per device this
   // connection touches, copied to and from the device asynchronously on their own stream.
@@ -270,24 +357,21 @@ void TcpServer::Serve(Connection* connection) {
     return !wec;
   };
   const int64_t frame_timeout_ns = std::chrono::nanoseconds(options_.frame_timeout).count();
-  // The watchdog's deadline for this connection: the handshake's (set at accept) until HELLO,
-  // and while a frame is under way, its own (never past the handshake's).
-  int64_t handshake_deadline_ns = connection->deadline_ns.load(std::memory_order_relaxed);
+  // The handshake ran under the deadline set at accept; from here a deadline runs only while a
+  // frame is under way.
   auto arm = [&](int64_t until_ns) {
-    connection->deadline_ns.store(
-        handshake_deadline_ns != 0 ? std::min(handshake_deadline_ns, until_ns) : until_ns,
-        std::memory_order_relaxed);
+    connection->deadline_ns.store(until_ns, std::memory_order_relaxed);
   };
   int64_t frame_start_ns = 0;
-  while (close_reason.empty()) {
+  while (authenticated && close_reason.empty()) {
     asio::error_code ec;
     if (!queued_acks.empty() &&
         (queued_acks.size() >= kMaxQueuedAcks || socket.available(ec) == 0 || ec)) {
       if (!flush_acks()) break;
     }
-    // Idle between frames: only a greeted peer may wait without a deadline. Once a header's
-    // first bytes arrived, the rest must follow within frame_timeout.
-    if (greeted) connection->deadline_ns.store(0, std::memory_order_relaxed);
+    // Idle between frames: no deadline. Once a header's first bytes arrived, the rest must
+    // follow within frame_timeout.
+    connection->deadline_ns.store(0, std::memory_order_relaxed);
     auto header = ReadHeaderThen(socket, options_.max_body_bytes, ec, [&] {
       frame_start_ns = NowNs();
       arm(frame_start_ns + frame_timeout_ns);
@@ -304,11 +388,6 @@ void TcpServer::Serve(Connection* connection) {
             std::min<uint64_t>((h.body_bytes + h.length) / kMinFrameBytesPerSecond, 1u << 20)) *
             1000000000);
     if (h.type != wire::FrameType::kWrite && !flush_acks()) break;
-    if (!greeted && h.type != wire::FrameType::kHello) {
-      close_reason =
-          std::string("first frame is ") + std::string(wire::FrameTypeName(h.type)) + ", not HELLO";
-      break;
-    }
     if (body.capacity() > 4 * kBodyChunkBytes) std::vector<uint8_t>().swap(body);
     body.clear();
     for (uint32_t got = 0; got < h.body_bytes && !ec;) {
@@ -320,24 +399,6 @@ void TcpServer::Serve(Connection* connection) {
     if (ec) break;
     Status io;
     switch (h.type) {
-      case wire::FrameType::kHello: {
-        if (greeted) {
-          close_reason = "second HELLO on one connection";
-          break;
-        }
-        auto desc = wire::DecodeDescriptor(body);
-        if (!desc.ok()) {
-          WriteReply(socket, wire::FrameType::kHelloAck, h.request_id, desc.status()).IgnoreError();
-          close_reason = "bad HELLO: " + desc.status().message();
-          break;
-        }
-        peer = std::move(*desc);
-        greeted = true;
-        handshake_deadline_ns = 0;
-        std::vector<uint8_t> mine = wire::EncodeDescriptor(options_.describe());
-        io = WriteReply(socket, wire::FrameType::kHelloAck, h.request_id, OkStatus(), &mine);
-        break;
-      }
       case wire::FrameType::kWrite: {
         // A strided WRITE: its rows must all lie in one registered region (the whole extent
         // is checked, so no row lands outside memory the client may write).
@@ -455,12 +516,12 @@ void TcpServer::Serve(Connection* connection) {
   }
   flush_acks();  // WRITEs that landed before the connection closes are still acknowledged
   if (close_reason.empty() && connection->timed_out.load()) {
-    close_reason = greeted ? "a frame did not arrive or leave in time (frame_timeout)"
-                           : "no HELLO in time (handshake_timeout)";
+    close_reason = authenticated ? "a frame did not arrive or leave in time (frame_timeout)"
+                                 : "no handshake in time (handshake_timeout)";
   }
   if (!close_reason.empty()) {
     KVF_LOG_WARN_LIMITED("closing connection from {} ({}): {}", peer_endpoint,
-                         peer.name.empty() ? "no handshake" : peer.name, close_reason);
+                         peer.name.empty() ? "not authenticated" : peer.name, close_reason);
   }
   asio::error_code ignored;
   socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);

@@ -1,7 +1,11 @@
 // Serving side of the TCP transport: accepts peers' connections and executes their frames
 // against this engine's registered memory.
 //
-// Each connection gets one thread that reads a frame, executes it and answers in order:
+// Each connection first runs the server's side of the handshake (wire.h): until the client
+// proved the shared secret (TcpServerOptions::auth_secret; the proof of no secret when empty)
+// it is answered nothing but the challenge, and a wrong proof or any other frame closes it,
+// logged at most once a second. Then one thread per connection reads a frame, executes it and
+// answers in order:
 // WRITE payloads are read straight into registered memory, READ payloads written straight
 // from it. Every WRITE and READ range is checked against the MemoryRegistry first; a range
 // outside memory registered for that access is answered with kFailedPrecondition and nothing
@@ -12,7 +16,7 @@
 // connection must complete its HELLO within handshake_timeout; once a frame starts arriving,
 // all of it (and its answer) must pass within frame_timeout plus its size at
 // kMinFrameBytesPerSecond, or the connection is closed; frame bodies are allocated as their
-// bytes arrive. Idle connections between frames of a greeted peer stay open (they are the
+// bytes arrive. Idle connections between frames of an authenticated peer stay open (they are the
 // peer's persistent lanes). A watchdog thread enforces the times.
 //
 // Thread-safety: Create/destruction from one thread; serving runs on internal threads.
@@ -28,6 +32,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/log_limiter.h"
 #include "kvferry/transfer.h"
 #include "transport/memory_registry.h"
 #include "transport/tcp/wire.h"
@@ -37,6 +42,10 @@ namespace kvferry::tcp {
 struct TcpServerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
+  // The shared secret clients must prove (common/auth.h); empty: none (any client proves "no
+  // secret"). Without one, a non-loopback `host` is refused unless `insecure`.
+  std::string auth_secret;
+  bool insecure = false;
   uint32_t max_body_bytes = 4u << 20;
   // Current descriptor of this engine (answers HELLO and DESCRIBE).
   std::function<SegmentDescriptor()> describe;
@@ -57,7 +66,9 @@ inline constexpr uint64_t kMinFrameBytesPerSecond = 1ull << 20;
 
 class TcpServer {
  public:
-  // Binds and starts accepting. Errors: kUnavailable when the address cannot be bound.
+  // Binds and starts accepting. Errors: kInvalidArgument for a host that is not an IP address,
+  // kFailedPrecondition for a non-loopback host without a secret (CheckListenSecurity),
+  // kUnavailable when the address cannot be bound.
   static StatusOr<std::unique_ptr<TcpServer>> Create(const TcpServerOptions& options,
                                                      MemoryRegistry* registry);
   ~TcpServer();  // closes every connection and joins its threads
@@ -79,6 +90,9 @@ class TcpServer {
   void AcceptLoop();
   void WatchdogLoop();
   void Serve(Connection* connection);
+  // The server's side of the handshake on a new connection: the client's descriptor, or why
+  // the connection is closed (an empty message: the client went away).
+  StatusOr<SegmentDescriptor> Handshake(asio::ip::tcp::socket& socket);
   // Answers a READ of GPU memory through the connection's bounce buffers (`bounce_for`).
   template <typename BounceFor>
   Status ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameHeader& h, int device,

@@ -43,6 +43,8 @@ StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(const TcpTransportO
   server_options.host = options.listen_host;
   server_options.port = options.listen_port;
   server_options.max_body_bytes = options.max_body_bytes;
+  server_options.auth_secret = options.auth_secret;
+  server_options.insecure = options.insecure;
   server_options.describe = options.describe;
   server_options.on_notification = options.on_notification;
   server_options.max_connections = options.max_connections;
@@ -62,6 +64,7 @@ StatusOr<std::shared_ptr<TcpPeer>> TcpTransport::Connect(const std::string& addr
   peer_options.slice_bytes = options_.slice_bytes;
   peer_options.connect_timeout = options_.connect_timeout;
   peer_options.max_body_bytes = options_.max_body_bytes;
+  peer_options.auth_secret = options_.auth_secret;
   ASSIGN_OR_RETURN(std::unique_ptr<TcpPeer> peer, TcpPeer::Create(peer_options));
   return std::shared_ptr<TcpPeer>(std::move(peer));
 }

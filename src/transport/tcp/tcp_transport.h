@@ -32,6 +32,10 @@ struct TcpTransportOptions {
   int max_connections = 1024;          // served at once (TcpServerOptions)
   std::chrono::milliseconds handshake_timeout{10000};
   std::chrono::milliseconds frame_timeout{10000};
+  // The shared secret both sides of every handshake prove (common/auth.h); empty: none. The
+  // server refuses a non-loopback listen_host without one unless `insecure`.
+  std::string auth_secret;
+  bool insecure = false;
   // This engine's current descriptor (answers HELLO and DESCRIBE).
   std::function<SegmentDescriptor()> describe;
   // Called for each NOTIFY, on the connection's thread, before it is acknowledged.

@@ -1,5 +1,6 @@
 #include "transport/tcp/wire.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/bytes.h"
@@ -42,6 +43,10 @@ std::string_view FrameTypeName(FrameType type) {
       return "DESCRIBE";
     case FrameType::kDescribeAck:
       return "DESCRIBE_ACK";
+    case FrameType::kChallenge:
+      return "CHALLENGE";
+    case FrameType::kAuth:
+      return "AUTH";
   }
   return "UNKNOWN";
 }
@@ -77,7 +82,7 @@ StatusOr<FrameHeader> DecodeFrameHeader(std::span<const uint8_t, kFrameHeaderByt
   FrameHeader h;
   uint8_t type = b[6];
   if (type < static_cast<uint8_t>(FrameType::kHello) ||
-      type > static_cast<uint8_t>(FrameType::kDescribeAck)) {
+      type > static_cast<uint8_t>(FrameType::kAuth)) {
     return InvalidArgumentError("unknown frame type " + std::to_string(type));
   }
   h.type = static_cast<FrameType>(type);
@@ -115,6 +120,51 @@ StatusOr<FrameHeader> DecodeFrameHeader(std::span<const uint8_t, kFrameHeaderByt
     return InvalidArgumentError("READ_DATA with OK status must not carry a body");
   }
   return h;
+}
+
+std::array<uint8_t, kAuthHelloBytes> EncodeAuthHello(const AuthHello& hello) {
+  std::array<uint8_t, kAuthHelloBytes> b{};
+  b[0] = hello.flags;
+  std::copy(hello.client_nonce.begin(), hello.client_nonce.end(), b.begin() + 1);
+  return b;
+}
+
+StatusOr<AuthHello> DecodeAuthHello(std::span<const uint8_t> body) {
+  if (body.size() != kAuthHelloBytes) {
+    return InvalidArgumentError("HELLO body of " + std::to_string(body.size()) + " bytes, want " +
+                                std::to_string(kAuthHelloBytes));
+  }
+  if ((body[0] & ~kAuthFlagSecret) != 0) {
+    return InvalidArgumentError("unknown HELLO flags " + std::to_string(body[0]));
+  }
+  AuthHello hello;
+  hello.flags = body[0];
+  std::copy(body.begin() + 1, body.end(), hello.client_nonce.begin());
+  return hello;
+}
+
+std::array<uint8_t, kAuthChallengeBytes> EncodeAuthChallenge(const AuthChallenge& challenge) {
+  std::array<uint8_t, kAuthChallengeBytes> b{};
+  b[0] = challenge.flags;
+  auto at = std::copy(challenge.server_nonce.begin(), challenge.server_nonce.end(), b.begin() + 1);
+  std::copy(challenge.server_proof.begin(), challenge.server_proof.end(), at);
+  return b;
+}
+
+StatusOr<AuthChallenge> DecodeAuthChallenge(std::span<const uint8_t> body) {
+  if (body.size() != kAuthChallengeBytes) {
+    return InvalidArgumentError("CHALLENGE body of " + std::to_string(body.size()) +
+                                " bytes, want " + std::to_string(kAuthChallengeBytes));
+  }
+  if ((body[0] & ~kAuthFlagSecret) != 0) {
+    return InvalidArgumentError("unknown CHALLENGE flags " + std::to_string(body[0]));
+  }
+  AuthChallenge c;
+  c.flags = body[0];
+  auto nonce = body.begin() + 1;
+  std::copy(nonce, nonce + kAuthNonceBytes, c.server_nonce.begin());
+  std::copy(nonce + kAuthNonceBytes, body.end(), c.server_proof.begin());
+  return c;
 }
 
 std::array<uint8_t, kStridedBodyBytes> EncodeStridedWrite(const StridedWrite& s) {

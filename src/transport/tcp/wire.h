@@ -1,9 +1,19 @@
 // kvferry's wire protocol: fixed 40-byte frame headers and the segment-descriptor codec.
 //
-// Every connection starts with kHello (client's descriptor) answered by kHelloAck (server's
-// descriptor). After that the client pipelines requests; the server answers each in order on
-// the same connection. All integers are little-endian. Every length read off the wire is
-// bounded before anything is allocated or read.
+// Every connection starts with the handshake, which authenticates both sides by challenge and
+// response (common/auth.h) before any descriptor is exchanged:
+//
+//   client -> server  kHello      AuthHello: flags, the client's nonce
+//   server -> client  kChallenge  AuthChallenge: flags, the server's nonce, the server's proof
+//   client -> server  kAuth       the client's proof, then the client's descriptor
+//   server -> client  kHelloAck   the server's descriptor
+//
+// The client checks the server's proof before it sends its own; the server checks the
+// client's before it reads the client's descriptor. Until then the server answers nothing but
+// the challenge: a wrong proof, or any other frame, closes the connection unanswered. After the
+// handshake the client pipelines requests; the server answers each in order on the same
+// connection. All integers are little-endian. Every length read off the wire is bounded before
+// anything is allocated or read.
 //
 //   offset size field
 //   0      4    magic 0x3146564B ("KVF1")
@@ -24,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "common/auth.h"
 #include "kvferry/segment.h"
 #include "kvferry/status.h"
 
@@ -60,7 +71,7 @@ StatusOr<StridedWrite> DecodeStridedWrite(std::span<const uint8_t> body, uint64_
                                           uint64_t length);
 
 enum class FrameType : uint8_t {
-  kHello = 1,         // body: client descriptor
+  kHello = 1,         // body: AuthHello (kAuthHelloBytes)
   kHelloAck = 2,      // body: server descriptor (or error text when status != OK)
   kWrite = 3,         // payload: bytes to store at addr
   kWriteAck = 4,      // status; body: error text
@@ -70,7 +81,30 @@ enum class FrameType : uint8_t {
   kNotifyAck = 8,     // status; body: error text
   kDescribe = 9,      // asks for the server's current descriptor
   kDescribeAck = 10,  // body: descriptor
+  kChallenge = 11,    // body: AuthChallenge (kAuthChallengeBytes)
+  kAuth = 12,         // body: the client's proof (kAuthProofBytes), then its descriptor
 };
+
+// Handshake bodies. `flags` tells whether the sender holds a secret (kAuthFlagSecret): only
+// error messages use it (proofs decide); other bits must be 0.
+inline constexpr uint8_t kAuthFlagSecret = 1;
+inline constexpr uint32_t kAuthHelloBytes = 1 + kAuthNonceBytes;
+inline constexpr uint32_t kAuthChallengeBytes = 1 + kAuthNonceBytes + kAuthProofBytes;
+struct AuthHello {
+  uint8_t flags = 0;
+  AuthNonce client_nonce{};
+};
+struct AuthChallenge {
+  uint8_t flags = 0;
+  AuthNonce server_nonce{};
+  AuthProof server_proof{};
+};
+std::array<uint8_t, kAuthHelloBytes> EncodeAuthHello(const AuthHello& hello);
+// Errors: kInvalidArgument for a body of the wrong size or unknown flags.
+StatusOr<AuthHello> DecodeAuthHello(std::span<const uint8_t> body);
+std::array<uint8_t, kAuthChallengeBytes> EncodeAuthChallenge(const AuthChallenge& challenge);
+// Errors: kInvalidArgument for a body of the wrong size or unknown flags.
+StatusOr<AuthChallenge> DecodeAuthChallenge(std::span<const uint8_t> body);
 
 std::string_view FrameTypeName(FrameType type);
 
