@@ -75,7 +75,9 @@ struct PrefillConnectorOptions {
   std::chrono::milliseconds bootstrap_timeout{60000};
   // Deadline of each chunk's transfer batch. Default 60 s.
   std::chrono::milliseconds transfer_timeout{60000};
-  // Rooms of a decode rank that sent no heartbeat for this long fail. Default 30 s.
+  // Rooms of a decode rank that sent nothing (no heartbeat, no other control message) for this
+  // long fail; a room never fails for silence from before it had that decode rank. Default
+  // 30 s.
   std::chrono::milliseconds heartbeat_timeout{30000};
 };
 

@@ -54,12 +54,13 @@ class ConnectorTest : public ::testing::Test {
     decode_ = std::make_unique<Side>(TinyGeometry(), decode_page_size, 256, 99);
     PrefillConnectorOptions po;
     po.bootstrap_timeout = prefill_bootstrap_timeout_;
+    po.heartbeat_timeout = prefill_heartbeat_timeout_;
     auto p = PrefillConnector::Create(po, prefill_->pool.get(), prefill_->aux.get());
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     prefill_conn_ = std::move(*p);
     DecodeConnectorOptions dopt;
     dopt.waiting_timeout = decode_waiting_timeout_;
-    dopt.heartbeat_interval = milliseconds(100);
+    dopt.heartbeat_interval = decode_heartbeat_interval_;
     dopt.heartbeat_max_failures = 2;
     dopt.done_poll_us = done_poll_us_;
     dopt.done_mailbox = done_mailbox_;
@@ -102,6 +103,8 @@ class ConnectorTest : public ::testing::Test {
 
   milliseconds prefill_bootstrap_timeout_{5000};
   milliseconds decode_waiting_timeout_{5000};
+  milliseconds prefill_heartbeat_timeout_ = PrefillConnectorOptions().heartbeat_timeout;
+  milliseconds decode_heartbeat_interval_{100};
   int done_poll_us_ = DecodeConnectorOptions().done_poll_us;
   bool done_mailbox_ = true;
   std::unique_ptr<Side> prefill_, decode_;
@@ -309,6 +312,36 @@ TEST_F(ConnectorTest, DeadPrefillFailsDecodeRoomsThroughHeartbeat) {
   EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
   EXPECT_NE(st->error.message().find("heartbeat"), std::string::npos);
   EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(2000));
+}
+
+// Decode heartbeats a prefill rank only while it has rooms with it: a room that comes after a
+// longer idle spell must not fail for the silence from before it existed. (Decode's heartbeat
+// interval is longer than prefill's timeout here, so the room lives on its own messages.)
+TEST_F(ConnectorTest, RoomAfterAnIdleSpellDoesNotFailForSilenceBeforeIt) {
+  prefill_heartbeat_timeout_ = milliseconds(1000);
+  decode_heartbeat_interval_ = milliseconds(60000);
+  Start();
+  for (uint64_t room : {31, 32}) {
+    SCOPED_TRACE("room " + std::to_string(room));
+    if (room == 32) std::this_thread::sleep_for(milliseconds(1300));  // idle, no room
+    std::vector<int32_t> src = {0, 1}, dst = {4, 5};
+    ASSERT_TRUE(
+        decode_conn_->CreateReceiver(room, prefill_conn_->bootstrap_address(), dst, 0).ok());
+    ASSERT_TRUE(prefill_conn_->CreateSender(room, 2).ok());
+    ASSERT_EQ(prefill_conn_->Wait(room, RoomState::kWaitingForInput, milliseconds(5000))->state,
+              RoomState::kWaitingForInput);
+    std::this_thread::sleep_for(milliseconds(100));  // several rounds of prefill's timer
+    FillTokens(prefill_->layout, *prefill_->pool, room, src, 0, 8);
+    FillAuxRow(prefill_->aux->layout(), prefill_->aux->Row(0), room);
+    Status sent = prefill_conn_->SendChunk(room, 0, src, 0);
+    ASSERT_TRUE(sent.ok()) << sent.ToString();
+    auto st = decode_conn_->Wait(room, RoomState::kSuccess, milliseconds(5000));
+    ASSERT_EQ(st->state, RoomState::kSuccess) << st->error.ToString();
+    ASSERT_TRUE(decode_conn_->Release(room).ok());
+    ASSERT_EQ(prefill_conn_->Wait(room, RoomState::kSuccess, milliseconds(5000))->state,
+              RoomState::kSuccess);
+    ASSERT_TRUE(prefill_conn_->Release(room).ok());
+  }
 }
 
 TEST_F(ConnectorTest, BadSendChunkArgumentsAreRefused) {
