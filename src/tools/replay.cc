@@ -1,14 +1,17 @@
 // `kvferry replay`: replays a request trace through a prefill and a decode instance and
 // verifies every byte that lands in decode's pools.
+#include <fcntl.h>
 #include <httplib.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -62,30 +65,61 @@ StatusOr<std::unique_ptr<httplib::Client>> ControlClient(const std::string& addr
   return std::make_unique<httplib::Client>(endpoint.host, endpoint.port);
 }
 
-// A child instance process started by the replay.
+// How a process that ended (waitpid's `status`) ended, e.g. "was killed by signal 9 (Killed)".
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return "was killed by signal " + std::to_string(sig) + " (" + ::strsignal(sig) + ")";
+  }
+  return "ended (wait status " + std::to_string(status) + ")";
+}
+
+// A child instance process started by the replay. Its stdout carries the ready line. What it
+// writes to stderr is held back until it is ready, then copied to the replay's stderr as it
+// comes: an instance that exits before it is ready is reported with what it said.
+//
+// Thread-safety: Ended may run on another thread than Start and Stop (it takes mu_).
 class ChildInstance {
  public:
-  ~ChildInstance() { Stop(); }
+  ~ChildInstance() {
+    Stop();
+    if (stderr_thread_.joinable()) stderr_thread_.join();
+  }
 
   Status Start(const std::string& role, const std::vector<std::string>& args) {
-    int out[2];
-    if (::pipe(out) != 0) return InternalError("pipe failed");
-    pid_ = ::fork();
-    if (pid_ < 0) return InternalError("fork failed");
-    if (pid_ == 0) {
-      ::dup2(out[1], STDOUT_FILENO);
+    role_ = role;
+    int out[2], err[2];
+    if (::pipe2(out, O_CLOEXEC) != 0) return InternalError("pipe failed");
+    if (::pipe2(err, O_CLOEXEC) != 0) {
       ::close(out[0]);
       ::close(out[1]);
-      std::vector<std::string> argv_s = {"kvferry", role};
-      argv_s.insert(argv_s.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (auto& a : argv_s) argv.push_back(a.data());
-      argv.push_back(nullptr);
+      return InternalError("pipe failed");
+    }
+    // Built before fork: other threads (earlier children's stderr copies) may hold the
+    // allocator's or stdio's locks at fork, so the child only calls async-signal-safe functions.
+    std::vector<std::string> argv_s = {"kvferry", role};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_ = ::fork();
+    if (pid_ < 0) {
+      for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
+      return InternalError("fork failed");
+    }
+    if (pid_ == 0) {
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(err[1], STDERR_FILENO);
       ::execv("/proc/self/exe", argv.data());
-      std::perror("kvferry replay: exec");
+      static const char kExecFailed[] = "kvferry replay: cannot exec /proc/self/exe\n";
+      [[maybe_unused]] ssize_t ignored =
+          ::write(STDERR_FILENO, kExecFailed, sizeof(kExecFailed) - 1);
       ::_exit(127);
     }
     ::close(out[1]);
+    ::close(err[1]);
+    stderr_thread_ = std::thread([this, fd = err[0]] { CopyStderr(fd); });
     FILE* f = ::fdopen(out[0], "r");
     char line[4096];
     std::string text;
@@ -99,18 +133,44 @@ class ChildInstance {
       int status = 0;
       ::waitpid(pid_, &status, 0);
       pid_ = -1;
-      return UnavailableError("the " + role +
-                              " instance exited before it was ready (see its "
-                              "error above)");
+      stderr_thread_.join();  // the pipe ends with the process
+      std::string said = held_stderr_;
+      while (!said.empty() && std::isspace(static_cast<unsigned char>(said.back()))) {
+        said.pop_back();
+      }
+      return UnavailableError(
+          "the " + role + " instance " + DescribeExit(status) +
+          " before it was ready: " + (said.empty() ? "it printed nothing" : said));
     }
     info_ = json::parse(text.substr(14), nullptr, false);
     if (info_.is_discarded()) return InternalError("bad ready line from " + role + ": " + text);
+    {
+      std::lock_guard<std::mutex> lock(stderr_mu_);
+      std::fwrite(held_stderr_.data(), 1, held_stderr_.size(), stderr);
+      held_stderr_.clear();
+      ready_ = true;
+    }
     return OkStatus();
   }
 
   const json& info() const { return info_; }
+  const std::string& role() const { return role_; }
 
+  // Whether the process ended; then `how` says how and which ("the decode instance (pid 12)
+  // was killed by signal 9 (Killed)"). Reaps it.
+  bool Ended(std::string* how) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) != pid_) return false;
+    *how = "the " + role_ + " instance (pid " + std::to_string(pid_) + ") " + DescribeExit(status);
+    pid_ = -1;
+    return true;
+  }
+
+  // Asks the instance to shut down; kills it when it has not ended within 5 s.
   void Stop() {
+    std::lock_guard<std::mutex> lock(mu_);
     if (pid_ <= 0) return;
     if (info_.contains("control_address")) {
       if (auto c = ControlClient(info_["control_address"]); c.ok()) {
@@ -131,9 +191,46 @@ class ChildInstance {
     pid_ = -1;
   }
 
+  // Kills the instance at once (its rooms are lost).
+  void Kill() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
  private:
+  // Copies the child's stderr (`fd`) to ours once it is ready; holds the last 64 KiB of it
+  // until then.
+  void CopyStderr(int fd) {
+    constexpr size_t kHeldBytes = 64 << 10;
+    char buf[4096];
+    while (true) {
+      const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      std::lock_guard<std::mutex> lock(stderr_mu_);
+      if (ready_) {
+        std::fwrite(buf, 1, static_cast<size_t>(n), stderr);
+      } else {
+        held_stderr_.append(buf, static_cast<size_t>(n));
+        if (held_stderr_.size() > kHeldBytes) {
+          held_stderr_.erase(0, held_stderr_.size() - kHeldBytes);
+        }
+      }
+    }
+    ::close(fd);
+  }
+
+  std::string role_;
+  std::mutex mu_;  // pid_
   pid_t pid_ = -1;
   json info_;
+  std::thread stderr_thread_;
+  std::mutex stderr_mu_;  // ready_, held_stderr_
+  bool ready_ = false;
+  std::string held_stderr_;
 };
 
 StatusOr<json> GetJson(const std::string& address, const std::string& path) {

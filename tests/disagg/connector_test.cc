@@ -47,6 +47,19 @@ TEST(ConnectorCreateTest, RefusesBadBootstrapAddresses) {
   }
 }
 
+// A decode connector whose engine cannot start reports why (its destructor touches only what
+// was set up).
+TEST(ConnectorCreateTest, DecodeEngineThatCannotStartIsAnError) {
+  Side side(TinyGeometry(), 4, 16, 0);
+  DecodeConnectorOptions o;
+  o.engine.transport = "bogus";
+  auto d = DecodeConnector::Create(o, side.pool.get(), side.aux.get());
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("unknown transport 'bogus'"), std::string::npos)
+      << d.status().ToString();
+}
+
 class ConnectorTest : public ::testing::Test {
  protected:
   void Start(int prefill_page_size = 4, int decode_page_size = 4) {

@@ -106,6 +106,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     return OkStatus();
   }
 
+  // Also ends a connector whose Init failed part way: only the parts it set up are touched.
   ~DecodeConnectorImpl() override {
     {
       std::lock_guard<std::mutex> lock(timer_mu_);
@@ -114,8 +115,8 @@ class DecodeConnectorImpl : public DecodeConnector {
     timer_cv_.notify_all();
     if (timer_.joinable()) timer_.join();
     if (heartbeat_.joinable()) heartbeat_.join();
-    engine_->SetNotificationHandler(nullptr);
-    bootstrap_->Close();
+    if (engine_ != nullptr) engine_->SetNotificationHandler(nullptr);
+    if (bootstrap_ != nullptr) bootstrap_->Close();
     // Scatters free regions (may post grants and aborts), and a failed grant posts its abort
     // notice on control_: staging closes first.
     if (staging_ != nullptr) staging_->Close();
