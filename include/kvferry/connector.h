@@ -182,7 +182,9 @@ struct DecodeConnectorOptions {
   // From WaitingForInput to Success at most this long. Default 60 s.
   std::chrono::milliseconds waiting_timeout{60000};
   // Heartbeat to each prefill rank with live rooms; after `heartbeat_max_failures` misses in
-  // a row its rooms fail. Defaults 2 s and 3.
+  // a row its rooms fail. A heartbeat whose connection fails (kUnavailable) is sent once more
+  // on a new connection; failing again (the prefill rank refuses connections: it is gone), its
+  // rooms fail at once. Defaults 2 s and 3.
   std::chrono::milliseconds heartbeat_interval{2000};
   int heartbeat_max_failures = 3;
   // Threads doing bootstrap work (HTTP queries, connects). Default 4.

@@ -9,12 +9,14 @@
 #include <atomic>
 #include <cctype>
 #include <cmath>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -269,7 +271,7 @@ class PageBudget {
 
 struct Totals {
   std::atomic<uint64_t> done{0}, failed{0}, rejected{0}, tokens{0}, pages{0}, pages_verified{0},
-      mismatches{0}, bytes{0}, aborted{0}, late_writes{0};
+      mismatches{0}, bytes{0}, aborted{0}, late_writes{0}, not_sent{0};
 };
 
 int Fail(const std::string& message) {
@@ -495,30 +497,75 @@ int RunReplay(ReplayFlags flags) {
   const auto start = Clock::now();
 
   const time_t read_timeout = static_cast<time_t>(3 * flags.instance.timeout_ms / 1000 + 10);
+  // Each worker's clients, made here so that an early stop can cut off their calls.
   auto make_clients = [&](const std::vector<std::string>& addresses) {
     std::vector<std::unique_ptr<httplib::Client>> clients;
     for (const std::string& a : addresses) {
-      clients.push_back(std::move(*ControlClient(a)));  // validated below, before any worker
+      clients.push_back(std::move(*ControlClient(a)));  // validated above
       clients.back()->set_read_timeout(read_timeout);
     }
     return clients;
   };
-  auto worker = [&] {
-    auto prefill_clients = make_clients(prefill_ctl);
-    auto decode_clients = make_clients(decode_ctl);
+  std::vector<std::vector<std::unique_ptr<httplib::Client>>> worker_prefill, worker_decode;
+  for (int w = 0; w < flags.concurrency; ++w) {
+    worker_prefill.push_back(make_clients(prefill_ctl));
+    worker_decode.push_back(make_clients(decode_ctl));
+  }
+  // An early stop (an instance died or refuses connections): no request starts any more, and
+  // the watcher cuts off calls in flight. The first reason is kept, except that how an
+  // instance ended (`ended`) replaces a refused connection.
+  std::mutex stop_mu;
+  std::condition_variable stop_cv;
+  std::atomic<bool> stopping{false};
+  std::string stop_reason;
+  bool stop_reason_ended = false;
+  bool workers_done = false;
+  auto stop_early = [&](const std::string& why, bool ended) {
+    std::lock_guard<std::mutex> lock(stop_mu);
+    if (stop_reason.empty() || (ended && !stop_reason_ended)) {
+      stop_reason = why;
+      stop_reason_ended = ended;
+    }
+    stopping = true;
+    stop_cv.notify_all();
+  };
+  auto check_children = [&] {
+    for (auto& child : children) {
+      std::string how;
+      if (child->Ended(&how)) stop_early(how, /*ended=*/true);
+    }
+  };
+  auto worker = [&](int w) {
+    auto& prefill_clients = worker_prefill[static_cast<size_t>(w)];
+    auto& decode_clients = worker_decode[static_cast<size_t>(w)];
     while (true) {
       size_t i = next++;
       if (i >= requests.size()) return;
       const TraceRequest& r = requests[i];
+      auto finish_one = [&] { progress.Update(++totals.done, totals.bytes.load()); };
+      if (stopping) {
+        ++totals.failed;
+        ++totals.not_sent;
+        finish_one();
+        continue;
+      }
       auto arrival = Clock::now();
       if (flags.time_scale > 0) {
         auto due = start + std::chrono::microseconds(
                                static_cast<int64_t>(r.timestamp_ms * 1000.0 / flags.time_scale));
-        std::this_thread::sleep_until(due);
+        {
+          std::unique_lock<std::mutex> lock(stop_mu);
+          stop_cv.wait_until(lock, due, [&] { return stopping.load(); });
+        }
+        if (stopping) {
+          ++totals.failed;
+          ++totals.not_sent;
+          finish_one();
+          continue;
+        }
         arrival = due;
       }
-      const int64_t pages = (r.input_length + page_size - 1) / page_size;
-      auto finish_one = [&] { progress.Update(++totals.done, totals.bytes.load()); };
+      const int64_t pages = r.input_length / page_size + (r.input_length % page_size != 0);
       if (pages > pool_pages) {
         ++totals.rejected;
         finish_one();
@@ -555,10 +602,16 @@ int RunReplay(ReplayFlags flags) {
         const auto& res = results[k];
         bodies.push_back(res ? json::parse(res->body, nullptr, false) : json());
         if (res && res->status == 413) rejected = true;
+        if (!res && res.error() == httplib::Error::Connection) {
+          // Nobody listens there any more: the other requests would only wait out timeouts.
+          const std::string& at = k < num_decode ? decode_ctl[k] : prefill_ctl[k - num_decode];
+          stop_early(who + " at " + at + " refuses connections", /*ended=*/false);
+        }
         if (!res || res->status != 200 || !bodies.back().value("ok", false)) {
-          if (ok)
-            why =
-                !res ? who + " unreachable" : who + ": " + bodies.back().value("error", res->body);
+          if (ok) {
+            why = !res ? who + " unreachable (" + httplib::to_string(res.error()) + ")"
+                       : who + ": " + bodies.back().value("error", res->body);
+          }
           ok = false;
         }
       }
@@ -658,9 +711,39 @@ int RunReplay(ReplayFlags flags) {
       finish_one();
     }
   };
+  // The watcher: every 100 ms, whether every instance this replay started still runs; once
+  // the run stops early, it cuts off the calls in flight (again each round, for calls that
+  // started meanwhile) until the workers are done.
+  std::thread watcher([&] {
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(stop_mu);
+        stop_cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return workers_done; });
+        if (workers_done) return;
+      }
+      check_children();
+      if (!stopping) continue;
+      for (auto* side : {&worker_prefill, &worker_decode}) {
+        for (auto& clients : *side) {
+          for (auto& c : clients) c->stop();
+        }
+      }
+    }
+  });
   std::vector<std::thread> workers;
-  for (int w = 0; w < flags.concurrency; ++w) workers.emplace_back(worker);
+  for (int w = 0; w < flags.concurrency; ++w) workers.emplace_back(worker, w);
   for (auto& t : workers) t.join();
+  {
+    std::lock_guard<std::mutex> lock(stop_mu);
+    workers_done = true;
+    stop_cv.notify_all();
+  }
+  watcher.join();
+  // An instance of ours that refuses connections is most likely ending: say how it ended.
+  for (int i = 0; i < 10 && stopping && !stop_reason_ended && !children.empty(); ++i) {
+    check_children();
+    if (!stop_reason_ended) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   progress.Finish();
 
@@ -674,7 +757,19 @@ int RunReplay(ReplayFlags flags) {
   };
   const uint64_t transfer_requests = sum_stat(prefill_ctl, "transfer_requests");
   const uint64_t done_by_mailbox = sum_stat(decode_ctl, "rooms_done_by_mailbox");
-  for (auto& child : children) child->Stop();
+  if (stopping) {
+    std::fprintf(stderr, "kvferry replay: stopped early: %s; %llu requests not sent\n",
+                 stop_reason.c_str(), static_cast<unsigned long long>(totals.not_sent.load()));
+  }
+  for (auto& child : children) {
+    // After an early stop the survivors hold rooms that cannot finish: they would wait out
+    // their timeouts before they could shut down.
+    if (stopping) {
+      child->Kill();
+    } else {
+      child->Stop();
+    }
+  }
 
   const double gbps = seconds > 0 ? static_cast<double>(totals.bytes.load()) / seconds / 1e9 : 0;
   json out = {
@@ -682,6 +777,8 @@ int RunReplay(ReplayFlags flags) {
       {"requests_failed", totals.failed.load()},
       {"requests_rejected", totals.rejected.load()},
       {"requests_aborted", totals.aborted.load()},
+      {"requests_not_sent", totals.not_sent.load()},
+      {"stopped_early", stop_reason},
       {"late_writes", totals.late_writes.load()},
       {"tokens", totals.tokens.load()},
       {"pages", totals.pages.load()},
@@ -726,6 +823,7 @@ int RunReplay(ReplayFlags flags) {
       {"requests failed", std::to_string(totals.failed.load())},
       {"requests rejected (larger than pool)", std::to_string(totals.rejected.load())},
       {"requests aborted (--abort-every drill)", std::to_string(totals.aborted.load())},
+      {"requests not sent (stopped early)", std::to_string(totals.not_sent.load())},
       {"pages written after an abort was known", std::to_string(totals.late_writes.load())},
       {"tokens", std::to_string(totals.tokens.load())},
       {"pages", std::to_string(totals.pages.load())},
@@ -758,7 +856,8 @@ int RunReplay(ReplayFlags flags) {
     f << out.dump(2) << "\n";
     if (!f) return Fail("cannot write --json file " + flags.json_path);
   }
-  return totals.failed.load() > 0 || totals.mismatches.load() > 0 || totals.late_writes.load() > 0
+  return stopping || totals.failed.load() > 0 || totals.mismatches.load() > 0 ||
+                 totals.late_writes.load() > 0
              ? 1
              : 0;
 }

@@ -74,7 +74,7 @@ class ConnectorTest : public ::testing::Test {
     DecodeConnectorOptions dopt;
     dopt.waiting_timeout = decode_waiting_timeout_;
     dopt.heartbeat_interval = decode_heartbeat_interval_;
-    dopt.heartbeat_max_failures = 2;
+    dopt.heartbeat_max_failures = decode_heartbeat_max_failures_;
     dopt.done_poll_us = done_poll_us_;
     dopt.done_mailbox = done_mailbox_;
     auto d = DecodeConnector::Create(dopt, decode_->pool.get(), decode_->aux.get());
@@ -118,6 +118,7 @@ class ConnectorTest : public ::testing::Test {
   milliseconds decode_waiting_timeout_{5000};
   milliseconds prefill_heartbeat_timeout_ = PrefillConnectorOptions().heartbeat_timeout;
   milliseconds decode_heartbeat_interval_{100};
+  int decode_heartbeat_max_failures_ = 2;
   int done_poll_us_ = DecodeConnectorOptions().done_poll_us;
   bool done_mailbox_ = true;
   std::unique_ptr<Side> prefill_, decode_;
@@ -355,6 +356,43 @@ TEST_F(ConnectorTest, RoomAfterAnIdleSpellDoesNotFailForSilenceBeforeIt) {
               RoomState::kSuccess);
     ASSERT_TRUE(prefill_conn_->Release(room).ok());
   }
+}
+
+// A prefill rank that refuses connections (its engine is gone) fails decode's rooms with it
+// at the next heartbeat, without waiting for heartbeat_max_failures missed ones (100 s here).
+TEST_F(ConnectorTest, PrefillThatRefusesConnectionsFailsDecodeRoomsAtOnce) {
+  decode_heartbeat_max_failures_ = 1000;
+  Start();
+  std::vector<int32_t> dst = {4, 5};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(18, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  ASSERT_TRUE(prefill_conn_->CreateSender(18, 2).ok());
+  ASSERT_EQ(decode_conn_->Wait(18, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  prefill_conn_.reset();
+  const auto start = std::chrono::steady_clock::now();
+  auto st = decode_conn_->Wait(18, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+  EXPECT_NE(st->error.message().find("unreachable"), std::string::npos) << st->error.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
+}
+
+// A decode rank that refuses connections fails prefill's room at its next chunk, not at the
+// transfer timeout (60 s).
+TEST_F(ConnectorTest, DecodeThatRefusesConnectionsFailsThePrefillRoomAtOnce) {
+  Start();
+  std::vector<int32_t> src = {0, 1}, dst = {4, 5};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(19, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  ASSERT_TRUE(prefill_conn_->CreateSender(19, 2).ok());
+  ASSERT_EQ(prefill_conn_->Wait(19, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  decode_conn_.reset();
+  const auto start = std::chrono::steady_clock::now();
+  Status sent = prefill_conn_->SendChunk(19, 0, src, 0);
+  auto st = prefill_conn_->Wait(19, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(st->state, RoomState::kFailed) << sent.ToString();
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
 }
 
 TEST_F(ConnectorTest, BadSendChunkArgumentsAreRefused) {

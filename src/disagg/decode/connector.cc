@@ -352,24 +352,30 @@ class DecodeConnectorImpl : public DecodeConnector {
         ControlMessage hb;
         hb.type = ControlType::kHeartbeat;
         hb.decode_address = engine_address();
-        Status s = engine_->SendNotification(peer->segment, EncodeControl(hb),
-                                             options_.heartbeat_interval);
+        const std::string text = EncodeControl(hb);
+        Status s = engine_->SendNotification(peer->segment, text, options_.heartbeat_interval);
+        // kUnavailable: the connection failed, rather than a slow prefill answering late. Once
+        // more, on a new connection (the failed one is replaced), which a live prefill accepts:
+        // failing again, nobody listens there any more, and its rooms fail now.
+        const bool unreachable =
+            s.code() == StatusCode::kUnavailable &&
+            (s = engine_->SendNotification(peer->segment, text, options_.heartbeat_interval))
+                    .code() == StatusCode::kUnavailable;
         if (s.ok()) {
           peer->heartbeat_failures = 0;
           continue;
         }
         int failures = ++peer->heartbeat_failures;
-        if (failures < options_.heartbeat_max_failures) continue;
-        KVF_LOG_WARN("decode: prefill {} missed {} heartbeats: {}", peer->engine_address, failures,
-                     s.message());
+        if (!unreachable && failures < options_.heartbeat_max_failures) continue;
+        const std::string why =
+            unreachable
+                ? "prefill " + peer->engine_address +
+                      " is unreachable (a heartbeat on a new connection failed too): " + s.message()
+                : "prefill " + peer->engine_address + " missed " + std::to_string(failures) +
+                      " heartbeats: " + s.message();
+        KVF_LOG_WARN("decode: {}", why);
         pairing_->Forget(peer->bootstrap_address);  // later rooms bootstrap afresh
-        for (uint64_t room : rooms) {
-          completion_->Fail(
-              room,
-              UnavailableError("prefill " + peer->engine_address + " missed " +
-                               std::to_string(failures) + " heartbeats: " + s.message()),
-              false);
-        }
+        for (uint64_t room : rooms) completion_->Fail(room, UnavailableError(why), false);
       }
     }
   }
