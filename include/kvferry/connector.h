@@ -95,7 +95,8 @@ class PrefillConnector {
   // Starts a room for a request of `num_pages` pages whose linear-attention state (hybrid
   // models) sits in `state_slot` of options.state_pool (-1 without a state pool). The slot must
   // hold the final state when the last chunk is sent. Errors: kAlreadyExists (duplicate room
-  // id: only this request is refused), kInvalidArgument, kOutOfRange (state slot).
+  // id: only this request is refused), kInvalidArgument (num_pages < 1, or more than the 4M
+  // pages one room can carry), kOutOfRange (state slot).
   virtual Status CreateSender(uint64_t room, int64_t num_pages, int32_t state_slot) = 0;
   Status CreateSender(uint64_t room, int64_t num_pages) {
     return CreateSender(room, num_pages, -1);

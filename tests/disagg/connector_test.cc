@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -417,6 +418,13 @@ TEST_F(ConnectorTest, BadSendChunkArgumentsAreRefused) {
   EXPECT_EQ(prefill_conn_->SendChunk(15, 0, std::vector<int32_t>{0, -1, 2}, 0).code(),
             StatusCode::kOutOfRange);
   EXPECT_TRUE(prefill_conn_->SendChunk(15, 0, src, 0).ok());
+  for (int64_t pages : {int64_t{0}, int64_t{-3}, int64_t{kMaxControlPages} + 1,
+                        std::numeric_limits<int64_t>::max()}) {
+    Status s = prefill_conn_->CreateSender(20, pages);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << pages;
+    EXPECT_NE(s.message().find("request of " + std::to_string(pages) + " pages"), std::string::npos)
+        << s.ToString();
+  }
 }
 
 TEST(ControlMessageTest, RoundTripAndTruncation) {
