@@ -27,6 +27,7 @@
 #include "cuda/device_memory.h"
 #include "kvferry/tp_plan.h"
 #include "tools/commands.h"
+#include "tools/flag_checks.h"
 #include "tools/gpu/baselines.h"
 #include "tools/instance.h"
 #include "tools/stats.h"
@@ -42,18 +43,22 @@ constexpr const char* kDemoTrace = "../shared/traces/conversation_trace.jsonl";
 // Requests the demo replays unless --limit says otherwise: keeps `make demo` near a minute on
 // a 2-core machine with the Llama-3.1-8B geometry (about 1.5 GiB of KV per request).
 constexpr size_t kDemoLimit = 40;
+// The most requests --synthetic generates (the whole conversation trace has about 12,000).
+constexpr int64_t kMaxSyntheticRequests = 1'000'000;
 
 struct ReplayFlags {
   std::string trace;
-  size_t synthetic = 0;
+  int64_t synthetic = 0;
+  bool synthetic_given = false;  // --synthetic was on the command line
   bool demo = false;
-  size_t limit = 0;
+  int64_t limit = 0;
   int concurrency = 4;
   double time_scale = 0;  // 0: as fast as possible
   std::string json_path;
   std::string prefill_address;  // join a running prefill instance (control address)
   std::string decode_address;   // join a running decode instance
-  uint64_t seed = 0;
+  std::string seed_text;        // --seed as typed
+  uint64_t seed = 0;            // parsed from seed_text; 0: random
   int prefill_tp = 1;
   int decode_tp = 1;
   int prefill_cp = 1;
@@ -338,18 +343,40 @@ int RunReplay(ReplayFlags flags) {
   // Validate flags before starting anything.
   auto model = ResolveModel(flags.instance.model, flags.instance.model_config);
   if (!model.ok()) return Fail(model.status().message());
-  if (flags.instance.page_size < 1) return Fail("--page-size must be >= 1");
   auto pool_bytes = ParseByteSize(flags.instance.pool_size);
   if (!pool_bytes.ok()) return Fail("--pool-size: " + pool_bytes.status().message());
-  if (flags.concurrency < 1) return Fail("--concurrency must be >= 1");
-  if (flags.time_scale < 0) return Fail("--time-scale must be >= 0");
-  if (flags.instance.abort_every < 0) return Fail("--abort-every must be >= 0");
+  if (auto staging = ParseByteSize(flags.instance.staging_size); !staging.ok()) {
+    return Fail("--staging-size: " + staging.status().message());
+  }
+  const InstanceFlags& in = flags.instance;
+  std::vector<Status> checks = {
+      CheckFlagRange("--page-size", in.page_size, 1, kMaxPageSize),
+      CheckFlagRange("--concurrency", flags.concurrency, 1, kInstanceHttpThreads),
+      CheckFlagNumber("--time-scale", flags.time_scale, 0.0, 1e9),
+      CheckFlagRange("--limit", flags.limit, 0),
+      CheckFlagRange("--timeout-ms", in.timeout_ms, kMinTimeoutMs, kMaxTimeoutMs),
+      CheckFlagRange("--chunk-tokens", in.chunk_tokens, 1, kMaxChunkTokens),
+      CheckFlagRange("--compute-us-per-layer", in.compute_us_per_layer, 0, kMaxComputeUsPerLayer),
+      CheckFlagRange("--prefill-tp", flags.prefill_tp, 1, kMaxParallelRanks),
+      CheckFlagRange("--decode-tp", flags.decode_tp, 1, kMaxParallelRanks),
+      CheckFlagRange("--prefill-cp", flags.prefill_cp, 1, kMaxParallelRanks),
+      CheckFlagRange("--abort-every", in.abort_every, 0)};
+  if (flags.synthetic_given) {
+    checks.push_back(CheckFlagRange("--synthetic", flags.synthetic, 1, kMaxSyntheticRequests));
+  }
+  for (const Status& checked : checks) {
+    if (!checked.ok()) return Fail(checked.message());
+  }
+  if (!flags.seed_text.empty()) {
+    auto seed = ParseUint64Flag("--seed", flags.seed_text);
+    if (!seed.ok()) return Fail(seed.status().message());
+    flags.seed = *seed;
+  }
   if (flags.instance.abort_every > 0 &&
       (flags.instance.device != "cuda" || !flags.instance.layerwise ||
        flags.instance.compute_us_per_layer <= 0)) {
     return Fail("--abort-every needs --device cuda, --layerwise and --compute-us-per-layer > 0");
   }
-  if (flags.instance.compute_us_per_layer < 0) return Fail("--compute-us-per-layer must be >= 0");
   flags.instance.aux_rows = std::max(flags.instance.aux_rows, 2 * flags.concurrency);
   flags.instance.state_slots = std::max(flags.instance.state_slots, flags.concurrency + 1);
   int gpu_count = 0;
@@ -363,7 +390,7 @@ int RunReplay(ReplayFlags flags) {
 
   std::vector<TraceRequest> requests;
   std::string source;
-  if (flags.demo && flags.limit == 0) flags.limit = kDemoLimit;
+  if (flags.demo && flags.limit == 0) flags.limit = static_cast<int64_t>(kDemoLimit);
   if (flags.demo && flags.trace.empty() && flags.synthetic == 0) {
     if (std::filesystem::exists(kDemoTrace)) {
       flags.trace = kDemoTrace;
@@ -374,13 +401,14 @@ int RunReplay(ReplayFlags flags) {
   if (!flags.trace.empty() && flags.synthetic > 0)
     return Fail("give --trace or --synthetic, not both");
   if (!flags.trace.empty()) {
-    auto t = LoadTrace(flags.trace, flags.limit);
+    auto t = LoadTrace(flags.trace, static_cast<size_t>(flags.limit));
     if (!t.ok()) return Fail(t.status().message());
     requests = std::move(*t);
     source = flags.trace;
   } else if (flags.synthetic > 0) {
-    requests = SyntheticTrace(flags.synthetic, flags.seed + 1);
-    if (flags.limit > 0 && requests.size() > flags.limit) requests.resize(flags.limit);
+    requests = SyntheticTrace(static_cast<size_t>(flags.synthetic), flags.seed + 1);
+    const size_t limit = static_cast<size_t>(flags.limit);
+    if (limit > 0 && requests.size() > limit) requests.resize(limit);
     source = "synthetic (" + std::to_string(requests.size()) + " requests)";
   } else {
     return Fail("give --trace FILE, --synthetic N or --demo");
@@ -388,9 +416,6 @@ int RunReplay(ReplayFlags flags) {
   if (requests.empty()) return Fail("the workload has no requests");
 
   // Instances: join running ones or start our own, one process per attention TP rank.
-  if (flags.prefill_tp < 1 || flags.decode_tp < 1 || flags.prefill_cp < 1) {
-    return Fail("--prefill-tp, --decode-tp and --prefill-cp must be >= 1");
-  }
   if (flags.kv_path != "auto" && flags.kv_path != "direct" && flags.kv_path != "staging" &&
       flags.kv_path != "fused") {
     return Fail("--kv-path " + flags.kv_path + ": must be auto, direct, staging or fused");
@@ -870,7 +895,8 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
       "replay",
       "Replay a request trace through prefill and decode instances, verifying every byte");
   cmd->add_option("--trace", flags->trace, "Mooncake-format JSONL trace");
-  cmd->add_option("--synthetic", flags->synthetic, "Generate N requests with trace-like lengths");
+  CLI::Option* synthetic = cmd->add_option("--synthetic", flags->synthetic,
+                                           "Generate N requests with trace-like lengths");
   cmd->add_flag("--demo", flags->demo,
                 std::string("Embedded default: ") + kDemoTrace + " when present, else synthetic");
   cmd->add_option("--model", flags->instance.model, "Model preset (KV geometry)")
@@ -901,7 +927,7 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
                   "Join a running prefill instance (its control host:port)");
   cmd->add_option("--decode", flags->decode_address,
                   "Join a running decode instance (its control host:port)");
-  cmd->add_option("--seed", flags->seed, "Seed for rooms and the synthetic workload");
+  cmd->add_option("--seed", flags->seed_text, "Seed for rooms and the synthetic workload");
   cmd->add_option("--prefill-tp", flags->prefill_tp,
                   "Prefill attention TP size (one process per rank, each with its heads)")
       ->capture_default_str();
@@ -928,7 +954,10 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
                   "Pools on cpu, or on cuda (each rank its own GPU where they fit, see ReplayGpu; "
                   "verified on the GPU)")
       ->capture_default_str();
-  cmd->callback([run, flags] { *run = [flags] { return RunReplay(*flags); }; });
+  cmd->callback([run, flags, synthetic] {
+    flags->synthetic_given = synthetic->count() > 0;
+    *run = [flags] { return RunReplay(*flags); };
+  });
 }
 
 }  // namespace kvferry::tools
