@@ -161,7 +161,6 @@ class ChildInstance {
   }
 
   const json& info() const { return info_; }
-  const std::string& role() const { return role_; }
 
   // Whether the process ended; then `how` says how and which ("the decode instance (pid 12)
   // was killed by signal 9 (Killed)"). Reaps it.
