@@ -80,7 +80,9 @@ struct PrefillConnectorOptions {
   std::chrono::milliseconds bootstrap_timeout{60000};
   // Deadline of each chunk's transfer batch. Default 60 s.
   std::chrono::milliseconds transfer_timeout{60000};
-  // Rooms of a decode rank that sent no heartbeat for this long fail. Default 30 s.
+  // Rooms of a decode rank that sent nothing (no heartbeat, no other control message) for this
+  // long fail; a room never fails for silence from before it had that decode rank. Default
+  // 30 s.
   std::chrono::milliseconds heartbeat_timeout{30000};
 };
 
@@ -98,7 +100,8 @@ class PrefillConnector {
   // Starts a room for a request of `num_pages` pages whose linear-attention state (hybrid
   // models) sits in `state_slot` of options.state_pool (-1 without a state pool). The slot must
   // hold the final state when the last chunk is sent. Errors: kAlreadyExists (duplicate room
-  // id: only this request is refused), kInvalidArgument, kOutOfRange (state slot).
+  // id: only this request is refused), kInvalidArgument (num_pages < 1, or more than the 4M
+  // pages one room can carry), kOutOfRange (state slot).
   virtual Status CreateSender(uint64_t room, int64_t num_pages, int32_t state_slot) = 0;
   Status CreateSender(uint64_t room, int64_t num_pages) {
     return CreateSender(room, num_pages, -1);
@@ -185,7 +188,9 @@ struct DecodeConnectorOptions {
   // From WaitingForInput to Success at most this long. Default 60 s.
   std::chrono::milliseconds waiting_timeout{60000};
   // Heartbeat to each prefill rank with live rooms; after `heartbeat_max_failures` misses in
-  // a row its rooms fail. Defaults 2 s and 3.
+  // a row its rooms fail. A heartbeat whose connection fails (kUnavailable) is sent once more
+  // on a new connection; failing again (the prefill rank refuses connections: it is gone), its
+  // rooms fail at once. Defaults 2 s and 3.
   std::chrono::milliseconds heartbeat_interval{2000};
   int heartbeat_max_failures = 3;
   // Threads doing bootstrap work (HTTP queries, connects). Default 4.

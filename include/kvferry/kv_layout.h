@@ -166,8 +166,9 @@ class KvLayout {
     return page_bytes() * static_cast<uint64_t>(num_buffers_);
   }
   // Pages needed for `num_tokens` tokens: ceil(num_tokens / page_size); 0 when num_tokens <= 0.
+  // Exact for every int64_t (no rounding up by addition, which overflows near the maximum).
   int64_t NumPages(int64_t num_tokens) const {
-    return num_tokens <= 0 ? 0 : (num_tokens + page_size_ - 1) / page_size_;
+    return num_tokens <= 0 ? 0 : num_tokens / page_size_ + (num_tokens % page_size_ != 0 ? 1 : 0);
   }
 
  private:

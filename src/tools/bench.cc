@@ -342,8 +342,8 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
       Status parsed = ParseFlagHostPort("--listen", target_flags->listen, &options.listen_host,
                                         &options.listen_port);
       StatusOr<uint64_t> size = ParseByteSize(target_flags->buffer_size);
-      if (!parsed.ok() || !size.ok() || *size == 0) {
-        std::fprintf(stderr, "kvferry bench-target: bad --listen or --buffer-size\n");
+      if (!parsed.ok() || !size.ok() || *size == 0 || *target_gpu < 0) {
+        std::fprintf(stderr, "kvferry bench-target: bad --listen, --buffer-size or --gpu\n");
         return kExitUsage;
       }
       options.buffer_bytes = *size;

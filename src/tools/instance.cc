@@ -19,6 +19,7 @@
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
 #include "tools/commands.h"
+#include "tools/flag_checks.h"
 #include "tools/gpu/gpu_pattern.h"
 #include "tools/kv_pattern.h"
 
@@ -27,6 +28,28 @@ namespace kvferry::tools {
 using json = nlohmann::json;
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
+
+Status CheckInstanceFlags(const InstanceFlags& f, bool prefill) {
+  RETURN_IF_ERROR(CheckFlagRange("--page-size", f.page_size, 1, kMaxPageSize));
+  RETURN_IF_ERROR(CheckFlagRange("--control-port", f.control_port, 0, 65535));
+  RETURN_IF_ERROR(CheckFlagRange("--aux-rows", f.aux_rows, 1, kMaxAuxRows));
+  RETURN_IF_ERROR(CheckFlagRange("--state-slots", f.state_slots, 1, kMaxStateSlots));
+  RETURN_IF_ERROR(CheckFlagRange("--timeout-ms", f.timeout_ms, kMinTimeoutMs, kMaxTimeoutMs));
+  RETURN_IF_ERROR(CheckFlagRange("--gpu", f.gpu, 0, kMaxGpu));
+  RETURN_IF_ERROR(CheckFlagRange("--tp-size", f.tp_size, 1, kMaxParallelRanks));
+  RETURN_IF_ERROR(CheckFlagRange("--tp-rank", f.tp_rank, 0, f.tp_size - 1));
+  RETURN_IF_ERROR(CheckFlagRange("--abort-every", f.abort_every, 0));
+  RETURN_IF_ERROR(CheckFlagRange("--exit-with-parent", f.exit_with_parent, 0));
+  if (prefill) {
+    RETURN_IF_ERROR(CheckFlagRange("--bootstrap-port", f.bootstrap_port, 0, 65535));
+    RETURN_IF_ERROR(CheckFlagRange("--cp-size", f.cp_size, 1, kMaxParallelRanks));
+    RETURN_IF_ERROR(CheckFlagRange("--cp-rank", f.cp_rank, 0, f.cp_size - 1));
+    RETURN_IF_ERROR(CheckFlagRange("--chunk-tokens", f.chunk_tokens, 1, kMaxChunkTokens));
+    RETURN_IF_ERROR(
+        CheckFlagRange("--compute-us-per-layer", f.compute_us_per_layer, 0, kMaxComputeUsPerLayer));
+  }
+  return OkStatus();
+}
 
 StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string& model_config) {
   if (!model_config.empty()) {
@@ -158,11 +181,6 @@ struct Instance {
 
   Status Init(bool fragmented) {
     ASSIGN_OR_RETURN(ModelGeometry g, ResolveModel(flags.model, flags.model_config));
-    if (flags.tp_size < 1 || flags.tp_rank < 0 || flags.tp_rank >= flags.tp_size) {
-      return InvalidArgumentError("--tp-rank " + std::to_string(flags.tp_rank) +
-                                  " must be in [0, --tp-size " + std::to_string(flags.tp_size) +
-                                  ")");
-    }
     // A TP rank's pool holds only its share of the heads (replicated when TP > heads).
     total_kv_heads = g.attention == AttentionKind::kMla ? 1 : g.num_kv_heads;
     ASSIGN_OR_RETURN(TpPlan plan,
@@ -185,9 +203,6 @@ struct Instance {
     if (g.hybrid()) {
       ASSIGN_OR_RETURN(StateLayout sl, StateLayout::Create(g, flags.tp_size));
       state_layout = std::make_unique<StateLayout>(sl);
-      if (flags.state_slots < 1) {
-        return InvalidArgumentError("--state-slots must be >= 1 for hybrid model " + g.name);
-      }
       if (flags.device == "cuda") {
         ASSIGN_OR_RETURN(state, StatePool::CreateOnDevice(sl, flags.state_slots, flags.gpu));
       } else {
@@ -418,10 +433,15 @@ void InstallSignalExit(int exit_with_parent) {
   if (::getppid() != exit_with_parent) ::raise(SIGTERM);  // the parent died before prctl
 }
 
-// Start-up shared by both roles: signals, pools, and the engine options of this rank. Returns
-// false (after printing why) when the instance cannot start.
+// Start-up shared by both roles: flag checks, signals, pools, and the engine options of this
+// rank. Returns false (after printing why) when the instance cannot start.
 bool StartInstance(const InstanceFlags& flags, const char* role, Instance* in,
                    EngineOptions* engine) {
+  const bool prefill = std::string(role) == "prefill";
+  if (Status checked = CheckInstanceFlags(flags, prefill); !checked.ok()) {
+    std::fprintf(stderr, "kvferry %s: %s\n", role, checked.message().c_str());
+    return false;
+  }
   InstallSignalExit(flags.exit_with_parent);
   in->flags = flags;
   // The shared secret, and whether the control server may listen on --host with what it has
@@ -431,7 +451,7 @@ bool StartInstance(const InstanceFlags& flags, const char* role, Instance* in,
   if (s.ok()) {
     s = CheckListenSecurity("control server", flags.host, !secret->empty(), flags.auth.insecure);
   }
-  if (s.ok()) s = in->Init(/*fragmented=*/std::string(role) == "decode");
+  if (s.ok()) s = in->Init(/*fragmented=*/!prefill);
   if (!s.ok()) {
     std::fprintf(stderr, "kvferry %s: %s\n", role, s.ToString().c_str());
     return false;

@@ -73,6 +73,25 @@ struct InstanceFlags {
 // How long a decode instance watches a failed room's pages for late writes (abort_every).
 inline constexpr int kLateWriteGraceMs = 50;
 
+// Requests an instance serves at once (its HTTP threads), the most a replay keeps in flight.
+inline constexpr int kInstanceHttpThreads = 128;
+
+// Ranges of the numeric instance flags (CheckInstanceFlags), shared with the replay's.
+inline constexpr int kMaxPageSize = 4096;
+inline constexpr int64_t kMinTimeoutMs = 100;
+inline constexpr int64_t kMaxTimeoutMs = 86'400'000;  // a day
+inline constexpr int64_t kMaxChunkTokens = int64_t{1} << 30;
+inline constexpr int64_t kMaxComputeUsPerLayer = 10'000'000;  // 10 s
+inline constexpr int kMaxParallelRanks = 64;                  // TP or CP size
+inline constexpr int kMaxAuxRows = 1 << 20;
+inline constexpr int kMaxStateSlots = 1 << 16;
+inline constexpr int kMaxGpu = 1023;
+
+// Checks every numeric flag of an instance (prefill's own ones with `prefill`) against its
+// range. Errors: kInvalidArgument naming the flag, e.g. "--aux-rows must be in 1..1048576,
+// got 0".
+Status CheckInstanceFlags(const InstanceFlags& flags, bool prefill);
+
 // Resolves --model / --model-config. Errors name the flag and value.
 StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string& model_config);
 

@@ -1,17 +1,22 @@
 // `kvferry replay`: replays a request trace through a prefill and a decode instance and
 // verifies every byte that lands in decode's pools.
+#include <fcntl.h>
 #include <httplib.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cmath>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -25,6 +30,7 @@
 #include "kvferry/tp_plan.h"
 #include "tools/auth_flags.h"
 #include "tools/commands.h"
+#include "tools/flag_checks.h"
 #include "tools/gpu/baselines.h"
 #include "tools/instance.h"
 #include "tools/stats.h"
@@ -40,18 +46,22 @@ constexpr const char* kDemoTrace = "../shared/traces/conversation_trace.jsonl";
 // Requests the demo replays unless --limit says otherwise: keeps `make demo` near a minute on
 // a 2-core machine with the Llama-3.1-8B geometry (about 1.5 GiB of KV per request).
 constexpr size_t kDemoLimit = 40;
+// The most requests --synthetic generates (the whole conversation trace has about 12,000).
+constexpr int64_t kMaxSyntheticRequests = 1'000'000;
 
 struct ReplayFlags {
   std::string trace;
-  size_t synthetic = 0;
+  int64_t synthetic = 0;
+  bool synthetic_given = false;  // --synthetic was on the command line
   bool demo = false;
-  size_t limit = 0;
+  int64_t limit = 0;
   int concurrency = 4;
   double time_scale = 0;  // 0: as fast as possible
   std::string json_path;
   std::string prefill_address;  // join a running prefill instance (control address)
   std::string decode_address;   // join a running decode instance
-  uint64_t seed = 0;
+  std::string seed_text;        // --seed as typed
+  uint64_t seed = 0;            // parsed from seed_text; 0: random
   int prefill_tp = 1;
   int decode_tp = 1;
   int prefill_cp = 1;
@@ -70,17 +80,43 @@ StatusOr<std::unique_ptr<httplib::Client>> ControlClient(const std::string& addr
   return client;
 }
 
-// A child instance process started by the replay.
+// How a process that ended (waitpid's `status`) ended, e.g. "was killed by signal 9 (Killed)".
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return "was killed by signal " + std::to_string(sig) + " (" + ::strsignal(sig) + ")";
+  }
+  return "ended (wait status " + std::to_string(status) + ")";
+}
+
+// A child instance process started by the replay. Its stdout carries the ready line. What it
+// writes to stderr is held back until it is ready, then copied to the replay's stderr as it
+// comes: an instance that exits before it is ready is reported with what it said.
+//
+// Thread-safety: Ended may run on another thread than Start and Stop (it takes mu_).
 class ChildInstance {
  public:
-  ~ChildInstance() { Stop(); }
+  ~ChildInstance() {
+    Stop();
+    if (stderr_thread_.joinable()) stderr_thread_.join();
+  }
 
   // Starts `kvferry <role> <args>` holding `secret` (through its environment's
   // KVFERRY_AUTH_TOKEN, never its command line) and waits for its ready line.
   Status Start(const std::string& role, const std::vector<std::string>& args,
                const std::string& secret) {
+    role_ = role;
     secret_ = secret;
-    // Everything the child needs is built before fork: after it, only async-signal-safe calls.
+    int out[2], err[2];
+    if (::pipe2(out, O_CLOEXEC) != 0) return InternalError("pipe failed");
+    if (::pipe2(err, O_CLOEXEC) != 0) {
+      ::close(out[0]);
+      ::close(out[1]);
+      return InternalError("pipe failed");
+    }
+    // Built before fork: other threads (earlier children's stderr copies) may hold the
+    // allocator's or stdio's locks at fork, so the child only calls async-signal-safe functions.
     std::vector<std::string> argv_s = {"kvferry", role};
     argv_s.insert(argv_s.end(), args.begin(), args.end());
     std::vector<char*> argv;
@@ -88,19 +124,23 @@ class ChildInstance {
     argv.push_back(nullptr);
     std::vector<std::string> env_storage;
     std::vector<char*> env = ChildEnvironment(secret, &env_storage);
-    int out[2];
-    if (::pipe(out) != 0) return InternalError("pipe failed");
     pid_ = ::fork();
-    if (pid_ < 0) return InternalError("fork failed");
+    if (pid_ < 0) {
+      for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
+      return InternalError("fork failed");
+    }
     if (pid_ == 0) {
       ::dup2(out[1], STDOUT_FILENO);
-      ::close(out[0]);
-      ::close(out[1]);
+      ::dup2(err[1], STDERR_FILENO);
       ::execve("/proc/self/exe", argv.data(), env.data());
-      std::perror("kvferry replay: exec");
+      static const char kExecFailed[] = "kvferry replay: cannot exec /proc/self/exe\n";
+      [[maybe_unused]] ssize_t ignored =
+          ::write(STDERR_FILENO, kExecFailed, sizeof(kExecFailed) - 1);
       ::_exit(127);
     }
     ::close(out[1]);
+    ::close(err[1]);
+    stderr_thread_ = std::thread([this, fd = err[0]] { CopyStderr(fd); });
     FILE* f = ::fdopen(out[0], "r");
     char line[4096];
     std::string text;
@@ -114,18 +154,43 @@ class ChildInstance {
       int status = 0;
       ::waitpid(pid_, &status, 0);
       pid_ = -1;
-      return UnavailableError("the " + role +
-                              " instance exited before it was ready (see its "
-                              "error above)");
+      stderr_thread_.join();  // the pipe ends with the process
+      std::string said = held_stderr_;
+      while (!said.empty() && std::isspace(static_cast<unsigned char>(said.back()))) {
+        said.pop_back();
+      }
+      return UnavailableError(
+          "the " + role + " instance " + DescribeExit(status) +
+          " before it was ready: " + (said.empty() ? "it printed nothing" : said));
     }
     info_ = json::parse(text.substr(14), nullptr, false);
     if (info_.is_discarded()) return InternalError("bad ready line from " + role + ": " + text);
+    {
+      std::lock_guard<std::mutex> lock(stderr_mu_);
+      std::fwrite(held_stderr_.data(), 1, held_stderr_.size(), stderr);
+      held_stderr_.clear();
+      ready_ = true;
+    }
     return OkStatus();
   }
 
   const json& info() const { return info_; }
 
+  // Whether the process ended; then `how` says how and which ("the decode instance (pid 12)
+  // was killed by signal 9 (Killed)"). Reaps it.
+  bool Ended(std::string* how) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) != pid_) return false;
+    *how = "the " + role_ + " instance (pid " + std::to_string(pid_) + ") " + DescribeExit(status);
+    pid_ = -1;
+    return true;
+  }
+
+  // Asks the instance to shut down; kills it when it has not ended within 5 s.
   void Stop() {
+    std::lock_guard<std::mutex> lock(mu_);
     if (pid_ <= 0) return;
     if (info_.contains("control_address")) {
       if (auto c = ControlClient(info_["control_address"], secret_); c.ok()) {
@@ -146,10 +211,47 @@ class ChildInstance {
     pid_ = -1;
   }
 
+  // Kills the instance at once (its rooms are lost).
+  void Kill() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
  private:
+  // Copies the child's stderr (`fd`) to ours once it is ready; holds the last 64 KiB of it
+  // until then.
+  void CopyStderr(int fd) {
+    constexpr size_t kHeldBytes = 64 << 10;
+    char buf[4096];
+    while (true) {
+      const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      std::lock_guard<std::mutex> lock(stderr_mu_);
+      if (ready_) {
+        std::fwrite(buf, 1, static_cast<size_t>(n), stderr);
+      } else {
+        held_stderr_.append(buf, static_cast<size_t>(n));
+        if (held_stderr_.size() > kHeldBytes) {
+          held_stderr_.erase(0, held_stderr_.size() - kHeldBytes);
+        }
+      }
+    }
+    ::close(fd);
+  }
+
+  std::string role_;
+  std::mutex mu_;  // pid_
   pid_t pid_ = -1;
   json info_;
   std::string secret_;
+  std::thread stderr_thread_;
+  std::mutex stderr_mu_;  // ready_, held_stderr_
+  bool ready_ = false;
+  std::string held_stderr_;
 };
 
 StatusOr<json> GetJson(const std::string& address, const std::string& path,
@@ -194,7 +296,7 @@ class PageBudget {
 
 struct Totals {
   std::atomic<uint64_t> done{0}, failed{0}, rejected{0}, tokens{0}, pages{0}, pages_verified{0},
-      mismatches{0}, bytes{0}, aborted{0}, late_writes{0};
+      mismatches{0}, bytes{0}, aborted{0}, late_writes{0}, not_sent{0};
 };
 
 int Fail(const std::string& message) {
@@ -261,18 +363,40 @@ int RunReplay(ReplayFlags flags) {
   // Validate flags before starting anything.
   auto model = ResolveModel(flags.instance.model, flags.instance.model_config);
   if (!model.ok()) return Fail(model.status().message());
-  if (flags.instance.page_size < 1) return Fail("--page-size must be >= 1");
   auto pool_bytes = ParseByteSize(flags.instance.pool_size);
   if (!pool_bytes.ok()) return Fail("--pool-size: " + pool_bytes.status().message());
-  if (flags.concurrency < 1) return Fail("--concurrency must be >= 1");
-  if (flags.time_scale < 0) return Fail("--time-scale must be >= 0");
-  if (flags.instance.abort_every < 0) return Fail("--abort-every must be >= 0");
+  if (auto staging = ParseByteSize(flags.instance.staging_size); !staging.ok()) {
+    return Fail("--staging-size: " + staging.status().message());
+  }
+  const InstanceFlags& in = flags.instance;
+  std::vector<Status> checks = {
+      CheckFlagRange("--page-size", in.page_size, 1, kMaxPageSize),
+      CheckFlagRange("--concurrency", flags.concurrency, 1, kInstanceHttpThreads),
+      CheckFlagNumber("--time-scale", flags.time_scale, 0.0, 1e9),
+      CheckFlagRange("--limit", flags.limit, 0),
+      CheckFlagRange("--timeout-ms", in.timeout_ms, kMinTimeoutMs, kMaxTimeoutMs),
+      CheckFlagRange("--chunk-tokens", in.chunk_tokens, 1, kMaxChunkTokens),
+      CheckFlagRange("--compute-us-per-layer", in.compute_us_per_layer, 0, kMaxComputeUsPerLayer),
+      CheckFlagRange("--prefill-tp", flags.prefill_tp, 1, kMaxParallelRanks),
+      CheckFlagRange("--decode-tp", flags.decode_tp, 1, kMaxParallelRanks),
+      CheckFlagRange("--prefill-cp", flags.prefill_cp, 1, kMaxParallelRanks),
+      CheckFlagRange("--abort-every", in.abort_every, 0)};
+  if (flags.synthetic_given) {
+    checks.push_back(CheckFlagRange("--synthetic", flags.synthetic, 1, kMaxSyntheticRequests));
+  }
+  for (const Status& checked : checks) {
+    if (!checked.ok()) return Fail(checked.message());
+  }
+  if (!flags.seed_text.empty()) {
+    auto seed = ParseUint64Flag("--seed", flags.seed_text);
+    if (!seed.ok()) return Fail(seed.status().message());
+    flags.seed = *seed;
+  }
   if (flags.instance.abort_every > 0 &&
       (flags.instance.device != "cuda" || !flags.instance.layerwise ||
        flags.instance.compute_us_per_layer <= 0)) {
     return Fail("--abort-every needs --device cuda, --layerwise and --compute-us-per-layer > 0");
   }
-  if (flags.instance.compute_us_per_layer < 0) return Fail("--compute-us-per-layer must be >= 0");
   flags.instance.aux_rows = std::max(flags.instance.aux_rows, 2 * flags.concurrency);
   flags.instance.state_slots = std::max(flags.instance.state_slots, flags.concurrency + 1);
   int gpu_count = 0;
@@ -286,7 +410,7 @@ int RunReplay(ReplayFlags flags) {
 
   std::vector<TraceRequest> requests;
   std::string source;
-  if (flags.demo && flags.limit == 0) flags.limit = kDemoLimit;
+  if (flags.demo && flags.limit == 0) flags.limit = static_cast<int64_t>(kDemoLimit);
   if (flags.demo && flags.trace.empty() && flags.synthetic == 0) {
     if (std::filesystem::exists(kDemoTrace)) {
       flags.trace = kDemoTrace;
@@ -297,13 +421,14 @@ int RunReplay(ReplayFlags flags) {
   if (!flags.trace.empty() && flags.synthetic > 0)
     return Fail("give --trace or --synthetic, not both");
   if (!flags.trace.empty()) {
-    auto t = LoadTrace(flags.trace, flags.limit);
+    auto t = LoadTrace(flags.trace, static_cast<size_t>(flags.limit));
     if (!t.ok()) return Fail(t.status().message());
     requests = std::move(*t);
     source = flags.trace;
   } else if (flags.synthetic > 0) {
-    requests = SyntheticTrace(flags.synthetic, flags.seed + 1);
-    if (flags.limit > 0 && requests.size() > flags.limit) requests.resize(flags.limit);
+    requests = SyntheticTrace(static_cast<size_t>(flags.synthetic), flags.seed + 1);
+    const size_t limit = static_cast<size_t>(flags.limit);
+    if (limit > 0 && requests.size() > limit) requests.resize(limit);
     source = "synthetic (" + std::to_string(requests.size()) + " requests)";
   } else {
     return Fail("give --trace FILE, --synthetic N or --demo");
@@ -311,9 +436,6 @@ int RunReplay(ReplayFlags flags) {
   if (requests.empty()) return Fail("the workload has no requests");
 
   // Instances: join running ones or start our own, one process per attention TP rank.
-  if (flags.prefill_tp < 1 || flags.decode_tp < 1 || flags.prefill_cp < 1) {
-    return Fail("--prefill-tp, --decode-tp and --prefill-cp must be >= 1");
-  }
   if (flags.kv_path != "auto" && flags.kv_path != "direct" && flags.kv_path != "staging" &&
       flags.kv_path != "fused") {
     return Fail("--kv-path " + flags.kv_path + ": must be auto, direct, staging or fused");
@@ -433,30 +555,75 @@ int RunReplay(ReplayFlags flags) {
   const auto start = Clock::now();
 
   const time_t read_timeout = static_cast<time_t>(3 * flags.instance.timeout_ms / 1000 + 10);
+  // Each worker's clients, made here so that an early stop can cut off their calls.
   auto make_clients = [&](const std::vector<std::string>& addresses) {
     std::vector<std::unique_ptr<httplib::Client>> clients;
     for (const std::string& a : addresses) {
-      clients.push_back(std::move(*ControlClient(a, secret)));  // validated before any worker
+      clients.push_back(std::move(*ControlClient(a, secret)));  // validated above
       clients.back()->set_read_timeout(read_timeout);
     }
     return clients;
   };
-  auto worker = [&] {
-    auto prefill_clients = make_clients(prefill_ctl);
-    auto decode_clients = make_clients(decode_ctl);
+  std::vector<std::vector<std::unique_ptr<httplib::Client>>> worker_prefill, worker_decode;
+  for (int w = 0; w < flags.concurrency; ++w) {
+    worker_prefill.push_back(make_clients(prefill_ctl));
+    worker_decode.push_back(make_clients(decode_ctl));
+  }
+  // An early stop (an instance died or refuses connections): no request starts any more, and
+  // the watcher cuts off calls in flight. The first reason is kept, except that how an
+  // instance ended (`ended`) replaces a refused connection.
+  std::mutex stop_mu;
+  std::condition_variable stop_cv;
+  std::atomic<bool> stopping{false};
+  std::string stop_reason;
+  bool stop_reason_ended = false;
+  bool workers_done = false;
+  auto stop_early = [&](const std::string& why, bool ended) {
+    std::lock_guard<std::mutex> lock(stop_mu);
+    if (stop_reason.empty() || (ended && !stop_reason_ended)) {
+      stop_reason = why;
+      stop_reason_ended = ended;
+    }
+    stopping = true;
+    stop_cv.notify_all();
+  };
+  auto check_children = [&] {
+    for (auto& child : children) {
+      std::string how;
+      if (child->Ended(&how)) stop_early(how, /*ended=*/true);
+    }
+  };
+  auto worker = [&](int w) {
+    auto& prefill_clients = worker_prefill[static_cast<size_t>(w)];
+    auto& decode_clients = worker_decode[static_cast<size_t>(w)];
     while (true) {
       size_t i = next++;
       if (i >= requests.size()) return;
       const TraceRequest& r = requests[i];
+      auto finish_one = [&] { progress.Update(++totals.done, totals.bytes.load()); };
+      if (stopping) {
+        ++totals.failed;
+        ++totals.not_sent;
+        finish_one();
+        continue;
+      }
       auto arrival = Clock::now();
       if (flags.time_scale > 0) {
         auto due = start + std::chrono::microseconds(
                                static_cast<int64_t>(r.timestamp_ms * 1000.0 / flags.time_scale));
-        std::this_thread::sleep_until(due);
+        {
+          std::unique_lock<std::mutex> lock(stop_mu);
+          stop_cv.wait_until(lock, due, [&] { return stopping.load(); });
+        }
+        if (stopping) {
+          ++totals.failed;
+          ++totals.not_sent;
+          finish_one();
+          continue;
+        }
         arrival = due;
       }
-      const int64_t pages = (r.input_length + page_size - 1) / page_size;
-      auto finish_one = [&] { progress.Update(++totals.done, totals.bytes.load()); };
+      const int64_t pages = r.input_length / page_size + (r.input_length % page_size != 0);
       if (pages > pool_pages) {
         ++totals.rejected;
         finish_one();
@@ -493,10 +660,16 @@ int RunReplay(ReplayFlags flags) {
         const auto& res = results[k];
         bodies.push_back(res ? json::parse(res->body, nullptr, false) : json());
         if (res && res->status == 413) rejected = true;
+        if (!res && res.error() == httplib::Error::Connection) {
+          // Nobody listens there any more: the other requests would only wait out timeouts.
+          const std::string& at = k < num_decode ? decode_ctl[k] : prefill_ctl[k - num_decode];
+          stop_early(who + " at " + at + " refuses connections", /*ended=*/false);
+        }
         if (!res || res->status != 200 || !bodies.back().value("ok", false)) {
-          if (ok)
-            why =
-                !res ? who + " unreachable" : who + ": " + bodies.back().value("error", res->body);
+          if (ok) {
+            why = !res ? who + " unreachable (" + httplib::to_string(res.error()) + ")"
+                       : who + ": " + bodies.back().value("error", res->body);
+          }
           ok = false;
         }
       }
@@ -596,9 +769,39 @@ int RunReplay(ReplayFlags flags) {
       finish_one();
     }
   };
+  // The watcher: every 100 ms, whether every instance this replay started still runs; once
+  // the run stops early, it cuts off the calls in flight (again each round, for calls that
+  // started meanwhile) until the workers are done.
+  std::thread watcher([&] {
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(stop_mu);
+        stop_cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return workers_done; });
+        if (workers_done) return;
+      }
+      check_children();
+      if (!stopping) continue;
+      for (auto* side : {&worker_prefill, &worker_decode}) {
+        for (auto& clients : *side) {
+          for (auto& c : clients) c->stop();
+        }
+      }
+    }
+  });
   std::vector<std::thread> workers;
-  for (int w = 0; w < flags.concurrency; ++w) workers.emplace_back(worker);
+  for (int w = 0; w < flags.concurrency; ++w) workers.emplace_back(worker, w);
   for (auto& t : workers) t.join();
+  {
+    std::lock_guard<std::mutex> lock(stop_mu);
+    workers_done = true;
+    stop_cv.notify_all();
+  }
+  watcher.join();
+  // An instance of ours that refuses connections is most likely ending: say how it ended.
+  for (int i = 0; i < 10 && stopping && !stop_reason_ended && !children.empty(); ++i) {
+    check_children();
+    if (!stop_reason_ended) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   progress.Finish();
 
@@ -612,7 +815,19 @@ int RunReplay(ReplayFlags flags) {
   };
   const uint64_t transfer_requests = sum_stat(prefill_ctl, "transfer_requests");
   const uint64_t done_by_mailbox = sum_stat(decode_ctl, "rooms_done_by_mailbox");
-  for (auto& child : children) child->Stop();
+  if (stopping) {
+    std::fprintf(stderr, "kvferry replay: stopped early: %s; %llu requests not sent\n",
+                 stop_reason.c_str(), static_cast<unsigned long long>(totals.not_sent.load()));
+  }
+  for (auto& child : children) {
+    // After an early stop the survivors hold rooms that cannot finish: they would wait out
+    // their timeouts before they could shut down.
+    if (stopping) {
+      child->Kill();
+    } else {
+      child->Stop();
+    }
+  }
 
   const double gbps = seconds > 0 ? static_cast<double>(totals.bytes.load()) / seconds / 1e9 : 0;
   json out = {
@@ -620,6 +835,8 @@ int RunReplay(ReplayFlags flags) {
       {"requests_failed", totals.failed.load()},
       {"requests_rejected", totals.rejected.load()},
       {"requests_aborted", totals.aborted.load()},
+      {"requests_not_sent", totals.not_sent.load()},
+      {"stopped_early", stop_reason},
       {"late_writes", totals.late_writes.load()},
       {"tokens", totals.tokens.load()},
       {"pages", totals.pages.load()},
@@ -665,6 +882,7 @@ int RunReplay(ReplayFlags flags) {
       {"requests failed", std::to_string(totals.failed.load())},
       {"requests rejected (larger than pool)", std::to_string(totals.rejected.load())},
       {"requests aborted (--abort-every drill)", std::to_string(totals.aborted.load())},
+      {"requests not sent (stopped early)", std::to_string(totals.not_sent.load())},
       {"pages written after an abort was known", std::to_string(totals.late_writes.load())},
       {"tokens", std::to_string(totals.tokens.load())},
       {"pages", std::to_string(totals.pages.load())},
@@ -697,7 +915,8 @@ int RunReplay(ReplayFlags flags) {
     f << out.dump(2) << "\n";
     if (!f) return Fail("cannot write --json file " + flags.json_path);
   }
-  return totals.failed.load() > 0 || totals.mismatches.load() > 0 || totals.late_writes.load() > 0
+  return stopping || totals.failed.load() > 0 || totals.mismatches.load() > 0 ||
+                 totals.late_writes.load() > 0
              ? 1
              : 0;
 }
@@ -710,7 +929,8 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
       "replay",
       "Replay a request trace through prefill and decode instances, verifying every byte");
   cmd->add_option("--trace", flags->trace, "Mooncake-format JSONL trace");
-  cmd->add_option("--synthetic", flags->synthetic, "Generate N requests with trace-like lengths");
+  CLI::Option* synthetic = cmd->add_option("--synthetic", flags->synthetic,
+                                           "Generate N requests with trace-like lengths");
   cmd->add_flag("--demo", flags->demo,
                 std::string("Embedded default: ") + kDemoTrace + " when present, else synthetic");
   cmd->add_option("--model", flags->instance.model, "Model preset (KV geometry)")
@@ -741,7 +961,7 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
                   "Join a running prefill instance (its control host:port)");
   cmd->add_option("--decode", flags->decode_address,
                   "Join a running decode instance (its control host:port)");
-  cmd->add_option("--seed", flags->seed, "Seed for rooms and the synthetic workload");
+  cmd->add_option("--seed", flags->seed_text, "Seed for rooms and the synthetic workload");
   AddAuthFlags(cmd, &flags->auth);
   cmd->add_option("--prefill-tp", flags->prefill_tp,
                   "Prefill attention TP size (one process per rank, each with its heads)")
@@ -769,7 +989,10 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
                   "Pools on cpu, or on cuda (each rank its own GPU where they fit, see ReplayGpu; "
                   "verified on the GPU)")
       ->capture_default_str();
-  cmd->callback([run, flags] { *run = [flags] { return RunReplay(*flags); }; });
+  cmd->callback([run, flags, synthetic] {
+    flags->synthetic_given = synthetic->count() > 0;
+    *run = [flags] { return RunReplay(*flags); };
+  });
 }
 
 }  // namespace kvferry::tools

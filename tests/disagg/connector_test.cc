@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -47,6 +48,19 @@ TEST(ConnectorCreateTest, RefusesBadBootstrapAddresses) {
   }
 }
 
+// A decode connector whose engine cannot start reports why (its destructor touches only what
+// was set up).
+TEST(ConnectorCreateTest, DecodeEngineThatCannotStartIsAnError) {
+  Side side(TinyGeometry(), 4, 16, 0);
+  DecodeConnectorOptions o;
+  o.engine.transport = "bogus";
+  auto d = DecodeConnector::Create(o, side.pool.get(), side.aux.get());
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("unknown transport 'bogus'"), std::string::npos)
+      << d.status().ToString();
+}
+
 class ConnectorTest : public ::testing::Test {
  protected:
   void Start(int prefill_page_size = 4, int decode_page_size = 4) {
@@ -54,13 +68,14 @@ class ConnectorTest : public ::testing::Test {
     decode_ = std::make_unique<Side>(TinyGeometry(), decode_page_size, 256, 99);
     PrefillConnectorOptions po;
     po.bootstrap_timeout = prefill_bootstrap_timeout_;
+    po.heartbeat_timeout = prefill_heartbeat_timeout_;
     auto p = PrefillConnector::Create(po, prefill_->pool.get(), prefill_->aux.get());
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     prefill_conn_ = std::move(*p);
     DecodeConnectorOptions dopt;
     dopt.waiting_timeout = decode_waiting_timeout_;
-    dopt.heartbeat_interval = milliseconds(100);
-    dopt.heartbeat_max_failures = 2;
+    dopt.heartbeat_interval = decode_heartbeat_interval_;
+    dopt.heartbeat_max_failures = decode_heartbeat_max_failures_;
     dopt.done_poll_us = done_poll_us_;
     dopt.done_mailbox = done_mailbox_;
     auto d = DecodeConnector::Create(dopt, decode_->pool.get(), decode_->aux.get());
@@ -102,6 +117,9 @@ class ConnectorTest : public ::testing::Test {
 
   milliseconds prefill_bootstrap_timeout_{5000};
   milliseconds decode_waiting_timeout_{5000};
+  milliseconds prefill_heartbeat_timeout_ = PrefillConnectorOptions().heartbeat_timeout;
+  milliseconds decode_heartbeat_interval_{100};
+  int decode_heartbeat_max_failures_ = 2;
   int done_poll_us_ = DecodeConnectorOptions().done_poll_us;
   bool done_mailbox_ = true;
   std::unique_ptr<Side> prefill_, decode_;
@@ -311,6 +329,73 @@ TEST_F(ConnectorTest, DeadPrefillFailsDecodeRoomsThroughHeartbeat) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(2000));
 }
 
+// Decode heartbeats a prefill rank only while it has rooms with it: a room that comes after a
+// longer idle spell must not fail for the silence from before it existed. (Decode's heartbeat
+// interval is longer than prefill's timeout here, so the room lives on its own messages.)
+TEST_F(ConnectorTest, RoomAfterAnIdleSpellDoesNotFailForSilenceBeforeIt) {
+  prefill_heartbeat_timeout_ = milliseconds(1000);
+  decode_heartbeat_interval_ = milliseconds(60000);
+  Start();
+  for (uint64_t room : {31, 32}) {
+    SCOPED_TRACE("room " + std::to_string(room));
+    if (room == 32) std::this_thread::sleep_for(milliseconds(1300));  // idle, no room
+    std::vector<int32_t> src = {0, 1}, dst = {4, 5};
+    ASSERT_TRUE(
+        decode_conn_->CreateReceiver(room, prefill_conn_->bootstrap_address(), dst, 0).ok());
+    ASSERT_TRUE(prefill_conn_->CreateSender(room, 2).ok());
+    ASSERT_EQ(prefill_conn_->Wait(room, RoomState::kWaitingForInput, milliseconds(5000))->state,
+              RoomState::kWaitingForInput);
+    std::this_thread::sleep_for(milliseconds(100));  // several rounds of prefill's timer
+    FillTokens(prefill_->layout, *prefill_->pool, room, src, 0, 8);
+    FillAuxRow(prefill_->aux->layout(), prefill_->aux->Row(0), room);
+    Status sent = prefill_conn_->SendChunk(room, 0, src, 0);
+    ASSERT_TRUE(sent.ok()) << sent.ToString();
+    auto st = decode_conn_->Wait(room, RoomState::kSuccess, milliseconds(5000));
+    ASSERT_EQ(st->state, RoomState::kSuccess) << st->error.ToString();
+    ASSERT_TRUE(decode_conn_->Release(room).ok());
+    ASSERT_EQ(prefill_conn_->Wait(room, RoomState::kSuccess, milliseconds(5000))->state,
+              RoomState::kSuccess);
+    ASSERT_TRUE(prefill_conn_->Release(room).ok());
+  }
+}
+
+// A prefill rank that refuses connections (its engine is gone) fails decode's rooms with it
+// at the next heartbeat, without waiting for heartbeat_max_failures missed ones (100 s here).
+TEST_F(ConnectorTest, PrefillThatRefusesConnectionsFailsDecodeRoomsAtOnce) {
+  decode_heartbeat_max_failures_ = 1000;
+  Start();
+  std::vector<int32_t> dst = {4, 5};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(18, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  ASSERT_TRUE(prefill_conn_->CreateSender(18, 2).ok());
+  ASSERT_EQ(decode_conn_->Wait(18, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  prefill_conn_.reset();
+  const auto start = std::chrono::steady_clock::now();
+  auto st = decode_conn_->Wait(18, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+  EXPECT_NE(st->error.message().find("unreachable"), std::string::npos) << st->error.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
+}
+
+// A decode rank that refuses connections fails prefill's room at its next chunk, not at the
+// transfer timeout (60 s).
+TEST_F(ConnectorTest, DecodeThatRefusesConnectionsFailsThePrefillRoomAtOnce) {
+  Start();
+  std::vector<int32_t> src = {0, 1}, dst = {4, 5};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(19, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  ASSERT_TRUE(prefill_conn_->CreateSender(19, 2).ok());
+  ASSERT_EQ(prefill_conn_->Wait(19, RoomState::kWaitingForInput, milliseconds(5000))->state,
+            RoomState::kWaitingForInput);
+  decode_conn_.reset();
+  const auto start = std::chrono::steady_clock::now();
+  Status sent = prefill_conn_->SendChunk(19, 0, src, 0);
+  auto st = prefill_conn_->Wait(19, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(st->state, RoomState::kFailed) << sent.ToString();
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
+}
+
 TEST_F(ConnectorTest, BadSendChunkArgumentsAreRefused) {
   Start();
   std::vector<int32_t> dst = {4, 5, 6};
@@ -333,6 +418,13 @@ TEST_F(ConnectorTest, BadSendChunkArgumentsAreRefused) {
   EXPECT_EQ(prefill_conn_->SendChunk(15, 0, std::vector<int32_t>{0, -1, 2}, 0).code(),
             StatusCode::kOutOfRange);
   EXPECT_TRUE(prefill_conn_->SendChunk(15, 0, src, 0).ok());
+  for (int64_t pages : {int64_t{0}, int64_t{-3}, int64_t{kMaxControlPages} + 1,
+                        std::numeric_limits<int64_t>::max()}) {
+    Status s = prefill_conn_->CreateSender(20, pages);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << pages;
+    EXPECT_NE(s.message().find("request of " + std::to_string(pages) + " pages"), std::string::npos)
+        << s.ToString();
+  }
 }
 
 TEST(ControlMessageTest, RoundTripAndTruncation) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -147,6 +148,18 @@ TEST(KvLayoutTest, DeepSeekMla) {
   EXPECT_EQ(layout->BufferLayer(60), 60);
   EXPECT_FALSE(layout->BufferIsValue(60));
   EXPECT_EQ(layout->NumPages(7), 7);
+}
+
+// Page counts of the largest token counts, without overflow.
+TEST(KvLayoutTest, NumPagesOfHugeRequestsDoesNotOverflow) {
+  for (int page_size : {1, 7, 16}) {
+    StatusOr<KvLayout> layout = KvLayout::Create(*FindModelPreset("qwen3-8b"), page_size);
+    ASSERT_TRUE(layout.ok());
+    const int64_t max = std::numeric_limits<int64_t>::max();
+    EXPECT_EQ(layout->NumPages(max), max / page_size + (max % page_size != 0)) << page_size;
+    EXPECT_EQ(layout->NumPages(max - 1), (max - 1) / page_size + ((max - 1) % page_size != 0));
+    EXPECT_EQ(layout->NumPages(std::numeric_limits<int64_t>::min()), 0);
+  }
 }
 
 TEST(KvLayoutTest, RejectsBadInput) {

@@ -2,12 +2,17 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
 #include <tuple>
 
 #include "testutil/run_command.h"
@@ -327,6 +332,93 @@ TEST(ReplayTest, BadFlagsAreNamed) {
   r = RunCommand(KvferryBinary() + " replay --synthetic 2 --model-config /nonexistent.json");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("/nonexistent.json"), std::string::npos) << r.output;
+}
+
+// The child of `parent` whose command line has `role` as its first argument, or 0.
+pid_t ChildProcess(pid_t parent, const std::string& role) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::istringstream fields(text.substr(paren + 1));
+    std::string state;
+    pid_t ppid = 0;
+    if (!(fields >> state >> ppid) || ppid != parent) continue;
+    std::ifstream cmdline(entry.path() / "cmdline");
+    std::string argv0, argv1;
+    if (std::getline(cmdline, argv0, '\0') && std::getline(cmdline, argv1, '\0') && argv1 == role) {
+      return static_cast<pid_t>(std::stoi(name));
+    }
+  }
+  return 0;
+}
+
+// An instance killed mid-replay (default timeouts) ends the replay within seconds: the
+// requests in flight are cut off, the rest are not sent, and the summary, the JSON (with
+// the reason) and a non-zero exit follow.
+TEST(ReplayTest, EndsWithinSecondsWhenAnInstanceDies) {
+  for (const std::string role : {"decode", "prefill"}) {
+    SCOPED_TRACE(role + " killed");
+    const std::string log = TempPath("dies.log"), out = TempPath("dies.json");
+    const std::string command = "exec " + KvferryBinary() + " replay --synthetic 5000 --seed 2 " +
+                                "--model-config " + Config("tiny-gqa-config.json") +
+                                " --pool-size 64MiB --json " + out + " > " + log + " 2>&1";
+    const char* argv[] = {"/bin/sh", "-c", command.c_str(), nullptr};
+    pid_t replay = 0;
+    ASSERT_EQ(
+        ::posix_spawn(&replay, "/bin/sh", nullptr, nullptr, const_cast<char**>(argv), environ), 0);
+    struct KillReplay {
+      pid_t pid;
+      ~KillReplay() {  // its instances end with it
+        if (pid > 0 && ::kill(pid, SIGKILL) == 0) ::waitpid(pid, nullptr, 0);
+      }
+    } guard{replay};
+    auto started = [&] {
+      std::ifstream f(log);
+      std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      return text.find("requests from") != std::string::npos;
+    };
+    for (int i = 0; i < 600 && !started(); ++i) usleep(50000);
+    ASSERT_TRUE(started()) << "the replay did not start within 30 s";
+    usleep(500000);  // requests in flight
+    const pid_t victim = ChildProcess(replay, role);
+    ASSERT_GT(victim, 0);
+    ASSERT_EQ(::kill(victim, SIGKILL), 0);
+    const auto killed = std::chrono::steady_clock::now();
+    int status = 0;
+    bool ended = false;
+    for (int i = 0; i < 300 && !ended; ++i) {
+      ended = ::waitpid(replay, &status, WNOHANG) == replay;
+      if (!ended) usleep(100000);
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+    std::ifstream f(log);
+    const std::string output((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    ASSERT_TRUE(ended) << "still running 30 s after the " << role << " instance was killed:\n"
+                       << output.substr(output.size() > 4000 ? output.size() - 4000 : 0);
+    guard.pid = 0;
+    EXPECT_LT(seconds, 5.0) << output;
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 1) << output;
+    EXPECT_NE(output.find("mismatches"), std::string::npos) << output;  // the summary table
+    json j = ReadJson(out);
+    ASSERT_FALSE(j.is_discarded()) << output;
+    EXPECT_EQ(j["requests"], 5000);
+    EXPECT_GT(j["requests_failed"].get<int64_t>(), 0);
+    EXPECT_GT(j["requests_not_sent"].get<int64_t>(), 0);
+    EXPECT_EQ(j["mismatches"], 0);
+    const std::string why = j.value("stopped_early", std::string());
+    EXPECT_NE(why.find("the " + role + " instance (pid " + std::to_string(victim) +
+                       ") was killed by signal 9"),
+              std::string::npos)
+        << why;
+    std::remove(log.c_str());
+    std::remove(out.c_str());
+  }
 }
 
 // Instances started separately (as an operator would), then joined by the replay.

@@ -108,6 +108,7 @@ class DecodeConnectorImpl : public DecodeConnector {
     return OkStatus();
   }
 
+  // Also ends a connector whose Init failed part way: only the parts it set up are touched.
   ~DecodeConnectorImpl() override {
     {
       std::lock_guard<std::mutex> lock(timer_mu_);
@@ -116,8 +117,8 @@ class DecodeConnectorImpl : public DecodeConnector {
     timer_cv_.notify_all();
     if (timer_.joinable()) timer_.join();
     if (heartbeat_.joinable()) heartbeat_.join();
-    engine_->SetNotificationHandler(nullptr);
-    bootstrap_->Close();
+    if (engine_ != nullptr) engine_->SetNotificationHandler(nullptr);
+    if (bootstrap_ != nullptr) bootstrap_->Close();
     // Scatters free regions (may post grants and aborts), and a failed grant posts its abort
     // notice on control_: staging closes first.
     if (staging_ != nullptr) staging_->Close();
@@ -395,24 +396,30 @@ class DecodeConnectorImpl : public DecodeConnector {
         ControlMessage hb;
         hb.type = ControlType::kHeartbeat;
         hb.decode_address = engine_address();
-        Status s = engine_->SendNotification(peer->segment, EncodeControl(hb),
-                                             options_.heartbeat_interval);
+        const std::string text = EncodeControl(hb);
+        Status s = engine_->SendNotification(peer->segment, text, options_.heartbeat_interval);
+        // kUnavailable: the connection failed, rather than a slow prefill answering late. Once
+        // more, on a new connection (the failed one is replaced), which a live prefill accepts:
+        // failing again, nobody listens there any more, and its rooms fail now.
+        const bool unreachable =
+            s.code() == StatusCode::kUnavailable &&
+            (s = engine_->SendNotification(peer->segment, text, options_.heartbeat_interval))
+                    .code() == StatusCode::kUnavailable;
         if (s.ok()) {
           peer->heartbeat_failures = 0;
           continue;
         }
         int failures = ++peer->heartbeat_failures;
-        if (failures < options_.heartbeat_max_failures) continue;
-        KVF_LOG_WARN("decode: prefill {} missed {} heartbeats: {}", peer->engine_address, failures,
-                     s.message());
+        if (!unreachable && failures < options_.heartbeat_max_failures) continue;
+        const std::string why =
+            unreachable
+                ? "prefill " + peer->engine_address +
+                      " is unreachable (a heartbeat on a new connection failed too): " + s.message()
+                : "prefill " + peer->engine_address + " missed " + std::to_string(failures) +
+                      " heartbeats: " + s.message();
+        KVF_LOG_WARN("decode: {}", why);
         pairing_->Forget(peer->bootstrap_address);  // later rooms bootstrap afresh
-        for (uint64_t room : rooms) {
-          completion_->Fail(
-              room,
-              UnavailableError("prefill " + peer->engine_address + " missed " +
-                               std::to_string(failures) + " heartbeats: " + s.message()),
-              false);
-        }
+        for (uint64_t room : rooms) completion_->Fail(room, UnavailableError(why), false);
       }
     }
   }

@@ -147,6 +147,12 @@ class PrefillConnectorImpl : public PrefillConnector {
       return InvalidArgumentError("room " + std::to_string(room) + ": request of " +
                                   std::to_string(num_pages) + " pages");
     }
+    if (num_pages > kMaxControlPages) {
+      // Decode's destination could not name its pages.
+      return InvalidArgumentError("room " + std::to_string(room) + ": request of " +
+                                  std::to_string(num_pages) + " pages is more than the " +
+                                  std::to_string(kMaxControlPages) + " a room can carry");
+    }
     RETURN_IF_ERROR(CheckStateSlot(options_.state_pool, room, state_slot));
     prefill::SenderRoom data;
     data.src_state_slot = state_slot;

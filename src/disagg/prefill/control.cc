@@ -58,10 +58,11 @@ void ControlHandler::OnNotification(const Notification& n) {
                   m->decode_address);
     return;
   }
-  if (m->type == ControlType::kHeartbeat) {
-    decodes_->Heartbeat(m->decode_address);
-    return;
-  }
+  // Any message from a decode rank shows it alive, a room's destination included: the silence
+  // that fails a room (heartbeat_timeout) never counts from before the room had that decode
+  // rank, which heartbeats only while it has rooms here.
+  if (!m->decode_address.empty()) decodes_->Heartbeat(m->decode_address);
+  if (m->type == ControlType::kHeartbeat) return;
   KVF_LOG_DEBUG("prefill: control message type {} for room {} from {}", static_cast<int>(m->type),
                 m->room, n.peer_address);
   control_->Post([this, msg = std::move(*m)] {

@@ -1,7 +1,8 @@
 // ControlHandler: the control messages decode ranks send this prefill rank. OnNotification
 // (on an engine thread) decodes each message, drops it unless the address it names as its
 // sender is the one its engine authenticated with (counted, logged at most once a second), and
-// records heartbeats at once; the rest runs
+// records at once that its decode rank is alive (every message counts, not only heartbeats);
+// the rest runs
 // on the control queue: a decode rank's registration (kRegisterDecode: pairing checks, its
 // engine segment, its done mailbox on this node), a room's destination (kTransferInfo: checked
 // and added to the room, or kept until the room exists), decode's abort (kAbort), and its
@@ -42,7 +43,7 @@ class ControlHandler {
   ControlHandler& operator=(const ControlHandler&) = delete;
 
   // The engine's notification handler: decodes the message and queues its handling (blocking
-  // work happens on the control queue); a heartbeat is recorded here.
+  // work happens on the control queue); that the sender is alive is recorded here.
   void OnNotification(const Notification& n);
 
   // A room's destination on one decode rank (kTransferInfo): refused when that decode rank

@@ -1,8 +1,8 @@
 // DecodeRegistry: the decode ranks that registered their pools with this prefill rank
-// (kRegisterDecode), by decode engine address, with their last heartbeat. Also the pairing
-// checks: whether a decode rank's pools can take this rank's KV at all (CheckDecodePairing),
-// and whether one room's destination there fits the request and both pools
-// (CheckDestination).
+// (kRegisterDecode), by decode engine address, with the time of the last message from each
+// (a heartbeat or any other control message). Also the pairing checks: whether a decode
+// rank's pools can take this rank's KV at all (CheckDecodePairing), and whether one room's
+// destination there fits the request and both pools (CheckDestination).
 //
 // Thread-safety: DecodeRegistry's methods are thread-safe (one lock, never held while calling
 // out). The checks are pure functions.
@@ -29,9 +29,9 @@ class DecodeRegistry {
   std::shared_ptr<DecodePeer> Find(const std::string& address);
   // Registers (or replaces) the decode rank at `address`.
   void Add(const std::string& address, std::shared_ptr<DecodePeer> peer);
-  // The decode rank at `address` (if registered) is alive now.
+  // The decode rank at `address` (if registered) is alive now: it sent a message.
   void Heartbeat(const std::string& address);
-  // The decode ranks whose last heartbeat is older than `timeout` at `now`.
+  // The decode ranks whose last message is older than `timeout` at `now`.
   std::vector<std::shared_ptr<DecodePeer>> Silent(Clock::time_point now,
                                                   std::chrono::milliseconds timeout);
 

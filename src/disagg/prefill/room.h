@@ -34,8 +34,8 @@ using Clock = std::chrono::steady_clock;
 struct DecodePeer {
   DecodeKvArgs args;
   SegmentHandle segment;
-  Status refused;  // set when its layout cannot pair with ours
-  Clock::time_point last_heartbeat;
+  Status refused;                    // set when its layout cannot pair with ours
+  Clock::time_point last_heartbeat;  // when it last sent a message (of any type)
   // Decode's done mailbox when it runs on this node (done_mailbox.h), else null.
   std::shared_ptr<DoneMailbox> mailbox;
 };
