@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs what a GPU machine needs to run kvferry built here into .devbuild/ (git-ignored):
 # stripped binaries and the shared libraries its image lacks (cpp-httplib and its codecs,
-# spdlog, fmt, xxHash), and the conversation trace when ../shared has it.
+# spdlog, fmt, xxHash, OpenSSL libcrypto), and the conversation trace when ../shared has it.
 # Usage: scripts/device_bundle.sh [BUILD_DIR] [TEST ...]
 # BUNDLE_DIR (default .devbuild) is where the binaries go: give each build its own folder
 # under .devbuild for an A/B (bench/gpu_refactor_ab.sh); libraries and the trace always go to
@@ -15,7 +15,7 @@ out=${BUNDLE_DIR:-.devbuild}
 rm -rf "$out" && mkdir -p "$out/tests" .devbuild/lib .devbuild/traces
 strip -o "$out/kvferry" "$build/kvferry"
 for t in "${tests[@]}"; do strip -o "$out/tests/$t" "$build/tests/$t"; done
-for lib in libcpp-httplib.so.0.11 libxxhash.so.0 libspdlog.so.1.10 libfmt.so.9 libbrotlidec.so.1 libbrotlienc.so.1 \
+for lib in libcpp-httplib.so.0.11 libxxhash.so.0 libspdlog.so.1.10 libfmt.so.9 libcrypto.so.3 libbrotlidec.so.1 libbrotlienc.so.1 \
            libbrotlicommon.so.1; do
   cp -L "/lib/x86_64-linux-gnu/$lib" .devbuild/lib/
 done

@@ -257,6 +257,41 @@ TEST_F(NvlinkGpuTest, ParkedBulkSubmissionsFailAbandonAndCloseCleanly) {
   for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], Pattern(i)) << i;
 }
 
+// The peer's fd socket serves a cuMem descriptor only to a channel that proves the peer
+// engine's secret (docs/security.md): a channel holding another one gets kPermissionDenied for
+// the peer's cuMem region and writes nothing there, while the region shared by a CUDA IPC
+// handle (from the authenticated descriptor) still works.
+TEST_F(NvlinkGpuTest, FdSocketRefusesAChannelWithAnotherSecret) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  ASSERT_EQ(cudaMemset(local_, 0x6b, 16 * 4096), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto to_vmm = ScatteredWrites(local_, segment_, peer_.vmm_base, 16);
+  const auto to_ipc = ScatteredWrites(local_, segment_, peer_.ipc_base, 16);
+  BulkRecorder refused, landed;
+  auto keepalive = std::make_shared<int>(0);
+  uint32_t tag = 0;
+  {
+    NvlinkChannelOptions options;
+    options.peer = *descriptor;
+    options.auth_secret = "not the peer engine's secret, 32 b";
+    auto channel = CreateNvlinkChannel(options);
+    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+    BulkSubmission a{to_vmm, &refused, keepalive, 1}, b{to_ipc, &landed, keepalive, 2};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(a));
+    ASSERT_TRUE((*channel)->TrySubmitBulk(b));
+    Status s = refused.Wait(&tag);
+    EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.ToString();
+    s = landed.Wait(&tag);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    (*channel)->Close();
+  }
+  std::vector<uint8_t> got(16 * 4096);
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, got.size()).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], Pattern(i)) << i;
+}
+
 // Bulk submissions with a start event wait for it on the GPU (the channel takes them at once,
 // with the peer region mapped): one whose event comes after 300 ms copies the bytes its
 // stream wrote just before the event; one withdrawn (AbandonBulk) before its event completes

@@ -214,8 +214,9 @@ void ControlHandler::HandleAbort(const ControlMessage& m) {
   const bool paired = early_->HoldAbort(m.room, m.decode_address, m.reason,
                                         [&] { return PairedWith(m.room, m.decode_address); });
   if (!paired || !failures_->FailRoom(m.room, AbortedError("aborted by decode: " + m.reason))) {
-    // Nothing of the room leaves this rank any more (unknown here, or already final):
-    // say so, as decode waits for every rank to go quiet before failing the room.
+    // Nothing of the room leaves this rank for the sender any more (the room unknown here,
+    // not paired with the sender yet, or already final): say so, as decode waits for every
+    // rank to go quiet before failing the room.
     AckAbort(m);
   }
 }
