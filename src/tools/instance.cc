@@ -29,39 +29,6 @@ using json = nlohmann::json;
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 
-Status CheckInstanceFlags(const InstanceFlags& f, bool prefill) {
-  RETURN_IF_ERROR(CheckFlagRange("--page-size", f.page_size, 1, kMaxPageSize));
-  RETURN_IF_ERROR(CheckFlagRange("--control-port", f.control_port, 0, 65535));
-  RETURN_IF_ERROR(CheckFlagRange("--aux-rows", f.aux_rows, 1, kMaxAuxRows));
-  RETURN_IF_ERROR(CheckFlagRange("--state-slots", f.state_slots, 1, kMaxStateSlots));
-  RETURN_IF_ERROR(CheckFlagRange("--timeout-ms", f.timeout_ms, kMinTimeoutMs, kMaxTimeoutMs));
-  RETURN_IF_ERROR(CheckFlagRange("--gpu", f.gpu, 0, kMaxGpu));
-  RETURN_IF_ERROR(CheckFlagRange("--tp-size", f.tp_size, 1, kMaxParallelRanks));
-  RETURN_IF_ERROR(CheckFlagRange("--tp-rank", f.tp_rank, 0, f.tp_size - 1));
-  RETURN_IF_ERROR(CheckFlagRange("--abort-every", f.abort_every, 0));
-  RETURN_IF_ERROR(CheckFlagRange("--exit-with-parent", f.exit_with_parent, 0));
-  if (prefill) {
-    RETURN_IF_ERROR(CheckFlagRange("--bootstrap-port", f.bootstrap_port, 0, 65535));
-    RETURN_IF_ERROR(CheckFlagRange("--cp-size", f.cp_size, 1, kMaxParallelRanks));
-    RETURN_IF_ERROR(CheckFlagRange("--cp-rank", f.cp_rank, 0, f.cp_size - 1));
-    RETURN_IF_ERROR(CheckFlagRange("--chunk-tokens", f.chunk_tokens, 1, kMaxChunkTokens));
-    RETURN_IF_ERROR(
-        CheckFlagRange("--compute-us-per-layer", f.compute_us_per_layer, 0, kMaxComputeUsPerLayer));
-  }
-  return OkStatus();
-}
-
-StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string& model_config) {
-  if (!model_config.empty()) {
-    auto g = LoadHfConfig(model_config);
-    if (!g.ok()) return g.status().WithContext("--model-config");
-    return g;
-  }
-  auto g = FindModelPreset(model);
-  if (!g.ok()) return g.status().WithContext("--model");
-  return g;
-}
-
 namespace {
 
 // A steady-clock time in nanoseconds since its epoch: comparable between the replay's
@@ -785,74 +752,6 @@ int RunDecodeInstance(const InstanceFlags& flags) {
     Reply(res, 200, out);
   });
   return in.Serve(info);
-}
-
-namespace {
-void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
-  cmd->add_option("--model", f->model, "Model preset (KV geometry)")->capture_default_str();
-  cmd->add_option("--model-config", f->model_config,
-                  "Hugging Face config.json (overrides --model)");
-  cmd->add_option("--page-size", f->page_size, "Tokens per KV page")->capture_default_str();
-  cmd->add_option("--pool-size", f->pool_size, "KV pool bytes (KiB/MiB/GiB suffixes)")
-      ->capture_default_str();
-  cmd->add_option("--transport", f->transport, "Transport: auto or tcp")->capture_default_str();
-  cmd->add_option("--host", f->host, "Address to listen on")->capture_default_str();
-  cmd->add_option("--control-port", f->control_port, "HTTP control port (0 = any)");
-  cmd->add_option("--aux-rows", f->aux_rows, "Aux (metadata) rows")->capture_default_str();
-  cmd->add_option("--state-slots", f->state_slots,
-                  "Hybrid models: linear-attention state slots (requests in flight)")
-      ->capture_default_str();
-  cmd->add_option("--timeout-ms", f->timeout_ms, "Bootstrap/waiting/transfer timeout")
-      ->capture_default_str();
-  cmd->add_option("--device", f->device, "Where pools live: cpu or cuda")->capture_default_str();
-  cmd->add_option("--gpu", f->gpu, "CUDA device for --device cuda")->capture_default_str();
-  AddAuthFlags(cmd, &f->auth);
-  cmd->add_option("--exit-with-parent", f->exit_with_parent,
-                  "End when process PID (the replay that started it) ends")
-      ->group("");
-  cmd->add_option("--tp-rank", f->tp_rank, "Attention TP rank of this instance")
-      ->capture_default_str();
-  cmd->add_option("--tp-size", f->tp_size, "Attention TP size (this rank holds its share of heads)")
-      ->capture_default_str();
-  if (!prefill) {
-    cmd->add_option("--kv-path", f->kv_path, "Unequal TP: auto, direct, staging or fused")
-        ->capture_default_str();
-    cmd->add_option("--staging-size", f->staging_size, "Staging ring bytes for --kv-path staging")
-        ->capture_default_str();
-  }
-  cmd->add_option("--abort-every", f->abort_every,
-                  "Failure drill (GPU, layerwise): prefill aborts rooms whose id is a multiple of "
-                  "N halfway through their compute; decode counts late writes into them")
-      ->capture_default_str();
-  if (prefill) {
-    cmd->add_option("--cp-rank", f->cp_rank, "Context-parallel rank")->capture_default_str();
-    cmd->add_option("--cp-size", f->cp_size, "Context-parallel size (each rank sends its pages)")
-        ->capture_default_str();
-    cmd->add_flag("--cp-rank0-only", f->cp_rank0_only,
-                  "Old behaviour: CP rank 0 sends every page, the others only report");
-    cmd->add_option("--join-bootstrap", f->join_bootstrap,
-                    "Bootstrap server of prefill rank 0 to register with (ranks > 0)");
-    cmd->add_option("--bootstrap-port", f->bootstrap_port, "Bootstrap server port (0 = any)");
-    cmd->add_option("--chunk-tokens", f->chunk_tokens, "Tokens per prefill chunk")
-        ->capture_default_str();
-    cmd->add_option("--compute-us-per-layer", f->compute_us_per_layer,
-                    "Simulated prefill compute per model layer (microseconds)")
-        ->capture_default_str();
-    cmd->add_flag("--layerwise", f->layerwise,
-                  "Mark each layer ready as it finishes (layerwise transfer)");
-  }
-}
-}  // namespace
-
-void AddInstanceCommands(CLI::App& app, RunFn* run) {
-  auto flags = std::make_shared<InstanceFlags>();
-  auto* prefill =
-      app.add_subcommand("prefill", "Run a prefill instance (bootstrap server + sender)");
-  AddInstanceFlags(prefill, flags.get(), true);
-  prefill->callback([run, flags] { *run = [flags] { return RunPrefillInstance(*flags); }; });
-  auto* decode = app.add_subcommand("decode", "Run a decode instance (receiver + verifier)");
-  AddInstanceFlags(decode, flags.get(), false);
-  decode->callback([run, flags] { *run = [flags] { return RunDecodeInstance(*flags); }; });
 }
 
 }  // namespace kvferry::tools
