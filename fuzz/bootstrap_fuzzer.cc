@@ -92,8 +92,10 @@ void CheckTopology(const json& value) {
   }
   if (topology->complete()) {
     FUZZ_CHECK(topology->tp_size >= 1 && topology->cp_size >= 1 && topology->pp_size >= 1);
-    FUZZ_CHECK(static_cast<int64_t>(ranks.size()) ==
-               int64_t{topology->tp_size} * topology->cp_size * topology->pp_size);
+    int64_t expected = 0;
+    FUZZ_CHECK(!__builtin_mul_overflow(int64_t{topology->tp_size} * topology->cp_size,
+                                       int64_t{topology->pp_size}, &expected));
+    FUZZ_CHECK(static_cast<int64_t>(ranks.size()) == expected);
     for (size_t i = 1; i < ranks.size(); ++i) {
       FUZZ_CHECK(std::tie(ranks[i - 1].pp_rank, ranks[i - 1].cp_rank, ranks[i - 1].tp_rank) <
                  std::tie(ranks[i].pp_rank, ranks[i].cp_rank, ranks[i].tp_rank));
