@@ -7,10 +7,12 @@
 // ranks inside their sizes, page_size > 0, num_kv_heads >= 0 and non-empty kv_dtype and
 // engine_address; an accepted topology has its ranks sorted by (pp, cp, tp), and complete()
 // only when it holds every rank once; each accepted value encodes (the server's and client's
-// encoders), serializes and decodes back to an equal value.
+// encoders), serializes and decodes back to an equal value (ranks listed twice in any order).
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "disagg/bootstrap_wire.h"
 #include "fuzz/fuzz_check.h"
@@ -31,10 +33,22 @@ bool Same(const PrefillRegistration& a, const PrefillRegistration& b) {
          a.model == b.model && a.num_kv_heads == b.num_kv_heads;
 }
 
+// Ranks listed twice keep no particular order (the decoder sorts by (pp, cp, tp) only; the
+// server never sends such a list and complete() is false for it), so compare the ranks in one
+// order of every field.
+std::vector<PrefillRankInfo> Canonical(std::vector<PrefillRankInfo> ranks) {
+  std::sort(ranks.begin(), ranks.end(), [](const PrefillRankInfo& a, const PrefillRankInfo& b) {
+    return std::tie(a.pp_rank, a.cp_rank, a.tp_rank, a.engine_address, a.name) <
+           std::tie(b.pp_rank, b.cp_rank, b.tp_rank, b.engine_address, b.name);
+  });
+  return ranks;
+}
+
 bool Same(const PrefillTopology& a, const PrefillTopology& b) {
   if (a.ranks.size() != b.ranks.size()) return false;
-  for (size_t i = 0; i < a.ranks.size(); ++i) {
-    if (!Same(a.ranks[i], b.ranks[i])) return false;
+  const std::vector<PrefillRankInfo> ra = Canonical(a.ranks), rb = Canonical(b.ranks);
+  for (size_t i = 0; i < ra.size(); ++i) {
+    if (!Same(ra[i], rb[i])) return false;
   }
   return a.tp_size == b.tp_size && a.cp_size == b.cp_size && a.pp_size == b.pp_size &&
          a.page_size == b.page_size && a.kv_dtype == b.kv_dtype && a.model == b.model &&

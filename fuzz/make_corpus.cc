@@ -1,6 +1,7 @@
 // Writes the fuzzers' seed corpora: real messages made by kvferry's own encoders, one file per
 // message, under <dir>/<fuzzer>/ (the checked-in fuzz/corpus/). Run after a wire format
-// changes: build-fuzz/fuzz/make_fuzz_corpus fuzz/corpus
+// changes: build-fuzz/fuzz/make_fuzz_corpus fuzz/corpus. Other files there (the regress_*
+// inputs that once made a fuzzer fail) are left as they are.
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
