@@ -6,7 +6,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 WERROR := $(if $(CI),-DKVFERRY_WERROR=ON,)
 
-.PHONY: deps configure build build-cli build-asan demo test test-asan clean
+.PHONY: deps configure build build-cli build-asan demo test test-asan fuzz clean
 
 deps:
 	@scripts/install_deps.sh
@@ -39,5 +39,10 @@ test-asan: build-asan
 	@cd $(ASAN_BUILD_DIR) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  KVFERRY_TEST_SCALE=small ctest --output-on-failure -j $(JOBS) --timeout 900
 
+# The libFuzzer targets (fuzz/), built with Clang, ASan and UBSan in build-fuzz/, each run for
+# FUZZ_SECONDS (default 20) on its seed corpus; fails on any crash (scripts/fuzz.sh).
+fuzz: deps
+	@scripts/fuzz.sh
+
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR) build-fuzz

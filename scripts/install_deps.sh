@@ -3,7 +3,8 @@
 # Needs root (or passwordless sudo) only when something is missing.
 set -euo pipefail
 pkgs=(cmake g++ make pkg-config libasio-dev libcpp-httplib-dev libssl-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
-      libfmt-dev libxxhash-dev libgtest-dev iperf3 clang-format)
+      libfmt-dev libxxhash-dev libgtest-dev iperf3 clang-format
+      clang libclang-rt-14-dev)  # clang and its libFuzzer runtime: scripts/fuzz.sh
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -14,8 +14,11 @@ namespace kvferry {
 
 bool PrefillTopology::complete() const {
   if (tp_size < 1 || cp_size < 1 || pp_size < 1) return false;
-  const int64_t expected = int64_t{tp_size} * cp_size * pp_size;
-  if (static_cast<int64_t>(ranks.size()) != expected) return false;
+  // The sizes come from the wire: tp * cp fits int64, tp * cp * pp may not, so compare by
+  // division.
+  const int64_t tp_cp = int64_t{tp_size} * cp_size;
+  const int64_t count = static_cast<int64_t>(ranks.size());
+  if (count % pp_size != 0 || count / pp_size != tp_cp) return false;
   std::set<std::tuple<int, int, int>> seen;
   for (const PrefillRankInfo& r : ranks) {
     if (r.tp_rank < 0 || r.tp_rank >= tp_size || r.cp_rank < 0 || r.cp_rank >= cp_size ||

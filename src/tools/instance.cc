@@ -21,6 +21,7 @@
 #include "tools/commands.h"
 #include "tools/flag_checks.h"
 #include "tools/gpu/gpu_pattern.h"
+#include "tools/instance_request.h"
 #include "tools/kv_pattern.h"
 
 namespace kvferry::tools {
@@ -279,14 +280,6 @@ struct Instance {
   }
 };
 
-json ParseBody(const httplib::Request& req, Status* error) {
-  json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object()) {
-    *error = InvalidArgumentError("request body is not a JSON object");
-  }
-  return body;
-}
-
 void Reply(httplib::Response& res, int code, const json& body) {
   res.status = code;
   res.set_content(body.dump(), "application/json");
@@ -307,20 +300,6 @@ int HttpCode(const Status& s) {
   }
 }
 
-// Parses {"room": u64, "input_length": int > 0}.
-Status ParseRequest(const json& body, uint64_t* room, int64_t* input_length) {
-  if (!body.contains("room") || !body["room"].is_number_unsigned()) {
-    return InvalidArgumentError("field 'room' must be an unsigned integer");
-  }
-  if (!body.contains("input_length") || !body["input_length"].is_number_integer() ||
-      body["input_length"].get<int64_t>() <= 0) {
-    return InvalidArgumentError("field 'input_length' must be a positive integer");
-  }
-  *room = body["room"].get<uint64_t>();
-  *input_length = body["input_length"].get<int64_t>();
-  return OkStatus();
-}
-
 StatusOr<std::vector<int32_t>> AllocatePages(Instance& in, int64_t num_pages) {
   if (num_pages > in.allocator->capacity()) {
     return ResourceExhaustedError("request of " + std::to_string(num_pages) +
@@ -339,8 +318,8 @@ struct Admission {
   int64_t num_pages = 0;
   std::vector<int32_t> pages;
   int32_t row = -1;
-  int32_t state_slot = -1;  // hybrid models
-  json body;
+  int32_t state_slot = -1;        // hybrid models
+  std::string bootstrap_address;  // POST /decode
   ~Admission() {
     if (row >= 0) in->FreeRow(row);
     if (state_slot >= 0) in->state_slots->Free(std::span(&state_slot, 1)).IgnoreError();
@@ -348,21 +327,21 @@ struct Admission {
   }
 };
 
-// Parses {"room", "input_length", ...}, runs `check` on the body, then takes the request's
-// pages (waiting for pool space) and an aux row. On failure it answers the HTTP request
-// (400 bad body, 413 larger than the whole pool, 504 no space in time) and returns null.
+// Parses the body of POST /prefill or (`decode`) POST /decode (instance_request.h), then takes
+// the request's pages (waiting for pool space) and an aux row. On failure it answers the HTTP
+// request (400 bad body, 413 larger than the whole pool, 504 no space in time) and returns null.
 std::unique_ptr<Admission> Admit(Instance& in, const httplib::Request& req, httplib::Response& res,
-                                 const std::function<Status(const json&)>& check) {
+                                 bool decode) {
   auto a = std::make_unique<Admission>();
   a->in = &in;
-  Status err;
-  a->body = ParseBody(req, &err);
-  if (err.ok()) err = ParseRequest(a->body, &a->room, &a->tokens);
-  if (err.ok() && check) err = check(a->body);
-  if (!err.ok()) {
-    Reply(res, 400, {{"ok", false}, {"error", err.ToString()}});
+  StatusOr<InstanceRequest> request = ParseInstanceRequest(req.body, decode);
+  if (!request.ok()) {
+    Reply(res, 400, {{"ok", false}, {"error", request.status().ToString()}});
     return nullptr;
   }
+  a->room = request->room;
+  a->tokens = request->input_length;
+  a->bootstrap_address = std::move(request->bootstrap_address);
   a->num_pages = in.layout->NumPages(a->tokens);
   auto pages = AllocatePages(in, a->num_pages);
   if (!pages.ok()) {
@@ -475,7 +454,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
   };
   in.AddCommonRoutes(info, stats);
   in.server.Post("/prefill", [&](const httplib::Request& req, httplib::Response& res) {
-    auto admitted = Admit(in, req, res, nullptr);
+    auto admitted = Admit(in, req, res, /*decode=*/false);
     if (admitted == nullptr) return;
     const KvLayout& layout = *in.layout;
     const uint64_t room = admitted->room;
@@ -678,19 +657,14 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   };
   in.AddCommonRoutes(info, stats);
   in.server.Post("/decode", [&](const httplib::Request& req, httplib::Response& res) {
-    auto admitted = Admit(in, req, res, [](const json& body) {
-      if (!body.contains("bootstrap_address") || !body["bootstrap_address"].is_string()) {
-        return InvalidArgumentError("field 'bootstrap_address' must be a string");
-      }
-      return OkStatus();
-    });
+    auto admitted = Admit(in, req, res, /*decode=*/true);
     if (admitted == nullptr) return;
     const KvLayout& layout = *in.layout;
     const uint64_t room = admitted->room;
     const int64_t tokens = admitted->tokens, num_pages = admitted->num_pages;
     const std::vector<int32_t>* pages = &admitted->pages;
     const int32_t* row = &admitted->row;
-    const std::string bootstrap = admitted->body["bootstrap_address"].get<std::string>();
+    const std::string bootstrap = admitted->bootstrap_address;
     Status created = c.CreateReceiver(room, bootstrap, *pages, *row, admitted->state_slot);
     if (!created.ok()) {
       return Reply(res, HttpCode(created), {{"ok", false}, {"error", created.ToString()}});

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -104,6 +105,32 @@ TEST(BootstrapTest, RegistersRanksAndServesTopology) {
   StatusOr<PrefillTopology> waited = client.WaitForTopology(milliseconds(1000));
   ASSERT_TRUE(waited.ok()) << waited.status().ToString();
   EXPECT_EQ(waited->ranks.size(), 4u);
+}
+
+// Sizes come from the wire and may be as large as an int: tp * cp * pp must not overflow (here
+// it is 2^64, which wrapped to 0 and made a topology without ranks "complete"; found by
+// fuzz/bootstrap_fuzzer.cc). A server holding such a registration still answers GET /route.
+TEST(BootstrapTest, CompleteSurvivesHugeSizes) {
+  PrefillTopology topology;
+  topology.tp_size = 1 << 22;
+  topology.cp_size = 1 << 21;
+  topology.pp_size = 1 << 21;
+  EXPECT_FALSE(topology.complete());
+  topology.tp_size = topology.cp_size = topology.pp_size = std::numeric_limits<int>::max();
+  EXPECT_FALSE(topology.complete());
+  topology.ranks.push_back({0, 0, 0, "10.0.0.1:17000", "prefill-0"});
+  EXPECT_FALSE(topology.complete());
+
+  std::unique_ptr<BootstrapServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  BootstrapClient client(server->address());
+  PrefillRegistration reg = Registration(0, 0);
+  reg.tp_size = reg.cp_size = reg.pp_size = std::numeric_limits<int>::max();
+  ASSERT_TRUE(client.RegisterRank(reg).ok());
+  StatusOr<PrefillTopology> served = client.GetTopology();
+  ASSERT_TRUE(served.ok()) << served.status().ToString();
+  EXPECT_EQ(served->ranks.size(), 1u);
+  EXPECT_FALSE(served->complete());
 }
 
 TEST(BootstrapTest, ReRegisteringARankReplacesIt) {

@@ -120,6 +120,26 @@ TEST(WireTest, OversizedCountsAreRejectedBeforeAllocation) {
   EXPECT_NE(d.status().message().find("exceed"), std::string::npos) << d.status().message();
 }
 
+// Rows whose extent runs past the top of the address space are refused, one row too (found by
+// fuzz/strided_write_fuzzer.cc: a single row was accepted at any address).
+TEST(WireTest, StridedWriteExtentMustNotWrap) {
+  auto decode = [](uint64_t addr, StridedWrite s) {
+    return DecodeStridedWrite(EncodeStridedWrite(s), addr, uint64_t{s.rows} * s.row_bytes);
+  };
+  for (uint32_t rows : {1u, 2u, 16u}) {
+    const StridedWrite s{rows, 4096, 8192};
+    const uint64_t extent = (rows - 1) * s.remote_stride + s.row_bytes;
+    // The end (addr + extent) must be representable, as a region's must.
+    EXPECT_TRUE(decode(UINT64_MAX - extent, s).ok()) << rows << " rows";
+    for (uint64_t addr : {UINT64_MAX - extent + 1, UINT64_MAX - 10, UINT64_MAX}) {
+      auto d = decode(addr, s);
+      ASSERT_FALSE(d.ok()) << rows << " rows at " << addr;
+      EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(d.status().message().find("wrap"), std::string::npos) << d.status().message();
+    }
+  }
+}
+
 // Random byte flips never crash the decoder; whatever it accepts re-encodes to itself.
 TEST(WireTest, RandomMutationsNeverCrash) {
   auto good = EncodeDescriptor(Sample());

@@ -200,9 +200,10 @@ StatusOr<StridedWrite> DecodeStridedWrite(std::span<const uint8_t> body, uint64_
                                 std::to_string(s.remote_stride) + " < row of " +
                                 std::to_string(s.row_bytes));
   }
+  // The extent, (rows - 1) * stride + row_bytes, and its end, addr + extent, must both fit.
   const uint64_t steps = s.rows - 1;
-  if (steps != 0 && (s.remote_stride > (UINT64_MAX - s.row_bytes) / steps ||
-                     addr > UINT64_MAX - (steps * s.remote_stride + s.row_bytes))) {
+  if ((steps != 0 && s.remote_stride > (UINT64_MAX - s.row_bytes) / steps) ||
+      addr > UINT64_MAX - (steps * s.remote_stride + s.row_bytes)) {
     return InvalidArgumentError("strided WRITE rows wrap the address space");
   }
   return s;

@@ -1,0 +1,95 @@
+// Fuzzes DecodeControl, which reads every connector control message a peer's engine delivers
+// (decode -> prefill: register, transfer info, abort, heartbeat, staging grants; prefill ->
+// decode: chunk landed, room done or failed, staging requests).
+//
+// Invariants: an accepted message re-encodes to exactly the input bytes; its strings are at
+// most 4096 bytes and its lists within their limits; each type's numbers are within the bounds
+// the decoder promises its handlers (page size > 0, TP size >= 1, no negative count, page,
+// head, slot or layer, state parts inside their counts, staging and fused not both); fields of
+// other types keep their defaults; a refusal is kInvalidArgument naming the control message.
+#include <cstdint>
+#include <string>
+
+#include "disagg/control_message.h"
+#include "fuzz/fuzz_check.h"
+
+namespace kvferry {
+namespace {
+
+constexpr size_t kMaxString = 4096;
+constexpr size_t kMaxBuffers = 1u << 16;
+
+void CheckRegister(const DecodeKvArgs& a) {
+  for (const std::string* s : {&a.decode_address, &a.kv_dtype, &a.node_id, &a.done_mailbox}) {
+    FUZZ_CHECK(s->size() <= kMaxString);
+  }
+  FUZZ_CHECK(a.tp_rank >= 0 && a.tp_size >= 1);
+  FUZZ_CHECK(a.page_size > 0 && a.num_pages >= 0 && a.num_aux_rows >= 0);
+  FUZZ_CHECK(a.heads_per_token >= 0 && a.num_state_slots >= 0);
+  FUZZ_CHECK(a.buffer_bases.size() <= kMaxBuffers);
+  FUZZ_CHECK(a.state_bases.size() <= kMaxBuffers);
+  FUZZ_CHECK(a.state_bases.size() == a.state_slot_bytes.size());
+}
+
+void CheckTransferInfo(const ControlMessage& m) {
+  FUZZ_CHECK(m.dst_pages.size() <= kMaxControlPages);
+  for (int32_t p : m.dst_pages) FUZZ_CHECK(p >= 0);
+  const SliceInfo& s = m.slice;
+  FUZZ_CHECK(s.src_head_start >= 0 && s.dst_head_start >= 0 && s.num_heads >= 0);
+  FUZZ_CHECK(s.decode_ranks >= 1);
+  FUZZ_CHECK(!(s.staging && s.fused));
+  FUZZ_CHECK(m.state_slot >= -1);
+  FUZZ_CHECK(s.state_src_parts >= 1 && s.state_src_part >= 0 &&
+             s.state_src_part < s.state_src_parts);
+  FUZZ_CHECK(s.state_dst_parts >= 1 && s.state_dst_part >= 0 &&
+             s.state_dst_part < s.state_dst_parts);
+}
+
+void CheckStaging(const StagingChunk& c) {
+  FUZZ_CHECK(c.first_page >= 0 && c.num_pages >= 0);
+  FUZZ_CHECK(c.dst_head_start >= 0 && c.num_heads >= 0);
+  FUZZ_CHECK(c.first_layer >= 0 && c.num_layers >= 0);
+}
+
+void CheckAccepted(const ControlMessage& m) {
+  const ControlMessage defaults;
+  FUZZ_CHECK(m.decode_address.size() <= kMaxString && m.reason.size() <= kMaxString);
+  const bool registers = m.type == ControlType::kRegisterDecode;
+  const bool transfer = m.type == ControlType::kTransferInfo;
+  const bool fails = m.type == ControlType::kAbort || m.type == ControlType::kRoomFailed;
+  const bool staging =
+      m.type == ControlType::kStagingRequest || m.type == ControlType::kStagingGrant ||
+      m.type == ControlType::kStagingReady || m.type == ControlType::kStagingCancel;
+  FUZZ_CHECK(registers || transfer || fails || staging || m.type == ControlType::kHeartbeat ||
+             m.type == ControlType::kChunkLanded || m.type == ControlType::kRoomDone);
+  if (registers) CheckRegister(m.kv_args);
+  if (transfer) CheckTransferInfo(m);
+  if (staging) CheckStaging(m.chunk);
+  // Fields of other types keep their defaults.
+  if (!registers) {
+    FUZZ_CHECK(m.kv_args.decode_address.empty() && m.kv_args.buffer_bases.empty());
+    FUZZ_CHECK(m.kv_args.page_size == defaults.kv_args.page_size);
+  }
+  if (!transfer) {
+    FUZZ_CHECK(m.dst_pages.empty() && m.aux_row == defaults.aux_row);
+    FUZZ_CHECK(m.state_slot == defaults.state_slot);
+  }
+  if (!fails) FUZZ_CHECK(m.status_code == 0 && m.reason.empty());
+  if (!staging) FUZZ_CHECK(m.chunk.bytes == 0 && m.chunk.num_pages == 0);
+}
+
+}  // namespace
+}  // namespace kvferry
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace kvferry;
+  StatusOr<ControlMessage> m = DecodeControl(fuzz::Bytes(data, size));
+  if (!m.ok()) {
+    FUZZ_CHECK(m.status().code() == StatusCode::kInvalidArgument);
+    FUZZ_CHECK(m.status().message().starts_with("malformed control message: "));
+    return 0;
+  }
+  CheckAccepted(*m);
+  FUZZ_CHECK(EncodeControl(*m) == fuzz::Text(data, size));
+  return 0;
+}
