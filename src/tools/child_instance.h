@@ -29,7 +29,7 @@ namespace kvferry::tools {
 // An HTTP client for an instance's control "host:port", sending the bearer token of `secret`
 // (empty: none). Errors: kInvalidArgument naming the address.
 inline StatusOr<std::unique_ptr<httplib::Client>> ControlClient(const std::string& address,
-                                                         const std::string& secret) {
+                                                                const std::string& secret) {
   ASSIGN_OR_RETURN(HostPort endpoint, ParseHostPort(address, "control address"));
   auto client = std::make_unique<httplib::Client>(endpoint.host, endpoint.port);
   SetBearerToken(*client, secret);
@@ -211,7 +211,7 @@ class ChildInstance {
 };
 
 inline StatusOr<nlohmann::json> GetJson(const std::string& address, const std::string& path,
-                       const std::string& secret) {
+                                        const std::string& secret) {
   ASSIGN_OR_RETURN(auto c, ControlClient(address, secret));
   c->set_connection_timeout(5);
   auto res = c->Get(path.c_str());
