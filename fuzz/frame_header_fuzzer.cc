@@ -19,7 +19,7 @@ void CheckAccepted(const FrameHeader& h, const HeaderBytes& bytes, uint32_t max_
   FUZZ_CHECK(EncodeFrameHeader(h) == bytes);
   const uint8_t type = static_cast<uint8_t>(h.type);
   FUZZ_CHECK(type >= static_cast<uint8_t>(FrameType::kHello) &&
-             type <= static_cast<uint8_t>(FrameType::kDescribeAck));
+             type <= static_cast<uint8_t>(FrameType::kAuth));
   FUZZ_CHECK(FrameTypeName(h.type) != "UNKNOWN");
   FUZZ_CHECK(h.flags == 0 || (h.type == FrameType::kWrite && h.flags == kFlagStrided));
   FUZZ_CHECK(h.body_bytes <= max_body_bytes);

@@ -95,11 +95,38 @@ void FrameHeaders(Corpus& c) {
       {"notify_ack", {FrameType::kNotifyAck, 0, 5, 0, 0, 0, 0}},
       {"describe", {FrameType::kDescribe, 0, 6, 0, 0, 0, 0}},
       {"describe_ack", {FrameType::kDescribeAck, 0, 6, 0, 0, descriptor, 0}},
+      {"challenge", {FrameType::kChallenge, 0, 0, 0, 0, wire::kAuthChallengeBytes, 0}},
+      {"auth",
+       {FrameType::kAuth, 0, 0, 0, 0, static_cast<uint32_t>(kAuthProofBytes) + descriptor, 0}},
   };
   for (const Seed& s : seeds) c.AddBytes("frame_header", s.name, wire::EncodeFrameHeader(s.h));
   // With an explicit body limit after the header (the fuzzer's optional 4 bytes).
   const auto hello = wire::EncodeFrameHeader(seeds[0].h);
   c.Add("frame_header", "hello_limit_1k", std::string(hello.begin(), hello.end()) + Le(1024, 4));
+}
+
+void AuthBodies(Corpus& c) {
+  wire::AuthHello hello;
+  wire::AuthChallenge challenge;
+  for (size_t i = 0; i < hello.client_nonce.size(); ++i) {
+    hello.client_nonce[i] = static_cast<uint8_t>(i * 7 + 1);
+    challenge.server_nonce[i] = static_cast<uint8_t>(i * 13 + 5);
+  }
+  for (size_t i = 0; i < challenge.server_proof.size(); ++i) {
+    challenge.server_proof[i] = static_cast<uint8_t>(255 - i);
+  }
+  // The selector byte first (even: HELLO, odd: CHALLENGE), as the fuzzer reads it.
+  for (uint8_t flags : {uint8_t{0}, wire::kAuthFlagSecret}) {
+    hello.flags = flags;
+    challenge.flags = flags;
+    const auto h = wire::EncodeAuthHello(hello);
+    const auto ch = wire::EncodeAuthChallenge(challenge);
+    const std::string suffix = flags ? "_secret" : "_no_secret";
+    c.Add("auth_handshake", "hello" + suffix,
+          std::string(1, '\0') + std::string(h.begin(), h.end()));
+    c.Add("auth_handshake", "challenge" + suffix,
+          std::string(1, '\1') + std::string(ch.begin(), ch.end()));
+  }
 }
 
 void Descriptors(Corpus& c) {
@@ -245,6 +272,7 @@ int main(int argc, char** argv) {
   }
   kvferry::Corpus corpus(argv[1]);
   kvferry::FrameHeaders(corpus);
+  kvferry::AuthBodies(corpus);
   kvferry::Descriptors(corpus);
   kvferry::StridedWrites(corpus);
   kvferry::ControlMessages(corpus);
