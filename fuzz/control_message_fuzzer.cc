@@ -2,11 +2,17 @@
 // (decode -> prefill: register, transfer info, abort, heartbeat, staging grants; prefill ->
 // decode: chunk landed, room done or failed, staging requests).
 //
-// Invariants: an accepted message re-encodes to exactly the input bytes; its strings are at
-// most 4096 bytes and its lists within their limits; each type's numbers are within the bounds
-// the decoder promises its handlers (page size > 0, TP size >= 1, no negative count, page,
+// Input: a message without its checksum trailer; the target appends the right XXH3-64
+// checksum (so that mutations reach the fields) and decodes that, then checks that the same
+// bytes with a wrong checksum are refused.
+//
+// Invariants: an accepted message re-encodes to exactly the input bytes and checksum; its strings
+// are at most 4096 bytes and its lists within their limits; each type's numbers are within the
+// bounds the decoder promises its handlers (page size > 0, TP size >= 1, no negative count, page,
 // head, slot or layer, state parts inside their counts, staging and fused not both); fields of
 // other types keep their defaults; a refusal is kInvalidArgument naming the control message.
+#include <xxhash.h>
+
 #include <cstdint>
 #include <string>
 
@@ -83,13 +89,22 @@ void CheckAccepted(const ControlMessage& m) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvferry;
-  StatusOr<ControlMessage> m = DecodeControl(fuzz::Bytes(data, size));
+  std::string message(reinterpret_cast<const char*>(data), size);
+  const uint64_t sum = XXH3_64bits(data, size);
+  for (int i = 0; i < 8; ++i) message.push_back(static_cast<char>(sum >> (8 * i)));
+  const auto bytes = std::span(reinterpret_cast<const uint8_t*>(message.data()), message.size());
+  StatusOr<ControlMessage> m = DecodeControl(bytes);
   if (!m.ok()) {
     FUZZ_CHECK(m.status().code() == StatusCode::kInvalidArgument);
     FUZZ_CHECK(m.status().message().starts_with("malformed control message: "));
+    FUZZ_CHECK(m.status().message().find("checksum") == std::string::npos);
     return 0;
   }
   CheckAccepted(*m);
-  FUZZ_CHECK(EncodeControl(*m) == fuzz::Text(data, size));
+  FUZZ_CHECK(EncodeControl(*m) == message);
+  message.back() = static_cast<char>(message.back() ^ 1);
+  StatusOr<ControlMessage> corrupted = DecodeControl(bytes);
+  FUZZ_CHECK(!corrupted.ok() &&
+             corrupted.status().message().find("checksum mismatch") != std::string::npos);
   return 0;
 }

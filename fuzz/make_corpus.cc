@@ -105,6 +105,12 @@ void FrameHeaders(Corpus& c) {
   c.Add("frame_header", "hello_limit_1k", std::string(hello.begin(), hello.end()) + Le(1024, 4));
 }
 
+// A control message as its fuzzer reads it: without the 8-byte checksum trailer.
+void AddControl(Corpus& c, const std::string& name, const ControlMessage& m) {
+  const std::string encoded = EncodeControl(m);
+  c.Add("control_message", name, encoded.substr(0, encoded.size() - 8));
+}
+
 void AuthBodies(Corpus& c) {
   wire::AuthHello hello;
   wire::AuthChallenge challenge;
@@ -187,7 +193,7 @@ void ControlMessages(Corpus& c) {
   a.num_state_slots = 8;
   a.node_id = "node-5f3a";
   a.done_mailbox = "/kvferry-done-4243";
-  c.Add("control_message", "register_decode", EncodeControl(reg));
+  AddControl(c, "register_decode", reg);
 
   ControlMessage info = m;
   info.type = ControlType::kTransferInfo;
@@ -195,29 +201,29 @@ void ControlMessages(Corpus& c) {
   info.aux_row = 17;
   info.state_slot = 2;
   info.slice = {2, 0, 4, true, true, 2, false, false, true, 1, 2, 0, 1};
-  c.Add("control_message", "transfer_info", EncodeControl(info));
+  AddControl(c, "transfer_info", info);
   info.slice.staging = true;
   info.slice.sends_state = false;
   info.state_slot = -1;
-  c.Add("control_message", "transfer_info_staging", EncodeControl(info));
+  AddControl(c, "transfer_info_staging", info);
 
   ControlMessage abort = m;
   abort.type = ControlType::kAbort;
   abort.status_code = static_cast<uint32_t>(StatusCode::kAborted);
   abort.reason = "decode gave up waiting";
-  c.Add("control_message", "abort", EncodeControl(abort));
+  AddControl(c, "abort", abort);
   ControlMessage failed = abort;
   failed.type = ControlType::kRoomFailed;
   failed.status_code = static_cast<uint32_t>(StatusCode::kOutOfRange);
   failed.reason = "decode page 5000 outside its pool of 4096";
-  c.Add("control_message", "room_failed", EncodeControl(failed));
+  AddControl(c, "room_failed", failed);
 
   for (auto [type, name] : {std::pair{ControlType::kHeartbeat, "heartbeat"},
                             std::pair{ControlType::kChunkLanded, "chunk_landed"},
                             std::pair{ControlType::kRoomDone, "room_done"}}) {
     ControlMessage plain = m;
     plain.type = type;
-    c.Add("control_message", name, EncodeControl(plain));
+    AddControl(c, name, plain);
   }
 
   ControlMessage staging = m;
@@ -227,7 +233,7 @@ void ControlMessages(Corpus& c) {
                             std::pair{ControlType::kStagingReady, "staging_ready"},
                             std::pair{ControlType::kStagingCancel, "staging_cancel"}}) {
     staging.type = type;
-    c.Add("control_message", name, EncodeControl(staging));
+    AddControl(c, name, staging);
   }
 }
 

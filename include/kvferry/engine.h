@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "kvferry/faults.h"
 #include "kvferry/memory.h"
 #include "kvferry/segment.h"
 #include "kvferry/status.h"
@@ -93,6 +94,10 @@ struct EngineOptions {
   // Listening on a non-loopback listen_host without a secret is refused (Create fails with
   // kFailedPrecondition) unless this is set.
   bool insecure = false;
+  // Fault injection for tests and drills (kvferry/faults.h): faults applied to this engine's
+  // outgoing requests and notifications. Inactive (default): the environment's
+  // KVFERRY_FAULTS when set, else none. Logged as a warning at start.
+  FaultPlan faults;
 };
 
 enum class TransferState : uint8_t {

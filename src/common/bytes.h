@@ -21,6 +21,8 @@ class ByteWriter {
     out_.insert(out_.end(), s.begin(), s.end());
   }
   void Bytes(std::span<const uint8_t> b) { out_.insert(out_.end(), b.begin(), b.end()); }
+  // What was written so far.
+  std::span<const uint8_t> bytes() const { return out_; }
   std::vector<uint8_t> Take() { return std::move(out_); }
 
  private:

@@ -141,6 +141,11 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     RETURN_IF_ERROR(CheckAuthSecret(token, "KVFERRY_AUTH_TOKEN"));
     config.auth_token = std::move(token);
   }
+  if (const char* v = std::getenv("KVFERRY_FAULTS"); v != nullptr && *v != '\0') {
+    StatusOr<FaultPlan> plan = ParseFaultPlan(v);
+    if (!plan.ok()) return InvalidArgumentError("KVFERRY_FAULTS: " + plan.status().message());
+    config.faults = std::move(*plan);
+  }
   return config;
 }
 

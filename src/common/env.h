@@ -22,12 +22,15 @@
 //   KVFERRY_AUTH_TOKEN     the shared secret every engine, bootstrap and control server of one
 //                          deployment holds (docs/security.md), at least 16 bytes; never
 //                          echoed in messages             default none (EngineOptions etc.)
+//   KVFERRY_FAULTS         a fault-injection plan (kvferry/faults.h) every engine of the
+//                          process applies, for tests and drills   default none
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 
+#include "kvferry/faults.h"
 #include "kvferry/status.h"
 
 namespace kvferry {
@@ -44,6 +47,7 @@ struct EnvConfig {
   std::optional<int> nvlink_resident_blocks;
   std::optional<int64_t> nvlink_resident_min_tiles;
   std::optional<std::string> auth_token;
+  std::optional<FaultPlan> faults;
 };
 
 // Reads and validates all variables above. Errors: kInvalidArgument naming the variable.

@@ -1,11 +1,18 @@
 #include "disagg/control_message.h"
 
+#include <xxhash.h>
+
 #include "common/bytes.h"
 
 namespace kvferry {
 namespace {
 constexpr uint32_t kControlMagic = 0x4346564Bu;  // "KVFC"
-constexpr uint16_t kControlVersion = 3;
+constexpr uint16_t kControlVersion = 4;
+constexpr size_t kChecksumBytes = 8;
+
+uint64_t Checksum(std::span<const uint8_t> bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
 constexpr uint32_t kMaxControlString = 4096;
 constexpr uint32_t kMaxBuffers = 1u << 16;
 }  // namespace
@@ -88,11 +95,24 @@ std::string EncodeControl(const ControlMessage& m) {
     case ControlType::kRoomDone:
       break;
   }
+  w.U64(Checksum(w.bytes()));
   auto bytes = w.Take();
   return std::string(bytes.begin(), bytes.end());
 }
 
-StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> bytes) {
+StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> message) {
+  if (message.size() < kChecksumBytes) {
+    return InvalidArgumentError("malformed control message: " + std::to_string(message.size()) +
+                                " bytes, shorter than its checksum");
+  }
+  const auto bytes = message.first(message.size() - kChecksumBytes);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < kChecksumBytes; ++i) {
+    sum |= uint64_t{message[bytes.size() + i]} << (8 * i);
+  }
+  if (sum != Checksum(bytes)) {
+    return InvalidArgumentError("malformed control message: checksum mismatch (corrupted)");
+  }
   ByteReader r(bytes, kMaxControlString);
   ControlMessage m;
   auto bad = [&](const std::string& what) {

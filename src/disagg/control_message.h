@@ -11,7 +11,11 @@
 //                      kRoomDone        the last chunk and the aux row landed
 //                      kRoomFailed      prefill failed or refused the room (reason)
 //
-// Encoding: magic "KVFC", version, type, then fields, little-endian; every count bounded.
+// Encoding: magic "KVFC", version, type, then fields, little-endian; every count bounded;
+// then an 8-byte XXH3-64 checksum of everything before it, so that a message corrupted on the
+// way (or by a fault plan, kvferry/faults.h) is refused rather than acted on: a flipped page
+// index would otherwise send KV to pages decode did not choose. The checksum is no defence
+// against a forger (docs/security.md: the engine handshake authenticates peers).
 #pragma once
 
 #include <cstdint>

@@ -276,9 +276,8 @@ void Batch::Abandon(const Status& why, bool queued_only) {
         OnWorkDone(item, why);
       }
     } else {
-      PeerChannel* channel = item->kind == WorkItem::Kind::kNotify
-                                 ? static_cast<PeerChannel*>(notify_peer->control.get())
-                                 : channels[item->request_index];
+      PeerChannel* channel = item->kind == WorkItem::Kind::kNotify ? notify_peer->notify.get()
+                                                                   : channels[item->request_index];
       channel->Abandon(item, why);
     }
   }
@@ -349,7 +348,7 @@ void Batch::AfterRequestsDone() {
     std::lock_guard<std::mutex> lock(mu_);
     notify_item_ = item;
   }
-  notify_peer->control->Submit(std::move(item));
+  notify_peer->notify->Submit(std::move(item));
 }
 
 void Batch::Finish(const Status& notify_status) {

@@ -25,6 +25,7 @@ StatusOr<PeerChannel*> Peer::ChannelFor(MemoryKind kind, int device) {
 
 void Peer::Close() {
   control->Close();
+  if (notify != nullptr && notify != control) notify->Close();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [key, channel] : channels_) {
     if (channel != control) channel->Close();

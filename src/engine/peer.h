@@ -27,6 +27,9 @@ class Peer {
   uint64_t id = 0;
   std::string address;                    // "host:port" as opened
   std::shared_ptr<tcp::TcpPeer> control;  // its descriptor() is the handshake's
+  // Where notifications go: `control`, or a fault-injection wrapper around it
+  // (TransportSet::NotifyChannel).
+  std::shared_ptr<PeerChannel> notify;
   // The transport for each kind of local memory (TransportSet::Pick at open), or why none.
   std::array<StatusOr<Transport*>, 2> routes{StatusOr<Transport*>(nullptr),
                                              StatusOr<Transport*>(nullptr)};
@@ -38,7 +41,8 @@ class Peer {
   // kept then).
   StatusOr<PeerChannel*> ChannelFor(MemoryKind kind, int device);
 
-  // Closes the control channel, then every other channel. Blocks until their threads stopped.
+  // Closes the control channel, then the notification channel and every other channel. Blocks until
+  // their threads stopped.
   void Close();
 
  private:

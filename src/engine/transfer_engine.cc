@@ -18,6 +18,7 @@
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/host_port.h"
+#include "common/logging.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "engine/batch.h"
@@ -85,6 +86,10 @@ class EngineImpl : public TransferEngine {
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;
     t.nvlink.resident_min_tiles = options_.nvlink_resident_min_tiles;
     t.nvlink.auth_secret = options_.auth_secret;
+    t.faults = options_.faults;
+    if (options_.faults.active()) {
+      KVF_LOG_WARN("engine {}: fault injection on ({})", options_.name, options_.faults.ToString());
+    }
     ASSIGN_OR_RETURN(transports_, TransportSet::Create(t, &registry_));
     listen_port_ = transports_->control().listen_port();
     {
@@ -182,6 +187,7 @@ class EngineImpl : public TransferEngine {
     auto peer = std::make_shared<Peer>();
     peer->address = address;
     ASSIGN_OR_RETURN(peer->control, transports_->control().Connect(address, self));
+    peer->notify = transports_->NotifyChannel(peer->control);
     const SegmentDescriptor& remote = peer->control->descriptor();
     for (MemoryKind kind : {MemoryKind::kHost, MemoryKind::kCuda}) {
       peer->routes[static_cast<size_t>(kind)] = transports_->Pick(kind, self, remote);
@@ -422,13 +428,13 @@ class EngineImpl : public TransferEngine {
     item->message = message;
     item->owner = waiter.get();
     item->owner_keepalive = waiter;
-    peer->control->Submit(item);
+    peer->notify->Submit(item);
     Status status;
     if (!waiter->Wait(Clock::now() + timeout, &status)) {
       Status late = DeadlineExceededError("peer " + peer->address +
                                           " did not acknowledge a notification within " +
                                           std::to_string(timeout.count()) + " ms");
-      peer->control->Abandon(item.get(), late);
+      peer->notify->Abandon(item.get(), late);
       return late;
     }
     return status;
@@ -616,6 +622,7 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   if (env.listen_host && options.listen_host == EngineOptions().listen_host) {
     resolved.listen_host = *env.listen_host;
   }
+  if (!resolved.faults.active() && env.faults) resolved.faults = *env.faults;
   if (!resolved.auth_secret.empty()) {
     RETURN_IF_ERROR(CheckAuthSecret(resolved.auth_secret, "EngineOptions::auth_secret"));
   } else if (env.auth_token) {

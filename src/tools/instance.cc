@@ -408,6 +408,7 @@ bool StartInstance(const InstanceFlags& flags, const char* role, Instance* in,
   engine->listen_host = flags.host;
   engine->transport = flags.transport;
   engine->name = std::string(role) + "-tp" + std::to_string(flags.tp_rank);
+  engine->faults = *ParseFaultPlan(flags.faults);  // checked by CheckInstanceFlags
   return true;
 }
 

@@ -68,6 +68,8 @@ struct InstanceFlags {
   // with a sentinel pattern, waits kLateWriteGraceMs and counts pages changed since
   // ("late_writes": copies that landed after decode heard of the failure). 0: off.
   int abort_every = 0;
+  // Fault-injection plan of this instance's engine (kvferry/faults.h); "" none.
+  std::string faults;
 };
 
 // How long a decode instance watches a failed room's pages for late writes (abort_every).
@@ -91,6 +93,11 @@ inline constexpr int kMaxGpu = 1023;
 // range. Errors: kInvalidArgument naming the flag, e.g. "--aux-rows must be in 1..1048576,
 // got 0".
 Status CheckInstanceFlags(const InstanceFlags& flags, bool prefill);
+
+// The command-line arguments that start an instance with `flags` (a replay's children),
+// exiting when process `parent_pid` does.
+std::vector<std::string> InstanceChildArgs(const InstanceFlags& flags, bool prefill,
+                                           int parent_pid);
 
 // Resolves --model / --model-config. Errors name the flag and value.
 StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string& model_config);

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include "common/checks.h"
+#include "kvferry/faults.h"
 #include "tools/auth_flags.h"
 #include "tools/commands.h"
 #include "tools/flag_checks.h"
@@ -21,6 +22,9 @@ Status CheckInstanceFlags(const InstanceFlags& f, bool prefill) {
   RETURN_IF_ERROR(CheckFlagRange("--tp-rank", f.tp_rank, 0, f.tp_size - 1));
   RETURN_IF_ERROR(CheckFlagRange("--abort-every", f.abort_every, 0));
   RETURN_IF_ERROR(CheckFlagRange("--exit-with-parent", f.exit_with_parent, 0));
+  if (auto plan = ParseFaultPlan(f.faults); !plan.ok()) {
+    return plan.status().WithContext("--faults");
+  }
   if (prefill) {
     RETURN_IF_ERROR(CheckFlagRange("--bootstrap-port", f.bootstrap_port, 0, 65535));
     RETURN_IF_ERROR(CheckFlagRange("--cp-size", f.cp_size, 1, kMaxParallelRanks));
@@ -30,6 +34,42 @@ Status CheckInstanceFlags(const InstanceFlags& f, bool prefill) {
         CheckFlagRange("--compute-us-per-layer", f.compute_us_per_layer, 0, kMaxComputeUsPerLayer));
   }
   return OkStatus();
+}
+
+std::vector<std::string> InstanceChildArgs(const InstanceFlags& f, bool prefill, int parent_pid) {
+  std::vector<std::string> a = {"--page-size",   std::to_string(f.page_size),
+                                "--pool-size",   f.pool_size,
+                                "--transport",   f.transport,
+                                "--host",        f.host,
+                                "--timeout-ms",  std::to_string(f.timeout_ms),
+                                "--aux-rows",    std::to_string(f.aux_rows),
+                                "--state-slots", std::to_string(f.state_slots)};
+  if (!f.model_config.empty()) {
+    a.insert(a.end(), {"--model-config", f.model_config});
+  } else {
+    a.insert(a.end(), {"--model", f.model});
+  }
+  if (prefill) {
+    a.insert(a.end(), {"--chunk-tokens", std::to_string(f.chunk_tokens), "--compute-us-per-layer",
+                       std::to_string(f.compute_us_per_layer)});
+    if (f.layerwise) a.push_back("--layerwise");
+  }
+  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(f.gpu), "--tp-rank",
+                     std::to_string(f.tp_rank), "--tp-size", std::to_string(f.tp_size)});
+  if (prefill && !f.join_bootstrap.empty())
+    a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
+  if (!prefill) a.insert(a.end(), {"--kv-path", f.kv_path, "--staging-size", f.staging_size});
+  if (prefill && f.cp_size > 1) {
+    a.insert(a.end(),
+             {"--cp-rank", std::to_string(f.cp_rank), "--cp-size", std::to_string(f.cp_size)});
+    if (f.cp_rank0_only) a.push_back("--cp-rank0-only");
+  }
+  if (f.abort_every > 0) {
+    a.insert(a.end(), {"--abort-every", std::to_string(f.abort_every)});
+  }
+  if (!f.faults.empty()) a.insert(a.end(), {"--faults", f.faults});
+  a.insert(a.end(), {"--exit-with-parent", std::to_string(parent_pid)});
+  return a;
 }
 
 StatusOr<ModelGeometry> ResolveModel(const std::string& model, const std::string& model_config) {
@@ -76,6 +116,9 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
     cmd->add_option("--staging-size", f->staging_size, "Staging ring bytes for --kv-path staging")
         ->capture_default_str();
   }
+  cmd->add_option("--faults", f->faults,
+                  "Fault-injection plan of this instance's engine (kvferry/faults.h), e.g. "
+                  "drop=0.01,fail=0.02,delay_us=500; for tests and drills");
   cmd->add_option("--abort-every", f->abort_every,
                   "Failure drill (GPU, layerwise): prefill aborts rooms whose id is a multiple of "
                   "N halfway through their compute; decode counts late writes into them")

@@ -27,6 +27,7 @@
 #include "common/host_port.h"
 #include "cuda/device_memory.h"
 #include "disagg/http_auth.h"
+#include "kvferry/faults.h"
 #include "kvferry/tp_plan.h"
 #include "tools/auth_flags.h"
 #include "tools/child_instance.h"
@@ -67,6 +68,7 @@ struct ReplayFlags {
   int decode_tp = 1;
   int prefill_cp = 1;
   std::string kv_path = "auto";
+  std::string prefill_faults, decode_faults;  // fault plans of the instances started
   InstanceFlags instance;
   AuthFlags auth;  // for joined instances; ours get a fresh secret
 };
@@ -103,41 +105,6 @@ struct Totals {
 int Fail(const std::string& message) {
   std::fprintf(stderr, "kvferry replay: %s\n", message.c_str());
   return 2;
-}
-
-std::vector<std::string> InstanceArgs(const InstanceFlags& f, bool prefill) {
-  std::vector<std::string> a = {"--page-size",   std::to_string(f.page_size),
-                                "--pool-size",   f.pool_size,
-                                "--transport",   f.transport,
-                                "--host",        f.host,
-                                "--timeout-ms",  std::to_string(f.timeout_ms),
-                                "--aux-rows",    std::to_string(f.aux_rows),
-                                "--state-slots", std::to_string(f.state_slots)};
-  if (!f.model_config.empty()) {
-    a.insert(a.end(), {"--model-config", f.model_config});
-  } else {
-    a.insert(a.end(), {"--model", f.model});
-  }
-  if (prefill) {
-    a.insert(a.end(), {"--chunk-tokens", std::to_string(f.chunk_tokens), "--compute-us-per-layer",
-                       std::to_string(f.compute_us_per_layer)});
-    if (f.layerwise) a.push_back("--layerwise");
-  }
-  a.insert(a.end(), {"--device", f.device, "--gpu", std::to_string(f.gpu), "--tp-rank",
-                     std::to_string(f.tp_rank), "--tp-size", std::to_string(f.tp_size)});
-  if (prefill && !f.join_bootstrap.empty())
-    a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
-  if (!prefill) a.insert(a.end(), {"--kv-path", f.kv_path, "--staging-size", f.staging_size});
-  if (prefill && f.cp_size > 1) {
-    a.insert(a.end(),
-             {"--cp-rank", std::to_string(f.cp_rank), "--cp-size", std::to_string(f.cp_size)});
-    if (f.cp_rank0_only) a.push_back("--cp-rank0-only");
-  }
-  if (f.abort_every > 0) {
-    a.insert(a.end(), {"--abort-every", std::to_string(f.abort_every)});
-  }
-  a.insert(a.end(), {"--exit-with-parent", std::to_string(::getpid())});
-  return a;
 }
 
 }  // namespace
@@ -181,7 +148,9 @@ int RunReplay(ReplayFlags flags) {
       CheckFlagRange("--prefill-tp", flags.prefill_tp, 1, kMaxParallelRanks),
       CheckFlagRange("--decode-tp", flags.decode_tp, 1, kMaxParallelRanks),
       CheckFlagRange("--prefill-cp", flags.prefill_cp, 1, kMaxParallelRanks),
-      CheckFlagRange("--abort-every", in.abort_every, 0)};
+      CheckFlagRange("--abort-every", in.abort_every, 0),
+      ParseFaultPlan(flags.prefill_faults).status().WithContext("--prefill-faults"),
+      ParseFaultPlan(flags.decode_faults).status().WithContext("--decode-faults")};
   if (flags.synthetic_given) {
     checks.push_back(CheckFlagRange("--synthetic", flags.synthetic, 1, kMaxSyntheticRequests));
   }
@@ -285,7 +254,8 @@ int RunReplay(ReplayFlags flags) {
       f.cp_rank = cp_rank;
       f.cp_size = prefill ? flags.prefill_cp : 1;
       f.join_bootstrap = join;
-      auto args = InstanceArgs(f, prefill);
+      f.faults = prefill ? flags.prefill_faults : flags.decode_faults;
+      auto args = InstanceChildArgs(f, prefill, ::getpid());
       children.push_back(std::make_unique<ChildInstance>());
       Status st = children.back()->Start(prefill ? "prefill" : "decode", args, secret);
       if (!st.ok()) return st;
@@ -778,6 +748,11 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
                   "Failure drill (--device cuda --layerwise with compute): prefill aborts rooms "
                   "whose id is a multiple of N halfway through their layers; decode checks that "
                   "nothing of them lands after it heard of the abort (JSON late_writes)");
+  cmd->add_option("--prefill-faults", flags->prefill_faults,
+                  "Fault-injection plan of the prefill instances' engines (kvferry/faults.h), "
+                  "e.g. drop=0.01,fail=0.02");
+  cmd->add_option("--decode-faults", flags->decode_faults,
+                  "Fault-injection plan of the decode instances' engines");
   cmd->add_option("--staging-size", flags->instance.staging_size,
                   "Decode staging ring bytes for --kv-path staging")
       ->capture_default_str();

@@ -36,7 +36,20 @@ StatusOr<std::unique_ptr<TransportSet>> TransportSet::Create(const TransportSetO
     std::erase_if(set->preference_,
                   [&](const Transport* t) { return t->capabilities().name != set->forced_; });
   }
+  if (options.faults.active()) {
+    set->faults_ = std::make_shared<FaultInjector>(options.faults);
+    for (Transport*& t : set->preference_) {
+      set->fault_wrappers_.push_back(std::make_unique<FaultTransport>(t, set->faults_));
+      t = set->fault_wrappers_.back().get();
+    }
+  }
   return set;
+}
+
+std::shared_ptr<PeerChannel> TransportSet::NotifyChannel(
+    std::shared_ptr<PeerChannel> control) const {
+  if (faults_ == nullptr) return control;
+  return std::make_shared<FaultChannel>(std::move(control), faults_, /*host_memory=*/true);
 }
 
 void TransportSet::Describe(SegmentDescriptor* self) const {

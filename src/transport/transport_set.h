@@ -17,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "kvferry/faults.h"
 #include "kvferry/memory.h"
 #include "kvferry/segment.h"
+#include "transport/fault/fault_transport.h"
 #include "transport/memory_registry.h"
 #include "transport/nvlink/nvlink_transport.h"
 #include "transport/tcp/tcp_transport.h"
@@ -30,6 +32,9 @@ struct TransportSetOptions {
   std::string transport = "auto";  // "auto" or a name from TransportSet::KnownNames()
   tcp::TcpTransportOptions tcp;
   NvlinkTransportOptions nvlink;
+  // When active, every transport is wrapped in a FaultTransport and notification channels in
+  // a FaultChannel (kvferry/faults.h), all sharing one FaultInjector.
+  FaultPlan faults;
 };
 
 class TransportSet {
@@ -53,6 +58,10 @@ class TransportSet {
   // The transport that carries requests on local memory of `local_kind` from the engine
   // described by `self` to `peer`. Never blocks. Errors: kFailedPrecondition naming the
   // forced transport and why it cannot, or why none can.
+  // The channel notifications to a peer go through: `control` itself, or with a fault plan a
+  // FaultChannel around it.
+  std::shared_ptr<PeerChannel> NotifyChannel(std::shared_ptr<PeerChannel> control) const;
+
   StatusOr<Transport*> Pick(MemoryKind local_kind, const SegmentDescriptor& self,
                             const SegmentDescriptor& peer) const;
 
@@ -63,6 +72,8 @@ class TransportSet {
   std::unique_ptr<tcp::TcpTransport> tcp_;
   std::vector<std::unique_ptr<Transport>> data_;  // transports other than TCP, started
   std::vector<Transport*> preference_;            // candidates, most preferred first
+  std::shared_ptr<FaultInjector> faults_;         // null without a fault plan
+  std::vector<std::unique_ptr<FaultTransport>> fault_wrappers_;
 };
 
 }  // namespace kvferry

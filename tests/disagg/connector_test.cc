@@ -457,9 +457,17 @@ TEST(ControlMessageTest, RoundTripAndTruncation) {
   EXPECT_EQ(r->kv_args.buffer_bases, reg.kv_args.buffer_bases);
   EXPECT_EQ(r->kv_args.node_id, "host/boot");
   EXPECT_EQ(r->kv_args.done_mailbox, "/kvferry-done-1-0");
-  std::string bad = EncodeControl(m);
-  bad[0] = 'X';
-  EXPECT_NE(DecodeControl(bad).status().message().find("magic"), std::string::npos);
+  // A message corrupted anywhere (a flipped page index would send KV to pages decode did not
+  // choose) is refused by its checksum.
+  const std::string good = EncodeControl(m);
+  for (size_t i = 0; i < good.size(); ++i) {
+    std::string bad = good;
+    bad[i] = static_cast<char>(bad[i] ^ 0x10);
+    auto refused = DecodeControl(bad);
+    ASSERT_FALSE(refused.ok()) << "byte " << i;
+    EXPECT_NE(refused.status().message().find("checksum mismatch"), std::string::npos)
+        << refused.status().message();
+  }
 }
 
 }  // namespace

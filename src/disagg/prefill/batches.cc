@@ -80,8 +80,17 @@ Status BatchSender::TransferNow(const TransferRequest& request) {
 
 void BatchSender::Tell(const std::shared_ptr<DecodePeer>& decode, const ControlMessage& m) {
   if (decode == nullptr || decode->segment.value == 0) return;  // never connected
-  control_->Post([this, decode, text = EncodeControl(m)] {
-    engine_->SendNotification(decode->segment, text, std::chrono::milliseconds(2000)).IgnoreError();
+  // Submitted from the control queue, so that the notice leaves after the cancels posted
+  // before it ended (CancelLater); not waited for there, so that notices to a peer that does
+  // not answer wait out their deadlines side by side instead of one after another.
+  control_->Post([this, segment = decode->segment, text = EncodeControl(m)] {
+    BatchOptions o;
+    o.deadline = std::chrono::milliseconds(2000);
+    o.on_complete = [this](BatchId id, const BatchStatus& status) {
+      Complete(
+          id, status, [](const BatchStatus&) {}, nullptr, /*inline_success=*/true);
+    };
+    engine_->SubmitNotification(segment, text, o).status().IgnoreError();
   });
 }
 

@@ -56,7 +56,8 @@ class BatchSender {
   // One synchronous transfer (a READ of decode's staging watermark), counted in the stats.
   Status TransferNow(const TransferRequest& request);
 
-  // Sends `m` to `decode` from the control queue, unless it never connected.
+  // Sends `m` to `decode` from the control queue (after the cancels posted before it ended),
+  // unless it never connected; does not wait for the answer (2 s deadline).
   void Tell(const std::shared_ptr<DecodePeer>& decode, const ControlMessage& m);
 
   // Cancels batches on the control queue (CancelBatch waits for copies already started);
