@@ -6,7 +6,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 WERROR := $(if $(CI),-DKVFERRY_WERROR=ON,)
 
-.PHONY: deps configure build build-cli build-asan demo test test-asan fuzz clean
+.PHONY: deps configure build build-cli build-asan demo test test-asan fuzz soak clean
 
 deps:
 	@scripts/install_deps.sh
@@ -43,6 +43,11 @@ test-asan: build-asan
 # FUZZ_SECONDS (default 20) on its seed corpus; fails on any crash (scripts/fuzz.sh).
 fuzz: deps
 	@scripts/fuzz.sh
+
+# Long-running instances through several passes of the whole conversation trace, sampling their
+# memory, threads and descriptors (scripts/soak.sh; not in CI; docs/reliability.md).
+soak: build-cli
+	@BUILD_DIR=$(BUILD_DIR) scripts/soak.sh
 
 clean:
 	rm -rf $(BUILD_DIR) $(ASAN_BUILD_DIR) build-fuzz
