@@ -24,6 +24,7 @@
 // and must outlive the connector.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -41,11 +42,20 @@
 
 namespace kvferry {
 
+// What a connector did since it was created (stats()). Counters only grow; plain values, so
+// that a binding can hand them on as a dict or dataclass. Rooms count once they are final
+// (released or not).
 struct ConnectorStats {
   uint64_t transfer_requests = 0;  // engine-level requests issued (KV blocks + aux rows)
   uint64_t bytes = 0;              // bytes of those requests
   uint64_t rooms_succeeded = 0;
-  uint64_t rooms_failed = 0;
+  uint64_t rooms_failed = 0;  // the sum of rooms_failed_by_code
+  // Rooms that turned Failed, by the code of their failure (index: StatusCode): kAborted for
+  // an abort from either side (Abort here, or the peer's: decode's timeouts and failures reach
+  // prefill as aborts), kDeadlineExceeded for this side's bootstrap, waiting or transfer
+  // timeout, kUnavailable for a peer gone (heartbeats, refused connections), kDataLoss for an
+  // aux row holding another room, and the codes of failed batches and pairing checks.
+  std::array<uint64_t, kNumStatusCodes> rooms_failed_by_code{};
   // Decode: rooms that turned Success on a same-node done-mailbox report, before prefill's
   // TCP done notice was handled (DecodeConnectorOptions::done_poll_us).
   uint64_t rooms_done_by_mailbox = 0;
@@ -174,7 +184,10 @@ class PrefillConnector {
   virtual Status Abort(uint64_t room, const std::string& reason) = 0;
   // Forgets a final room. Errors: kNotFound, kFailedPrecondition (not final).
   virtual Status Release(uint64_t room) = 0;
+  // Never blocks; takes no lock the data path takes.
   virtual ConnectorStats stats() const = 0;
+  // The counters of the connector's transfer engine (TransferEngine::Metrics).
+  virtual EngineMetrics engine_metrics() const = 0;
 };
 
 struct DecodeConnectorOptions {
@@ -257,7 +270,10 @@ class DecodeConnector {
   // Fails the room and tells prefill to stop. Errors: kNotFound.
   virtual Status Abort(uint64_t room, const std::string& reason) = 0;
   virtual Status Release(uint64_t room) = 0;
+  // Never blocks; takes no lock the data path takes.
   virtual ConnectorStats stats() const = 0;
+  // The counters of the connector's transfer engine (TransferEngine::Metrics).
+  virtual EngineMetrics engine_metrics() const = 0;
 };
 
 }  // namespace kvferry

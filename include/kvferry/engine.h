@@ -13,10 +13,14 @@
 // acknowledged it. Notifications also travel on their own (SendNotification), which the
 // disaggregation connector uses as its control channel.
 //
+// The engine counts what it does (Metrics): bytes and requests by transport and op, batches by
+// final code with their latency, notifications, connections and refused handshakes.
+//
 // Thread-safety: every method may be called from any thread concurrently. Notification
 // handlers run on engine threads and must not block for long.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -173,6 +177,67 @@ struct BatchOptions {
   void* start_after_event = nullptr;
 };
 
+// Upper bounds of the buckets of the batch latency histogram (EngineMetrics), in seconds:
+// 1, 2 and 5 per decade from 10 us to 10 s. A last bucket holds the batches slower than 10 s.
+inline constexpr std::array<double, 19> kBatchLatencyBoundsSeconds = {
+    10e-6, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3,
+    20e-3, 50e-3, 0.1,   0.2,    0.5,    1,      2,    5,    10};
+
+// What one engine did since it was created (TransferEngine::Metrics). Counters only grow;
+// `segments_open` and `connections_open` are current values. Plain values throughout, so that
+// a binding can hand them on as a dict or dataclass.
+struct EngineMetrics {
+  // The requests of SubmitBatch batches that became final, for one transport and op.
+  struct Transfers {
+    std::string transport;  // a name EngineOptions::transport accepts: "nvlink", "tcp"
+    TransferOp op = TransferOp::kWrite;
+    // Bytes that landed: a WRITE's once the peer acknowledged them (over NVLink: once the copy
+    // completed), a READ's once in local memory. A request that failed later (a deadline, a
+    // cancel) still counts the bytes that had landed.
+    uint64_t bytes = 0;
+    uint64_t requests_completed = 0;
+    uint64_t requests_failed = 0;     // failed: an error, a deadline, the peer gone
+    uint64_t requests_cancelled = 0;  // CancelBatch (or shutdown) before they were sent
+  };
+  // One entry per transport this build knows (started here or not), WRITE then READ.
+  std::vector<Transfers> transfers;
+  // Requests that failed or were cancelled, by the code of their error (index: StatusCode).
+  std::array<uint64_t, kNumStatusCodes> request_failures_by_code{};
+  // SubmitBatch batches that became final, by their final code (BatchStatus::error; kOk: every
+  // request completed and the notification, if any, was acknowledged). Batches refused by
+  // SubmitBatch itself, and SubmitNotification's, do not count.
+  std::array<uint64_t, kNumStatusCodes> batches_by_code{};
+  // The same batches' latency, from SubmitBatch to final: per bucket of
+  // kBatchLatencyBoundsSeconds, the batches in that bucket alone (not cumulative; bucket i holds
+  // latencies above bound i - 1 up to bound i), the last entry those above 10 s.
+  std::array<uint64_t, kBatchLatencyBoundsSeconds.size() + 1> batch_latency_buckets{};
+  double batch_latency_sum_seconds = 0;
+  uint64_t batch_latency_count = 0;  // the sum of batch_latency_buckets
+  // Notifications this engine sent (with a batch, SubmitNotification or SendNotification) that
+  // the peer acknowledged, those that failed (not sent, no acknowledgement in time, peer gone),
+  // and those it received from peers (delivered to the handler or queued for
+  // PollNotifications).
+  uint64_t notifications_sent = 0;
+  uint64_t notifications_failed = 0;
+  uint64_t notifications_received = 0;
+  uint64_t segments_open = 0;  // peer segments opened (OpenSegment) and not closed
+  // The serving side: connections of peers to this engine's TCP port (each peer's lanes and
+  // control channel). Open now (in the handshake or after it), accepted ever, and closed at
+  // once because tcp_max_connections were open.
+  uint64_t connections_open = 0;
+  uint64_t connections_accepted = 0;
+  uint64_t connections_refused = 0;
+  // Handshakes of those connections that completed, and those refused: a wrong proof of the
+  // shared secret, or a client that hung up after this engine's challenge (a kvferry engine
+  // holding another secret, or none, does that); a malformed frame, a frame out of turn,
+  // another protocol version; no complete handshake within tcp_handshake_timeout. A connection
+  // closed before its first HELLO arrived counts in none of them.
+  uint64_t handshakes_completed = 0;
+  uint64_t handshakes_refused_auth = 0;
+  uint64_t handshakes_refused_protocol = 0;
+  uint64_t handshakes_refused_timeout = 0;
+};
+
 class TransferEngine {
  public:
   using NotificationHandler = std::function<void(const Notification&)>;
@@ -259,6 +324,14 @@ class TransferEngine {
   virtual void SetNotificationHandler(NotificationHandler handler) = 0;
   // Returns and clears notifications queued since the last call (when no handler is set).
   virtual std::vector<Notification> PollNotifications() = 0;
+
+  // This engine's counters (EngineMetrics). Never blocks: it sums per-thread shards of relaxed
+  // atomic counters that the engine's threads add to once per batch, notification or
+  // connection (never per item, never under a lock shared between batches). A batch counts
+  // everything at once, before WaitBatch (or on_complete) sees it final, so what finished
+  // before the call is all there; the values are read one by one, so a batch finishing during
+  // the call may show in some of them only.
+  virtual EngineMetrics Metrics() const { return {}; }
 };
 
 // Convenience: submit one batch, wait, release. Returns the batch's first error.

@@ -20,6 +20,7 @@
 // Thread-safety: Status and StatusOr are values; distinct objects may be used from any thread.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -46,6 +47,9 @@ enum class StatusCode : uint8_t {
   kUnavailable = 14,
   kDataLoss = 15,
 };
+
+// Number of codes: arrays indexed by StatusCode (e.g. counters by code) have this size.
+inline constexpr size_t kNumStatusCodes = static_cast<size_t>(StatusCode::kDataLoss) + 1;
 
 // Returns the canonical upper-case name, e.g. "DEADLINE_EXCEEDED".
 std::string_view StatusCodeName(StatusCode code);

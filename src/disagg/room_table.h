@@ -1,10 +1,13 @@
 // RoomTable: per-room state with forward-only transitions, Failed overriding, waiting, and
-// deadlines. Both connector sides keep their rooms here, with side-specific data in `T`.
+// deadlines. Both connector sides keep their rooms here, with side-specific data in `T`. It
+// counts the rooms that became final, by outcome (outcomes(): the connectors' stats).
 //
 // Thread-safety: all methods are thread-safe; `With` runs its function under the table lock
 // (keep it short; never call back into the table from it).
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -18,6 +21,17 @@
 #include "kvferry/room.h"
 
 namespace kvferry {
+
+// Rooms of a RoomTable that became final: Success, or Failed by the code of their error.
+struct RoomOutcomes {
+  uint64_t succeeded = 0;
+  std::array<uint64_t, kNumStatusCodes> failed_by_code{};
+  uint64_t failed() const {
+    uint64_t n = 0;
+    for (uint64_t c : failed_by_code) n += c;
+    return n;
+  }
+};
 
 template <typename T>
 class RoomTable {
@@ -208,6 +222,7 @@ class RoomTable {
         r.status.error = DeadlineExceededError("bootstrap room " + std::to_string(id) + ": " +
                                                r.deadline_reason);
         r.deadline = Clock::time_point::max();
+        CountLocked(r.status);
         expired.push_back(id);
       }
     }
@@ -230,13 +245,33 @@ class RoomTable {
     return rooms_.size();
   }
 
+  // Rooms that became final so far (released ones included). Takes no lock.
+  RoomOutcomes outcomes() const {
+    RoomOutcomes o;
+    o.succeeded = succeeded_.load(std::memory_order_relaxed);
+    for (size_t c = 0; c < kNumStatusCodes; ++c) {
+      o.failed_by_code[c] = failed_by_code_[c].load(std::memory_order_relaxed);
+    }
+    return o;
+  }
+
  private:
   // Makes `r` final in `state` (Success or Failed) now and wakes the waiters. REQUIRES mu_.
   void FinishLocked(Room& r, RoomState state) {
     r.status.state = state;
     r.status.final_time = Clock::now();
     r.deadline = Clock::time_point::max();
+    CountLocked(r.status);
     cv_.notify_all();
+  }
+
+  // Counts a room that just became final. REQUIRES mu_ (the atomics let outcomes() skip it).
+  void CountLocked(const RoomStatus& s) {
+    if (s.state == RoomState::kSuccess) {
+      succeeded_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      failed_by_code_[static_cast<size_t>(s.error.code())].fetch_add(1, std::memory_order_relaxed);
+    }
   }
 
   // Waits (releasing `lock`, which holds mu_) until `room` has no pins or is gone; `*it` is
@@ -252,6 +287,8 @@ class RoomTable {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, Room> rooms_;
+  std::atomic<uint64_t> succeeded_{0};
+  std::array<std::atomic<uint64_t>, kNumStatusCodes> failed_by_code_{};
 };
 
 }  // namespace kvferry

@@ -218,6 +218,7 @@ void Batch::OnWorkDone(WorkItem* item, const Status& status) {
 
 void Batch::OnWorkDoneMany(std::span<WorkItem* const> done, const Status& status) {
   if (done.size() == 1 && done[0]->kind == WorkItem::Kind::kNotify) {
+    if (counters != nullptr) counters->AddNotificationSent(status.ok());
     Finish(status.ok() ? status : status.WithContext("notification not delivered"));
     done[0]->owner_keepalive.reset();
     return;
@@ -364,6 +365,9 @@ void Batch::Finish(const Status& notify_status) {
     } else {
       state_ = TransferState::kFailed;
     }
+    // Counted before anyone can see the batch final, so that a caller that waited for it
+    // finds it in the engine's metrics.
+    if (counters != nullptr && !requests_.empty()) CountLocked();
     final_ = true;
     final_flag_.store(true, std::memory_order_release);
   }
@@ -394,6 +398,24 @@ bool Batch::ApplyLocked(size_t index, uint64_t bytes, const Status& status, bool
     if (first_error_.ok()) first_error_ = r.error;
   }
   return --requests_left_ == 0;
+}
+
+void Batch::CountLocked() {
+  EngineCounters::BatchTally tally;
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    const Request& r = requests_[i];
+    const size_t slot = i < transport_slots.size() ? transport_slots[i] : 0;
+    const size_t op = static_cast<size_t>(transfer_requests_[i].op);
+    tally.bytes[slot][op] += r.transferred_bytes;
+    EngineCounters::Outcome outcome = EngineCounters::kCompleted;
+    if (r.state == TransferState::kFailed) outcome = EngineCounters::kFailed;
+    if (r.state == TransferState::kCancelled) outcome = EngineCounters::kCancelled;
+    ++tally.requests[slot][op][outcome];
+    if (outcome != EngineCounters::kCompleted) {
+      ++tally.failures_by_code[static_cast<size_t>(r.error.code())];
+    }
+  }
+  counters->AddBatch(tally, final_error_.code(), Clock::now() - submitted);
 }
 
 void Batch::Unwatch() {

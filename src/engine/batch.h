@@ -5,7 +5,9 @@
 // the EventGate until it may start.
 //
 // Its work items live in one array inside the batch; transports hold aliasing pointers to
-// them, which keep the batch alive until every transport callback ran.
+// them, which keep the batch alive until every transport callback ran. As it becomes final it
+// adds its requests, code and latency to the engine's counters (engine_counters.h), and a
+// notification it sent to the notification counts.
 //
 // Thread-safety: the public fields are set by the submitting thread before Start (or Gate)
 // and read-only afterwards; everything else is guarded by the batch's mutex (or atomics).
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "engine/deadline_watch.h"
+#include "engine/engine_counters.h"
 #include "kvferry/engine.h"
 #include "transport/transport.h"
 
@@ -42,6 +45,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   };
 
   uint64_t id = 0;
+  std::chrono::steady_clock::time_point submitted;  // for the latency histogram
   std::chrono::steady_clock::time_point deadline;
   std::chrono::milliseconds deadline_ms{0};
   std::string notification;
@@ -54,6 +58,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // Per request: a strided WRITE into the peer's host memory, which a channel that takes
   // several rows per item (TCP: strided frames) receives in groups of rows.
   std::vector<uint8_t> strided_wire;
+  // Per request: its transport's slot in `counters` (EngineCounters::SlotOf).
+  std::vector<uint8_t> transport_slots;
+  // The engine's counters; set once, before the batch starts.
+  std::shared_ptr<EngineCounters> counters;
 
   // The engine's deadline set; set once, before the batch starts.
   std::shared_ptr<DeadlineWatch> watch;
@@ -131,6 +139,8 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   void AfterRequestsDone();
 
   void Finish(const Status& notify_status);
+  // Adds the final batch to `counters`. Holds mu_.
+  void CountLocked();
 
   // Applies a finished copy of `bytes` (a work item, or a whole request sent in bulk) to
   // request `index`; `last`: it was the request's last copy, which makes the request final.

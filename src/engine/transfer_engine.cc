@@ -2,7 +2,9 @@
 // (request_checks.h), each request is given the channel of its peer's route for its local
 // memory (peer.h, TransportSet::Pick), and the batch starts at once or, behind a CUDA event,
 // on the GPU or in the EventGate; the DeadlineWatch fails it when its deadline passes, and its
-// notification goes over the peer's control channel after its data landed (batch.h).
+// notification goes over the peer's control channel after its data landed (batch.h). Batches
+// and notifications add to the engine's counters (engine_counters.h), the TCP server keeps its
+// own (connections, handshakes); Metrics reads both.
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,12 +25,14 @@
 #include "cuda/device_ops.h"
 #include "engine/batch.h"
 #include "engine/deadline_watch.h"
+#include "engine/engine_counters.h"
 #include "engine/event_gate.h"
 #include "engine/peer.h"
 #include "engine/request_checks.h"
 #include "kvferry/engine.h"
 #include "transport/item_waiter.h"
 #include "transport/memory_registry.h"
+#include "transport/tcp/tcp_server.h"
 #include "transport/transport_set.h"
 
 namespace kvferry {
@@ -90,6 +94,9 @@ class EngineImpl : public TransferEngine {
     if (options_.faults.active()) {
       KVF_LOG_WARN("engine {}: fault injection on ({})", options_.name, options_.faults.ToString());
     }
+    std::vector<std::string> names = TransportSet::KnownNames();
+    std::erase(names, "auto");
+    counters_ = std::make_shared<EngineCounters>(std::move(names));
     ASSIGN_OR_RETURN(transports_, TransportSet::Create(t, &registry_));
     listen_port_ = transports_->control().listen_port();
     {
@@ -198,6 +205,7 @@ class EngineImpl : public TransferEngine {
     peer->refresh = [this, id] { return RefreshSegment(SegmentHandle{id}); };
     peers_[peer->id] = peer;
     peer_by_address_[address] = peer->id;
+    segments_open_.fetch_add(1, std::memory_order_relaxed);
     return SegmentHandle{peer->id};
   }
 
@@ -243,6 +251,7 @@ class EngineImpl : public TransferEngine {
       peers_.erase(it);
       peer_by_address_.erase(peer->address);
       descriptors_.erase(segment.value);
+      segments_open_.fetch_sub(1, std::memory_order_relaxed);
     }
     peer->Close();
     return OkStatus();
@@ -254,8 +263,10 @@ class EngineImpl : public TransferEngine {
     RETURN_IF_ERROR(CheckMessageSize(options.notification));
     auto batch = std::make_shared<Batch>(requests);
     batch->watch = watch_;
+    batch->counters = counters_;
     batch->peers.resize(requests.size());
     batch->channels.resize(requests.size());
+    batch->transport_slots.resize(requests.size());
     batch->strided_wire.assign(requests.size(), 0);
     // Per-request work stays allocation-free: error text is built only on failure, and the
     // peer and data path are looked up again only when they can differ from the request
@@ -341,6 +352,7 @@ class EngineImpl : public TransferEngine {
     ChannelCache cache;
     for (size_t i = 0; i < requests.size(); ++i) {
       ASSIGN_OR_RETURN(batch->channels[i], ChooseChannel(requests[i], *batch->peers[i], i, &cache));
+      batch->transport_slots[i] = cache.slot;
     }
     void* wait_event = options.start_after_event;
     if (wait_event != nullptr) {
@@ -435,8 +447,10 @@ class EngineImpl : public TransferEngine {
                                           " did not acknowledge a notification within " +
                                           std::to_string(timeout.count()) + " ms");
       peer->notify->Abandon(item.get(), late);
+      counters_->AddNotificationSent(false);
       return late;
     }
+    counters_->AddNotificationSent(status.ok());
     return status;
   }
 
@@ -447,6 +461,7 @@ class EngineImpl : public TransferEngine {
     ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
     auto batch = std::make_shared<Batch>(std::span<const TransferRequest>());
     batch->watch = watch_;
+    batch->counters = counters_;
     batch->peer_refs.push_back(peer);
     batch->notify_peer = peer;
     batch->notification = std::move(message);
@@ -469,6 +484,25 @@ class EngineImpl : public TransferEngine {
     return out;
   }
 
+  EngineMetrics Metrics() const override {
+    EngineMetrics m;
+    counters_->Fill(&m);
+    m.segments_open = segments_open_.load(std::memory_order_relaxed);
+    const tcp::TcpServerCounters& server = transports_->control().server_counters();
+    auto load = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
+    m.connections_open = load(server.connections_open);
+    m.connections_accepted = load(server.connections_accepted);
+    m.connections_refused = load(server.connections_refused);
+    m.handshakes_completed = load(server.handshakes_completed);
+    auto refused = [&](tcp::HandshakeRefusal why) {
+      return load(server.handshakes_refused[static_cast<size_t>(why)]);
+    };
+    m.handshakes_refused_auth = refused(tcp::HandshakeRefusal::kAuth);
+    m.handshakes_refused_protocol = refused(tcp::HandshakeRefusal::kProtocol);
+    m.handshakes_refused_timeout = refused(tcp::HandshakeRefusal::kTimeout);
+    return m;
+  }
+
  private:
   uint32_t MaxBodyBytes() const {
     // Descriptors of engines with many regions can exceed a notification's size.
@@ -481,6 +515,7 @@ class EngineImpl : public TransferEngine {
     const Peer* peer = nullptr;
     MemoryRegistry::Span region;
     PeerChannel* channel = nullptr;
+    uint8_t slot = 0;  // the channel's transport in counters_
   };
 
   // The peer's descriptor as last read (a refresh replaces the handshake's). Holds peers_mu_.
@@ -511,10 +546,15 @@ class EngineImpl : public TransferEngine {
     cache->peer = &peer;
     cache->region = registered ? local : MemoryRegistry::Span{addr, r.local_extent()};
     cache->channel = *channel;
+    // ChannelFor succeeded: the route holds the transport.
+    const Transport* transport =
+        *peer.routes[static_cast<size_t>(local_device ? MemoryKind::kCuda : MemoryKind::kHost)];
+    cache->slot = counters_->SlotOf(transport->capabilities().name);
     return *channel;
   }
 
   void Deliver(Notification n) {
+    counters_->AddNotificationReceived();
     NotificationHandler handler;
     {
       std::lock_guard<std::mutex> lock(notify_mu_);
@@ -558,7 +598,8 @@ class EngineImpl : public TransferEngine {
     batch->on_landed = options.on_landed;
     batch->deadline_ms =
         options.deadline.count() > 0 ? options.deadline : options_.default_deadline;
-    batch->deadline = Clock::now() + batch->deadline_ms;
+    batch->submitted = Clock::now();
+    batch->deadline = batch->submitted + batch->deadline_ms;
     batch->id = next_batch_id_.fetch_add(1, std::memory_order_relaxed);
     BatchShard& shard = ShardOf(batch->id);
     std::lock_guard<std::mutex> lock(shard.mu);
@@ -583,6 +624,9 @@ class EngineImpl : public TransferEngine {
   std::map<uint64_t, std::shared_ptr<Peer>> peers_;
   std::map<std::string, uint64_t> peer_by_address_;
   std::map<uint64_t, SegmentDescriptor> descriptors_;
+  std::atomic<uint64_t> segments_open_{0};  // peers_.size(), readable without peers_mu_
+  // Batch and notification counters (Metrics), shared with the batches.
+  std::shared_ptr<EngineCounters> counters_;
 
   // Batches by id, in shards so that threads submitting and waiting at once rarely meet on
   // one lock.

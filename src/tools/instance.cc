@@ -23,6 +23,7 @@
 #include "tools/gpu/gpu_pattern.h"
 #include "tools/instance_request.h"
 #include "tools/kv_pattern.h"
+#include "tools/metrics_page.h"
 
 namespace kvferry::tools {
 
@@ -237,8 +238,10 @@ struct Instance {
   }
   int control_port = 0;
 
-  // Routes shared by both kinds; `extra` adds to /info and /stats.
-  void AddCommonRoutes(const std::function<json()>& info, const std::function<json()>& stats) {
+  // Routes shared by both kinds: /info, /stats and /metrics (Prometheus text, metrics_page.h)
+  // answer what `info`, `stats` and `metrics` return.
+  void AddCommonRoutes(const std::function<json()>& info, const std::function<json()>& stats,
+                       const std::function<std::string()>& metrics) {
     server.Get("/health", [](const httplib::Request&, httplib::Response& res) {
       res.set_content("OK", "text/plain");
     });
@@ -247,6 +250,9 @@ struct Instance {
     });
     server.Get("/stats", [stats](const httplib::Request&, httplib::Response& res) {
       res.set_content(stats().dump(), "application/json");
+    });
+    server.Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics(), kMetricsContentType);
     });
     server.Post("/shutdown", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content("bye", "text/plain");
@@ -453,7 +459,8 @@ int RunPrefillInstance(const InstanceFlags& flags) {
                 {"rooms_succeeded", st.rooms_succeeded},
                 {"rooms_failed", st.rooms_failed}};
   };
-  in.AddCommonRoutes(info, stats);
+  in.AddCommonRoutes(info, stats,
+                     [&] { return MetricsPage("prefill", c.engine_metrics(), c.stats()); });
   in.server.Post("/prefill", [&](const httplib::Request& req, httplib::Response& res) {
     auto admitted = Admit(in, req, res, /*decode=*/false);
     if (admitted == nullptr) return;
@@ -656,7 +663,8 @@ int RunDecodeInstance(const InstanceFlags& flags) {
                 {"rooms_failed", st.rooms_failed},
                 {"rooms_done_by_mailbox", st.rooms_done_by_mailbox}};
   };
-  in.AddCommonRoutes(info, stats);
+  in.AddCommonRoutes(info, stats,
+                     [&] { return MetricsPage("decode", c.engine_metrics(), c.stats()); });
   in.server.Post("/decode", [&](const httplib::Request& req, httplib::Response& res) {
     auto admitted = Admit(in, req, res, /*decode=*/true);
     if (admitted == nullptr) return;

@@ -8,7 +8,8 @@
 //            aux row; answers when the room succeeded or failed.
 //   decode   POST /decode {"room","input_length","bootstrap_address"}: allocates pages in
 //            fragmented order, receives, verifies every byte and the aux row, frees.
-//   both     GET /info, GET /stats, GET /health, POST /shutdown.
+//   both     GET /info, GET /stats, GET /metrics (Prometheus text: metrics_page.h),
+//            GET /health, POST /shutdown.
 // With a shared secret (--auth-token-file or KVFERRY_AUTH_TOKEN) every route but /health needs
 // its bearer token (disagg/http_auth.h), and the engine and bootstrap server admit only peers
 // that prove it; without one, a non-loopback --host is refused unless --insecure.

@@ -171,7 +171,6 @@ void ReceiverCompletion::FinishIfComplete(uint64_t room, int tcp_reports, bool m
       KVF_LOG_DEBUG("decode: room {} succeeded ({}, aux row {}, {:.1f} us)", room,
                     by_mailbox ? "done mailbox" : "done notice",
                     aux_seen ? "seen by a background read" : "checked", check_us);
-      ++rooms_succeeded_;
       if (by_mailbox) ++rooms_done_by_mailbox_;
       RecordBytes(room);
     }
@@ -222,13 +221,11 @@ bool ReceiverCompletion::NoteQuiet(uint64_t room, const std::string& from, const
 void ReceiverCompletion::Fail(uint64_t room, const Status& why, bool tell_prefill) {
   if (!rooms_.Fail(room, why)) return;
   KVF_LOG_DEBUG("decode: room {} failed: {}", room, why.ToString());
-  ++rooms_failed_;
   if (tell_prefill) abort_prefill_(room, why.message(), {});
 }
 
 void ReceiverCompletion::ExpireDeadlines(Clock::time_point now) {
   for (uint64_t room : rooms_.ExpireDeadlines(now)) {
-    ++rooms_failed_;
     auto st = rooms_.Get(room);
     abort_prefill_(room, st.ok() ? st->error.message() : "deadline passed", {});
   }
@@ -255,8 +252,10 @@ void ReceiverCompletion::ExpireQuiesceWaits(Clock::time_point now) {
 
 ConnectorStats ReceiverCompletion::stats() const {
   ConnectorStats s;
-  s.rooms_succeeded = rooms_succeeded_.load();
-  s.rooms_failed = rooms_failed_.load();
+  const RoomOutcomes rooms = rooms_.outcomes();
+  s.rooms_succeeded = rooms.succeeded;
+  s.rooms_failed = rooms.failed();
+  s.rooms_failed_by_code = rooms.failed_by_code;
   s.rooms_done_by_mailbox = rooms_done_by_mailbox_.load();
   s.bytes = bytes_.load();
   return s;

@@ -80,7 +80,8 @@ class ReceiverCompletion {
   // wait of the first failure report.
   void ExpireQuiesceWaits(Clock::time_point now);
 
-  // rooms_succeeded, rooms_failed, rooms_done_by_mailbox and bytes; the rest stays 0.
+  // rooms_succeeded, rooms_failed, rooms_failed_by_code (the room table's outcomes),
+  // rooms_done_by_mailbox and bytes; the rest stays 0.
   ConnectorStats stats() const;
 
  private:
@@ -96,8 +97,6 @@ class ReceiverCompletion {
   const int done_poll_us_;
   const AbortPrefill abort_prefill_;
 
-  std::atomic<uint64_t> rooms_succeeded_{0};
-  std::atomic<uint64_t> rooms_failed_{0};
   std::atomic<uint64_t> rooms_done_by_mailbox_{0};
   std::atomic<uint64_t> bytes_{0};
 };

@@ -180,6 +180,8 @@ class DecodeConnectorImpl : public DecodeConnector {
 
   Status Release(uint64_t room) override { return rooms_.Release(room); }
 
+  EngineMetrics engine_metrics() const override { return engine_->Metrics(); }
+
   ConnectorStats stats() const override {
     ConnectorStats s = completion_->stats();
     s.control_messages_refused = refused_.load();

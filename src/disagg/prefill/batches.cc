@@ -18,7 +18,7 @@ BatchId BatchSender::SubmitThen(std::vector<TransferRequest> requests, std::stri
                                 std::function<void()> refused, bool inline_success,
                                 std::function<void()> on_landed, void* start_after_event) {
   uint64_t bytes = 0;
-  for (const auto& r : requests) bytes += r.length_bytes;
+  for (const auto& r : requests) bytes += r.total_bytes();  // every row of a strided one
   transfer_requests_ += requests.size();
   bytes_ += bytes;
   BatchOptions o;
@@ -75,6 +75,7 @@ void BatchSender::Complete(BatchId id, const BatchStatus& status,
 Status BatchSender::TransferNow(const TransferRequest& request) {
   Status s = TransferSync(*engine_, std::span(&request, 1));
   ++transfer_requests_;
+  bytes_ += request.total_bytes();
   return s;
 }
 

@@ -289,12 +289,16 @@ class PrefillConnectorImpl : public PrefillConnector {
 
   Status Release(uint64_t room) override { return rooms_.Release(room); }
 
+  EngineMetrics engine_metrics() const override { return engine_->Metrics(); }
+
   ConnectorStats stats() const override {
     ConnectorStats s;
     s.transfer_requests = batches_.transfer_requests();
     s.bytes = batches_.bytes();
-    s.rooms_succeeded = done_.rooms_succeeded();
-    s.rooms_failed = failures_.rooms_failed();
+    const RoomOutcomes rooms = rooms_.outcomes();
+    s.rooms_succeeded = rooms.succeeded;
+    s.rooms_failed = rooms.failed();
+    s.rooms_failed_by_code = rooms.failed_by_code;
     s.control_messages_refused = control_handler_.refused();
     return s;
   }

@@ -114,7 +114,7 @@ void DoneNotices::OnBatchDone(uint64_t room, size_t dest, bool finishing, const 
   } else if (finish_now && notify_only) {
     NotifyDone(room, dest);
   }
-  if (all_done && rooms_->Advance(room, RoomState::kSuccess)) ++rooms_succeeded_;
+  if (all_done) rooms_->Advance(room, RoomState::kSuccess);
 }
 
 }  // namespace kvferry::prefill

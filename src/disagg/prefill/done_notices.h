@@ -48,8 +48,6 @@ class DoneNotices {
   void OnBatchDone(uint64_t room, size_t dest, bool finishing, const BatchStatus& status,
                    bool counted = true, bool hold = false);
 
-  uint64_t rooms_succeeded() const { return rooms_succeeded_.load(); }
-
  private:
   // The report of the room done in the destination's same-node mailbox, ahead of its done
   // notice, to run once everything of the destination landed: as the on_landed of the batch
@@ -62,7 +60,6 @@ class DoneNotices {
   SenderRooms* const rooms_;
   BatchSender* const batches_;
   FailureNotices* const failures_;
-  std::atomic<uint64_t> rooms_succeeded_{0};
 };
 
 }  // namespace kvferry::prefill

@@ -36,7 +36,6 @@ bool FailureNotices::FailRoom(uint64_t room, const Status& why) {
     return false;
   }
   KVF_LOG_DEBUG("prefill: room {} failed: {}", room, why.ToString());
-  ++rooms_failed_;
   // Copies queued ahead of their layers (LayerwiseScheduler) would otherwise land for the
   // rest of the forward pass; withdrawn, they complete (failed) and count down in_flight.
   if (!early.empty()) batches_->CancelLater(std::move(early));

@@ -62,8 +62,6 @@ class FailureNotices {
   // Tells the rooms that failed more than kFailureNoticeWait before `now` (the timer).
   void TellOverdue(Clock::time_point now);
 
-  uint64_t rooms_failed() const { return rooms_failed_.load(); }
-
  private:
   // A failed room whose decode ranks are not told yet: batches still in flight.
   struct UntoldFailure {
@@ -78,7 +76,6 @@ class FailureNotices {
   std::mutex mu_;
   std::map<uint64_t, UntoldFailure> untold_;
   std::atomic<size_t> untold_size_{0};  // untold_.size(), read without the lock
-  std::atomic<uint64_t> rooms_failed_{0};
 };
 
 }  // namespace kvferry::prefill

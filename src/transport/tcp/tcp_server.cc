@@ -103,8 +103,11 @@ void TcpServer::AcceptLoop() {
       KVF_LOG_WARN_LIMITED("refusing a connection from {}: {} connections open (max_connections)",
                            ignored ? "unknown" : ep.address().to_string(), connections_.size());
       socket->close(ignored);
+      counters_.connections_refused.fetch_add(1, std::memory_order_relaxed);
       continue;
     }
+    counters_.connections_accepted.fetch_add(1, std::memory_order_relaxed);
+    counters_.connections_open.fetch_add(1, std::memory_order_relaxed);
     connections_.emplace_back();
     Connection* c = &connections_.back();
     c->deadline_ns.store(NowNs() + std::chrono::nanoseconds(options_.handshake_timeout).count());
@@ -199,11 +202,15 @@ Status TcpServer::ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameH
   return OkStatus();
 }
 
-StatusOr<SegmentDescriptor> TcpServer::Handshake(asio::ip::tcp::socket& socket) {
+StatusOr<SegmentDescriptor> TcpServer::Handshake(asio::ip::tcp::socket& socket,
+                                                 std::optional<HandshakeRefusal>* refusal) {
   const std::string& secret = options_.auth_secret;
   asio::error_code ec;
   auto gone = [] { return UnavailableError(""); };  // the client closed: nothing to report
-  auto refuse = [](const std::string& why) { return PermissionDeniedError(why); };
+  auto refuse = [refusal](const std::string& why) {
+    *refusal = HandshakeRefusal::kProtocol;
+    return PermissionDeniedError(why);
+  };
   // HELLO: a fixed-size body, read only once the header says so.
   auto header = ReadHeader(socket, options_.max_body_bytes, ec);
   if (ec) return gone();
@@ -239,9 +246,13 @@ StatusOr<SegmentDescriptor> TcpServer::Handshake(asio::ip::tcp::socket& socket) 
               std::array<asio::const_buffer, 2>{asio::buffer(hb), asio::buffer(challenge_body)},
               ec);
   if (ec) return gone();
-  // AUTH: the client's proof first; its descriptor is read only once the proof holds.
+  // AUTH: the client's proof first; its descriptor is read only once the proof holds. A client
+  // that hangs up now found this side's proof wrong: it holds another secret, or none.
   header = ReadHeader(socket, options_.max_body_bytes, ec);
-  if (ec) return gone();
+  if (ec) {
+    *refusal = HandshakeRefusal::kAuth;
+    return gone();
+  }
   if (!header.ok()) return refuse("malformed frame: " + header.status().message());
   if (header->type != wire::FrameType::kAuth) {
     return refuse("second frame is " + std::string(wire::FrameTypeName(header->type)) +
@@ -257,9 +268,10 @@ StatusOr<SegmentDescriptor> TcpServer::Handshake(asio::ip::tcp::socket& socket) 
                                         hello->client_nonce, challenge.server_nonce);
   if (!ProofMatches(proof, want)) {
     const bool client_has = (hello->flags & wire::kAuthFlagSecret) != 0;
-    return refuse(std::string("wrong proof of the shared secret (the client ") +
-                  (client_has ? "holds" : "holds no") + " secret, this engine " +
-                  (secret.empty() ? "none" : "one") + ")");
+    *refusal = HandshakeRefusal::kAuth;
+    return PermissionDeniedError(std::string("wrong proof of the shared secret (the client ") +
+                                 (client_has ? "holds" : "holds no") + " secret, this engine " +
+                                 (secret.empty() ? "none" : "one") + ")");
   }
   std::vector<uint8_t> body(header->body_bytes - kAuthProofBytes);
   asio::read(socket, asio::buffer(body), ec);
@@ -268,6 +280,7 @@ StatusOr<SegmentDescriptor> TcpServer::Handshake(asio::ip::tcp::socket& socket) 
   if (!desc.ok()) {
     // The client proved the secret: it is told why.
     WriteReply(socket, wire::FrameType::kHelloAck, header->request_id, desc.status()).IgnoreError();
+    *refusal = HandshakeRefusal::kProtocol;
     return InvalidArgumentError("bad descriptor in AUTH: " + desc.status().message());
   }
   std::vector<uint8_t> mine = wire::EncodeDescriptor(options_.describe());
@@ -288,11 +301,19 @@ void TcpServer::Serve(Connection* connection) {
   std::string close_reason;
   SegmentDescriptor peer;
   bool authenticated = false;
-  if (auto handshake = Handshake(socket); handshake.ok()) {
+  std::optional<HandshakeRefusal> refusal;
+  if (auto handshake = Handshake(socket, &refusal); handshake.ok()) {
     peer = std::move(*handshake);
     authenticated = true;
+    counters_.handshakes_completed.fetch_add(1, std::memory_order_relaxed);
   } else {
     close_reason = handshake.status().message();  // empty when the client went away
+    // The watchdog's shutdown makes the handshake's reads fail like a client that went away.
+    if (connection->timed_out.load()) refusal = HandshakeRefusal::kTimeout;
+    if (refusal) {
+      counters_.handshakes_refused[static_cast<size_t>(*refusal)].fetch_add(
+          1, std::memory_order_relaxed);
+    }
   }
   std::vector<uint8_t> body;
   // GPU memory over TCP: payloads pass through pinned bounce buffers, one set per device this
@@ -527,6 +548,7 @@ void TcpServer::Serve(Connection* connection) {
   socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
   std::lock_guard<std::mutex> lock(mu_);
   connection->done = true;
+  counters_.connections_open.fetch_sub(1, std::memory_order_relaxed);
 }
 
 }  // namespace kvferry::tcp

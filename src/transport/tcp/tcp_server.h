@@ -19,9 +19,14 @@
 // bytes arrive. Idle connections between frames of an authenticated peer stay open (they are the
 // peer's persistent lanes). A watchdog thread enforces the times.
 //
-// Thread-safety: Create/destruction from one thread; serving runs on internal threads.
+// Counted (TcpServerCounters, read by the engine's Metrics): connections open, accepted and
+// refused at the cap; handshakes completed and refused, by why.
+//
+// Thread-safety: Create/destruction from one thread; serving runs on internal threads;
+// counters() may be read from any thread.
 #pragma once
 
+#include <array>
 #include <asio.hpp>
 #include <atomic>
 #include <chrono>
@@ -30,6 +35,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "common/log_limiter.h"
@@ -60,6 +66,31 @@ struct TcpServerOptions {
   std::chrono::milliseconds frame_timeout{10000};
 };
 
+// Why a connection's handshake did not complete, as counted.
+enum class HandshakeRefusal : uint8_t {
+  // The client's proof was wrong, or it hung up after the challenge without sending one (what
+  // a kvferry engine holding another secret, or none, does once the server's proof fails).
+  kAuth = 0,
+  // A malformed frame, a frame out of turn, a body of the wrong size, another protocol
+  // version, or an undecodable descriptor.
+  kProtocol = 1,
+  // No complete handshake within handshake_timeout.
+  kTimeout = 2,
+};
+inline constexpr size_t kNumHandshakeRefusals = 3;
+
+// What a server has seen since it started. Updated with relaxed atomics by the accept and
+// connection threads (once per connection, never per frame); each field may be read at any
+// time, the set is not one atomic snapshot.
+struct TcpServerCounters {
+  std::atomic<uint64_t> connections_open{0};      // served now (in the handshake or after it)
+  std::atomic<uint64_t> connections_accepted{0};  // ever accepted and served
+  std::atomic<uint64_t> connections_refused{0};   // closed at accept: max_connections were open
+  std::atomic<uint64_t> handshakes_completed{0};
+  std::array<std::atomic<uint64_t>, kNumHandshakeRefusals> handshakes_refused{};  // by reason
+  // Connections that closed before sending a whole HELLO (e.g. port probes) count in neither.
+};
+
 // Slowest rate a frame's bytes may arrive (or its answer leave) before the connection counts
 // as stalled: 1 MiB/s.
 inline constexpr uint64_t kMinFrameBytesPerSecond = 1ull << 20;
@@ -74,6 +105,7 @@ class TcpServer {
   ~TcpServer();  // closes every connection and joins its threads
 
   uint16_t port() const { return port_; }
+  const TcpServerCounters& counters() const { return counters_; }
 
  private:
   struct Connection {
@@ -91,8 +123,10 @@ class TcpServer {
   void WatchdogLoop();
   void Serve(Connection* connection);
   // The server's side of the handshake on a new connection: the client's descriptor, or why
-  // the connection is closed (an empty message: the client went away).
-  StatusOr<SegmentDescriptor> Handshake(asio::ip::tcp::socket& socket);
+  // the connection is closed (an empty message: the client went away). `*refusal` is set when
+  // the failure counts as a refusal (HandshakeRefusal), left alone otherwise.
+  StatusOr<SegmentDescriptor> Handshake(asio::ip::tcp::socket& socket,
+                                        std::optional<HandshakeRefusal>* refusal);
   // Answers a READ of GPU memory through the connection's bounce buffers (`bounce_for`).
   template <typename BounceFor>
   Status ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameHeader& h, int device,
@@ -115,6 +149,7 @@ class TcpServer {
   std::condition_variable watchdog_cv_;
   bool stopping_ = false;
   std::list<Connection> connections_;
+  TcpServerCounters counters_;
 };
 
 }  // namespace kvferry::tcp

@@ -55,6 +55,8 @@ StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(const TcpTransportO
   return transport;
 }
 
+const TcpServerCounters& TcpTransport::server_counters() const { return server_->counters(); }
+
 StatusOr<std::shared_ptr<TcpPeer>> TcpTransport::Connect(const std::string& address,
                                                          const SegmentDescriptor& self) {
   TcpPeerOptions peer_options;

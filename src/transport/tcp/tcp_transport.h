@@ -43,6 +43,7 @@ struct TcpTransportOptions {
 };
 
 class TcpServer;
+struct TcpServerCounters;
 
 class TcpTransport : public Transport {
  public:
@@ -54,6 +55,9 @@ class TcpTransport : public Transport {
   ~TcpTransport() override;  // stops listening; closes served connections
 
   uint16_t listen_port() const { return listen_port_; }
+  // The serving side's connection and handshake counters (tcp_server.h); valid as long as
+  // the transport.
+  const TcpServerCounters& server_counters() const;
 
   // Connects to "host:port" and performs the handshake, sending `self`; the returned control
   // channel carries the peer's descriptor (descriptor()) and moves host memory. Blocks up to
