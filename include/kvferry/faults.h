@@ -46,10 +46,10 @@ namespace kvferry {
 // its pointer and reads it while the engine runs. All counts are of requests (notifications
 // included).
 struct FaultStats {
-  std::atomic<uint64_t> seen{0};       // requests `ops` selected
-  std::atomic<uint64_t> dropped{0};    // held by drop= until abandoned
-  std::atomic<uint64_t> failed{0};     // failed by fail= or fail_after=
-  std::atomic<uint64_t> stalled{0};    // held by stall_after=
+  std::atomic<uint64_t> seen{0};     // requests `ops` selected
+  std::atomic<uint64_t> dropped{0};  // held by drop= until abandoned
+  std::atomic<uint64_t> failed{0};   // failed by fail= or fail_after=
+  std::atomic<uint64_t> stalled{0};  // held by stall_after=
   std::atomic<uint64_t> partitioned{0};
   std::atomic<uint64_t> delayed{0};
   std::atomic<uint64_t> corrupted{0};

@@ -21,8 +21,8 @@ std::vector<std::string_view> Split(std::string_view s, char sep) {
 }
 
 Status Bad(std::string_view key, std::string_view value, std::string_view why) {
-  return InvalidArgumentError("fault plan: " + std::string(key) + "=" + std::string(value) +
-                              ": " + std::string(why));
+  return InvalidArgumentError("fault plan: " + std::string(key) + "=" + std::string(value) + ": " +
+                              std::string(why));
 }
 
 StatusOr<int64_t> Count(std::string_view key, std::string_view value) {

@@ -117,7 +117,8 @@ TEST_P(ConnectorFaultTest, EveryRoomEndsInTimeAndNoneSucceedsWithoutItsBytes) {
       Status s = (*p)->SendChunk(id, from, std::span(r.src.data() + from, n),
                                  last ? std::optional<int32_t>(r.src_row) : std::nullopt);
       if (!s.ok()) {
-        EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << "room " << id << ": " << s.ToString();
+        EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition)
+            << "room " << id << ": " << s.ToString();
         break;
       }
     }
@@ -133,9 +134,8 @@ TEST_P(ConnectorFaultTest, EveryRoomEndsInTimeAndNoneSucceedsWithoutItsBytes) {
     ASSERT_TRUE(on_decode.ok() && on_prefill.ok());
     EXPECT_TRUE(IsFinal(on_decode->state)) << "decode's room not final within its deadline";
     EXPECT_TRUE(IsFinal(on_prefill->state)) << "prefill's room not final within its deadline";
-    const bool landed =
-        VerifyTokens(decode.layout, *decode.pool, id, r.dst, r.tokens).ok() &&
-        VerifyAuxRow(decode.aux->layout(), decode.aux->Row(r.dst_row), id).ok();
+    const bool landed = VerifyTokens(decode.layout, *decode.pool, id, r.dst, r.tokens).ok() &&
+                        VerifyAuxRow(decode.aux->layout(), decode.aux->Row(r.dst_row), id).ok();
     if (on_decode->state == RoomState::kSuccess) {
       EXPECT_TRUE(landed) << "decode reported Success without every byte";
     }
@@ -170,17 +170,16 @@ TEST_P(ConnectorFaultTest, EveryRoomEndsInTimeAndNoneSucceedsWithoutItsBytes) {
 
 INSTANTIATE_TEST_SUITE_P(
     Faults, ConnectorFaultTest,
-    ::testing::Values(
-        Scenario{"PrefillLosesAndRefuses", "seed=1,drop=0.03,fail=0.06,delay_us=500", "", true,
-                 true},
-        Scenario{"DecodeLosesAndRefuses", "", "seed=2,drop=0.1,fail=0.1", true, true},
-        Scenario{"PrefillConnectionBreaks", "fail_after=100", "", true, false},
-        Scenario{"PrefillHangs", "stall_after=100", "", true, false},
-        Scenario{"PrefillPartitioned", "partition=0+700", "", true, false},
-        Scenario{"DecodePartitioned", "", "partition=0+1500", false, false},
-        Scenario{"CorruptControlMessages", "seed=4,corrupt=0.3,ops=notify", "seed=5,corrupt=0.3",
-                 true, true},
-        Scenario{"LateEverything", "delay_us=20000", "delay_us=20000", false, true}),
+    ::testing::Values(Scenario{"PrefillLosesAndRefuses", "seed=1,drop=0.03,fail=0.06,delay_us=500",
+                               "", true, true},
+                      Scenario{"DecodeLosesAndRefuses", "", "seed=2,drop=0.1,fail=0.1", true, true},
+                      Scenario{"PrefillConnectionBreaks", "fail_after=100", "", true, false},
+                      Scenario{"PrefillHangs", "stall_after=100", "", true, false},
+                      Scenario{"PrefillPartitioned", "partition=0+700", "", true, false},
+                      Scenario{"DecodePartitioned", "", "partition=0+1500", false, false},
+                      Scenario{"CorruptControlMessages", "seed=4,corrupt=0.3,ops=notify",
+                               "seed=5,corrupt=0.3", true, true},
+                      Scenario{"LateEverything", "delay_us=20000", "delay_us=20000", false, true}),
     [](const ::testing::TestParamInfo<Scenario>& p) { return std::string(p.param.name); });
 
 }  // namespace

@@ -1,8 +1,6 @@
 // The fault-injection wrapper (kvferry/faults.h) on real engines over loopback TCP: each
 // fault does what the plan says to the requests it selects, every batch ends within its
 // deadline with the fault's code, and no fault is reported as success.
-#include "kvferry/faults.h"
-
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -13,6 +11,7 @@
 #include <vector>
 
 #include "kvferry/engine.h"
+#include "kvferry/faults.h"
 
 namespace kvferry {
 namespace {
@@ -164,8 +163,7 @@ TEST_F(FaultTest, FailAfterBreaksTheConnectionAfterNRequests) {
     }
   }
   EXPECT_EQ(std::memcmp(region_.data(), source_.data(), 3 * 4096), 0);
-  EXPECT_EQ(Differences(region_.data() + 3 * 4096, std::vector<uint8_t>(3 * 4096).data(),
-                        3 * 4096),
+  EXPECT_EQ(Differences(region_.data() + 3 * 4096, std::vector<uint8_t>(3 * 4096).data(), 3 * 4096),
             0u);  // nothing of the failed ones landed
   EXPECT_EQ(stats_->seen.load(), 6u);
   EXPECT_EQ(stats_->failed.load(), 3u);
@@ -251,9 +249,9 @@ TEST_F(FaultTest, CorruptStridedWriteFlipsOneByteOfItsRows) {
   for (int row = 0; row < 16; ++row) {
     diffs += Differences(region_.data() + row * 4096, source_.data() + row * 4096, 1000);
     // Nothing between the rows was written.
-    EXPECT_EQ(Differences(region_.data() + row * 4096 + 1000,
-                          std::vector<uint8_t>(3096).data(), 3096),
-              0u);
+    EXPECT_EQ(
+        Differences(region_.data() + row * 4096 + 1000, std::vector<uint8_t>(3096).data(), 3096),
+        0u);
   }
   EXPECT_EQ(diffs, 1u);
 }
@@ -318,8 +316,8 @@ TEST_F(FaultTest, MixedFaultsNeverReportAFailedRequestAsDone) {
     std::vector<TransferRequest> requests;
     for (int i = 0; i < 4; ++i) {
       const uint64_t off = b * kBytes + i * (kBytes / 4);
-      requests.push_back({TransferOp::kWrite, source_.data() + off, segment_, remote(off),
-                          kBytes / 4});
+      requests.push_back(
+          {TransferOp::kWrite, source_.data() + off, segment_, remote(off), kBytes / 4});
     }
     BatchOptions o;
     o.deadline = milliseconds(400);

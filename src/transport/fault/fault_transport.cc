@@ -45,10 +45,10 @@ FaultInjector::Decision FaultInjector::Decide(WorkItem::Kind kind) {
     if (now >= from && now < to) {
       d.action = Action::kPartition;
       d.due = to;
-      d.failure = UnavailableError("fault injection: request " + std::to_string(n) +
-                                   " lost in a partition (partition=" +
-                                   std::to_string(plan_.partition_start.count()) + "+" +
-                                   std::to_string(plan_.partition_length.count()) + " ms)");
+      d.failure = UnavailableError(
+          "fault injection: request " + std::to_string(n) +
+          " lost in a partition (partition=" + std::to_string(plan_.partition_start.count()) + "+" +
+          std::to_string(plan_.partition_length.count()) + " ms)");
       stats.partitioned.fetch_add(1);
       return d;
     }
@@ -101,8 +101,8 @@ struct FaultChannel::Entry {
 // What the inner channel moves in place of the engine's item.
 struct FaultChannel::Shadow : WorkItem {
   std::shared_ptr<WorkItem> original;
-  std::vector<uint8_t> scratch;                   // a corrupted copy of a WRITE's payload
-  uint64_t corrupt_read_at = UINT64_MAX;          // byte of a READ to flip once it landed
+  std::vector<uint8_t> scratch;           // a corrupted copy of a WRITE's payload
+  uint64_t corrupt_read_at = UINT64_MAX;  // byte of a READ to flip once it landed
 };
 
 FaultChannel::FaultChannel(std::shared_ptr<PeerChannel> inner,
@@ -219,8 +219,7 @@ void FaultChannel::Forward(WorkItem* key) {
   if (abandon) inner_->Abandon(shadow.get(), *abandon);
 }
 
-std::shared_ptr<WorkItem> FaultChannel::TakeUnforwardedLocked(WorkItem* original,
-                                                              bool* was_held) {
+std::shared_ptr<WorkItem> FaultChannel::TakeUnforwardedLocked(WorkItem* original, bool* was_held) {
   auto it = entries_.find(original);
   if (it == entries_.end()) return nullptr;
   Entry& e = it->second;

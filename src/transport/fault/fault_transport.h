@@ -33,10 +33,10 @@ class FaultInjector {
   enum class Action : uint8_t { kForward, kDelay, kFail, kDrop, kStall, kPartition };
   struct Decision {
     Action action = Action::kForward;
-    Status failure;              // kFail
-    Clock::time_point due;       // kDelay: when to forward; kPartition: when to fail
-    bool corrupt = false;        // flip a byte of the payload when forwarding
-    uint64_t corrupt_pick = 0;   // which byte (modulo the payload's size)
+    Status failure;             // kFail
+    Clock::time_point due;      // kDelay: when to forward; kPartition: when to fail
+    bool corrupt = false;       // flip a byte of the payload when forwarding
+    uint64_t corrupt_pick = 0;  // which byte (modulo the payload's size)
   };
 
   // The partition window counts from now.
