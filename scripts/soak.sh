@@ -12,6 +12,7 @@
 #   SOAK_TRACE        trace file (default ../shared/traces/conversation_trace.jsonl)
 #   SOAK_CONCURRENCY  replay --concurrency (default 8)
 #   SOAK_INSTANCE     instance flags, both roles (default "--pool-size 4GiB")
+#   SOAK_PREFILL, SOAK_DECODE  further flags of one role (e.g. "--gpu 1" for decode)
 #   SOAK_REPLAY       further replay flags (e.g. "--limit 1000")
 #   SOAK_SAMPLE_S     seconds between samples (default 1)
 #   SOAK_RSS_SLACK_MB resident-memory growth per pass tolerated after the first (default 64)
@@ -27,6 +28,8 @@ out=${SOAK_OUT:-$build/soak}
 sample_s=${SOAK_SAMPLE_S:-1}
 read -r -a instance <<<"${SOAK_INSTANCE:---pool-size 4GiB}"
 read -r -a replay_extra <<<"${SOAK_REPLAY:-}"
+read -r -a prefill_extra <<<"${SOAK_PREFILL:-}"
+read -r -a decode_extra <<<"${SOAK_DECODE:-}"
 [ -x "$bin" ] || { echo "soak: no $bin (run make build-cli)" >&2; exit 2; }
 [ -f "$trace" ] || { echo "soak: no trace $trace (set SOAK_TRACE)" >&2; exit 2; }
 rm -rf "$out"
@@ -43,10 +46,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-"$bin" prefill "${instance[@]}" >"$out/prefill.log" 2>&1 &
+"$bin" prefill "${instance[@]}" "${prefill_extra[@]}" >"$out/prefill.log" 2>&1 &
 prefill_pid=$!
 pids+=("$prefill_pid")
-"$bin" decode "${instance[@]}" >"$out/decode.log" 2>&1 &
+"$bin" decode "${instance[@]}" "${decode_extra[@]}" >"$out/decode.log" 2>&1 &
 decode_pid=$!
 pids+=("$decode_pid")
 
