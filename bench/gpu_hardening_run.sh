@@ -26,7 +26,9 @@ if has tests; then
   done
 fi
 if has faults; then
-  for faults in "" "--prefill-faults seed=3,drop=0.01,fail=0.03 --decode-faults seed=4,fail=0.02"; do
+  # Fault probabilities are per engine request: over NVLink without bulk submissions a replayed
+  # request of Llama-3.1-8B is thousands of them (a page run of each layer's K and V).
+  for faults in "" "--prefill-faults seed=3,drop=0.00002,fail=0.0001 --decode-faults seed=4,fail=0.005"; do
     name=replay_cuda${faults:+_faults}
     step "$name"
     timeout 200 "$B/kvferry" replay --device cuda --trace "$TRACE" --limit 300 --page-size 16 \
@@ -41,9 +43,20 @@ if has soak_nvlink; then
     SOAK_INSTANCE="--device cuda --pool-size 40GiB" SOAK_DECODE="--gpu 1" \
     timeout 560 scripts/soak.sh 2>&1 | tail -12
 fi
+if has soak_nvlink_short; then
+  # Short passes, as they are, and with glibc malloc held to two arenas.
+  for arenas in "" 2; do
+    step "soak over NVLink, ${SOAK_PASSES_SHORT:-6} passes of ${SOAK_LIMIT:-3000} requests${arenas:+, MALLOC_ARENA_MAX=$arenas}"
+    env ${arenas:+MALLOC_ARENA_MAX=$arenas} BUILD_DIR=$B SOAK_TRACE=$TRACE \
+      SOAK_PASSES=${SOAK_PASSES_SHORT:-6} SOAK_OUT=$OUT/soak_nvlink_short${arenas:+_arenas$arenas} \
+      SOAK_INSTANCE="--device cuda --pool-size 40GiB" SOAK_DECODE="--gpu 1" \
+      SOAK_REPLAY="--limit ${SOAK_LIMIT:-3000}" timeout 270 scripts/soak.sh 2>&1 | tail -11
+  done
+fi
 if has soak_tcp; then
   step "soak over TCP (host pools)"
   BUILD_DIR=$B SOAK_TRACE=$TRACE SOAK_PASSES=${SOAK_PASSES:-3} SOAK_OUT=$OUT/soak_tcp \
-    SOAK_INSTANCE="--pool-size 16GiB" SOAK_CONCURRENCY=16 \
+    SOAK_INSTANCE="--model-config tests/data/tiny-gqa-config.json --pool-size 16GiB" \
+    SOAK_REPLAY="--model-config tests/data/tiny-gqa-config.json" SOAK_CONCURRENCY=16 \
     timeout 560 scripts/soak.sh 2>&1 | tail -12
 fi

@@ -70,8 +70,9 @@ prefill_ctl=$(control_address "$out/prefill.log")
 decode_ctl=$(control_address "$out/decode.log")
 echo "soak: prefill pid $prefill_pid at $prefill_ctl, decode pid $decode_pid at $decode_ctl"
 
-# Samples: seconds since start, pass (0 before the first), role, RSS KiB, threads, fds.
-echo "t,pass,role,rss_kib,threads,fds" >"$out/samples.csv"
+# Samples: seconds since start, pass (0 before the first), role, RSS KiB, threads, fds, and
+# the RSS split into anonymous, file-backed and shared memory (KiB; /proc/PID/status).
+echo "t,pass,role,rss_kib,threads,fds,anon_kib,file_kib,shmem_kib" >"$out/samples.csv"
 echo 0 >"$out/pass"
 sample() {
   local t=$1 pass role pid
@@ -80,11 +81,13 @@ sample() {
     pid=$prefill_pid
     [ $role = decode ] && pid=$decode_pid
     [ -r /proc/$pid/status ] || continue
-    local rss threads fds
-    rss=$(awk '/^VmRSS:/ {print $2}' /proc/$pid/status)
-    threads=$(awk '/^Threads:/ {print $2}' /proc/$pid/status)
+    local fields fds
+    fields=$(awk '/^(VmRSS|Threads|RssAnon|RssFile|RssShmem):/ {v[$1] = $2}
+      END {print v["VmRSS:"] "," v["Threads:"] "," v["RssAnon:"] "," v["RssFile:"] "," v["RssShmem:"]}' \
+      /proc/$pid/status)
     fds=$(ls /proc/$pid/fd 2>/dev/null | wc -l)
-    echo "$t,$pass,$role,$rss,$threads,$fds" >>"$out/samples.csv"
+    IFS=, read -r rss threads anon file shmem <<<"$fields"
+    echo "$t,$pass,$role,$rss,$threads,$fds,$anon,$file,$shmem" >>"$out/samples.csv"
   done
 }
 (

@@ -96,6 +96,8 @@ Status ReadInteger(const char* name, long long lo, long long hi, std::optional<T
 
 }  // namespace
 
+bool MallocArenaMaxSet() { return std::getenv("MALLOC_ARENA_MAX") != nullptr; }
+
 StatusOr<EnvConfig> ReadEnvConfig() {
   EnvConfig config;
   if (const char* v = std::getenv("KVFERRY_LOG_LEVEL"); v != nullptr && *v != '\0') {

@@ -50,6 +50,10 @@ struct EnvConfig {
   std::optional<FaultPlan> faults;
 };
 
+// Whether glibc's own MALLOC_ARENA_MAX is set (glibc applies it; kvferry instances then do not
+// set their own limit).
+bool MallocArenaMaxSet();
+
 // Reads and validates all variables above. Errors: kInvalidArgument naming the variable.
 StatusOr<EnvConfig> ReadEnvConfig();
 

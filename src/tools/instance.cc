@@ -1,6 +1,7 @@
 #include "tools/instance.h"
 
 #include <httplib.h>
+#include <malloc.h>
 #include <sys/prctl.h>
 
 #include <atomic>
@@ -385,6 +386,15 @@ void InstallSignalExit(int exit_with_parent) {
   if (::getppid() != exit_with_parent) ::raise(SIGTERM);  // the parent died before prctl
 }
 
+// glibc gives threads that allocate at once arenas of their own (up to 8 per core) and keeps
+// the memory each arena held. An instance's many threads (HTTP, completion, NVLink progress)
+// then grew prefill's resident memory by 1 GiB over six soak passes over NVLink before it
+// levelled off; with two arenas it stayed at 0.3 GiB at the same throughput
+// (docs/reliability.md). MALLOC_ARENA_MAX, when set, is glibc's to apply and is left alone.
+void LimitMallocArenas() {
+  if (!MallocArenaMaxSet()) mallopt(M_ARENA_MAX, 2);
+}
+
 // Start-up shared by both roles: flag checks, signals, pools, and the engine options of this
 // rank. Returns false (after printing why) when the instance cannot start.
 bool StartInstance(const InstanceFlags& flags, const char* role, Instance* in,
@@ -395,6 +405,7 @@ bool StartInstance(const InstanceFlags& flags, const char* role, Instance* in,
     return false;
   }
   InstallSignalExit(flags.exit_with_parent);
+  LimitMallocArenas();
   in->flags = flags;
   // The shared secret, and whether the control server may listen on --host with what it has
   // (the engine and the bootstrap server check the same when they start).
