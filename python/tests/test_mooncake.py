@@ -224,10 +224,14 @@ def test_killed_peer_fails_within_timeout_and_restarts_under_its_name(prefill, p
     src, dst, lengths = request_blocks(prefill, decode, prefill_pages, decode_pages)
     assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == 0
 
+    old_segment = prefill.engine._segments[session]
     decode.kill()
     start = time.monotonic()
     assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == -1
     assert time.monotonic() - start < 5  # MC_TRANSFER_TIMEOUT
+    # The failure dropped the cached segment. (kvferry's TCP lanes would reach a restarted
+    # peer anyway; a segment opened afresh also gets fresh NVLink channels and mappings.)
+    assert session not in prefill.engine._segments
     assert prefill.engine.send_probe(session) == -1
 
     # Restarted at the same host:port (a new process: new buffers, new addresses).
@@ -236,6 +240,7 @@ def test_killed_peer_fails_within_timeout_and_restarts_under_its_name(prefill, p
     assert restarted.info["session_id"] == session
     src, dst, lengths = request_blocks(prefill, restarted, prefill_pages, decode_pages)
     assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == 0
+    assert prefill.engine._segments[session] != old_segment
     expected = np.full_like(decode_memory.view, 0x5A)
     expect_pages(expected, restarted, prefill, prefill_pages, decode_pages)
     assert np.array_equal(decode_memory.view, expected)
