@@ -148,6 +148,6 @@ inline constexpr const char* kPollNotificationsDoc =
 inline constexpr const char* kCloseDoc =
     R"(Closes the engine: stops listening, fails pending batches with CancelledError (their
 on_complete runs), joins engine threads, then lets go of registered objects. Later calls raise
-FailedPreconditionError. Idempotent.)";
+FailedPreconditionError. Idempotent. Not from a callback (it runs on an engine thread).)";
 
 }  // namespace kvferry::python
