@@ -1,5 +1,6 @@
 # Two entry points (see README): `make demo` and `make test`. Both install missing Debian
-# packages, configure and build with CMake.
+# packages, configure and build with CMake (with the Python module, for Debian's
+# /usr/bin/python3: python/CMakeLists.txt).
 BUILD_DIR ?= build
 ASAN_BUILD_DIR ?= build-asan
 JOBS ?= $(shell nproc)
@@ -12,7 +13,7 @@ deps:
 	@scripts/install_deps.sh
 
 configure: deps
-	@cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(WERROR) $(CMAKE_FLAGS) >/dev/null
+	@cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DKVFERRY_BUILD_PYTHON=ON $(WERROR) $(CMAKE_FLAGS) >/dev/null
 
 build: configure
 	@cmake --build $(BUILD_DIR) -j $(JOBS)
@@ -30,8 +31,10 @@ build-asan: deps
 demo: build-cli
 	@$(BUILD_DIR)/kvferry replay --demo
 
+# ctest, then the Python package's pytest suite (python/tests) against the build tree.
 test: build
 	@cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
+	@cmake --build $(BUILD_DIR) --target python_tests
 
 # Same suite under AddressSanitizer + UndefinedBehaviorSanitizer (CI runs both). Built without
 # CUDA: the CUDA runtime's own allocations are not ours to sanitize; the default build covers it.

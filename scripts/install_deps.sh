@@ -4,7 +4,11 @@
 set -euo pipefail
 pkgs=(cmake g++ make pkg-config libasio-dev libcpp-httplib-dev libssl-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libfmt-dev libxxhash-dev libgtest-dev iperf3 clang-format
-      clang libclang-rt-14-dev)  # clang and its libFuzzer runtime: scripts/fuzz.sh
+      clang libclang-rt-14-dev  # clang and its libFuzzer runtime: scripts/fuzz.sh
+      # the Python package (python/), for Debian's /usr/bin/python3: its headers, pybind11,
+      # numpy, pytest, and what `pip install --no-build-isolation .` uses
+      python3-dev pybind11-dev python3-numpy python3-pytest python3-setuptools python3-wheel
+      python3-pip python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

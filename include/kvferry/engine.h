@@ -338,4 +338,11 @@ class TransferEngine {
 Status TransferSync(TransferEngine& engine, std::span<const TransferRequest> requests,
                     const BatchOptions& options = {});
 
+// Where the bytes at `addr` live, for registering memory whose kind the caller does not know
+// (a framework's raw data pointer, Mooncake's location "*"): {kCuda, its device ordinal} when
+// this build has CUDA, a GPU and its driver are present and `addr` is CUDA device memory;
+// {kHost, -1} otherwise (pageable, pinned or managed host memory, or no CUDA). On a machine
+// with a GPU the first call initialises the CUDA runtime. Thread-safe; never fails.
+MemoryLocation LocateMemory(const void* addr);
+
 }  // namespace kvferry

@@ -14,6 +14,7 @@ namespace cuda {
 Status CheckDevice(int) { return NoCuda(); }
 StatusOr<RegionDescriptor> DescribeDeviceRegion(void*, uint64_t, int) { return NoCuda(); }
 StatusOr<int> ExportFd(uint64_t, int) { return NoCuda(); }
+StatusOr<AllocationInfo> InspectDevicePointer(const void*) { return NoCuda(); }
 StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int, uint64_t) {
   return NoCuda();
 }

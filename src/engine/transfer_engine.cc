@@ -689,4 +689,10 @@ Status TransferSync(TransferEngine& engine, std::span<const TransferRequest> req
   return status->error;
 }
 
+MemoryLocation LocateMemory(const void* addr) {
+  StatusOr<cuda::AllocationInfo> info = cuda::InspectDevicePointer(addr);
+  if (!info.ok()) return MemoryLocation{};
+  return MemoryLocation{MemoryKind::kCuda, info->device};
+}
+
 }  // namespace kvferry

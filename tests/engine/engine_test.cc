@@ -632,5 +632,19 @@ TEST(EngineLocalTest, RegistrationRules) {
   EXPECT_EQ(TransferEngine::Create(bad).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Host memory of every kind is host memory (the GPU tests cover device pointers).
+TEST(EngineLocalTest, LocateMemoryOfHostMemory) {
+  std::vector<uint8_t> heap(64);
+  static uint8_t global_bytes[64];
+  uint8_t stack_bytes[64] = {0};
+  for (const void* p :
+       {static_cast<const void*>(heap.data()), static_cast<const void*>(global_bytes),
+        static_cast<const void*>(stack_bytes), static_cast<const void*>(nullptr)}) {
+    MemoryLocation where = LocateMemory(p);
+    EXPECT_EQ(where.kind, MemoryKind::kHost);
+    EXPECT_EQ(where.device_id, -1);
+  }
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -1,0 +1,80 @@
+// Memory that Python objects expose, and columns of integers read from array-likes.
+//
+// DescribeBuffer finds where an object's bytes are, in this order: `__cuda_array_interface__`
+// (CuPy, Numba, torch CUDA tensors), the buffer protocol (numpy arrays, bytearray, memoryview,
+// mmap), `__array_interface__`, and torch-style tensors (`data_ptr()`, `numel()`,
+// `element_size()`, `device`, `is_contiguous()`; torch CPU tensors expose no other
+// interface). Only C-contiguous memory is accepted: a registered region is one range.
+//
+// Thread-safety: everything here needs the GIL.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "kvferry/memory.h"
+
+namespace kvferry::python {
+
+namespace py = pybind11;
+
+struct BufferSpan {
+  uint64_t address = 0;
+  uint64_t length_bytes = 0;
+  MemoryLocation location;  // host memory, or CUDA memory and its device
+  bool read_only = false;
+};
+
+// Keeps a registered object alive and, when it came through the buffer protocol, its buffer
+// exported (a bytearray cannot be resized while exported). Destroy it with the GIL held.
+class HeldBuffer {
+ public:
+  explicit HeldBuffer(py::object owner) : owner_(std::move(owner)) {}
+  HeldBuffer(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(const HeldBuffer&) = delete;
+  ~HeldBuffer() {
+    if (view_) PyBuffer_Release(view_.get());
+  }
+  // Takes over an exported buffer (released on destruction).
+  void Hold(std::unique_ptr<Py_buffer> view) { view_ = std::move(view); }
+
+ private:
+  py::object owner_;
+  std::unique_ptr<Py_buffer> view_;
+};
+
+struct DescribedBuffer {
+  BufferSpan span;
+  std::unique_ptr<HeldBuffer> hold;
+};
+
+// Where `obj`'s bytes are (see the header comment). Throws StatusError: kInvalidArgument when
+// `obj` exposes none of the interfaces, is not C-contiguous or describes itself malformed;
+// kFailedPrecondition for a CUDA array whose memory this process does not see as CUDA device
+// memory (a build without CUDA, or no GPU).
+DescribedBuffer DescribeBuffer(py::handle obj);
+
+// n unsigned 64-bit integers from an array-like (numpy arrays of any integer dtype are cast in
+// C, without per-element Python work; lists and scalars are accepted too). One value stands
+// for every index (broadcast).
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+class Column {
+ public:
+  explicit Column(const U64Array& values)
+      : data_(values.data()), size_(static_cast<size_t>(values.size())) {}
+  size_t size() const { return size_; }
+  uint64_t operator[](size_t i) const { return size_ == 1 ? data_[0] : data_[i]; }
+
+ private:
+  const uint64_t* data_;
+  size_t size_;
+};
+
+void BindBuffers(py::module_& m);
+
+}  // namespace kvferry::python

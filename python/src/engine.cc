@@ -1,0 +1,495 @@
+#include "engine.h"
+
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <variant>
+#include <vector>
+
+#include "batch.h"
+#include "buffers.h"
+#include "engine_docs.h"
+#include "engine_holder.h"
+#include "errors.h"
+
+namespace kvferry::python {
+namespace {
+
+using std::chrono::milliseconds;
+
+// Engines still open at interpreter exit are closed by an atexit hook, while engine threads
+// can still take the GIL to finish their callbacks.
+std::mutex g_open_mu;
+std::vector<std::weak_ptr<EngineHolder>> g_open;
+
+void CloseAllAtExit() {
+  std::vector<std::shared_ptr<EngineHolder>> open;
+  {
+    std::lock_guard<std::mutex> lock(g_open_mu);
+    for (auto& weak : g_open) {
+      if (auto holder = weak.lock()) open.push_back(std::move(holder));
+    }
+    g_open.clear();
+  }
+  py::gil_scoped_release release;
+  for (auto& holder : open) holder->Close();
+}
+
+// Seconds (a float, as Python's time APIs) to whole milliseconds, rounded up.
+milliseconds Millis(double seconds, const char* what) {
+  if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
+    throw StatusError(InvalidArgumentError(std::string(what) +
+                                           " must be a positive number of "
+                                           "seconds (got " +
+                                           std::to_string(seconds) + ")"));
+  }
+  return milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
+}
+
+struct PySegment {
+  SegmentHandle handle;
+  std::string address;
+};
+
+py::dict DescriptorDict(const SegmentDescriptor& d) {
+  py::list regions;
+  for (const RegionDescriptor& r : d.regions) {
+    py::dict region;
+    region["address"] = r.base;
+    region["length_bytes"] = r.length_bytes;
+    region["device"] = r.kind == MemoryKind::kCuda ? py::object(py::int_(r.device_id)) : py::none();
+    region["access"] = r.access;
+    regions.append(std::move(region));
+  }
+  py::dict out;
+  out["name"] = d.name;
+  out["address"] = d.Address();
+  out["host"] = d.host;
+  out["port"] = d.port;
+  out["node_id"] = d.node_id;
+  out["pid"] = d.pid;
+  out["transports"] = d.transports;
+  out["regions"] = std::move(regions);
+  return out;
+}
+
+class PyEngine {
+ public:
+  PyEngine() = default;
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
+
+  static std::unique_ptr<PyEngine> Create(EngineOptions options) {
+    std::unique_ptr<TransferEngine> engine;
+    {
+      py::gil_scoped_release release;
+      engine = ValueOrThrow(TransferEngine::Create(options));
+    }
+    auto self = std::make_unique<PyEngine>();
+    self->descriptor_ = engine->LocalDescriptor();
+    self->holder_ = std::make_shared<EngineHolder>(std::move(engine));
+    std::lock_guard<std::mutex> lock(g_open_mu);
+    std::erase_if(g_open, [](const auto& weak) { return weak.expired(); });
+    g_open.push_back(self->holder_);
+    return self;
+  }
+
+  // Batches keep their engine object alive (keep_alive in the bindings), so this runs after
+  // them: the engine stops before the memory of registered objects is let go.
+  ~PyEngine() { Close(); }
+
+  void Close() {
+    {
+      py::gil_scoped_release release;
+      holder_->Close();
+    }
+    held_.clear();
+  }
+
+  bool closed() const { return holder_->closed(); }
+  const SegmentDescriptor& descriptor() const { return descriptor_; }
+
+  py::dict LocalDescriptor() {
+    SegmentDescriptor d;
+    {
+      py::gil_scoped_release release;
+      d = holder_->Acquire()->LocalDescriptor();
+    }
+    return DescriptorDict(d);
+  }
+
+  uint64_t Register(py::handle buffer, std::optional<uint64_t> length, std::optional<int> device,
+                    uint32_t access) {
+    BufferSpan span;
+    std::unique_ptr<HeldBuffer> hold;
+    if (py::isinstance<py::int_>(buffer) && !py::isinstance<py::bool_>(buffer)) {
+      if (!length) {
+        throw StatusError(InvalidArgumentError("an int address needs length (bytes)"));
+      }
+      span.address = buffer.cast<uint64_t>();
+      span.length_bytes = *length;
+      if (device) span.location = MemoryLocation{MemoryKind::kCuda, *device};
+    } else {
+      DescribedBuffer described = DescribeBuffer(buffer);
+      span = described.span;
+      hold = std::move(described.hold);
+      if (length && *length != span.length_bytes) {
+        throw StatusError(InvalidArgumentError(
+            "length " + std::to_string(*length) + " differs from the object's " +
+            std::to_string(span.length_bytes) + " bytes (omit it for objects)"));
+      }
+      if (device &&
+          (span.location.kind != MemoryKind::kCuda || span.location.device_id != *device)) {
+        throw StatusError(
+            InvalidArgumentError("device " + std::to_string(*device) +
+                                 " differs from where the object's memory is (omit it for "
+                                 "objects)"));
+      }
+      if (span.read_only && (access & kAccessRemoteWrite) != 0) {
+        throw StatusError(InvalidArgumentError(
+            "the object's memory is read-only: register it with access=Access.REMOTE_READ"));
+      }
+    }
+    {
+      py::gil_scoped_release release;
+      ThrowIfError(holder_->Acquire()->RegisterMemory(reinterpret_cast<void*>(span.address),
+                                                      span.length_bytes, span.location, access));
+    }
+    if (hold) held_[span.address] = std::move(hold);
+    return span.address;
+  }
+
+  void Unregister(py::handle buffer) {
+    uint64_t address = 0;
+    if (py::isinstance<py::int_>(buffer) && !py::isinstance<py::bool_>(buffer)) {
+      address = buffer.cast<uint64_t>();
+    } else {
+      address = DescribeBuffer(buffer).span.address;
+    }
+    {
+      py::gil_scoped_release release;
+      ThrowIfError(holder_->Acquire()->UnregisterMemory(reinterpret_cast<void*>(address)));
+    }
+    held_.erase(address);
+  }
+
+  PySegment Open(const std::string& address) {
+    py::gil_scoped_release release;
+    return PySegment{ValueOrThrow(holder_->Acquire()->OpenSegment(address)), address};
+  }
+
+  // A Segment, or a "host:port" opened on the spot (the engine reuses an open one).
+  SegmentHandle Resolve(py::handle segment) {
+    if (py::isinstance<PySegment>(segment)) return segment.cast<const PySegment&>().handle;
+    if (py::isinstance<py::str>(segment)) return Open(segment.cast<std::string>()).handle;
+    throw StatusError(InvalidArgumentError("segment must be a kvferry.Segment or a 'host:port'"));
+  }
+
+  void CloseSegment(py::handle segment) {
+    SegmentHandle handle = Resolve(segment);
+    py::gil_scoped_release release;
+    ThrowIfError(holder_->Acquire()->CloseSegment(handle));
+  }
+
+  py::dict Descriptor(py::handle segment, bool refresh) {
+    SegmentHandle handle = Resolve(segment);
+    kvferry::SegmentDescriptor d;
+    {
+      py::gil_scoped_release release;
+      auto engine = holder_->Acquire();
+      d = ValueOrThrow(refresh ? engine->RefreshSegment(handle)
+                               : engine->GetSegmentDescriptor(handle));
+    }
+    return DescriptorDict(d);
+  }
+
+  void Prepare(py::handle segment, uint64_t local_address) {
+    SegmentHandle handle = Resolve(segment);
+    py::gil_scoped_release release;
+    ThrowIfError(
+        holder_->Acquire()->PrepareTransfers(handle, reinterpret_cast<const void*>(local_address)));
+  }
+
+  struct SubmitArgs {
+    std::optional<double> deadline;
+    std::optional<std::string> notification;
+    std::optional<py::function> on_complete;
+    std::optional<U64Array> num_rows;
+    std::optional<U64Array> local_strides;
+    std::optional<U64Array> remote_strides;
+    std::optional<uint64_t> start_after_event;
+  };
+
+  std::unique_ptr<PyBatch> Submit(TransferOp op, py::handle segment, const U64Array& local,
+                                  const U64Array& remote, const U64Array& lengths,
+                                  const SubmitArgs& args) {
+    SegmentHandle handle = Resolve(segment);
+    BatchOptions options;
+    if (args.deadline) options.deadline = Millis(*args.deadline, "deadline");
+    if (args.notification) options.notification = *args.notification;
+    if (args.on_complete) {
+      auto callback = std::make_shared<PyCallback>(*args.on_complete);
+      options.on_complete = [callback](BatchId id, const BatchStatus& status) {
+        callback->Call([&](py::object& fn) { fn(id.value, status); });
+      };
+    }
+    if (args.start_after_event) {
+      options.start_after_event = reinterpret_cast<void*>(*args.start_after_event);
+    }
+    std::vector<Column> columns = {Column(local), Column(remote), Column(lengths)};
+    const bool strided = args.num_rows || args.local_strides || args.remote_strides;
+    if (strided) {
+      for (const auto* a : {&args.num_rows, &args.local_strides, &args.remote_strides}) {
+        if (!*a) {
+          throw StatusError(InvalidArgumentError(
+              "strided requests need num_rows, local_strides and remote_strides"));
+        }
+        columns.emplace_back(**a);
+      }
+    }
+    size_t n = 0;
+    for (const Column& c : columns) n = std::max(n, c.size());
+    for (const Column& c : columns) {
+      if (c.size() != n && c.size() != 1) {
+        throw StatusError(InvalidArgumentError(
+            "columns of a batch must have the same length (or length 1): got " +
+            std::to_string(c.size()) + " and " + std::to_string(n)));
+      }
+    }
+    if (n == 0 || columns[0].size() == 0) throw StatusError(InvalidArgumentError("empty batch"));
+    BatchId id;
+    {
+      py::gil_scoped_release release;
+      std::vector<TransferRequest> requests(n);
+      for (size_t i = 0; i < n; ++i) {
+        TransferRequest& r = requests[i];
+        r.op = op;
+        r.segment = handle;
+        r.local_addr = reinterpret_cast<const void*>(columns[0][i]);
+        r.remote_addr = columns[1][i];
+        r.length_bytes = columns[2][i];
+        if (strided) {
+          if (columns[3][i] > std::numeric_limits<uint32_t>::max()) {
+            throw StatusError(
+                InvalidArgumentError("request " + std::to_string(i) + ": num_rows above 2^32 - 1"));
+          }
+          r.num_rows = static_cast<uint32_t>(columns[3][i]);
+          r.local_stride = columns[4][i];
+          r.remote_stride = columns[5][i];
+        }
+      }
+      auto engine = holder_->Acquire();
+      holder_->SweepOrphans(*engine);
+      id = ValueOrThrow(engine->SubmitBatch(requests, options));
+    }
+    return std::make_unique<PyBatch>(holder_, id, n);
+  }
+
+  std::unique_ptr<PyBatch> SubmitNotification(py::handle segment, const std::string& message,
+                                              std::optional<double> deadline,
+                                              std::optional<py::function> on_complete) {
+    SegmentHandle handle = Resolve(segment);
+    BatchOptions options;
+    if (deadline) options.deadline = Millis(*deadline, "deadline");
+    if (on_complete) {
+      auto callback = std::make_shared<PyCallback>(*on_complete);
+      options.on_complete = [callback](BatchId id, const BatchStatus& status) {
+        callback->Call([&](py::object& fn) { fn(id.value, status); });
+      };
+    }
+    BatchId id;
+    {
+      py::gil_scoped_release release;
+      id = ValueOrThrow(holder_->Acquire()->SubmitNotification(handle, message, options));
+    }
+    return std::make_unique<PyBatch>(holder_, id, 0);
+  }
+
+  void SendNotification(py::handle segment, const std::string& message, double timeout) {
+    SegmentHandle handle = Resolve(segment);
+    milliseconds timeout_ms = Millis(timeout, "timeout");
+    py::gil_scoped_release release;
+    ThrowIfError(holder_->Acquire()->SendNotification(handle, message, timeout_ms));
+  }
+
+  void SetHandler(std::optional<py::function> handler) {
+    TransferEngine::NotificationHandler fn;
+    if (handler) {
+      auto callback = std::make_shared<PyCallback>(*handler);
+      fn = [callback](const Notification& n) { callback->Call([&](py::object& f) { f(n); }); };
+    }
+    py::gil_scoped_release release;
+    holder_->Acquire()->SetNotificationHandler(std::move(fn));
+  }
+
+  std::vector<Notification> PollNotifications() {
+    py::gil_scoped_release release;
+    return holder_->Acquire()->PollNotifications();
+  }
+
+ private:
+  std::shared_ptr<EngineHolder> holder_;
+  kvferry::SegmentDescriptor descriptor_;  // as created: name, host, port
+  // Objects registered through their interfaces, by address (guarded by the GIL).
+  std::unordered_map<uint64_t, std::unique_ptr<HeldBuffer>> held_;
+};
+
+}  // namespace
+
+void BindEngine(py::module_& m) {
+  py::module_::import("atexit").attr("register")(py::cpp_function(&CloseAllAtExit));
+  // Docstrings live as long as the module.
+  static const std::string submit_write_doc = std::string(kSubmitWriteFirstLine) + kSubmitDoc;
+  static const std::string submit_read_doc = std::string(kSubmitReadFirstLine) + kSubmitDoc;
+
+  py::enum_<TransferOp>(m, "TransferOp", "Direction of a request.")
+      .value("WRITE", TransferOp::kWrite, "local memory -> the peer's")
+      .value("READ", TransferOp::kRead, "the peer's memory -> local");
+  py::enum_<AccessFlags>(m, "Access", py::arithmetic(), "What peers may do with a region.")
+      .value("NONE", kAccessNone, "local side of requests only; not published to peers")
+      .value("REMOTE_READ", kAccessRemoteRead)
+      .value("REMOTE_WRITE", kAccessRemoteWrite)
+      .value("REMOTE_READ_WRITE", kAccessRemoteReadWrite);
+
+  py::class_<Notification>(m, "Notification", "A message received from a peer engine.")
+      .def_readonly("peer_name", &Notification::peer_name, "the sender's segment name")
+      .def_readonly("peer_address", &Notification::peer_address, "host:port the sender listens on")
+      .def_property_readonly(
+          "message", [](const Notification& n) { return py::bytes(n.message); }, "bytes")
+      .def("__repr__", [](const Notification& n) {
+        return "Notification(peer_name='" + n.peer_name + "', peer_address='" + n.peer_address +
+               "', " + std::to_string(n.message.size()) + " bytes)";
+      });
+
+  py::class_<PySegment>(m, "Segment",
+                        "A peer engine's segment, opened by TransferEngine.open_segment.")
+      .def_readonly("address", &PySegment::address, "host:port it was opened by")
+      .def_property_readonly("handle", [](const PySegment& s) { return s.handle.value; })
+      .def(
+          "__eq__", [](const PySegment& a, const PySegment& b) { return a.handle == b.handle; },
+          py::is_operator())
+      .def("__hash__", [](const PySegment& s) { return std::hash<uint64_t>()(s.handle.value); })
+      .def("__repr__", [](const PySegment& s) {
+        return "Segment('" + s.address + "', handle=" + std::to_string(s.handle.value) + ")";
+      });
+
+  auto submit = [](TransferOp op) {
+    return [op](PyEngine& e, py::handle segment, const U64Array& local, const U64Array& remote,
+                const U64Array& lengths, std::optional<double> deadline,
+                std::optional<std::string> notification, std::optional<py::function> on_complete,
+                std::optional<U64Array> num_rows, std::optional<U64Array> local_strides,
+                std::optional<U64Array> remote_strides, std::optional<uint64_t> start_after_event) {
+      return e.Submit(
+          op, segment, local, remote, lengths,
+          {deadline, std::move(notification), std::move(on_complete), std::move(num_rows),
+           std::move(local_strides), std::move(remote_strides), start_after_event});
+    };
+  };
+  auto sync = [](TransferOp op) {
+    return [op](PyEngine& e, py::handle segment, const U64Array& local, const U64Array& remote,
+                const U64Array& lengths, std::optional<double> deadline,
+                std::optional<std::string> notification, std::optional<U64Array> num_rows,
+                std::optional<U64Array> local_strides, std::optional<U64Array> remote_strides,
+                std::optional<uint64_t> start_after_event) {
+      auto batch = e.Submit(op, segment, local, remote, lengths,
+                            {deadline,
+                             std::move(notification),
+                             {},
+                             std::move(num_rows),
+                             std::move(local_strides),
+                             std::move(remote_strides),
+                             start_after_event});
+      return batch->Result(std::nullopt, true).transferred_bytes;
+    };
+  };
+  py::class_<PyEngine>(m, "TransferEngine", kEngineDoc)
+      .def(py::init([](std::optional<std::string> name, std::optional<std::string> listen_host,
+                       uint16_t listen_port, std::string transport, double default_deadline,
+                       double connect_timeout, std::optional<std::string> auth_secret,
+                       bool insecure, std::optional<int> tcp_lanes_per_peer,
+                       std::optional<uint64_t> tcp_slice_bytes) {
+             EngineOptions o;
+             if (name) o.name = *name;
+             if (listen_host) o.listen_host = *listen_host;
+             o.listen_port = listen_port;
+             o.transport = std::move(transport);
+             o.default_deadline = Millis(default_deadline, "default_deadline");
+             o.connect_timeout = Millis(connect_timeout, "connect_timeout");
+             if (auth_secret) o.auth_secret = *auth_secret;
+             o.insecure = insecure;
+             if (tcp_lanes_per_peer) o.tcp_lanes_per_peer = *tcp_lanes_per_peer;
+             if (tcp_slice_bytes) o.tcp_slice_bytes = *tcp_slice_bytes;
+             return PyEngine::Create(std::move(o));
+           }),
+           py::kw_only(), py::arg("name") = py::none(), py::arg("listen_host") = py::none(),
+           py::arg("listen_port") = 0, py::arg("transport") = "auto",
+           py::arg("default_deadline") = 30.0, py::arg("connect_timeout") = 5.0,
+           py::arg("auth_secret") = py::none(), py::arg("insecure") = false,
+           py::arg("tcp_lanes_per_peer") = py::none(), py::arg("tcp_slice_bytes") = py::none(),
+           kInitDoc)
+      .def_property_readonly(
+          "address", [](const PyEngine& e) { return e.descriptor().Address(); },
+          "host:port peers open this engine's segment by.")
+      .def_property_readonly("name", [](const PyEngine& e) { return e.descriptor().name; })
+      .def_property_readonly("host", [](const PyEngine& e) { return e.descriptor().host; })
+      .def_property_readonly("port", [](const PyEngine& e) { return e.descriptor().port; })
+      .def_property_readonly("closed", &PyEngine::closed)
+      .def("local_descriptor", &PyEngine::LocalDescriptor, kLocalDescriptorDoc)
+      .def("register_memory", &PyEngine::Register, py::arg("buffer"),
+           py::arg("length") = py::none(), py::arg("device") = py::none(),
+           py::arg("access") = static_cast<uint32_t>(kAccessRemoteReadWrite), kRegisterDoc)
+      .def("unregister_memory", &PyEngine::Unregister, py::arg("buffer"), kUnregisterDoc)
+      .def("open_segment", &PyEngine::Open, py::arg("address"), kOpenSegmentDoc)
+      .def("close_segment", &PyEngine::CloseSegment, py::arg("segment"), kCloseSegmentDoc)
+      .def("segment_descriptor", &PyEngine::Descriptor, py::arg("segment"),
+           py::arg("refresh") = false, kSegmentDescriptorDoc)
+      .def("prepare_transfers", &PyEngine::Prepare, py::arg("segment"), py::arg("local_address"),
+           kPrepareDoc)
+      .def("submit_write", submit(TransferOp::kWrite), py::keep_alive<0, 1>(), py::arg("segment"),
+           py::arg("local_addresses"), py::arg("remote_addresses"), py::arg("lengths"),
+           py::kw_only(), py::arg("deadline") = py::none(), py::arg("notification") = py::none(),
+           py::arg("on_complete") = py::none(), py::arg("num_rows") = py::none(),
+           py::arg("local_strides") = py::none(), py::arg("remote_strides") = py::none(),
+           py::arg("start_after_event") = py::none(), submit_write_doc.c_str())
+      .def("submit_read", submit(TransferOp::kRead), py::keep_alive<0, 1>(), py::arg("segment"),
+           py::arg("local_addresses"), py::arg("remote_addresses"), py::arg("lengths"),
+           py::kw_only(), py::arg("deadline") = py::none(), py::arg("notification") = py::none(),
+           py::arg("on_complete") = py::none(), py::arg("num_rows") = py::none(),
+           py::arg("local_strides") = py::none(), py::arg("remote_strides") = py::none(),
+           py::arg("start_after_event") = py::none(), submit_read_doc.c_str())
+      .def("write", sync(TransferOp::kWrite), py::arg("segment"), py::arg("local_addresses"),
+           py::arg("remote_addresses"), py::arg("lengths"), py::kw_only(),
+           py::arg("deadline") = py::none(), py::arg("notification") = py::none(),
+           py::arg("num_rows") = py::none(), py::arg("local_strides") = py::none(),
+           py::arg("remote_strides") = py::none(), py::arg("start_after_event") = py::none(),
+           kWriteDoc)
+      .def("read", sync(TransferOp::kRead), py::arg("segment"), py::arg("local_addresses"),
+           py::arg("remote_addresses"), py::arg("lengths"), py::kw_only(),
+           py::arg("deadline") = py::none(), py::arg("notification") = py::none(),
+           py::arg("num_rows") = py::none(), py::arg("local_strides") = py::none(),
+           py::arg("remote_strides") = py::none(), py::arg("start_after_event") = py::none(),
+           kReadDoc)
+      .def("send_notification", &PyEngine::SendNotification, py::arg("segment"), py::arg("message"),
+           py::arg("timeout") = 5.0, kSendNotificationDoc)
+      .def("submit_notification", &PyEngine::SubmitNotification, py::keep_alive<0, 1>(),
+           py::arg("segment"), py::arg("message"), py::kw_only(), py::arg("deadline") = py::none(),
+           py::arg("on_complete") = py::none(), kSubmitNotificationDoc)
+      .def("set_notification_handler", &PyEngine::SetHandler, py::arg("handler"), kSetHandlerDoc)
+      .def("poll_notifications", &PyEngine::PollNotifications, kPollNotificationsDoc)
+      .def("close", &PyEngine::Close, kCloseDoc)
+      .def("__enter__", [](PyEngine& e) -> PyEngine& { return e; })
+      .def("__exit__", [](PyEngine& e, py::args) { e.Close(); })
+      .def("__repr__", [](const PyEngine& e) {
+        return "TransferEngine(name='" + e.descriptor().name + "', address='" +
+               e.descriptor().Address() + "'" + (e.closed() ? ", closed" : "") + ")";
+      });
+}
+
+}  // namespace kvferry::python

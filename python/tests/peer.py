@@ -1,0 +1,89 @@
+"""A peer engine in its own process, for the pytest suite.
+
+Its registered memory is a shared file mapping (under /dev/shm) that the test process maps
+too, so the test checks what landed in the peer byte for byte without asking the engine.
+
+    peer.py native --file F --size N [--port P]
+    peer.py mooncake --file F --buffers K --buffer-bytes B [--gap-bytes G] [--hostname H]
+
+It prints one JSON line (its address and the addresses of its buffers), then serves until its
+stdin closes (or it is killed).
+"""
+
+import argparse
+import json
+import mmap
+import os
+import sys
+
+import numpy as np
+
+
+def map_file(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def serve_native(args) -> None:
+    import kvferry
+
+    region = map_file(args.file, args.size)
+    engine = kvferry.TransferEngine(name="pytest-peer", listen_port=args.port)
+    base = engine.register_memory(region)
+    report({"address": engine.address, "base": base, "pid": os.getpid()})
+    sys.stdin.read()  # until the test closes our stdin
+    engine.close()
+
+
+def serve_mooncake(args) -> None:
+    from kvferry.mooncake import TransferEngine
+
+    stride = args.buffer_bytes + args.gap_bytes
+    region = map_file(args.file, args.buffers * stride)
+    whole = np.frombuffer(region, dtype=np.uint8)
+    base = whole.ctypes.data
+    engine = TransferEngine()
+    if engine.initialize(args.hostname, "P2PHANDSHAKE", "tcp", "") != 0:
+        sys.exit("initialize failed")
+    ptrs = [base + i * stride for i in range(args.buffers)]
+    lengths = [args.buffer_bytes] * args.buffers
+    if engine.batch_register_memory(ptrs, lengths) != 0:
+        sys.exit("batch_register_memory failed")
+    host = args.hostname.rsplit(":", 1)[0] if ":" in args.hostname else args.hostname
+    report({
+        "session_id": f"{host}:{engine.get_rpc_port()}",
+        "ptrs": ptrs,
+        "offsets": [i * stride for i in range(args.buffers)],
+        "pid": os.getpid(),
+    })
+    sys.stdin.read()
+    engine.close()
+
+
+def report(info: dict) -> None:
+    sys.stdout.write(json.dumps(info) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["native", "mooncake"])
+    parser.add_argument("--file", required=True)
+    parser.add_argument("--size", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--buffers", type=int, default=1)
+    parser.add_argument("--buffer-bytes", type=int, default=0)
+    parser.add_argument("--gap-bytes", type=int, default=0)
+    parser.add_argument("--hostname", default="127.0.0.1")
+    args = parser.parse_args()
+    if args.mode == "native":
+        serve_native(args)
+    else:
+        serve_mooncake(args)
+
+
+if __name__ == "__main__":
+    main()

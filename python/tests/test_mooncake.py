@@ -1,0 +1,266 @@
+"""kvferry.mooncake.TransferEngine used the way SGLang's Mooncake backend uses Mooncake's:
+per-layer buffers registered with batch_register_memory, pages written as runs with
+batch_transfer_sync_write; return codes on errors; a killed peer (-1 within the timeout)
+restarted under the same name."""
+
+import time
+
+import numpy as np
+import pytest
+
+import kvferry
+from kvferry.mooncake import P2PHANDSHAKE, TransferEngine, TransferOpcode
+
+LAYERS = 4
+BUFFERS = 2 * LAYERS  # every K buffer, then every V buffer
+PAGE_BYTES = 1024  # SGLang's kv_item_len: one page of one layer buffer
+POOL_PAGES = 64
+BUFFER_BYTES = PAGE_BYTES * POOL_PAGES
+GAP_BYTES = 4096  # between the peer's buffers: must stay untouched
+
+
+class Prefill:
+    """This process's side: a Mooncake-API engine and per-layer buffers of random pages."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.engine = TransferEngine()
+        assert self.engine.initialize("127.0.0.1", P2PHANDSHAKE, "tcp", "") == 0
+        rng = np.random.default_rng(seed)
+        self.buffers = [rng.integers(0, 256, BUFFER_BYTES, dtype=np.uint8) for _ in range(BUFFERS)]
+        self.ptrs = [b.ctypes.data for b in self.buffers]
+        assert self.engine.batch_register_memory(self.ptrs, [BUFFER_BYTES] * BUFFERS) == 0
+
+    def close(self) -> None:
+        assert self.engine.batch_unregister_memory(self.ptrs) == 0
+        self.engine.close()
+
+
+@pytest.fixture
+def prefill(monkeypatch):
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    p = Prefill()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def decode_memory(peers):
+    memory = peers.shared_file(BUFFERS * (BUFFER_BYTES + GAP_BYTES))
+    memory.view[:] = 0x5A
+    return memory
+
+
+def start_decode(peers, memory, hostname="127.0.0.1"):
+    return peers.mooncake(memory, BUFFERS, BUFFER_BYTES, GAP_BYTES, hostname=hostname)
+
+
+def page_runs(prefill_pages, decode_pages):
+    """(prefill page, decode page, page count) runs where both sides are consecutive, as
+    SGLang groups a request's pages before it transfers them."""
+    runs = []
+    for p, d in zip(prefill_pages, decode_pages):
+        if runs and runs[-1][0] + runs[-1][2] == p and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([int(p), int(d), 1])
+    return runs
+
+
+def request_blocks(prefill, decode, prefill_pages, decode_pages):
+    """Source addresses, destination addresses and lengths of every run of every buffer."""
+    src, dst, lengths = [], [], []
+    for b in range(BUFFERS):
+        for p, d, n in page_runs(prefill_pages, decode_pages):
+            src.append(prefill.ptrs[b] + p * PAGE_BYTES)
+            dst.append(decode.info["ptrs"][b] + d * PAGE_BYTES)
+            lengths.append(n * PAGE_BYTES)
+    return src, dst, lengths
+
+
+def expect_pages(expected, decode, prefill, prefill_pages, decode_pages):
+    for b in range(BUFFERS):
+        offset = decode.info["offsets"][b]
+        for p, d in zip(prefill_pages, decode_pages):
+            start = offset + d * PAGE_BYTES
+            expected[start:start + PAGE_BYTES] = prefill.buffers[b][p * PAGE_BYTES:(p + 1) * PAGE_BYTES]
+
+
+def fragmented_pages(rng, count):
+    """Decode's pages of a request: scattered over the pool, with some consecutive runs."""
+    pages = np.sort(rng.choice(POOL_PAGES, size=count, replace=False))
+    rng.shuffle(pages[: count // 3])
+    return pages
+
+
+def test_sglang_style_batch_write_and_read_of_page_runs(prefill, peers, decode_memory):
+    decode = start_decode(peers, decode_memory)
+    session = decode.info["session_id"]
+    rng = np.random.default_rng(11)
+    expected = decode_memory.view.copy()
+
+    # Two requests (chunks): the first with lists, the second with numpy arrays.
+    prefill_pages = np.arange(3, 3 + 40)
+    decode_pages = fragmented_pages(rng, 40)
+    src, dst, lengths = request_blocks(prefill, decode, prefill_pages, decode_pages)
+    assert len(src) > 3 * BUFFERS  # many runs per buffer
+    assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == 0
+    expect_pages(expected, decode, prefill, prefill_pages, decode_pages)
+    assert np.array_equal(decode_memory.view, expected)
+
+    free = np.setdiff1d(np.arange(POOL_PAGES), decode_pages)
+    prefill_pages = np.arange(50, 50 + len(free) // 2)
+    decode_pages = rng.permutation(free)[: len(prefill_pages)]
+    src, dst, lengths = request_blocks(prefill, decode, prefill_pages, decode_pages)
+    assert prefill.engine.batch_transfer_sync_write(
+        session, np.array(src, dtype=np.uint64), np.array(dst, dtype=np.int64),
+        np.array(lengths, dtype=np.int64)) == 0
+    expect_pages(expected, decode, prefill, prefill_pages, decode_pages)
+    assert np.array_equal(decode_memory.view, expected)
+
+    # READ every page of the pool back into zeroed local buffers.
+    for b in prefill.buffers:
+        b[:] = 0
+    src = prefill.ptrs
+    dst = decode.info["ptrs"]
+    assert prefill.engine.batch_transfer_sync_read(session, src, dst, [BUFFER_BYTES] * BUFFERS) == 0
+    for b in range(BUFFERS):
+        offset = decode.info["offsets"][b]
+        assert np.array_equal(prefill.buffers[b], decode_memory.view[offset:offset + BUFFER_BYTES])
+
+
+def test_single_async_and_polled_transfers(prefill, peers, decode_memory):
+    decode = start_decode(peers, decode_memory)
+    session = decode.info["session_id"]
+    engine = prefill.engine
+    remote = decode.info["ptrs"]
+    offsets = decode.info["offsets"]
+    view = decode_memory.view
+    assert engine.send_probe(session) == 0
+    assert engine.get_first_buffer_address(session) == remote[0]
+
+    assert engine.transfer_sync_write(session, prefill.ptrs[0] + 100, remote[1] + 7, 3000) == 0
+    assert np.array_equal(view[offsets[1] + 7:offsets[1] + 3007], prefill.buffers[0][100:3100])
+    view[offsets[2]:offsets[2] + 5000] = 0x11
+    assert engine.transfer_sync_read(session, prefill.ptrs[3], remote[2], 5000) == 0
+    assert (prefill.buffers[3][:5000] == 0x11).all()
+    assert engine.transfer_sync(session, prefill.ptrs[4], remote[4], 64, TransferOpcode.Write) == 0
+    assert np.array_equal(view[offsets[4]:offsets[4] + 64], prefill.buffers[4][:64])
+
+    ids = [engine.batch_transfer_async_write(session, [prefill.ptrs[b]], [remote[b]],
+                                             [BUFFER_BYTES]) for b in (5, 6)]
+    assert all(i > 0 for i in ids) and ids[0] != ids[1]
+    assert engine.get_batch_transfer_status(ids) == 0
+    for b in (5, 6):
+        assert np.array_equal(view[offsets[b]:offsets[b] + BUFFER_BYTES], prefill.buffers[b])
+    assert engine.get_batch_transfer_status(ids) == -1  # forgotten once reported
+
+    batch_id = engine.transfer_submit_write(session, prefill.ptrs[7], remote[7], BUFFER_BYTES)
+    assert batch_id > 0
+    deadline = time.monotonic() + 10
+    while (state := engine.transfer_check_status(batch_id)) == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert state == 1
+    assert np.array_equal(view[offsets[7]:offsets[7] + BUFFER_BYTES], prefill.buffers[7])
+    assert engine.transfer_check_status(batch_id) == -1
+
+
+def test_return_codes_on_errors(prefill, peers, decode_memory, monkeypatch):
+    decode = start_decode(peers, decode_memory)
+    session = decode.info["session_id"]
+    engine = prefill.engine
+    remote = decode.info["ptrs"]
+    before = decode_memory.view.copy()
+
+    fresh = TransferEngine()
+    assert fresh.get_rpc_port() == -1
+    assert fresh.transfer_sync_write(session, prefill.ptrs[0], remote[0], 8) == -1
+    assert fresh.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    assert fresh.initialize("127.0.0.1", P2PHANDSHAKE, "efa", "") == -1
+    assert fresh.initialize("127.0.0.1:99999", P2PHANDSHAKE, "tcp", "") == -1
+    assert fresh.initialize("localhost", P2PHANDSHAKE, "rdma", "mlx5_0") == 0
+    assert fresh.get_rpc_port() > 0
+    assert fresh.initialize("localhost", P2PHANDSHAKE, "rdma", "") == -1  # already
+    fresh.close()
+
+    # Registration: overlaps, mismatched lists, unknown addresses, bad locations.
+    assert engine.register_memory(prefill.ptrs[0] + 64, 64) == -1
+    assert engine.batch_register_memory([1 << 40, 2 << 40], [4096]) == -1
+    assert engine.unregister_memory(12345) == -1
+    assert engine.batch_unregister_memory([12345, 67890]) == -1
+    extra = np.zeros(8192, dtype=np.uint8)
+    assert engine.register_memory(extra.ctypes.data, 8192, "npu:0") == -1
+    # A batch whose second entry overlaps is registered all or nothing.
+    assert engine.batch_register_memory([extra.ctypes.data, prefill.ptrs[1]], [8192, 16]) == -1
+    assert engine.register_memory(extra.ctypes.data, 8192, "cpu:0") == 0
+    assert engine.unregister_memory(extra.ctypes.data) == 0
+
+    # Transfers: outside the peer's registered memory, mismatched lists, unknown peers and ids.
+    assert engine.transfer_sync_write(session, prefill.ptrs[0], remote[0] + BUFFER_BYTES, 16) == -1
+    assert engine.batch_transfer_sync_write(session, prefill.ptrs[:2], remote[:1], [8, 8]) == -1
+    assert engine.batch_transfer_async_write(session, prefill.ptrs[:2], remote[:1], [8, 8]) == 0
+    assert engine.batch_transfer_sync_write("127.0.0.1:1", prefill.ptrs[:1], remote[:1], [8]) == -1
+    assert engine.transfer_submit_write("127.0.0.1:1", prefill.ptrs[0], remote[0], 8) == -1
+    assert engine.send_probe("127.0.0.1:1") == -1
+    assert engine.get_batch_transfer_status([424242]) == -1
+    assert engine.transfer_check_status(424242) == -1
+    assert engine.transfer_sync(session, prefill.ptrs[0], remote[0], 8, TransferOpcode.Read,
+                                notify=object()) == -1
+    assert np.array_equal(decode_memory.view, before)
+    # The peer still serves after all that.
+    assert engine.transfer_sync_write(session, prefill.ptrs[0], remote[0], 16) == 0
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="MC_TRANSFER_TIMEOUT"):
+        TransferEngine()
+
+
+def test_killed_peer_fails_within_timeout_and_restarts_under_its_name(prefill, peers,
+                                                                      decode_memory):
+    decode = start_decode(peers, decode_memory)
+    session = decode.info["session_id"]
+    rng = np.random.default_rng(5)
+    prefill_pages = np.arange(0, 30)
+    decode_pages = fragmented_pages(rng, 30)
+    src, dst, lengths = request_blocks(prefill, decode, prefill_pages, decode_pages)
+    assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == 0
+
+    old_segment = prefill.engine._segments[session]
+    decode.kill()
+    start = time.monotonic()
+    assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == -1
+    assert time.monotonic() - start < 5  # MC_TRANSFER_TIMEOUT
+    # The failure dropped the cached segment. (kvferry's TCP lanes would reach a restarted
+    # peer anyway; a segment opened afresh also gets fresh NVLink channels and mappings.)
+    assert session not in prefill.engine._segments
+    assert prefill.engine.send_probe(session) == -1
+
+    # Restarted at the same host:port (a new process: new buffers, new addresses).
+    decode_memory.view[:] = 0x5A
+    restarted = start_decode(peers, decode_memory, hostname=session)
+    assert restarted.info["session_id"] == session
+    src, dst, lengths = request_blocks(prefill, restarted, prefill_pages, decode_pages)
+    assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == 0
+    assert prefill.engine._segments[session] != old_segment
+    expected = np.full_like(decode_memory.view, 0x5A)
+    expect_pages(expected, restarted, prefill, prefill_pages, decode_pages)
+    assert np.array_equal(decode_memory.view, expected)
+    assert prefill.engine.send_probe(session) == 0
+
+
+def test_stalled_peer_times_out(prefill, peers, decode_memory):
+    decode = start_decode(peers, decode_memory)
+    session = decode.info["session_id"]
+    engine = prefill.engine
+    remote = decode.info["ptrs"]
+    assert engine.transfer_sync_write(session, prefill.ptrs[0], remote[0], BUFFER_BYTES) == 0
+    decode.stop()
+    polled = engine.transfer_submit_write(session, prefill.ptrs[1], remote[1], BUFFER_BYTES)
+    assert polled > 0
+    start = time.monotonic()
+    assert engine.batch_transfer_sync_write(session, prefill.ptrs, remote,
+                                            [BUFFER_BYTES] * BUFFERS) == -1
+    assert 4.5 < time.monotonic() - start < 9  # MC_TRANSFER_TIMEOUT=5 (Mooncake's minimum)
+    deadline = time.monotonic() + 5
+    while (state := engine.transfer_check_status(polled)) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state == -2
