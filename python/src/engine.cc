@@ -18,6 +18,7 @@
 #include "engine_docs.h"
 #include "engine_holder.h"
 #include "errors.h"
+#include "metrics.h"
 
 namespace kvferry::python {
 namespace {
@@ -123,6 +124,15 @@ class PyEngine {
       d = holder_->Acquire()->LocalDescriptor();
     }
     return DescriptorDict(d);
+  }
+
+  py::dict Metrics() {
+    EngineMetrics m;
+    {
+      py::gil_scoped_release release;
+      m = holder_->Acquire()->Metrics();
+    }
+    return MetricsDict(m);
   }
 
   uint64_t Register(py::handle buffer, std::optional<uint64_t> length, std::optional<int> device,
@@ -414,7 +424,7 @@ void BindEngine(py::module_& m) {
                        uint16_t listen_port, std::string transport, double default_deadline,
                        double connect_timeout, std::optional<std::string> auth_secret,
                        bool insecure, std::optional<int> tcp_lanes_per_peer,
-                       std::optional<uint64_t> tcp_slice_bytes) {
+                       std::optional<uint64_t> tcp_slice_bytes, std::string faults) {
              EngineOptions o;
              if (name) o.name = *name;
              if (listen_host) o.listen_host = *listen_host;
@@ -426,6 +436,9 @@ void BindEngine(py::module_& m) {
              o.insecure = insecure;
              if (tcp_lanes_per_peer) o.tcp_lanes_per_peer = *tcp_lanes_per_peer;
              if (tcp_slice_bytes) o.tcp_slice_bytes = *tcp_slice_bytes;
+             StatusOr<FaultPlan> plan = ParseFaultPlan(faults);
+             if (!plan.ok()) throw StatusError(plan.status());
+             o.faults = std::move(*plan);
              return PyEngine::Create(std::move(o));
            }),
            py::kw_only(), py::arg("name") = py::none(), py::arg("listen_host") = py::none(),
@@ -433,7 +446,7 @@ void BindEngine(py::module_& m) {
            py::arg("default_deadline") = 30.0, py::arg("connect_timeout") = 5.0,
            py::arg("auth_secret") = py::none(), py::arg("insecure") = false,
            py::arg("tcp_lanes_per_peer") = py::none(), py::arg("tcp_slice_bytes") = py::none(),
-           kInitDoc)
+           py::arg("faults") = "", kInitDoc)
       .def_property_readonly(
           "address", [](const PyEngine& e) { return e.descriptor().Address(); },
           "host:port peers open this engine's segment by.")
@@ -442,6 +455,7 @@ void BindEngine(py::module_& m) {
       .def_property_readonly("port", [](const PyEngine& e) { return e.descriptor().port; })
       .def_property_readonly("closed", &PyEngine::closed)
       .def("local_descriptor", &PyEngine::LocalDescriptor, kLocalDescriptorDoc)
+      .def("metrics", &PyEngine::Metrics, kMetricsDoc)
       .def("register_memory", &PyEngine::Register, py::arg("buffer"),
            py::arg("length") = py::none(), py::arg("device") = py::none(),
            py::arg("access") = static_cast<uint32_t>(kAccessRemoteReadWrite), kRegisterDoc)

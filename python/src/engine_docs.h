@@ -30,6 +30,8 @@ auth_secret: the deployment's shared secret (str or bytes, >= 16 bytes; default
 insecure: allow a non-loopback listen_host without a secret.
 tcp_lanes_per_peer: TCP connections per peer, 1..64 (default 4, or KVFERRY_TCP_LANES).
 tcp_slice_bytes: requests longer than this are split over lanes (default 4 MiB).
+faults: a fault-injection plan for tests and drills (kvferry/faults.h; e.g.
+    "drop=0.01,fail=0.02,delay_us=500"); "" (default): KVFERRY_FAULTS, else none.
 
 Raises InvalidArgumentError (bad options, a secret shorter than 16 bytes),
 FailedPreconditionError (non-loopback listen_host without secret or insecure),
@@ -39,6 +41,16 @@ inline constexpr const char* kLocalDescriptorDoc =
     R"(This engine's segment descriptor as a dict: name, address, host, port, node_id, pid,
 transports, and regions (list of dicts: address, length_bytes, device (None for host memory),
 access) that peers may access.)";
+
+inline constexpr const char* kMetricsDoc =
+    R"(This engine's counters since it started (the C++ EngineMetrics; README "Metrics"), as a
+dict: "transfers" (list of dicts per transport and op: transport, op ("write"/"read"), bytes,
+requests_completed, requests_failed, requests_cancelled), "request_failures_by_code" and
+"batches_by_code" (status code name -> count), "batch_latency" (bounds_seconds: bucket upper
+bounds; buckets: batches per bucket, not cumulative, the last above the last bound;
+sum_seconds; count), notifications_sent / _failed / _received, segments_open,
+connections_open / _accepted / _refused, handshakes_completed, handshakes_refused_auth /
+_protocol / _timeout. Never blocks on the network.)";
 
 inline constexpr const char* kRegisterDoc =
     R"(Registers memory for transfers and returns its address (int).

@@ -221,3 +221,44 @@ def test_closed_engine_raises(pair):
     with pytest.raises(kvferry.FailedPreconditionError):
         left.open_segment(right.address)
     left.close()  # idempotent
+
+
+def test_metrics_count_bytes_requests_and_failures(pair):
+    left, right = pair
+    source = np.arange(1 << 16, dtype=np.uint8)
+    target = np.zeros_like(source)
+    left.register_memory(source)
+    right.register_memory(target)
+    before = left.metrics()
+    assert left.write(right.address, [source.ctypes.data] * 4,
+                      [target.ctypes.data + i * 16384 for i in range(4)], [16384] * 4) == 65536
+    with pytest.raises(kvferry.FailedPreconditionError):  # outside what right registered
+        left.write(right.address, [source.ctypes.data], [target.ctypes.data + (1 << 16)], [1])
+    m = left.metrics()
+    tcp_write = next(t for t in m["transfers"] if t["transport"] == "tcp" and t["op"] == "write")
+    before_write = next(t for t in before["transfers"]
+                        if t["transport"] == "tcp" and t["op"] == "write")
+    assert tcp_write["bytes"] - before_write["bytes"] == 65536
+    assert tcp_write["requests_completed"] - before_write["requests_completed"] == 4
+    assert tcp_write["requests_failed"] - before_write["requests_failed"] == 1
+    assert m["request_failures_by_code"].get("FAILED_PRECONDITION", 0) >= 1
+    assert m["batches_by_code"]["OK"] >= 1
+    latency = m["batch_latency"]
+    assert len(latency["buckets"]) == len(latency["bounds_seconds"]) + 1
+    assert sum(latency["buckets"]) == latency["count"] >= 2
+    assert m["segments_open"] >= 1
+    assert right.metrics()["handshakes_completed"] >= 1
+
+
+def test_fault_plan_option(pair):
+    with pytest.raises(kvferry.InvalidArgumentError, match="fault plan: drop=2"):
+        kvferry.TransferEngine(faults="drop=2")
+    left, right = pair
+    source = np.ones(4096, dtype=np.uint8)
+    target = np.zeros_like(source)
+    right.register_memory(target)
+    with kvferry.TransferEngine(faults="fail_after=1") as faulty:
+        faulty.register_memory(source)
+        faulty.write(right.address, [source.ctypes.data], [target.ctypes.data], [4096])
+        with pytest.raises(kvferry.UnavailableError, match="fail_after=1"):
+            faulty.write(right.address, [source.ctypes.data], [target.ctypes.data], [4096])
