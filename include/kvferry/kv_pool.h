@@ -8,7 +8,9 @@
 // coalesce only consecutive pages (CoalescePageRuns), and a benchmark on an ascending free list
 // would flatter them.
 //
-// KvPool owns one block of host memory holding every buffer of a KvLayout for num_pages pages.
+// KvPool holds every buffer of a KvLayout for num_pages pages: one block of host or GPU memory it
+// owns (Create, CreateOnDevice), or buffers a server already owns, one base pointer per buffer
+// (Wrap: e.g. SGLang's per-layer K and V tensors), which it never frees.
 //
 // Thread-safety: PageAllocator is thread-safe. KvPool's accessors are thread-safe (they only
 // compute addresses); who writes which page is the caller's business, usually settled by the
@@ -86,6 +88,18 @@ class KvPool {
   static StatusOr<std::unique_ptr<KvPool>> CreateOnDevice(const KvLayout& layout, int32_t num_pages,
                                                           int device);
 
+  // A pool over memory the caller owns, such as an inference server's own KV tensors: buffer b
+  // (the layout's order: K of every layer, then V of every layer; one latent per layer for MLA;
+  // as SGLang's KVArgs.kv_data_ptrs) is num_pages pages of layout.page_bytes() bytes from
+  // buffer_bases[b], laid out as above, in memory of `location` (host, or a GPU's). The
+  // buffers need not be adjacent. kvferry never frees them: they must outlive the pool and
+  // every engine they are registered with. Errors: kInvalidArgument (num_pages < 1, not one
+  // base per buffer, a null base, buffers that overlap, a buffer that would end past the top
+  // of the address space).
+  static StatusOr<std::unique_ptr<KvPool>> Wrap(const KvLayout& layout, int32_t num_pages,
+                                                std::span<uint8_t* const> buffer_bases,
+                                                MemoryLocation location);
+
   // The most pages (all buffers) that fit in `pool_bytes`, clamped to INT32_MAX; may be 0.
   static int32_t PagesForBytes(const KvLayout& layout, uint64_t pool_bytes);
 
@@ -98,15 +112,22 @@ class KvPool {
   // Host memory, or the GPU the pool lives on.
   MemoryLocation location() const { return location_; }
 
-  uint8_t* data() { return data_; }
-  const uint8_t* data() const { return data_; }
+  // Whether buffer b starts at data() + b * buffer_bytes() for every b: pools made by Create
+  // and CreateOnDevice, and wrapped buffers that happen to lie back to back. Only then do
+  // data() and size_bytes() span every buffer; the GPU staging kernels (kv_path "staging" on
+  // GPU pools) need it.
+  bool contiguous() const { return contiguous_; }
+  // Buffer 0's first byte; with contiguous(), the whole pool's.
+  uint8_t* data() { return bases_[0]; }
+  const uint8_t* data() const { return bases_[0]; }
+  // Bytes of every buffer together (num_buffers * buffer_bytes()).
   uint64_t size_bytes() const { return size_bytes_; }
+  // Bytes of one buffer: num_pages * page_bytes.
+  uint64_t buffer_bytes() const { return buffer_bytes_; }
 
   // First byte of `buffer`. REQUIRES 0 <= buffer < layout().num_buffers().
-  uint8_t* BufferBase(int buffer) { return data_ + static_cast<uint64_t>(buffer) * buffer_bytes_; }
-  const uint8_t* BufferBase(int buffer) const {
-    return data_ + static_cast<uint64_t>(buffer) * buffer_bytes_;
-  }
+  uint8_t* BufferBase(int buffer) { return bases_[static_cast<size_t>(buffer)]; }
+  const uint8_t* BufferBase(int buffer) const { return bases_[static_cast<size_t>(buffer)]; }
   // First byte of `page` in `buffer` (page_bytes() long).
   // REQUIRES 0 <= buffer < layout().num_buffers() and 0 <= page < num_pages().
   uint8_t* PageAddress(int buffer, int32_t page) {
@@ -117,13 +138,17 @@ class KvPool {
   }
 
  private:
+  // `data`: one block holding every buffer back to back, or null for a wrapped pool (bases_
+  // set by Wrap).
   KvPool(const KvLayout& layout, int32_t num_pages, uint8_t* data, uint64_t size_bytes);
 
   KvLayout layout_;
   MemoryLocation location_;
-  std::unique_ptr<cuda::DeviceAllocation> device_memory_;  // set for GPU pools
+  std::unique_ptr<cuda::DeviceAllocation> device_memory_;  // set for GPU pools kvferry made
+  bool owns_host_memory_ = false;                          // set for host pools kvferry made
+  bool contiguous_ = true;
   int32_t num_pages_;
-  uint8_t* data_;
+  std::vector<uint8_t*> bases_;  // one per buffer
   uint64_t size_bytes_;
   uint64_t buffer_bytes_;  // num_pages * page_bytes
 };

@@ -8,7 +8,15 @@ namespace kvferry {
 
 Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& aux,
                               StatePool* state, int tp_size, uint32_t access) {
-  RETURN_IF_ERROR(engine.RegisterMemory(pool.data(), pool.size_bytes(), pool.location(), access));
+  if (pool.contiguous()) {
+    RETURN_IF_ERROR(engine.RegisterMemory(pool.data(), pool.size_bytes(), pool.location(), access));
+  } else {
+    for (int b = 0; b < pool.layout().num_buffers(); ++b) {
+      RETURN_IF_ERROR(
+          engine.RegisterMemory(pool.BufferBase(b), pool.buffer_bytes(), pool.location(), access)
+              .WithContext("KV buffer " + std::to_string(b)));
+    }
+  }
   RETURN_IF_ERROR(engine.RegisterMemory(aux.data(), aux.size_bytes(), aux.location(), access));
   if (state == nullptr) return OkStatus();
   if (state->layout().tp_size() != tp_size) {

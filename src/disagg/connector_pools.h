@@ -12,7 +12,8 @@
 namespace kvferry {
 
 // Registers the KV pool, the aux buffer and (when not null) the state pool with `engine` for
-// remote `access`. Errors: kInvalidArgument when the state pool holds another TP size's share
+// remote `access` (a pool that wraps separate buffers, KvPool::Wrap, as one region per buffer).
+// Errors: kInvalidArgument when the state pool holds another TP size's share
 // than `tp_size`; the engine's registration errors.
 Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& aux,
                               StatePool* state, int tp_size, uint32_t access);

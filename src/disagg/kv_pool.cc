@@ -163,8 +163,57 @@ StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvLayout& layout, int32_t
                                   " pages (out of memory?)");
   }
 #endif
-  return std::unique_ptr<KvPool>(
+  std::unique_ptr<KvPool> pool(
       new KvPool(layout, num_pages, static_cast<uint8_t*>(data), size_bytes));
+  pool->owns_host_memory_ = true;
+  return pool;
+}
+
+StatusOr<std::unique_ptr<KvPool>> KvPool::Wrap(const KvLayout& layout, int32_t num_pages,
+                                               std::span<uint8_t* const> buffer_bases,
+                                               MemoryLocation location) {
+  if (num_pages < 1) {
+    return InvalidArgumentError("a KV pool needs at least one page, got " +
+                                std::to_string(num_pages));
+  }
+  if (buffer_bases.size() != static_cast<size_t>(layout.num_buffers())) {
+    return InvalidArgumentError("the layout has " + std::to_string(layout.num_buffers()) +
+                                " buffers, " + std::to_string(buffer_bases.size()) +
+                                " base addresses given");
+  }
+  const uint64_t page_bytes = layout.page_bytes();
+  if (page_bytes == 0 ||
+      page_bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(num_pages)) {
+    return InvalidArgumentError("KV buffer size overflows: " + std::to_string(num_pages) +
+                                " pages of " + std::to_string(page_bytes) + " bytes");
+  }
+  const uint64_t buffer_bytes = page_bytes * static_cast<uint64_t>(num_pages);
+  std::vector<std::pair<uint64_t, size_t>> starts;  // (address, buffer) to find overlaps
+  for (size_t b = 0; b < buffer_bases.size(); ++b) {
+    const uint64_t base = reinterpret_cast<uint64_t>(buffer_bases[b]);
+    if (base == 0) return InvalidArgumentError("buffer " + std::to_string(b) + " has a null base");
+    if (base > std::numeric_limits<uint64_t>::max() - buffer_bytes) {
+      return InvalidArgumentError("buffer " + std::to_string(b) + " at " + std::to_string(base) +
+                                  " would end past the top of the address space");
+    }
+    starts.emplace_back(base, b);
+  }
+  std::sort(starts.begin(), starts.end());
+  for (size_t i = 1; i < starts.size(); ++i) {
+    if (starts[i].first < starts[i - 1].first + buffer_bytes) {
+      return InvalidArgumentError("buffers " + std::to_string(starts[i - 1].second) + " and " +
+                                  std::to_string(starts[i].second) + " overlap (each is " +
+                                  std::to_string(buffer_bytes) + " bytes)");
+    }
+  }
+  std::unique_ptr<KvPool> pool(
+      new KvPool(layout, num_pages, nullptr, buffer_bytes * static_cast<uint64_t>(starts.size())));
+  pool->location_ = location;
+  pool->bases_.assign(buffer_bases.begin(), buffer_bases.end());
+  for (size_t b = 1; b < pool->bases_.size(); ++b) {
+    if (pool->bases_[b] != pool->bases_[0] + b * buffer_bytes) pool->contiguous_ = false;
+  }
+  return pool;
 }
 
 int32_t KvPool::PagesForBytes(const KvLayout& layout, uint64_t pool_bytes) {
@@ -177,12 +226,17 @@ int32_t KvPool::PagesForBytes(const KvLayout& layout, uint64_t pool_bytes) {
 KvPool::KvPool(const KvLayout& layout, int32_t num_pages, uint8_t* data, uint64_t size_bytes)
     : layout_(layout),
       num_pages_(num_pages),
-      data_(data),
       size_bytes_(size_bytes),
-      buffer_bytes_(static_cast<uint64_t>(num_pages) * layout.page_bytes()) {}
+      buffer_bytes_(static_cast<uint64_t>(num_pages) * layout.page_bytes()) {
+  if (data != nullptr) {
+    for (int b = 0; b < layout.num_buffers(); ++b) {
+      bases_.push_back(data + static_cast<uint64_t>(b) * buffer_bytes_);
+    }
+  }
+}
 
 KvPool::~KvPool() {
-  if (device_memory_ == nullptr) munmap(data_, static_cast<size_t>(size_bytes_));
+  if (owns_host_memory_) munmap(bases_[0], static_cast<size_t>(size_bytes_));
 }
 
 StatusOr<std::unique_ptr<KvPool>> KvPool::CreateOnDevice(const KvLayout& layout, int32_t num_pages,

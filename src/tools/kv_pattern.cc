@@ -155,14 +155,14 @@ VerifyResult VerifyTokens(const KvLayout& layout, const KvPool& pool, uint64_t r
             uint8_t actual = 0;
             const uint64_t at =
                 FirstDiffByte(src + h * head_bytes, seed, head_bytes, &expected, &actual);
-            const uint64_t pool_offset =
-                static_cast<uint64_t>(src + h * head_bytes + at - pool.data());
+            const uint64_t buffer_offset =
+                static_cast<uint64_t>(src + h * head_bytes + at - pool.BufferBase(b));
             std::snprintf(text, sizeof(text),
                           "room %" PRIu64 " buffer %d (layer %d %s) page %d (request page %" PRId64
                           ") token %" PRId64 " head %d byte offset %" PRIu64
-                          " in head (pool offset %" PRIu64 "): expected 0x%02x, got 0x%02x",
+                          " in head (buffer offset %" PRIu64 "): expected 0x%02x, got 0x%02x",
                           room, b, layer, BufferKindName(layout, b), page, pi, t, h, at,
-                          pool_offset, expected, actual);
+                          buffer_offset, expected, actual);
             result.first_mismatch = text;
           }
           break;

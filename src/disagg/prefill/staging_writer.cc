@@ -221,6 +221,12 @@ StatusOr<std::shared_ptr<uint8_t>> StagingWriter::AcquireScratch(uint64_t bytes)
   {
     std::lock_guard<std::mutex> lock(scratch_mu_);
     if (gpu_slices_ == nullptr) {
+      if (!pool_->contiguous()) {
+        return FailedPreconditionError(
+            "staging a GPU pool's head slices needs its buffers back to back (the gather "
+            "kernel addresses them from one base); this pool wraps separate buffers: decode "
+            "should use kv_path fused");
+      }
       ASSIGN_OR_RETURN(gpu_slices_, cuda::GpuHeadSlices::Create(pool_->location().device_id));
     }
     alloc =
