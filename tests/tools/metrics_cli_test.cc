@@ -43,9 +43,13 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// A client that waits long enough for a request that fails only at the instances' 5 s
+// bootstrap timeout (httplib's default read timeout is 5 s too, which raced it under ASan).
 httplib::Client ClientFor(const std::string& address) {
-  return httplib::Client(address.substr(0, address.rfind(':')),
-                         std::stoi(address.substr(address.rfind(':') + 1)));
+  httplib::Client c(address.substr(0, address.rfind(':')),
+                    std::stoi(address.substr(address.rfind(':') + 1)));
+  c.set_read_timeout(60, 0);
+  return c;
 }
 
 // Instances started in the background with the secret in their environment; SIGKILLed when
