@@ -42,9 +42,10 @@ BatchId BatchSender::SubmitThen(std::vector<TransferRequest> requests, std::stri
 }
 
 void BatchSender::NotifyThen(SegmentHandle segment, std::string notification,
-                             std::function<void(const BatchStatus&)> done) {
+                             std::function<void(const BatchStatus&)> done,
+                             std::chrono::milliseconds deadline) {
   BatchOptions o;
-  o.deadline = transfer_timeout_;
+  o.deadline = deadline.count() > 0 ? deadline : transfer_timeout_;
   o.on_complete = [this, done](BatchId id, const BatchStatus& status) {
     Complete(id, status, done, nullptr, /*inline_success=*/true);
   };
@@ -85,13 +86,8 @@ void BatchSender::Tell(const std::shared_ptr<DecodePeer>& decode, const ControlM
   // before it ended (CancelLater); not waited for there, so that notices to a peer that does
   // not answer wait out their deadlines side by side instead of one after another.
   control_->Post([this, segment = decode->segment, text = EncodeControl(m)] {
-    BatchOptions o;
-    o.deadline = std::chrono::milliseconds(2000);
-    o.on_complete = [this](BatchId id, const BatchStatus& status) {
-      Complete(
-          id, status, [](const BatchStatus&) {}, nullptr, /*inline_success=*/true);
-    };
-    engine_->SubmitNotification(segment, text, o).status().IgnoreError();
+    NotifyThen(
+        segment, text, [](const BatchStatus&) {}, std::chrono::milliseconds(2000));
   });
 }
 

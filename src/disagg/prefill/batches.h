@@ -39,9 +39,11 @@ class BatchSender {
                      std::function<void()> on_landed = nullptr, void* start_after_event = nullptr);
 
   // Sends `notification` alone to `segment` without waiting (nothing blocks on decode's
-  // acknowledgement); `done` runs with its outcome as for an inline_success batch.
+  // acknowledgement); `done` runs with its outcome as for an inline_success batch. `deadline`:
+  // how long decode may take to acknowledge it (0: transfer_timeout).
   void NotifyThen(SegmentHandle segment, std::string notification,
-                  std::function<void(const BatchStatus&)> done);
+                  std::function<void(const BatchStatus&)> done,
+                  std::chrono::milliseconds deadline = std::chrono::milliseconds(0));
 
   // A final batch's callback (BatchOptions::on_complete): releases the batch and runs `done`,
   // on the engine thread that saw it finish when it completed and `inline_success` (what
