@@ -32,11 +32,7 @@ using testutil::RunCommand;
 
 const std::string kSecret = "the deployment secret, 32 bytes..";
 
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::temp_directory_path() /
-          ("kvferry-auth-" + std::to_string(::getpid()) + "-" + name))
-      .string();
-}
+std::string TempPath(const std::string& name) { return testutil::TempPath("auth", name); }
 
 std::string Config(const std::string& name) {
   return testutil::SourceDir() + "/tests/data/" + name;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "testutil/run_command.h"
 #include "tools/bench_config.h"
 #include "tools/bench_session.h"
 #include "tools/bench_target.h"
@@ -39,11 +40,7 @@ CommandResult RunKvferry(const std::string& args, bool stderr_only = false) {
   return result;
 }
 
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::temp_directory_path() /
-          ("kvferry_bench_test_" + std::to_string(::getpid()) + "_" + name))
-      .string();
-}
+std::string TempPath(const std::string& name) { return testutil::TempPath("bench", name); }
 
 TEST(BenchConfigTest, ParsesSizeListsWithSuffixes) {
   StatusOr<std::vector<uint64_t>> sizes = ParseByteSizeList("--block-size", "4KiB, 1MiB,4096");

@@ -30,11 +30,7 @@ using testutil::RunCommand;
 
 const std::string kSecret = "the metrics test secret, 32 bytes";
 
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::temp_directory_path() /
-          ("kvferry-metrics-" + std::to_string(::getpid()) + "-" + name))
-      .string();
-}
+std::string TempPath(const std::string& name) { return testutil::TempPath("metrics", name); }
 
 std::string ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

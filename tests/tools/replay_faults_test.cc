@@ -27,9 +27,7 @@ struct Result {
 };
 
 Result Replay(const std::string& args) {
-  const std::string out = (std::filesystem::temp_directory_path() /
-                           ("kvferry-faults-" + std::to_string(::getpid()) + ".json"))
-                              .string();
+  const std::string out = testutil::TempPath("faults", "replay.json");
   const auto t0 = std::chrono::steady_clock::now();
   auto r = RunCommand(KvferryBinary() + " replay --model-config " + testutil::SourceDir() +
                       "/tests/data/tiny-gqa-config.json --page-size 4 --pool-size 64MiB " + args +

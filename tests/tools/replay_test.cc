@@ -24,11 +24,7 @@ using nlohmann::json;
 using testutil::KvferryBinary;
 using testutil::RunCommand;
 
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::temp_directory_path() /
-          ("kvferry-" + std::to_string(::getpid()) + "-" + name))
-      .string();
-}
+std::string TempPath(const std::string& name) { return testutil::TempPath("replay", name); }
 
 json ReadJson(const std::string& path) {
   std::ifstream f(path);
