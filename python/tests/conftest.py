@@ -125,6 +125,11 @@ class Peers:
         self.peers.append(peer)
         return peer
 
+    def cuda(self, device: int, size: int, api: str = "native") -> Peer:
+        peer = Peer(["cuda", "--device", str(device), "--size", str(size), "--api", api])
+        self.peers.append(peer)
+        return peer
+
     def close(self) -> None:
         for peer in self.peers:
             peer.close()

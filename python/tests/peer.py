@@ -5,6 +5,8 @@ too, so the test checks what landed in the peer byte for byte without asking the
 
     peer.py native --file F --size N [--port P]
     peer.py mooncake --file F --buffers K --buffer-bytes B [--gap-bytes G] [--hostname H]
+    peer.py cuda --device D --size N [--api native|mooncake]   (torch; GPU memory holding
+        cuda_pattern(N), which the test reads back through the engine)
 
 It prints one JSON line (its address and the addresses of its buffers), then serves until its
 stdin closes (or it is killed).
@@ -63,6 +65,40 @@ def serve_mooncake(args) -> None:
     engine.close()
 
 
+def cuda_pattern(torch, size: int, device: str):
+    """The bytes a cuda peer's memory starts with: byte i is (7 i + i // 251) mod 256."""
+    i = torch.arange(size, dtype=torch.int64, device=device)
+    return ((i * 7 + i // 251) % 256).to(torch.uint8)
+
+
+def serve_cuda(args) -> None:
+    import torch
+
+    device = f"cuda:{args.device}"
+    torch.cuda.set_device(args.device)
+    memory = cuda_pattern(torch, args.size, device)
+    torch.cuda.synchronize()
+    if args.api == "native":
+        import kvferry
+
+        engine = kvferry.TransferEngine(name="pytest-cuda-peer")
+        engine.register_memory(memory)
+        address = engine.address
+    else:
+        from kvferry.mooncake import TransferEngine
+
+        engine = TransferEngine()
+        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") != 0:
+            sys.exit("initialize failed")
+        if engine.register_memory(memory.data_ptr(), args.size) != 0:
+            sys.exit("register_memory failed")
+        address = f"127.0.0.1:{engine.get_rpc_port()}"
+    report({"address": address, "base": memory.data_ptr(), "pid": os.getpid()})
+    sys.stdin.read()
+    if args.api == "native":
+        engine.close()
+
+
 def report(info: dict) -> None:
     sys.stdout.write(json.dumps(info) + "\n")
     sys.stdout.flush()
@@ -70,8 +106,10 @@ def report(info: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["native", "mooncake"])
-    parser.add_argument("--file", required=True)
+    parser.add_argument("mode", choices=["native", "mooncake", "cuda"])
+    parser.add_argument("--file")
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--api", choices=["native", "mooncake"], default="native")
     parser.add_argument("--size", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--buffers", type=int, default=1)
@@ -81,6 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "native":
         serve_native(args)
+    elif args.mode == "cuda":
+        serve_cuda(args)
     else:
         serve_mooncake(args)
 
