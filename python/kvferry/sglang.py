@@ -361,8 +361,11 @@ class KVManager:
             engine["auth_secret"] = auth_secret
         pools = _pool_kwargs(args)
         self._aux_host = pools["aux_device"] is None
-        self._lock = threading.Lock()
-        self._layerwise_rooms: Dict[int, int] = {}
+        # Senders holding chunks until their room is WaitingForInput, flushed by a thread.
+        self._waiting_senders: set = set()
+        self._waiting_cv = threading.Condition()
+        self._flusher: Optional[threading.Thread] = None
+        self._closed = False
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             address = bootstrap_address or _bootstrap_address_of(server_args)
             if address is None:
@@ -414,7 +417,38 @@ class KVManager:
 
     def close(self) -> None:
         """Stops the connector and its engine; open rooms fail. Idempotent."""
+        with self._waiting_cv:
+            self._closed = True
+            self._waiting_cv.notify_all()
+        if self._flusher is not None:
+            self._flusher.join()
         self._conn.close()
+
+    def _hold_until_ready(self, sender: "KVSender") -> None:
+        """Flushes `sender`'s kept chunks from a background thread once its room is ready, so
+        that they leave without waiting for the server's next poll()."""
+        with self._waiting_cv:
+            self._waiting_senders.add(sender)
+            if self._flusher is None:
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name="kvferry-sglang-flush", daemon=True
+                )
+                self._flusher.start()
+            self._waiting_cv.notify_all()
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._waiting_cv:
+                while not self._waiting_senders and not self._closed:
+                    self._waiting_cv.wait()
+                if self._closed:
+                    return
+                senders = list(self._waiting_senders)
+            for sender in senders:
+                if sender._try_flush():
+                    with self._waiting_cv:
+                        self._waiting_senders.discard(sender)
+            time.sleep(0.0005)
 
     def begin_layerwise(self, chunks: Iterable[Tuple["KVSender", Any]]) -> "LayerwisePass":
         """Registers one forward pass's chunks, each (sender, pages of the chunk), with send()'s
@@ -538,6 +572,7 @@ class KVSender(_Room):
         self._next_page = 0  # request pages handed over so far
         self._pending: List[Tuple[int, np.ndarray, Optional[int]]] = []
         self._created = time.monotonic()
+        self._flush_lock = threading.Lock()
 
     def init(
         self,
@@ -596,17 +631,29 @@ class KVSender(_Room):
         entry = self._next_chunk(kv_indices)
         if entry is None:
             return
-        self._pending.append(entry[1:])
-        self._flush()
+        with self._flush_lock:
+            self._pending.append(entry[1:])
+        if not self._try_flush():
+            self.kv_mgr._hold_until_ready(self)
 
-    def _flush(self) -> None:
-        while self._pending:
-            state, _ = self.kv_mgr._conn.poll(self.bootstrap_room)
-            if state not in (_WAITING, _TRANSFERRING):
-                return
-            first, pages, aux = self._pending[0]
-            self.kv_mgr._conn.send_chunk(self.bootstrap_room, first, pages, aux)
-            self._pending.pop(0)
+    def _try_flush(self) -> bool:
+        """Sends kept chunks while the room takes them; True when none is left (or the room
+        failed: the error is kept for poll())."""
+        with self._flush_lock:
+            while self._pending and self._error is None:
+                state, _ = self.kv_mgr._conn.poll(self.bootstrap_room)
+                if state == _FAILED:
+                    return True
+                if state not in (_WAITING, _TRANSFERRING):
+                    return False
+                first, pages, aux = self._pending[0]
+                try:
+                    self.kv_mgr._conn.send_chunk(self.bootstrap_room, first, pages, aux)
+                except kvferry.Error as e:
+                    self._error = e
+                    return True
+                self._pending.pop(0)
+            return True
 
     def poll(self) -> int:
         if not self._opened and self._error is None:
@@ -620,11 +667,8 @@ class KVSender(_Room):
                     f"{self.kv_mgr._bootstrap_timeout} s"
                 )
             return super().poll()
-        if self._pending and self._error is None:
-            try:
-                self._flush()
-            except kvferry.Error as e:
-                self._error = e
+        if self._pending:
+            self._try_flush()
         return super().poll()
 
 

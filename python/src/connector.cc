@@ -66,8 +66,8 @@ ModelGeometry GeometryFromDict(py::dict in) {
   if (attention == "mla") {
     g.attention = AttentionKind::kMla;
   } else if (attention != "mha") {
-    throw StatusError(InvalidArgumentError("attention must be 'mha' or 'mla', got '" + attention +
-                                           "'"));
+    throw StatusError(
+        InvalidArgumentError("attention must be 'mha' or 'mla', got '" + attention + "'"));
   }
   g.num_layers = Take<int>(d, "num_layers", 0);
   g.num_attention_heads = Take<int>(d, "num_attention_heads", 0);
@@ -278,9 +278,9 @@ std::unique_ptr<PyPrefill> MakePrefill(
     py::dict geometry, int page_size, int32_t num_pages, std::vector<uint64_t> kv_bases,
     std::vector<uint32_t> aux_field_bytes, std::vector<uint64_t> aux_bases, int32_t num_aux_rows,
     int aux_room_field, std::vector<uint64_t> state_bases, int32_t num_state_slots,
-    std::optional<int> device, std::optional<int> aux_device, std::string bootstrap_address, bool start_bootstrap_server,
-    int tp_rank, int tp_size, int cp_rank, int cp_size, int pp_rank, int total_kv_heads,
-    py::object engine, double bootstrap_timeout, double transfer_timeout,
+    std::optional<int> device, std::optional<int> aux_device, std::string bootstrap_address,
+    bool start_bootstrap_server, int tp_rank, int tp_size, int cp_rank, int cp_size, int pp_rank,
+    int total_kv_heads, py::object engine, double bootstrap_timeout, double transfer_timeout,
     double heartbeat_timeout) {
   PrefillConnectorOptions o;
   o.engine = EngineOptionsFromDict(engine);
@@ -295,11 +295,10 @@ std::unique_ptr<PyPrefill> MakePrefill(
   o.bootstrap_timeout = Seconds(bootstrap_timeout, "bootstrap_timeout");
   o.transfer_timeout = Seconds(transfer_timeout, "transfer_timeout");
   o.heartbeat_timeout = Seconds(heartbeat_timeout, "heartbeat_timeout");
-  Pools pools = WrapPools(PoolArgsOf(std::move(geometry), page_size, num_pages,
-                                     std::move(kv_bases), std::move(aux_field_bytes),
-                                     std::move(aux_bases), num_aux_rows, aux_room_field,
-                                     std::move(state_bases), num_state_slots, tp_size, device,
-                                     aux_device));
+  Pools pools = WrapPools(PoolArgsOf(std::move(geometry), page_size, num_pages, std::move(kv_bases),
+                                     std::move(aux_field_bytes), std::move(aux_bases), num_aux_rows,
+                                     aux_room_field, std::move(state_bases), num_state_slots,
+                                     tp_size, device, aux_device));
   o.model = std::string(pools.kv->layout().geometry().name);
   o.state_pool = pools.state.get();
   std::unique_ptr<PrefillConnector> connector;
@@ -310,16 +309,13 @@ std::unique_ptr<PyPrefill> MakePrefill(
   return std::make_unique<PyPrefill>(std::move(pools), std::move(connector));
 }
 
-std::unique_ptr<PyDecode> MakeDecode(py::dict geometry, int page_size, int32_t num_pages,
-                                     std::vector<uint64_t> kv_bases,
-                                     std::vector<uint32_t> aux_field_bytes,
-                                     std::vector<uint64_t> aux_bases, int32_t num_aux_rows,
-                                     int aux_room_field, std::vector<uint64_t> state_bases,
-                                     int32_t num_state_slots, std::optional<int> device,
-                                     std::optional<int> aux_device, int tp_rank, int tp_size, py::object engine,
-                                     std::string kv_path, uint64_t staging_bytes,
-                                     double bootstrap_timeout, double waiting_timeout,
-                                     double heartbeat_interval) {
+std::unique_ptr<PyDecode> MakeDecode(
+    py::dict geometry, int page_size, int32_t num_pages, std::vector<uint64_t> kv_bases,
+    std::vector<uint32_t> aux_field_bytes, std::vector<uint64_t> aux_bases, int32_t num_aux_rows,
+    int aux_room_field, std::vector<uint64_t> state_bases, int32_t num_state_slots,
+    std::optional<int> device, std::optional<int> aux_device, int tp_rank, int tp_size,
+    py::object engine, std::string kv_path, uint64_t staging_bytes, double bootstrap_timeout,
+    double waiting_timeout, double heartbeat_interval) {
   DecodeConnectorOptions o;
   o.engine = EngineOptionsFromDict(engine);
   o.tp_rank = tp_rank;
@@ -329,11 +325,10 @@ std::unique_ptr<PyDecode> MakeDecode(py::dict geometry, int page_size, int32_t n
   o.bootstrap_timeout = Seconds(bootstrap_timeout, "bootstrap_timeout");
   o.waiting_timeout = Seconds(waiting_timeout, "waiting_timeout");
   o.heartbeat_interval = Seconds(heartbeat_interval, "heartbeat_interval");
-  Pools pools = WrapPools(PoolArgsOf(std::move(geometry), page_size, num_pages,
-                                     std::move(kv_bases), std::move(aux_field_bytes),
-                                     std::move(aux_bases), num_aux_rows, aux_room_field,
-                                     std::move(state_bases), num_state_slots, tp_size, device,
-                                     aux_device));
+  Pools pools = WrapPools(PoolArgsOf(std::move(geometry), page_size, num_pages, std::move(kv_bases),
+                                     std::move(aux_field_bytes), std::move(aux_bases), num_aux_rows,
+                                     aux_room_field, std::move(state_bases), num_state_slots,
+                                     tp_size, device, aux_device));
   o.state_pool = pools.state.get();
   std::unique_ptr<DecodeConnector> connector;
   {
@@ -345,8 +340,8 @@ std::unique_ptr<PyDecode> MakeDecode(py::dict geometry, int page_size, int32_t n
 
 RoomState StateArg(int state) {
   if (state < 0 || state > static_cast<int>(RoomState::kFailed)) {
-    throw StatusError(InvalidArgumentError("room state must be in [0, 4], got " +
-                                           std::to_string(state)));
+    throw StatusError(
+        InvalidArgumentError("room state must be in [0, 4], got " + std::to_string(state)));
   }
   return static_cast<RoomState>(state);
 }
@@ -389,8 +384,7 @@ void BindRoomMethods(Class& c) {
           [](H& h) { return MetricsDict(h.Call([](auto& x) { return x.engine_metrics(); })); },
           kEngineMetricsDoc)
       .def_property_readonly(
-          "engine_address",
-          [](H& h) { return h.Call([](auto& x) { return x.engine_address(); }); })
+          "engine_address", [](H& h) { return h.Call([](auto& x) { return x.engine_address(); }); })
       .def("close", &H::Close, kCloseDoc);
 }
 
@@ -427,12 +421,11 @@ void BindConnectors(py::module_& m) {
            py::arg("aux_bases"), py::arg("num_aux_rows"), py::arg("aux_room_field") = -1,
            py::arg("state_bases") = std::vector<uint64_t>{}, py::arg("num_state_slots") = 0,
            py::arg("device") = py::none(), py::arg("aux_device") = py::none(),
-           py::arg("bootstrap_address") = "127.0.0.1:0",
-           py::arg("start_bootstrap_server") = false, py::arg("tp_rank") = 0,
-           py::arg("tp_size") = 1, py::arg("cp_rank") = 0, py::arg("cp_size") = 1,
-           py::arg("pp_rank") = 0, py::arg("total_kv_heads") = 0, py::arg("engine") = py::none(),
-           py::arg("bootstrap_timeout") = 60.0, py::arg("transfer_timeout") = 60.0,
-           py::arg("heartbeat_timeout") = 30.0)
+           py::arg("bootstrap_address") = "127.0.0.1:0", py::arg("start_bootstrap_server") = false,
+           py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("cp_rank") = 0,
+           py::arg("cp_size") = 1, py::arg("pp_rank") = 0, py::arg("total_kv_heads") = 0,
+           py::arg("engine") = py::none(), py::arg("bootstrap_timeout") = 60.0,
+           py::arg("transfer_timeout") = 60.0, py::arg("heartbeat_timeout") = 30.0)
       .def_property_readonly(
           "bootstrap_address",
           [](PyPrefill& h) { return h.Call([](auto& x) { return x.bootstrap_address(); }); })
@@ -449,8 +442,8 @@ void BindConnectors(py::module_& m) {
             std::span<const int32_t> span = Pages(pages);
             h.Call([&](auto& x) { ThrowIfError(x.SendChunk(room, first_page, span, aux_row)); });
           },
-          py::arg("room"), py::arg("first_page"), py::arg("pages"),
-          py::arg("aux_row") = py::none(), kSendChunkDoc)
+          py::arg("room"), py::arg("first_page"), py::arg("pages"), py::arg("aux_row") = py::none(),
+          kSendChunkDoc)
       .def(
           "pending_destinations",
           [](PyPrefill& h, uint64_t room) {
@@ -509,10 +502,10 @@ void BindConnectors(py::module_& m) {
            py::arg("aux_bases"), py::arg("num_aux_rows"), py::arg("aux_room_field") = -1,
            py::arg("state_bases") = std::vector<uint64_t>{}, py::arg("num_state_slots") = 0,
            py::arg("device") = py::none(), py::arg("aux_device") = py::none(),
-           py::arg("tp_rank") = 0, py::arg("tp_size") = 1,
-           py::arg("engine") = py::none(), py::arg("kv_path") = "auto",
-           py::arg("staging_bytes") = uint64_t{1} << 30, py::arg("bootstrap_timeout") = 30.0,
-           py::arg("waiting_timeout") = 60.0, py::arg("heartbeat_interval") = 2.0)
+           py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("engine") = py::none(),
+           py::arg("kv_path") = "auto", py::arg("staging_bytes") = uint64_t{1} << 30,
+           py::arg("bootstrap_timeout") = 30.0, py::arg("waiting_timeout") = 60.0,
+           py::arg("heartbeat_interval") = 2.0)
       .def(
           "create_receiver",
           [](PyDecode& h, uint64_t room, const std::string& bootstrap_address,

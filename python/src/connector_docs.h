@@ -23,7 +23,8 @@ inline constexpr const char* kBootstrapServerDoc =
 inline constexpr const char* kPrefillDoc =
     "PrefillConnector(*, geometry, page_size, num_pages, kv_bases, aux_field_bytes, aux_bases, "
     "num_aux_rows, aux_room_field=-1, state_bases=[], num_state_slots=0, device=None, "
-    "aux_device=None, bootstrap_address='127.0.0.1:0', start_bootstrap_server=False, tp_rank=0, tp_size=1, "
+    "aux_device=None, bootstrap_address='127.0.0.1:0', start_bootstrap_server=False, tp_rank=0, "
+    "tp_size=1, "
     "cp_rank=0, cp_size=1, pp_rank=0, total_kv_heads=0, engine=None, bootstrap_timeout=60.0, "
     "transfer_timeout=60.0, heartbeat_timeout=30.0)\n\n"
     "A prefill rank's connector (kvferry::PrefillConnector) over buffers the caller owns:\n"

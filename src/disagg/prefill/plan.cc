@@ -14,9 +14,20 @@ struct BufferStep {
   uint64_t src = 0;
   uint64_t dst = 0;
 };
+// Whether decode's buffers lie back to back (its pool is then registered as one region).
+bool DecodeContiguous(const DecodeKvArgs& a) {
+  const uint64_t buffer_bytes = static_cast<uint64_t>(a.num_pages) * a.page_bytes;
+  for (size_t b = 1; b < a.buffer_bases.size(); ++b) {
+    if (a.buffer_bases[b] != a.buffer_bases[0] + b * buffer_bytes) return false;
+  }
+  return true;
+}
+
+// A strided request must lie inside one registered region on each side, so only pools
+// registered whole (contiguous on both sides) get one.
 BufferStep UniformBufferStep(const KvPool& pool, std::span<const int> buffers,
                              const DecodeKvArgs& a) {
-  if (buffers.size() < 2) return {};
+  if (buffers.size() < 2 || !pool.contiguous() || !DecodeContiguous(a)) return {};
   auto src_base = [&](size_t k) { return reinterpret_cast<uint64_t>(pool.BufferBase(buffers[k])); };
   auto dst_base = [&](size_t k) { return a.buffer_bases[buffers[k]]; };
   if (src_base(1) <= src_base(0) || dst_base(1) <= dst_base(0)) return {};
