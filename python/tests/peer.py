@@ -4,7 +4,8 @@ Its registered memory is a shared file mapping (under /dev/shm) that the test pr
 too, so the test checks what landed in the peer byte for byte without asking the engine.
 
     peer.py native --file F --size N [--port P]
-    peer.py mooncake --file F --buffers K --buffer-bytes B [--gap-bytes G] [--hostname H]
+    peer.py mooncake [--impl kvferry|mooncake] --file F --buffers K --buffer-bytes B
+                     [--gap-bytes G] [--hostname H]
     peer.py cuda --device D --size N [--api native|mooncake]   (torch; GPU memory holding
         cuda_pattern(N), which the test reads back through the engine)
 
@@ -41,15 +42,11 @@ def serve_native(args) -> None:
 
 
 def serve_mooncake(args) -> None:
-    from kvferry.mooncake import TransferEngine
-
     stride = args.buffer_bytes + args.gap_bytes
     region = map_file(args.file, args.buffers * stride)
     whole = np.frombuffer(region, dtype=np.uint8)
     base = whole.ctypes.data
-    engine = TransferEngine()
-    if engine.initialize(args.hostname, "P2PHANDSHAKE", "tcp", "") != 0:
-        sys.exit("initialize failed")
+    engine = start_mooncake(args.impl, args.hostname)
     ptrs = [base + i * stride for i in range(args.buffers)]
     lengths = [args.buffer_bytes] * args.buffers
     if engine.batch_register_memory(ptrs, lengths) != 0:
@@ -62,7 +59,36 @@ def serve_mooncake(args) -> None:
         "pid": os.getpid(),
     })
     sys.stdin.read()
-    engine.close()
+    if args.impl == "kvferry":
+        engine.close()
+
+
+def start_mooncake(impl: str, hostname: str):
+    """An initialized Mooncake-API engine of `impl` whose name is `hostname` when that has a
+    port. kvferry.mooncake listens on the port given; Mooncake's engine ignores it and picks
+    its RPC port and its TCP data port at random in [MC_MIN_PRC_PORT, MC_MAX_PRC_PORT], so
+    the range is narrowed to the port and the next one and engines are made until the RPC
+    port is the one asked for."""
+    if impl == "kvferry":
+        from kvferry.mooncake import TransferEngine
+
+        engine = TransferEngine()
+        if engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "") != 0:
+            sys.exit("initialize failed")
+        return engine
+    host, _, port = hostname.rpartition(":") if ":" in hostname else (hostname, "", "")
+    if port:  # read once, when mooncake.engine loads
+        os.environ["MC_MIN_PRC_PORT"] = port
+        os.environ["MC_MAX_PRC_PORT"] = str(int(port) + 1)
+    from mooncake.engine import TransferEngine
+
+    for _ in range(20):
+        engine = TransferEngine()
+        if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") == 0 and (
+                not port or engine.get_rpc_port() == int(port)):
+            return engine
+        del engine
+    sys.exit(f"no Mooncake engine at {hostname}")
 
 
 def cuda_pattern(torch, size: int, device: str):
@@ -116,6 +142,7 @@ def main() -> None:
     parser.add_argument("--buffer-bytes", type=int, default=0)
     parser.add_argument("--gap-bytes", type=int, default=0)
     parser.add_argument("--hostname", default="127.0.0.1")
+    parser.add_argument("--impl", choices=["kvferry", "mooncake"], default="kvferry")
     args = parser.parse_args()
     if args.mode == "native":
         serve_native(args)
