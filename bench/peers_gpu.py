@@ -22,7 +22,7 @@ Each peer's configuration runs for --duration seconds after one untimed batch, t
 is verified: a fresh pattern written, read back into cleared memory and compared. A peer
 that cannot run here (no wheel, a library missing, no transport for GPU memory) is reported
 with the reason, and the others go on. Prints one table (GB/s per peer and block, % of
-cudaMemcpyPeer) and writes peers.json and peers.md to --out.
+cudaMemcpyPeer) and writes peers.json, peers.md and peers.tgz (every log and JSON) to --out.
 
 Usage (GPU machine, repository root):
   python3 bench/peers_gpu.py --wheels .peers --out "$OUT" [--duration 0.5] [--blocks ...]
@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 
 KVFERRY = ".devbuild/kvferry"
@@ -231,8 +232,19 @@ def run_peer(peer, configs, duration, out_dir, env):
 
 
 def driver(args):
-    out_dir = os.path.abspath(args.out)
-    os.makedirs(out_dir, exist_ok=True)
+    final_dir = os.path.abspath(args.out)
+    os.makedirs(final_dir, exist_ok=True)
+    # Logs and per-tool JSON go to a work folder packed into one archive at the end (the device
+    # tool brings back a few files only).
+    out_dir = tempfile.mkdtemp(prefix="peers_")
+    try:
+        return drive(args, out_dir, final_dir)
+    finally:
+        with tarfile.open(os.path.join(final_dir, "peers.tgz"), "w:gz") as t:
+            t.add(out_dir, arcname="peers")
+
+
+def drive(args, out_dir, final_dir):
     blocks = [parse_size(b) for b in args.blocks.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     configs = [(b, n) for n in batches for b in blocks if b * n <= MAX_BATCH_BYTES]
@@ -303,10 +315,11 @@ def driver(args):
         log(f"not run: {k}: {v}")
     md = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
-    with open(os.path.join(out_dir, "peers.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    with open(os.path.join(out_dir, "peers.json"), "w") as f:
-        json.dump(table, f, indent=2)
+    for d in (out_dir, final_dir):
+        with open(os.path.join(d, "peers.md"), "w") as f:
+            f.write("\n".join(md) + "\n")
+        with open(os.path.join(d, "peers.json"), "w") as f:
+            json.dump(table, f, indent=2)
     return 0
 
 
