@@ -129,13 +129,17 @@ std::vector<GpuBaseline> MeasureGpuBaselines(const BenchPlan& plan) {
 }
 
 std::string RenderResults(const std::vector<BenchConfigResult>& results) {
-  std::vector<std::vector<std::string>> rows = {
-      {"block", "batch", "threads", "seconds", "GB/s", "p50 us", "p99 us"}};
+  std::vector<std::vector<std::string>> rows = {{"block", "batch", "threads", "seconds", "GB/s",
+                                                 "p50 us", "p99 us", "submit ns/req",
+                                                 "CPU ns/req"}};
   for (const BenchConfigResult& r : results) {
     rows.push_back({FormatBytes(r.block_bytes), std::to_string(r.batch_size),
                     std::to_string(r.num_threads), fmt::format("{:.2f}", r.seconds),
                     fmt::format("{:.3f}", r.gbps), FormatLatencyUs(r.latency_p50_us),
-                    FormatLatencyUs(r.latency_p99_us)});
+                    FormatLatencyUs(r.latency_p99_us),
+                    fmt::format("{:.0f}", r.host_ns_per_request_submit),
+                    fmt::format("{:.0f}", r.host_ns_per_request_submitting_cpu +
+                                              r.host_ns_per_request_other_cpu)});
   }
   return RenderTable(rows);
 }
@@ -153,7 +157,11 @@ Status WriteJson(const std::string& path, const BenchPlan& plan, const Effective
                        {"batches", r.num_batches},
                        {"gbps", r.gbps},
                        {"latency_us", {{"p50", r.latency_p50_us}, {"p99", r.latency_p99_us}}},
-                       {"verified", true}});
+                       {"verified", true},
+                       {"host_ns_per_request",
+                        {{"submit", r.host_ns_per_request_submit},
+                         {"submitting_threads_cpu", r.host_ns_per_request_submitting_cpu},
+                         {"other_threads_cpu", r.host_ns_per_request_other_cpu}}}});
   }
   nlohmann::ordered_json ceilings = nlohmann::ordered_json::array();
   for (const GpuBaseline& b : baselines) {

@@ -1,5 +1,6 @@
 #include "tools/bench_session.h"
 
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,6 +38,13 @@ std::string Hex(uint64_t value) {
   char text[24];
   std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(value));
   return text;
+}
+
+// CPU time of the calling thread or the whole process (user + system), in nanoseconds.
+int64_t CpuNs(clockid_t clock) {
+  timespec ts{};
+  ::clock_gettime(clock, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
 std::string OpName(TransferOp op) { return op == TransferOp::kWrite ? "WRITE" : "READ"; }
@@ -163,6 +171,8 @@ StatusOr<BenchConfigResult> BenchSession::Run(uint64_t block_bytes, size_t batch
   std::vector<uint64_t> bytes_per_thread(static_cast<size_t>(num_threads_), 0);
   std::vector<uint64_t> batches_per_thread(static_cast<size_t>(num_threads_), 0);
   std::vector<Clock::time_point> end_per_thread(static_cast<size_t>(num_threads_));
+  std::vector<int64_t> submit_ns_per_thread(static_cast<size_t>(num_threads_), 0);
+  std::vector<int64_t> cpu_ns_per_thread(static_cast<size_t>(num_threads_), 0);
   std::latch spawned(num_threads_);
   std::latch go(1);
   Clock::time_point start;
@@ -187,6 +197,8 @@ StatusOr<BenchConfigResult> BenchSession::Run(uint64_t block_bytes, size_t batch
     }
     spawned.count_down();
     go.wait();
+    const int64_t cpu_start = CpuNs(CLOCK_THREAD_CPUTIME_ID);
+    int64_t submit_ns = 0;
     uint64_t bytes = 0;
     uint64_t batches = 0;
     struct Pending {
@@ -225,6 +237,8 @@ StatusOr<BenchConfigResult> BenchSession::Run(uint64_t block_bytes, size_t batch
     while (ok && !stop.load(std::memory_order_relaxed) && Clock::now() < stop_at) {
       const Clock::time_point submitted = Clock::now();
       StatusOr<BatchId> id = engine_->SubmitBatch(requests);
+      submit_ns +=
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - submitted).count();
       if (!id.ok()) {
         fail(id.status().WithContext("submitting a batch"));
         break;
@@ -238,6 +252,8 @@ StatusOr<BenchConfigResult> BenchSession::Run(uint64_t block_bytes, size_t batch
       engine_->ReleaseBatch(p.id).IgnoreError();
     }
     end_per_thread[static_cast<size_t>(t)] = Clock::now();
+    cpu_ns_per_thread[static_cast<size_t>(t)] = CpuNs(CLOCK_THREAD_CPUTIME_ID) - cpu_start;
+    submit_ns_per_thread[static_cast<size_t>(t)] = submit_ns;
     bytes_per_thread[static_cast<size_t>(t)] = bytes;
     batches_per_thread[static_cast<size_t>(t)] = batches;
   };
@@ -246,10 +262,12 @@ StatusOr<BenchConfigResult> BenchSession::Run(uint64_t block_bytes, size_t batch
   threads.reserve(static_cast<size_t>(num_threads_));
   for (int t = 0; t < num_threads_; ++t) threads.emplace_back(worker, t);
   spawned.wait();
+  const int64_t process_cpu_start = CpuNs(CLOCK_PROCESS_CPUTIME_ID);
   start = Clock::now();
   stop_at = start + duration;
   go.count_down();  // publishes start and stop_at to the workers
   for (std::thread& thread : threads) thread.join();
+  const int64_t process_cpu_ns = CpuNs(CLOCK_PROCESS_CPUTIME_ID) - process_cpu_start;
   if (!first_error.ok()) {
     return first_error.WithContext(ConfigName(block_bytes, batch_size));
   }
@@ -267,6 +285,18 @@ StatusOr<BenchConfigResult> BenchSession::Run(uint64_t block_bytes, size_t batch
   result.gbps = result.seconds > 0 ? static_cast<double>(result.bytes) / result.seconds / 1e9 : 0;
   result.latency_p50_us = latency_us.Percentile(50);
   result.latency_p99_us = latency_us.Percentile(99);
+  int64_t submit_ns = 0, submitting_cpu_ns = 0;
+  for (int t = 0; t < num_threads_; ++t) {
+    submit_ns += submit_ns_per_thread[static_cast<size_t>(t)];
+    submitting_cpu_ns += cpu_ns_per_thread[static_cast<size_t>(t)];
+  }
+  const double requests = static_cast<double>(result.num_batches * batch_size);
+  if (requests > 0) {
+    result.host_ns_per_request_submit = static_cast<double>(submit_ns) / requests;
+    result.host_ns_per_request_submitting_cpu = static_cast<double>(submitting_cpu_ns) / requests;
+    result.host_ns_per_request_other_cpu =
+        static_cast<double>(std::max<int64_t>(0, process_cpu_ns - submitting_cpu_ns)) / requests;
+  }
   return result;
 }
 

@@ -10,6 +10,11 @@
 // server with many requests in transfer does.
 // Throughput is all bytes moved over the wall time from the common start to the end of the
 // last batch, in GB/s (1e9 bytes per second, as network figures are quoted).
+// Host cost per request (BenchConfigResult::host_ns_per_request_*): what the initiator's CPU
+// spent per request moved, to tell a host-bound configuration (small blocks) from a
+// link-bound one: the wall time inside SubmitBatch, and the CPU time of the submitting
+// threads (submission, waiting with its spin, release) and of every other thread of the
+// process (the engine's completion polling and handling, idle spins included).
 //
 // Thread-safety: a BenchSession runs one configuration at a time; call it from one thread.
 #pragma once
@@ -37,6 +42,12 @@ struct BenchConfigResult {
   double gbps = 0;  // bytes / seconds / 1e9
   double latency_p50_us = 0;
   double latency_p99_us = 0;
+  // Per request of the completed batches, in nanoseconds (see the file comment): wall time
+  // inside SubmitBatch; CPU time (user + system) of the submitting threads; CPU time of the
+  // process's other threads over the same loop (process CPU minus the submitting threads').
+  double host_ns_per_request_submit = 0;
+  double host_ns_per_request_submitting_cpu = 0;
+  double host_ns_per_request_other_cpu = 0;
 };
 
 // Verification writes at most this much per configuration (fewer requests than a batch for

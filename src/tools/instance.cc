@@ -537,6 +537,13 @@ int RunPrefillInstance(const InstanceFlags& flags) {
     // parallelism); a CP rank with an empty range only reports, with an empty last chunk.
     const PageRange range = c.SendRange(num_pages);
     const int64_t end = range.first_page + range.num_pages;
+    // Steady-clock ns for the replay's time breakdown (time_breakdown.h): [start, end) pairs
+    // of content generation and of simulated compute, and when the first data was handed over.
+    std::vector<int64_t> fill_ns, compute_ns;
+    int64_t send_start_ns = 0;
+    auto sending = [&] {
+      if (send_start_ns == 0) send_start_ns = SteadyNs(Clock::now());
+    };
     for (int64_t first = range.first_page; first < end || (first == end && range.num_pages == 0);
          first += chunk_pages) {
       int64_t n = std::min(chunk_pages, end - first);
@@ -544,13 +551,16 @@ int RunPrefillInstance(const InstanceFlags& flags) {
       int64_t chunk_tokens = std::min<int64_t>(n * layout.page_size(), tokens - first_token);
       // "Compute" this chunk's KV, then hand it to the sender while the next one computes.
       if (chunk_tokens > 0) {
+        fill_ns.push_back(SteadyNs(Clock::now()));
         if (Status f = in.Fill(room, *pages, first_token, chunk_tokens); !f.ok()) return fail(f);
+        fill_ns.push_back(SteadyNs(Clock::now()));
       }
       bool last = first + n == end;
       const std::optional<int32_t> aux = last ? std::optional<int32_t>(*row) : std::nullopt;
       // Simulated compute: layer after layer; sleeps run against absolute times so they do
       // not drift.
       auto layer_done = Clock::now();
+      const auto compute_start = layer_done;
       if (flags.layerwise) {
         PrefillConnector::LayerwiseChunk chunk;
         chunk.room = room;
@@ -570,6 +580,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
             events.push_back(*event);
           }
           state_pending = false;
+          sending();
           for (int l = 0; l < model_layers; ++l) {
             if (Status m = c.MarkLayerReadyOnEvent(*pass, l, events[static_cast<size_t>(l)]);
                 !m.ok()) {
@@ -587,6 +598,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
           layer_done += layer_compute;
           if (layer_compute.count() > 0) std::this_thread::sleep_until(layer_done);
           if (l == model_layers - 1) compute_end = Clock::now();  // the last layer is ready
+          sending();
           if (Status m = c.MarkLayerReady(*pass, l); !m.ok()) return fail(m);
         }
         if (gpu_compute != nullptr) {
@@ -606,8 +618,12 @@ int RunPrefillInstance(const InstanceFlags& flags) {
           if (layer_compute.count() > 0) std::this_thread::sleep_until(layer_done);
         }
         compute_end = Clock::now();  // the whole chunk is computed: hand it over
+        sending();
         Status sent = c.SendChunk(room, first, std::span(pages->data() + first, n), aux);
         if (!sent.ok()) return fail(sent);
+      }
+      if (layer_compute.count() > 0) {
+        compute_ns.insert(compute_ns.end(), {SteadyNs(compute_start), SteadyNs(compute_end)});
       }
       if (range.num_pages == 0) break;
     }
@@ -634,7 +650,10 @@ int RunPrefillInstance(const InstanceFlags& flags) {
            {"compute_ms", compute_ms},
            {"tail_ms", tail_ms},
            {"compute_end_ns", SteadyNs(compute_end)},
-           {"layers", model_layers}});
+           {"layers", model_layers},
+           {"fill_ns", fill_ns},
+           {"compute_ns", compute_ns},
+           {"send_start_ns", send_start_ns}});
   });
   return in.Serve(info);
 }
@@ -725,6 +744,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
     if (!state_v.ok()) {
       return Reply(res, 500, {{"ok", false}, {"error", state_v.status().ToString()}});
     }
+    const auto verify_end = Clock::now();
     const int64_t pages_mismatched = v->first;
     int64_t mismatched_pages = std::min<int64_t>(num_pages, pages_mismatched);
     json out = {
@@ -732,8 +752,8 @@ int RunDecodeInstance(const InstanceFlags& flags) {
         {"room", room},
         {"pages", num_pages},
         {"pages_verified", num_pages - mismatched_pages},
-        {"verify_ms",
-         std::chrono::duration<double, std::milli>(Clock::now() - verify_start).count()},
+        {"verify_ms", std::chrono::duration<double, std::milli>(verify_end - verify_start).count()},
+        {"verify_ns", {SteadyNs(verify_start), SteadyNs(verify_end)}},
         {"mismatches", pages_mismatched + (aux_ok.ok() ? 0 : 1) + state_v->pages_mismatched},
         {"success_ns", SteadyNs(success_time)},
         {"bytes", num_pages * layout.bytes_per_page_all_buffers() + in.aux->layout().row_bytes()}};

@@ -36,6 +36,7 @@
 #include "tools/gpu/baselines.h"
 #include "tools/instance.h"
 #include "tools/stats.h"
+#include "tools/time_breakdown.h"
 #include "tools/trace.h"
 
 namespace kvferry::tools {
@@ -319,6 +320,9 @@ int RunReplay(ReplayFlags flags) {
   Totals totals;
   std::vector<std::atomic<uint64_t>> pages_sent_per_cp(static_cast<size_t>(flags.prefill_cp));
   LatencyRecorder latency, tail, tail_decode, ttft, transfer_per_layer;
+  // Where the wall time goes: only with instances of our own, which share this host's clock.
+  PhaseTimeline timeline;
+  std::atomic<bool> timeline_complete{!joining};
   std::mutex errors_mu;
   std::vector<std::string> errors;
   ProgressBar progress("replay", requests.size());
@@ -520,6 +524,9 @@ int RunReplay(ReplayFlags flags) {
         }
         totals.pages_verified += verified;
         totals.mismatches += mism;
+        if (timeline_complete && !timeline.AddReplayRequest(bodies, num_decode)) {
+          timeline_complete = false;
+        }
         latency.Add(transfer_ms);
         tail.Add(tail_ms);
         if (decode_success_ns > 0 && compute_end_ns > 0) {
@@ -573,7 +580,8 @@ int RunReplay(ReplayFlags flags) {
     check_children();
     if (!stop_reason_ended) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const auto finish = Clock::now();
+  const double seconds = std::chrono::duration<double>(finish - start).count();
   progress.Finish();
 
   // One counter of the instances' /stats, summed (an instance that does not answer adds 0).
@@ -601,6 +609,11 @@ int RunReplay(ReplayFlags flags) {
   }
 
   const double gbps = seconds > 0 ? static_cast<double>(totals.bytes.load()) / seconds / 1e9 : 0;
+  auto steady_ns = [](Clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+  };
+  const TimeBreakdown breakdown = timeline.Summarize(steady_ns(start), steady_ns(finish));
+  const double transfer_gbps = TransferOnlyGbps(totals.bytes.load(), breakdown);
   json out = {
       {"requests", requests.size()},
       {"requests_failed", totals.failed.load()},
@@ -616,6 +629,8 @@ int RunReplay(ReplayFlags flags) {
       {"bytes", totals.bytes.load()},
       {"seconds", seconds},
       {"gbps", gbps},
+      {"transfer_gbps", timeline_complete ? json(transfer_gbps) : json()},
+      {"time_breakdown", timeline_complete ? TimeBreakdownJson(breakdown) : json()},
       {"transfer_latency_ms",
        {{"p50", latency.Percentile(50)},
         {"p90", latency.Percentile(90)},
@@ -675,6 +690,9 @@ int RunReplay(ReplayFlags flags) {
       {"TTFT (arrival to decode success) p50/p99 (ms)",
        Fixed(ttft.Percentile(50), 1) + " / " + Fixed(ttft.Percentile(99), 1)},
   };
+  if (timeline_complete) {
+    for (auto& row : TimeBreakdownRows(breakdown, transfer_gbps)) rows.push_back(std::move(row));
+  }
   std::printf("%s", RenderTable(rows).c_str());
   for (size_t i = 0; i < errors.size() && i < 10; ++i) {
     std::fprintf(stderr, "kvferry replay: %s\n", errors[i].c_str());

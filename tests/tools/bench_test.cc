@@ -171,7 +171,18 @@ TEST(BenchBinaryTest, ShortSweepWritesJsonWithMeasuredConfigs) {
     EXPECT_GE(c["seconds"].get<double>(), 0.2);
     EXPECT_GT(c["latency_us"]["p50"].get<double>(), 0);
     EXPECT_GE(c["latency_us"]["p99"].get<double>(), c["latency_us"]["p50"].get<double>());
+    // Host cost per request: submission takes time and CPU; the submitting threads' CPU
+    // includes the submission (same threads, same loop).
+    const nlohmann::json& host = c["host_ns_per_request"];
+    EXPECT_GT(host["submit"].get<double>(), 0) << host;
+    EXPECT_GT(host["submitting_threads_cpu"].get<double>(), 0) << host;
+    EXPECT_GE(host["other_threads_cpu"].get<double>(), 0) << host;
+    // Time inside SubmitBatch cannot exceed the loop's wall time on each of the 4 threads.
+    const double requests =
+        static_cast<double>(c["bytes"].get<uint64_t>()) / static_cast<double>(want_blocks[i]);
+    EXPECT_LE(host["submit"].get<double>(), c["seconds"].get<double>() * 1e9 * 4 / requests);
   }
+  EXPECT_NE(run.output.find("submit ns/req"), std::string::npos) << run.output;
 }
 
 TEST(BenchBinaryTest, ReadOpRunsAndVerifies) {

@@ -217,6 +217,56 @@ TEST(ReplayTest, LayerwiseVerifiesEveryByteAndReportsTails) {
       << drill.output;
 }
 
+// Where the wall time went: each phase's busy time within the wall time, a split that adds up
+// to it, and the transfer-only GB/s at least the end-to-end figure (time_breakdown.h).
+void ExpectConsistentBreakdown(const json& j, bool with_compute) {
+  ASSERT_TRUE(j["time_breakdown"].is_object()) << j.dump();
+  const json& b = j["time_breakdown"];
+  const double wall = b["wall_s"].get<double>();
+  EXPECT_NEAR(wall, j["seconds"].get<double>(), 1e-3);
+  double split_sum = 0;
+  for (const char* phase : {"transfer", "fill", "compute", "verify"}) {
+    SCOPED_TRACE(phase);
+    const double busy = b["busy_s"][phase].get<double>();
+    const double split = b["split_s"][phase].get<double>();
+    EXPECT_GE(split, 0.0);
+    EXPECT_LE(split, busy + 1e-9);
+    EXPECT_LE(busy, wall + 1e-9);
+    split_sum += split;
+    if (std::string(phase) != "compute" || with_compute) {
+      EXPECT_GT(busy, 0.0);
+    }
+  }
+  if (!with_compute) {
+    EXPECT_EQ(b["busy_s"]["compute"].get<double>(), 0.0);
+  }
+  EXPECT_GE(b["split_s"]["host"].get<double>(), 0.0);
+  EXPECT_NEAR(split_sum + b["split_s"]["host"].get<double>(), wall, 1e-6);
+  EXPECT_DOUBLE_EQ(b["split_s"]["transfer"].get<double>(), b["busy_s"]["transfer"].get<double>());
+  EXPECT_GE(j["transfer_gbps"].get<double>(), j["gbps"].get<double>());
+  EXPECT_NEAR(j["transfer_gbps"].get<double>(),
+              j["bytes"].get<double>() / b["busy_s"]["transfer"].get<double>() / 1e9, 1e-6);
+}
+
+TEST(ReplayTest, ReportsWhereTheWallTimeWent) {
+  for (const char* extra : {"", " --prefill-tp 2 --decode-tp 1 --compute-us-per-layer 100",
+                            " --layerwise --compute-us-per-layer 100"}) {
+    SCOPED_TRACE(extra);
+    const std::string out = TempPath("breakdown.json");
+    auto r = RunCommand(KvferryBinary() + " replay --synthetic 6 --seed 3 --model-config " +
+                        Config("tiny-gqa-config.json") +
+                        " --page-size 16 --pool-size 64MiB --concurrency 3 --chunk-tokens 2048" +
+                        extra + " --json " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    json j = ReadJson(out);
+    std::remove(out.c_str());
+    ExpectEveryPageVerified(j);
+    ExpectConsistentBreakdown(j, std::string(extra).find("compute") != std::string::npos);
+    EXPECT_NE(r.output.find("transfer-only GB/s"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("wall split (s)"), std::string::npos) << r.output;
+  }
+}
+
 // Context parallelism: each prefill CP rank (a process) holds and sends only its balanced range
 // of every request's pages; with --cp-rank0-only, rank 0 sends everything.
 TEST(ReplayTest, EveryContextParallelRankSendsItsPages) {
@@ -469,6 +519,9 @@ TEST(ReplayTest, JoinsRunningInstances) {
   EXPECT_EQ(j["mismatches"], 0);
   EXPECT_EQ(j["requests_failed"], 0);
   EXPECT_EQ(j["requests"], 5);
+  // Instances it did not start may not share its clock: no time breakdown.
+  EXPECT_TRUE(j["time_breakdown"].is_null()) << j.dump();
+  EXPECT_TRUE(j["transfer_gbps"].is_null()) << j.dump();
 }
 
 }  // namespace
