@@ -47,9 +47,12 @@ struct EngineOptions {
   // Port to listen on; 0 picks a free one (read it back with LocalDescriptor()).
   uint16_t listen_port = 0;
   // Transport: "auto" picks per peer and kind of local memory, in the order NVLink (GPU
-  // memory to GPU memory on one node), then TCP (any memory, any node: GPU memory through
-  // pinned bounce buffers); "tcp" or "nvlink" force one (requests it cannot carry fail at
-  // submission, naming why). docs/ARCHITECTURE.md describes the choice.
+  // memory to GPU memory on one node), then UCX (peers on other nodes, when both engines offer
+  // it: builds with UCX), then TCP (any memory, any node: GPU memory through pinned bounce
+  // buffers); "tcp", "nvlink" or "ucx" force one (requests it cannot carry fail at
+  // submission, naming why; "ucx" fails at Create in a build without UCX or where UCX cannot
+  // start). UCX reads its own UCX_* variables (README). docs/ARCHITECTURE.md describes the
+  // choice.
   std::string transport = "auto";
   // NVLink: blocks of at least this many bytes go through the copy engine (cudaMemcpyAsync),
   // smaller ones through one batched copy kernel per submission. Default: never (the kernel's
@@ -275,6 +278,15 @@ class TransferEngine {
   virtual StatusOr<SegmentDescriptor> GetSegmentDescriptor(SegmentHandle segment) const = 0;
   // Closes connections to the peer; later use of the handle fails with kNotFound.
   virtual Status CloseSegment(SegmentHandle segment) = 0;
+  // How requests from local memory of `kind` travel to `segment`: the transport's name, and
+  // for GPU memory whether it is moved directly or through pinned host bounce buffers (e.g.
+  // "ucx, GPU memory through pinned host bounce buffers"). Errors: kNotFound (unknown
+  // segment), kFailedPrecondition (no transport reaches it: why).
+  virtual StatusOr<std::string> DescribeRoute(SegmentHandle segment, MemoryKind kind) const {
+    (void)segment;
+    (void)kind;
+    return UnimplementedError("DescribeRoute");
+  }
   // Readies the data path from registered local memory at `local_addr` to `segment` before
   // the first transfer. Between GPUs of one node it opens the NVLink channel and maps the
   // peer's GPU regions on that channel's thread in the background: mapping a large pool takes

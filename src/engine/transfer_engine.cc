@@ -170,6 +170,7 @@ class EngineImpl : public TransferEngine {
       std::lock_guard<std::mutex> lock(describe_mu_);
       d.transports = self_transports_.transports;
       d.ipc_socket = self_transports_.ipc_socket;
+      d.ucx_address = self_transports_.ucx_address;
     }
     // Regions without remote access are the local side of requests only: peers see none of
     // them (not their addresses, sizes or IPC handles).
@@ -218,6 +219,13 @@ class EngineImpl : public TransferEngine {
     ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *peer, 0, &cache));
     channel->Prepare();
     return OkStatus();
+  }
+
+  StatusOr<std::string> DescribeRoute(SegmentHandle segment, MemoryKind kind) const override {
+    ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
+    const StatusOr<Transport*>& route = peer->routes[static_cast<size_t>(kind)];
+    if (!route.ok()) return route.status();
+    return (*route)->RouteText(kind);
   }
 
   StatusOr<SegmentDescriptor> RefreshSegment(SegmentHandle segment) override {

@@ -294,7 +294,7 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
                   "cpu, or cuda: buffers in GPU memory (initiator GPU 0, target GPU 1); also "
                   "measures cudaMemcpyPeer and cudaMemcpyBatchAsync in the same run")
       ->capture_default_str();
-  cmd->add_option("--transport", flags->transport, "Transport: auto or a name such as tcp")
+  cmd->add_option("--transport", flags->transport, "Transport: auto, tcp, ucx or nvlink")
       ->capture_default_str();
   cmd->add_option("--op", flags->op, "write or read")->capture_default_str();
   cmd->add_option("--block-size", flags->block_sizes,

@@ -192,6 +192,13 @@ class Transport {
   // descriptors as exchanged in the handshake). The engine checks capabilities first
   // (memory kinds, same node).
   virtual bool CanReach(const SegmentDescriptor& self, const SegmentDescriptor& peer) const = 0;
+  // How this transport moves local memory of `local_kind`, for logs and `kvferry bench`: its
+  // name, and how GPU memory travels where that differs (e.g. "ucx, GPU memory through pinned
+  // host bounce buffers").
+  virtual std::string RouteText(MemoryKind local_kind) const {
+    (void)local_kind;
+    return capabilities().name;
+  }
   // Opens a channel to setup.peer for local memory of setup.local_kind on
   // setup.local_device. The engine opens one per (peer, transport, local device), owns it,
   // and calls Close before dropping it; a transport may hand back setup.control itself. May
