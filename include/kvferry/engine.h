@@ -192,7 +192,7 @@ inline constexpr std::array<double, 19> kBatchLatencyBoundsSeconds = {
 struct EngineMetrics {
   // The requests of SubmitBatch batches that became final, for one transport and op.
   struct Transfers {
-    std::string transport;  // a name EngineOptions::transport accepts: "nvlink", "tcp"
+    std::string transport;  // a name EngineOptions::transport accepts: "nvlink", "tcp", "ucx"
     TransferOp op = TransferOp::kWrite;
     // Bytes that landed: a WRITE's once the peer acknowledged them (over NVLink: once the copy
     // completed), a READ's once in local memory. A request that failed later (a deadline, a

@@ -141,7 +141,7 @@ std::string RenderResults(const std::vector<BenchConfigResult>& results) {
 }
 
 Status WriteJson(const std::string& path, const BenchPlan& plan, const EffectiveTcp& tcp,
-                 const std::vector<BenchConfigResult>& results,
+                 const std::string& route, const std::vector<BenchConfigResult>& results,
                  const std::vector<GpuBaseline>& baselines) {
   nlohmann::ordered_json configs = nlohmann::ordered_json::array();
   for (const BenchConfigResult& r : results) {
@@ -163,6 +163,7 @@ Status WriteJson(const std::string& path, const BenchPlan& plan, const Effective
   nlohmann::ordered_json doc = {
       {"device", plan.device},
       {"transport", plan.transport},
+      {"route", route},
       {"op", plan.op == TransferOp::kWrite ? "write" : "read"},
       {"threads", plan.num_threads},
       {"inflight", plan.inflight},
@@ -235,13 +236,12 @@ int RunBench(const BenchFlags& flags) {
   if (!session.ok()) return Fail(session.status());
 
   std::printf(
-      "kvferry bench: %s, transport %s, %d threads x %d batches in flight, %d lanes, slice %s, "
-      "buffer %s, "
-      "target %s%s, %.2f s per configuration\n",
-      plan.op == TransferOp::kWrite ? "WRITE" : "READ", plan.transport.c_str(), plan.num_threads,
-      plan.inflight, tcp.lanes, FormatBytes(tcp.slice_bytes).c_str(),
-      FormatBytes((*session)->buffer_bytes()).c_str(), address.c_str(), target ? " (spawned)" : "",
-      plan.duration_s);
+      "kvferry bench: %s, transport %s (route: %s), %d threads x %d batches in flight, %d "
+      "lanes, slice %s, buffer %s, target %s%s, %.2f s per configuration\n",
+      plan.op == TransferOp::kWrite ? "WRITE" : "READ", plan.transport.c_str(),
+      (*session)->route().c_str(), plan.num_threads, plan.inflight, tcp.lanes,
+      FormatBytes(tcp.slice_bytes).c_str(), FormatBytes((*session)->buffer_bytes()).c_str(),
+      address.c_str(), target ? " (spawned)" : "", plan.duration_s);
   std::fflush(stdout);
 
   StatusOr<BenchConfigResult> warmup =
@@ -265,6 +265,7 @@ int RunBench(const BenchFlags& flags) {
       results.push_back(*result);
     }
   }
+  const std::string route = (*session)->route();
   session->reset();  // close connections before the target goes away
   if (target != nullptr) {
     if (Status stopped = target->Stop(); !stopped.ok()) {
@@ -277,7 +278,8 @@ int RunBench(const BenchFlags& flags) {
   if (plan.device == "cuda") baselines = MeasureGpuBaselines(plan);
   std::fflush(stdout);
   if (!plan.json_path.empty()) {
-    if (Status written = WriteJson(plan.json_path, plan, tcp, results, baselines); !written.ok()) {
+    if (Status written = WriteJson(plan.json_path, plan, tcp, route, results, baselines);
+        !written.ok()) {
       return Fail(written);
     }
   }

@@ -138,6 +138,11 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
   return session;
 }
 
+std::string BenchSession::route() const {
+  StatusOr<std::string> route = engine_->DescribeRoute(segment_, local_.location().kind);
+  return route.ok() ? *route : route.status().message();
+}
+
 BenchSession::~BenchSession() {
   if (engine_ != nullptr && local_.data() != nullptr) {
     engine_->UnregisterMemory(local_.data()).IgnoreError();

@@ -234,6 +234,13 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
       }
       if (region->ucx_rkey.empty()) {
         if (o_.local_kind == MemoryKind::kHost) {
+          if (!logged_tcp_fallback_) {
+            logged_tcp_fallback_ = true;
+            KVF_LOG_INFO(
+                "{}: peer region {} has no UCX key (the peer's UCX cannot map it): "
+                "requests to it go over the peer's TCP channel",
+                Name(), RangeText(region->base, region->length_bytes));
+          }
           o_.control->Submit(std::move(item));  // the peer's UCX cannot reach that region
         } else {
           item->Complete(FailedPreconditionError(
@@ -469,6 +476,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   std::shared_ptr<Endpoint> ep_;        // null: none open
   std::unordered_map<WorkItem*, std::shared_ptr<Flight>> flights_;
   int closing_ = 0;  // endpoints whose close UCX has not finished
+  bool logged_tcp_fallback_ = false;
   std::promise<void>* closing_done_ = nullptr;
 };
 
