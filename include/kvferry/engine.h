@@ -48,10 +48,10 @@ struct EngineOptions {
   uint16_t listen_port = 0;
   // Transport: "auto" picks per peer and kind of local memory, in the order NVLink (GPU
   // memory to GPU memory on one node), then UCX (peers on other nodes, when both engines offer
-  // it: builds with UCX), then TCP (any memory, any node: GPU memory through pinned bounce
-  // buffers); "tcp", "nvlink" or "ucx" force one (requests it cannot carry fail at
-  // submission, naming why; "ucx" fails at Create in a build without UCX or where UCX cannot
-  // start). UCX reads its own UCX_* variables (README). docs/ARCHITECTURE.md describes the
+  // it: builds with UCX, engines listening beyond loopback), then TCP (any memory, any node: GPU
+  // memory through pinned bounce buffers); "tcp", "nvlink" or "ucx" force one (requests it cannot
+  // carry fail at submission, naming why; "ucx" fails at Create in a build without UCX or where UCX
+  // cannot start). UCX reads its own UCX_* variables (README). docs/ARCHITECTURE.md describes the
   // choice.
   std::string transport = "auto";
   // NVLink: blocks of at least this many bytes go through the copy engine (cudaMemcpyAsync),

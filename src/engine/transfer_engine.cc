@@ -90,6 +90,10 @@ class EngineImpl : public TransferEngine {
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;
     t.nvlink.resident_min_tiles = options_.nvlink_resident_min_tiles;
     t.nvlink.auth_secret = options_.auth_secret;
+    // UCX listens on every interface UCX_NET_DEVICES allows, whatever listen_host says, and
+    // its tcp executes peers' puts unchecked (docs/security.md): an engine that serves only
+    // loopback (no peer on another node can reach it) does not start it unless forced.
+    t.ucx_in_auto = !IsLoopbackHost(options_.listen_host);
     t.faults = options_.faults;
     if (options_.faults.active()) {
       KVF_LOG_WARN("engine {}: fault injection on ({})", options_.name, options_.faults.ToString());

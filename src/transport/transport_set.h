@@ -34,7 +34,8 @@ struct TransportSetOptions {
   tcp::TcpTransportOptions tcp;
   NvlinkTransportOptions nvlink;
   UcxTransportOptions ucx;
-  // Whether "auto" starts UCX (where built and it starts); "ucx" always does.
+  // Whether "auto" starts UCX (where built and it starts; the engine: when it listens beyond
+  // loopback); "ucx" always does.
   bool ucx_in_auto = true;
   // When active, every transport is wrapped in a FaultTransport and notification channels in
   // a FaultChannel (kvferry/faults.h), all sharing one FaultInjector.
