@@ -3,6 +3,7 @@
 #
 #   bench/ucx_netns.sh [--binary PATH] [--out DIR] [--block-sizes LIST] [--duration S]
 #                      [--iperf-seconds S] [--threads N] [--batch N] [--op write|read]
+#                      [--baseline-binary PATH]
 #
 # 1. iperf3 (one stream) from namespace A to B: the plain TCP ceiling of the veth pair.
 # 2. ucx_perftest -t ucp_put_bw (ucx-utils) A -> B at each block size, with the same UCX
@@ -11,6 +12,7 @@
 #    UCX_TCP_RCVBUF=4M) unless the caller exported its own.
 # 3. `kvferry bench --transport ucx` (initiator in A, `kvferry bench --serve` in B).
 # 4. `kvferry bench --transport tcp` between the same two namespaces.
+# 5. With --baseline-binary: step 3 again with that build (before / after in one run).
 # Then a markdown table: GB/s per block size and kvferry UCX's share of ucx_perftest and of
 # kvferry TCP. Needs root (ip netns), iproute2, iperf3, ucx-utils, jq and a `kvferry` built
 # with UCX. Leaves nothing behind (namespaces deleted on exit).
@@ -24,6 +26,7 @@ iperf_seconds=5
 threads=2
 batch=8
 op=write
+baseline=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --binary) binary="$2"; shift 2 ;;
@@ -34,7 +37,8 @@ while [[ $# -gt 0 ]]; do
     --threads) threads="$2"; shift 2 ;;
     --batch) batch="$2"; shift 2 ;;
     --op) op="$2"; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --baseline-binary) baseline="$2"; shift 2 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "ucx_netns.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -144,37 +148,45 @@ done
 
 # 3 and 4. kvferry bench, UCX then TCP, against a target serving in namespace B.
 bench() {
-  local transport="$1" port="$2"
-  in_b "$binary" bench --serve --listen "$ip_b:$port" --transport auto \
-    --buffer-size 1GiB >"$out/serve_$transport.txt" 2>&1 &
+  local transport="$1" port="$2" bin="${3:-$binary}" tag="${4:-$1}"
+  in_b "$bin" bench --serve --listen "$ip_b:$port" --transport auto \
+    --buffer-size 1GiB >"$out/serve_$tag.txt" 2>&1 &
   local server=$!
   pids+=("$server")
   for _ in $(seq 100); do
-    grep -q "kvferry-bench-target" "$out/serve_$transport.txt" 2>/dev/null && break
+    grep -q "kvferry-bench-target" "$out/serve_$tag.txt" 2>/dev/null && break
     sleep 0.1
   done
-  in_a "$binary" bench --target "$ip_b:$port" --transport "$transport" --op "$op" \
+  in_a "$bin" bench --target "$ip_b:$port" --transport "$transport" --op "$op" \
     --block-size "$block_sizes" --batch-size "$batch" --threads "$threads" \
-    --duration "$duration" --json "$out/kvferry_$transport.json" \
-    2>&1 | tee "$out/kvferry_$transport.txt"
+    --duration "$duration" --json "$out/kvferry_$tag.json" \
+    2>&1 | tee "$out/kvferry_$tag.txt"
   kill "$server" 2>/dev/null || true
   wait "$server" 2>/dev/null || true
 }
 bench ucx 17301
 bench tcp 17302
+if [[ -n "$baseline" ]]; then
+  echo "baseline: $baseline" | tee -a "$out/run.txt"
+  bench ucx 17303 "$baseline" ucx_baseline
+fi
 
 {
   echo
-  echo "| block | iperf3 GB/s | ucx_perftest put_bw GB/s | kvferry ucx GB/s | kvferry tcp GB/s | ucx / perftest | ucx / kvferry tcp |"
-  echo "| --- | --- | --- | --- | --- | --- | --- |"
+  echo "| block | iperf3 GB/s | ucx_perftest put_bw GB/s | kvferry ucx GB/s | kvferry tcp GB/s | ucx / perftest | ucx / kvferry tcp | baseline ucx GB/s |"
+  echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
   for size in ${block_sizes//,/ }; do
     bytes="$(to_bytes "$size")"
     u="$(jq --argjson b "$bytes" '[.configs[] | select(.block_size == $b) | .gbps] | max' "$out/kvferry_ucx.json")"
     t="$(jq --argjson b "$bytes" '[.configs[] | select(.block_size == $b) | .gbps] | max' "$out/kvferry_tcp.json")"
+    b=-1
+    if [[ -n "$baseline" ]]; then
+      b="$(jq --argjson b "$bytes" '[.configs[] | select(.block_size == $b) | .gbps] | max' "$out/kvferry_ucx_baseline.json")"
+    fi
     p="${perftest[$size]}"
-    awk -v s="$size" -v i="$iperf_gbps" -v p="$p" -v u="$u" -v t="$t" 'BEGIN {
-      printf "| %s | %.2f | %.2f | %.2f | %.2f | %.0f%% | %.0f%% |\n", s, i, p, u, t,
-        (p > 0 ? 100 * u / p : 0), (t > 0 ? 100 * u / t : 0) }'
+    awk -v s="$size" -v i="$iperf_gbps" -v p="$p" -v u="$u" -v t="$t" -v b="$b" 'BEGIN {
+      printf "| %s | %.2f | %.2f | %.2f | %.2f | %.0f%% | %.0f%% | %s |\n", s, i, p, u, t,
+        (p > 0 ? 100 * u / p : 0), (t > 0 ? 100 * u / t : 0), (b < 0 ? "-" : sprintf("%.2f", b)) }'
   done
   echo
   echo "route (kvferry ucx): $(jq -r .route "$out/kvferry_ucx.json")"

@@ -146,7 +146,7 @@ void Descriptors(Corpus& c) {
   SegmentDescriptor ucx = decode;
   ucx.name = "decode-ucx";
   ucx.transports = {"tcp", "ucx"};
-  ucx.ucx_address = std::vector<uint8_t>(180, 0x2A);
+  ucx.ucx_addresses = {std::vector<uint8_t>(180, 0x2A), std::vector<uint8_t>(180, 0x2B)};
   ucx.regions[0].ucx_rkey = std::vector<uint8_t>(36, 0x7E);
   c.AddBytes("descriptor", "ucx_worker_and_rkey", wire::EncodeDescriptor(ucx));
 }

@@ -76,6 +76,14 @@ struct EngineOptions {
   // Requests longer than this are split into slices of this size, spread over lanes, so one
   // huge request uses every lane. Default 4 MiB: large enough to amortize framing.
   uint64_t tcp_slice_bytes = 4ull << 20;
+  // UCX: workers of this engine, each with its own progress thread, and so endpoints (lanes)
+  // per peer: requests spread over them, and over UCX's tcp (which executes puts and gets on
+  // the target's workers) both sides move bytes on several threads and connections.
+  // Default 4, range 1..64; KVFERRY_UCX_LANES overrides it.
+  int ucx_lanes_per_peer = 4;
+  // UCX: requests longer than this are cut into slices of this size, spread over the lanes.
+  // Default 1 MiB (docs/perf/ucx.md), at least 4 KiB; KVFERRY_UCX_SLICE overrides it.
+  uint64_t ucx_slice_bytes = 1ull << 20;
   // TCP serving side: connections served at once (each has a thread); more are closed when
   // they connect, logged. Default 1024 (256 peers of 4 lanes).
   int tcp_max_connections = 1024;
@@ -223,6 +231,10 @@ struct EngineMetrics {
   uint64_t notifications_sent = 0;
   uint64_t notifications_failed = 0;
   uint64_t notifications_received = 0;
+  // Bytes of SubmitBatch requests (slices) that completed on each UCX lane of this engine
+  // (index: lane; EngineOptions::ucx_lanes_per_peer of them), over every peer; empty where
+  // UCX did not start.
+  std::vector<uint64_t> ucx_lane_bytes;
   uint64_t segments_open = 0;  // peer segments opened (OpenSegment) and not closed
   // The serving side: connections of peers to this engine's TCP port (each peer's lanes and
   // control channel). Open now (in the handshake or after it), accepted ever, and closed at

@@ -36,6 +36,8 @@ StatusOr<std::unique_ptr<TransportSet>> TransportSet::Create(const TransportSetO
     auto ucx_made = CreateUcxTransport(ucx, registry);
     if (ucx_made.ok()) {
       set->data_.push_back(std::move(*ucx_made));
+    } else if (ucx_made.status().code() == StatusCode::kInvalidArgument) {
+      return ucx_made.status();  // bad options, forced or not
     } else if (set->forced_ == "ucx") {
       return FailedPreconditionError(ucx_made.status().message());
     } else if (ucx_made.status().code() != StatusCode::kUnimplemented) {
@@ -63,6 +65,13 @@ std::shared_ptr<PeerChannel> TransportSet::NotifyChannel(
     std::shared_ptr<PeerChannel> control) const {
   if (faults_ == nullptr) return control;
   return std::make_shared<FaultChannel>(std::move(control), faults_, /*host_memory=*/true);
+}
+
+std::vector<uint64_t> TransportSet::LaneBytes(std::string_view name) const {
+  for (const auto& t : data_) {
+    if (t->capabilities().name == name) return t->LaneBytes();
+  }
+  return {};
 }
 
 void TransportSet::Describe(SegmentDescriptor* self) const {

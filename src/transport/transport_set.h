@@ -15,6 +15,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvferry/faults.h"
@@ -49,13 +50,16 @@ class TransportSet {
 
   // Starts TCP and every other transport this build and machine support (NVLink with CUDA and
   // a device, UCX where built and it starts). `registry` (not owned) outlives the set. Errors:
-  // kInvalidArgument for an unknown transport name or bad TCP options; a forced transport that
-  // cannot start fails with its reason (kFailedPrecondition: no CUDA device, no UCX in this build
-  // or UCX could not start); kUnavailable when the listen address cannot be bound.
+  // kInvalidArgument for an unknown transport name or bad TCP or UCX options; a forced transport
+  // that cannot start fails with its reason (kFailedPrecondition: no CUDA device, no UCX in this
+  // build or UCX could not start); kUnavailable when the listen address cannot be bound.
   static StatusOr<std::unique_ptr<TransportSet>> Create(const TransportSetOptions& options,
                                                         MemoryRegistry* registry);
 
   tcp::TcpTransport& control() const { return *tcp_; }
+
+  // The started transport `name`'s Transport::LaneBytes; empty when it did not start.
+  std::vector<uint64_t> LaneBytes(std::string_view name) const;
 
   // Adds every started transport to `self` (name, and what peers need to reach it), TCP first.
   void Describe(SegmentDescriptor* self) const;

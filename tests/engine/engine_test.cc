@@ -73,7 +73,7 @@ TEST_F(EngineTest, HandshakeExchangesDescriptors) {
   ASSERT_EQ(desc->regions.size(), 2u);
   // TCP only: the peer listens on loopback, where "auto" does not start UCX.
   EXPECT_EQ(desc->transports, std::vector<std::string>{"tcp"});
-  EXPECT_TRUE(desc->ucx_address.empty());
+  EXPECT_TRUE(desc->ucx_addresses.empty());
   // Opening the same address again yields the same handle.
   auto again = engine_->OpenSegment(peer_->info().address);
   ASSERT_TRUE(again.ok());

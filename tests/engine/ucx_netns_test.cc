@@ -40,8 +40,10 @@ testutil::PeerOptions PeerIn(const testutil::VethNamespace& netns) {
   return po;
 }
 
-StatusOr<std::unique_ptr<TransferEngine>> UcxEngine(const testutil::VethNamespace& netns) {
+StatusOr<std::unique_ptr<TransferEngine>> UcxEngine(
+    const testutil::VethNamespace& netns, int lanes = EngineOptions().ucx_lanes_per_peer) {
   EngineOptions options;
+  options.ucx_lanes_per_peer = lanes;
   options.name = "ucx-client";
   options.listen_host = netns.local_ip();
   options.transport = "ucx";
@@ -129,6 +131,77 @@ TEST_F(UcxNetnsTest, RandomSizesWrittenAndReadBackByteForByte) {
   for (uint64_t i = 0; i < ro.size(); ++i) ASSERT_EQ(ro[i], PeerPatternByte(i)) << i;
   EXPECT_TRUE(engine_->UnregisterMemory(local.data()).ok());
   EXPECT_TRUE(engine_->UnregisterMemory(back.data()).ok());
+}
+
+// Writes `blocks` blocks of `block_bytes` of random bytes in one batch, reads them back in one
+// batch, and checks every byte; returns the bytes each UCX lane carried meanwhile.
+std::vector<uint64_t> WriteReadVerify(TransferEngine& engine, SegmentHandle segment,
+                                      uint64_t remote, int blocks, uint64_t block_bytes) {
+  std::vector<uint8_t> src(blocks * block_bytes), back(src.size(), 0);
+  std::mt19937_64 rng(blocks);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<TransferRequest> writes, reads;
+  for (int i = 0; i < blocks; ++i) {
+    const uint64_t off = i * block_bytes;
+    writes.push_back({TransferOp::kWrite, src.data() + off, segment, remote + off, block_bytes});
+    reads.push_back({TransferOp::kRead, back.data() + off, segment, remote + off, block_bytes});
+  }
+  const std::vector<uint64_t> before = engine.Metrics().ucx_lane_bytes;
+  Status s = TransferSync(engine, writes);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  s = TransferSync(engine, reads);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(std::memcmp(src.data(), back.data(), src.size()), 0);
+  std::vector<uint64_t> moved = engine.Metrics().ucx_lane_bytes;
+  EXPECT_EQ(moved.size(), before.size());
+  for (size_t i = 0; i < moved.size() && i < before.size(); ++i) moved[i] -= before[i];
+  return moved;
+}
+
+TEST_F(UcxNetnsTest, ABatchSpreadsEvenlyOverTheLanes) {
+  // 8 blocks of 4 MiB: 32 slices of 1 MiB each way, 8 per lane.
+  const std::vector<uint64_t> moved = WriteReadVerify(*engine_, segment_, rw(0), 8, 4ull << 20);
+  ASSERT_EQ(moved.size(), 4u);
+  for (size_t i = 0; i < moved.size(); ++i) {
+    EXPECT_EQ(moved[i], 2 * (8ull << 20)) << "lane " << i;  // 8 MiB written, 8 MiB read
+  }
+}
+
+TEST(UcxNetnsLanesTest, FewerLanesThanThePeerStillReachEveryByte) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";
+  testutil::VethNamespace netns("l");
+  if (!netns.ok()) GTEST_SKIP() << netns.why();
+  PinUcx(netns);
+  testutil::PeerProcess peer(kRegionBytes, PeerIn(netns));  // 4 lanes
+  ASSERT_TRUE(peer.ok());
+  auto engine = UcxEngine(netns, /*lanes=*/3);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  auto seg = (*engine)->OpenSegment(peer.info().address);
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  // Blocks of 1.5 MiB: a 1 MiB and a 0.5 MiB slice each, spread by bytes.
+  const std::vector<uint64_t> moved =
+      WriteReadVerify(**engine, *seg, peer.info().rw_base, 12, 3ull << 19);
+  ASSERT_EQ(moved.size(), 3u);
+  uint64_t total = 0;
+  for (size_t i = 0; i < moved.size(); ++i) {
+    EXPECT_GT(moved[i], 0u) << "lane " << i;
+    total += moved[i];
+  }
+  EXPECT_EQ(total, 2 * 12 * (3ull << 19));
+}
+
+TEST(UcxNetnsLanesTest, LaneCountOutOfRangeIsRefused) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";
+  for (int lanes : {0, 65}) {
+    EngineOptions options;
+    options.transport = "ucx";
+    options.ucx_lanes_per_peer = lanes;
+    auto engine = TransferEngine::Create(options);
+    ASSERT_FALSE(engine.ok()) << lanes;
+    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find("ucx_lanes_per_peer"), std::string::npos)
+        << engine.status().ToString();
+  }
 }
 
 TEST_F(UcxNetnsTest, StridedRowsLandAtTheirStrides) {

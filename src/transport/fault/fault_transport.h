@@ -110,6 +110,7 @@ class FaultTransport : public Transport {
     return inner_->RouteText(local_kind);
   }
   StatusOr<std::shared_ptr<PeerChannel>> OpenChannel(const ChannelSetup& setup) override;
+  std::vector<uint64_t> LaneBytes() const override { return inner_->LaneBytes(); }
 
  private:
   Transport* inner_;

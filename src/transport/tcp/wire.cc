@@ -225,8 +225,11 @@ std::vector<uint8_t> EncodeDescriptor(const SegmentDescriptor& d) {
   w.Str(d.node_id);
   w.U32(d.pid);
   w.Str(d.ipc_socket);
-  w.U32(static_cast<uint32_t>(d.ucx_address.size()));
-  w.Bytes(d.ucx_address);
+  w.U32(static_cast<uint32_t>(d.ucx_addresses.size()));
+  for (const auto& a : d.ucx_addresses) {
+    w.U32(static_cast<uint32_t>(a.size()));
+    w.Bytes(a);
+  }
   w.U32(static_cast<uint32_t>(d.transports.size()));
   for (const auto& t : d.transports) w.Str(t);
   w.U32(static_cast<uint32_t>(d.regions.size()));
@@ -267,13 +270,22 @@ StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
       !r.Str(&d.node_id, "node_id") || !r.U32(&d.pid) || !r.Str(&d.ipc_socket, "ipc_socket")) {
     return bad("");
   }
-  uint32_t ucx_address_bytes = 0;
-  if (!r.U32(&ucx_address_bytes)) return bad("");
-  if (ucx_address_bytes > kMaxUcxAddressBytes || ucx_address_bytes > r.remaining()) {
-    return bad("UCX address of " + std::to_string(ucx_address_bytes) + " bytes");
+  uint32_t num_ucx_addresses = 0;
+  if (!r.U32(&num_ucx_addresses)) return bad("");
+  if (num_ucx_addresses > kMaxUcxLanes) {
+    return bad(std::to_string(num_ucx_addresses) + " UCX addresses exceed " +
+               std::to_string(kMaxUcxLanes));
   }
-  d.ucx_address.resize(ucx_address_bytes);
-  if (!r.Bytes(d.ucx_address)) return bad("");
+  d.ucx_addresses.resize(num_ucx_addresses);
+  for (auto& a : d.ucx_addresses) {
+    uint32_t ucx_address_bytes = 0;
+    if (!r.U32(&ucx_address_bytes)) return bad("");
+    if (ucx_address_bytes > kMaxUcxAddressBytes || ucx_address_bytes > r.remaining()) {
+      return bad("UCX address of " + std::to_string(ucx_address_bytes) + " bytes");
+    }
+    a.resize(ucx_address_bytes);
+    if (!r.Bytes(a)) return bad("");
+  }
   uint32_t num_transports = 0;
   if (!r.U32(&num_transports)) return bad("");
   if (num_transports > kMaxTransports) {

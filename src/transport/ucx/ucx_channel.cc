@@ -1,11 +1,13 @@
 #include "transport/ucx/ucx_channel.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
 #include <future>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -63,10 +65,11 @@ struct CloseContext {
   std::shared_ptr<Endpoint> ep;
 };
 
+// One lane: an endpoint from one local worker to one of the peer's.
 class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxChannel> {
  public:
-  explicit UcxChannel(UcxChannelOptions options)
-      : PeerChannel(options.traits), o_(std::move(options)) {
+  UcxChannel(const UcxChannelOptions& options, size_t lane)
+      : PeerChannel(options.traits), o_(options), lane_(lane), worker_(options.workers[lane]) {
     SetPeer(o_.peer);
   }
   ~UcxChannel() override { Close(); }
@@ -97,7 +100,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     }
     for (auto& item : refused) item->Complete(UnavailableError(Name() + " closed"));
     for (auto& item : control_items) o_.control->Submit(std::move(item));
-    if (post) o_.worker->Post([self = shared_from_this()] { self->Drain(); });
+    if (post) worker_->Post([self = shared_from_this()] { self->Drain(); });
   }
 
   void Abandon(WorkItem* item, const Status& why) override {
@@ -120,7 +123,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
       return;
     }
     if (item->state.load() == WorkItem::kDone) return;
-    o_.worker->Post([self = shared_from_this(), item, why] { self->AbandonOnThread(item, why); });
+    worker_->Post([self = shared_from_this(), item, why] { self->AbandonOnThread(item, why); });
   }
 
   void Close() override {
@@ -138,7 +141,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     if (resolver_.joinable()) resolver_.join();
     // Force-closes the endpoint and waits until UCX called back for every operation on it.
     std::promise<void> done;
-    o_.worker->Run([&] {
+    worker_->Run([&] {
       closing_done_ = &done;
       ResetEndpoint(UnavailableError(Name() + " closed"));
       MaybeClosed();
@@ -170,7 +173,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   }
   void EpFailed(ucp_ep_h ep, ucs_status_t status) {
     // Not from inside UCX's callback: the endpoint is closed on the next turn of the loop.
-    o_.worker->Post([self = shared_from_this(), ep, status] {
+    worker_->Post([self = shared_from_this(), ep, status] {
       if (self->ep_ == nullptr || self->ep_->ep != ep) return;
       KVF_LOG_WARN("{}: endpoint failed: {}", self->Name(), UcxStatusText(status));
       self->ResetEndpoint(
@@ -179,7 +182,9 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   }
 
  private:
-  std::string Name() const { return "UCX channel to " + o_.peer.Address(); }
+  std::string Name() const {
+    return "UCX channel to " + o_.peer.Address() + " (lane " + std::to_string(lane_) + ")";
+  }
 
   Status OpError(const Flight& f, ucs_status_t status) const {
     if (!f.ep->reset.ok()) return f.ep->reset;
@@ -341,6 +346,9 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     }
     f->completed = true;
     std::shared_ptr<WorkItem> item = f->item;
+    if (status.ok() && o_.lane_bytes != nullptr) {
+      o_.lane_bytes[lane_].fetch_add(item->length, std::memory_order_relaxed);
+    }
     const bool drop = !f->flush_pending;
     if (drop) flights_.erase(item.get());  // frees *f
     item->Complete(status);
@@ -367,17 +375,21 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
 
   StatusOr<ucp_rkey_h> RkeyFor(const RegionDescriptor& region) {
     if (ep_ == nullptr) {
+      if (peer_.ucx_addresses.empty()) {
+        return UnavailableError(Name() + ": the peer's descriptor has no UCX worker address");
+      }
+      const std::vector<uint8_t>& address = peer_.ucx_addresses[lane_ % peer_.ucx_addresses.size()];
       ucp_ep_params_t p = {};
       p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
-      p.address = reinterpret_cast<const ucp_address_t*>(peer_.ucx_address.data());
+      p.address = reinterpret_cast<const ucp_address_t*>(address.data());
       p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       p.err_handler.cb = [](void* arg, ucp_ep_h ep, ucs_status_t status) {
         static_cast<UcxChannel*>(arg)->EpFailed(ep, status);
       };
       p.err_handler.arg = this;
       auto ep = std::make_shared<Endpoint>();
-      ucs_status_t s = ucp_ep_create(o_.worker->worker(), &p, &ep->ep);
+      ucs_status_t s = ucp_ep_create(worker_->worker(), &p, &ep->ep);
       if (s != UCS_OK) {
         return UnavailableError(Name() + ": cannot create an endpoint (" + UcxStatusText(s) + ")");
       }
@@ -430,7 +442,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   void Unresolved(std::shared_ptr<WorkItem> item) {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) {
-      o_.worker->Post([item] { item->Complete(UnavailableError("UCX channel closed")); });
+      worker_->Post([item] { item->Complete(UnavailableError("UCX channel closed")); });
       return;
     }
     unresolved_.push_back(std::move(item));
@@ -453,14 +465,16 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
         for (auto& item : *items) item->Complete(UnavailableError(Name() + " closed"));
         return;
       }
-      o_.worker->Post([self = shared_from_this(), fresh, items] {
+      worker_->Post([self = shared_from_this(), fresh, items] {
         if (fresh.ok()) self->SetPeer(*fresh);
         self->Process(*items, /*refreshed=*/true);
       });
     }
   }
 
-  UcxChannelOptions o_;
+  const UcxChannelOptions o_;
+  const size_t lane_;
+  UcxWorker* const worker_;
 
   std::mutex mu_;
   bool closed_ = false;
@@ -480,10 +494,78 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   std::promise<void>* closing_done_ = nullptr;
 };
 
+// The lanes of one peer's channel; items go whole to one lane (WorkItem::lane says which).
+class UcxLanes : public PeerChannel {
+ public:
+  explicit UcxLanes(const UcxChannelOptions& options)
+      : PeerChannel(options.traits), control_(options.control) {
+    for (size_t i = 0; i < options.workers.size(); ++i) {
+      lanes_.push_back(std::make_shared<UcxChannel>(options, i));
+    }
+    assigned_bytes_.assign(lanes_.size(), 0);
+  }
+  ~UcxLanes() override { Close(); }
+
+  void Submit(std::shared_ptr<WorkItem> item) override {
+    std::vector<std::shared_ptr<WorkItem>> one;
+    one.push_back(std::move(item));
+    SubmitMany(std::move(one));
+  }
+
+  void SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) override {
+    std::vector<std::vector<std::shared_ptr<WorkItem>>> by_lane(lanes_.size());
+    std::vector<std::shared_ptr<WorkItem>> control_items;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& item : items) {
+        if (item->kind != WorkItem::Kind::kWrite && item->kind != WorkItem::Kind::kRead) {
+          control_items.push_back(std::move(item));  // notifications and queries: TCP
+          continue;
+        }
+        // The lane with the fewest bytes so far; ties go to the one after the last pick, so
+        // equal slices take the lanes in turn.
+        size_t best = (last_ + 1) % lanes_.size();
+        for (size_t k = 1; k < lanes_.size(); ++k) {
+          const size_t i = (last_ + 1 + k) % lanes_.size();
+          if (assigned_bytes_[i] < assigned_bytes_[best]) best = i;
+        }
+        last_ = best;
+        assigned_bytes_[best] += std::max<uint64_t>(item->length, 1);
+        item->lane = static_cast<uint32_t>(best);
+        by_lane[best].push_back(std::move(item));
+      }
+    }
+    for (auto& item : control_items) control_->Submit(std::move(item));
+    for (size_t i = 0; i < lanes_.size(); ++i) {
+      if (!by_lane[i].empty()) lanes_[i]->SubmitMany(std::move(by_lane[i]));
+    }
+  }
+
+  void Abandon(WorkItem* item, const Status& why) override {
+    if (item->kind != WorkItem::Kind::kWrite && item->kind != WorkItem::Kind::kRead) {
+      control_->Abandon(item, why);
+      return;
+    }
+    lanes_[item->lane % lanes_.size()]->Abandon(item, why);
+  }
+
+  void Close() override {
+    for (auto& lane : lanes_) lane->Close();
+  }
+
+ private:
+  std::shared_ptr<PeerChannel> control_;
+  std::vector<std::shared_ptr<UcxChannel>> lanes_;
+
+  std::mutex mu_;
+  std::vector<uint64_t> assigned_bytes_;  // per lane, since the channel opened
+  size_t last_ = 0;
+};
+
 }  // namespace
 
 std::shared_ptr<PeerChannel> CreateUcxChannel(UcxChannelOptions options) {
-  return std::make_shared<UcxChannel>(std::move(options));
+  return std::make_shared<UcxLanes>(options);
 }
 
 }  // namespace kvferry::ucx

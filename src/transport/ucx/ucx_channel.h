@@ -1,6 +1,11 @@
-// One peer's UCX channel: WRITE and READ items as ucp_put_nbx / ucp_get_nbx on one endpoint
-// (UCP_ERR_HANDLING_MODE_PEER) to the peer's worker, a put or get per row (strided items
-// carry several rows), the peer's regions reached through the packed rkeys of its descriptor.
+// One peer's UCX channel: WRITE and READ items as ucp_put_nbx / ucp_get_nbx, a put or get per
+// row (strided items carry several rows), the peer's regions reached through the packed rkeys
+// of its descriptor.
+//
+// Lanes: one per local worker, each an endpoint (UCP_ERR_HANDLING_MODE_PEER) from worker i to
+// the peer's worker i (modulo the peer's count), driven by worker i's progress thread. A
+// submission's items go to the lanes with the fewest bytes handed to them so far, so the
+// slices of a batch spread evenly; each lane is the channel described below, on its own.
 //
 // Checks: every item's remote range must lie inside one region of the peer's descriptor with
 // the access its op needs and a UCX key; a miss re-reads the descriptor once (off the
@@ -23,7 +28,11 @@
 // progress thread.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include "kvferry/segment.h"
 #include "transport/transport.h"
@@ -32,7 +41,10 @@
 namespace kvferry::ucx {
 
 struct UcxChannelOptions {
-  UcxWorker* worker = nullptr;  // outlives the channel's Close
+  std::vector<UcxWorker*> workers;  // one lane each, at least one; outlive the channel's Close
+  // Per worker (same index): bytes of items that completed on its lane are added here. Null:
+  // not counted. Outlives the channel.
+  std::atomic<uint64_t>* lane_bytes = nullptr;
   SegmentDescriptor peer;
   std::shared_ptr<PeerChannel> control;  // the peer's TCP channel
   std::function<StatusOr<SegmentDescriptor>()> refresh;

@@ -1,6 +1,9 @@
 #include "transport/ucx/ucx_transport.h"
 
 #include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
 
 #include "common/checks.h"
 #include "common/logging.h"
@@ -10,6 +13,8 @@
 
 namespace kvferry {
 namespace {
+
+constexpr int kMaxLanes = 64;  // worker addresses a descriptor may carry (wire::kMaxUcxLanes)
 
 // GPU memory through bounce buffers over a UCX host channel; closes both.
 class UcxBounceChannel : public PeerChannel {
@@ -36,8 +41,14 @@ class UcxBounceChannel : public PeerChannel {
 class UcxTransport : public Transport, public RegionObserver {
  public:
   UcxTransport(const UcxTransportOptions& options, MemoryRegistry* registry,
-               std::unique_ptr<ucx::UcxWorker> worker)
-      : options_(options), registry_(registry), worker_(std::move(worker)) {
+               std::unique_ptr<ucx::UcxContext> context,
+               std::vector<std::unique_ptr<ucx::UcxWorker>> workers)
+      : options_(options),
+        registry_(registry),
+        context_(std::move(context)),
+        workers_(std::move(workers)),
+        lane_bytes_(new std::atomic<uint64_t>[workers_.size()]) {
+    for (size_t i = 0; i < workers_.size(); ++i) lane_bytes_[i].store(0);
     capabilities_.name = "ucx";
     capabilities_.local_memory =
         MemoryKindBit(MemoryKind::kHost) | MemoryKindBit(MemoryKind::kCuda);
@@ -50,19 +61,21 @@ class UcxTransport : public Transport, public RegionObserver {
 
   ~UcxTransport() override {
     registry_->SetObserver(nullptr);
-    worker_.reset();  // unmaps what is still mapped
+    workers_.clear();
+    context_.reset();  // unmaps what is still mapped
   }
 
   const TransportCapabilities& capabilities() const override { return capabilities_; }
 
   void Describe(SegmentDescriptor* self) const override {
     self->transports.push_back(capabilities_.name);
-    self->ucx_address = worker_->address();
+    self->ucx_addresses.clear();
+    for (const auto& w : workers_) self->ucx_addresses.push_back(w->address());
   }
 
   bool CanReach(const SegmentDescriptor& self, const SegmentDescriptor& peer) const override {
-    if (peer.ucx_address.empty() || std::find(peer.transports.begin(), peer.transports.end(),
-                                              capabilities_.name) == peer.transports.end()) {
+    if (peer.ucx_addresses.empty() || std::find(peer.transports.begin(), peer.transports.end(),
+                                                capabilities_.name) == peer.transports.end()) {
       return false;
     }
     return options_.same_node || peer.node_id != self.node_id;
@@ -70,31 +83,34 @@ class UcxTransport : public Transport, public RegionObserver {
 
   std::string RouteText(MemoryKind local_kind) const override {
     if (local_kind != MemoryKind::kCuda) return "ucx";
-    return worker_->cuda_memory() ? "ucx, GPU memory registered with UCX (direct)"
-                                  : "ucx, GPU memory through pinned host bounce buffers (this "
-                                    "UCX has no CUDA support)";
+    return context_->cuda_memory() ? "ucx, GPU memory registered with UCX (direct)"
+                                   : "ucx, GPU memory through pinned host bounce buffers (this "
+                                     "UCX has no CUDA support)";
   }
 
   StatusOr<std::shared_ptr<PeerChannel>> OpenChannel(const ChannelSetup& setup) override {
     ucx::UcxChannelOptions o;
-    o.worker = worker_.get();
+    for (const auto& w : workers_) o.workers.push_back(w.get());
+    o.lane_bytes = lane_bytes_.get();
     o.peer = *setup.peer;
     o.control = setup.control;
     o.refresh = setup.refresh;
     o.local_kind = setup.local_kind;
-    o.traits.max_rows_per_item = 4096;  // a strided request: a put or get per row, one item
-    const bool direct = setup.local_kind == MemoryKind::kHost || worker_->cuda_memory();
+    // A strided request: a put or get per row, up to a slice of rows per item.
+    o.traits.max_rows_per_item = 4096;
+    o.traits.slice_bytes = options_.slice_bytes;
+    const bool direct = setup.local_kind == MemoryKind::kHost || context_->cuda_memory();
     if (direct) {
       if (setup.local_kind == MemoryKind::kCuda) {
         KVF_LOG_INFO("ucx: GPU {} memory to {} registered with UCX {} (direct)", setup.local_device,
-                     setup.peer->Address(), worker_->version());
+                     setup.peer->Address(), context_->version());
       }
       return ucx::CreateUcxChannel(std::move(o));
     }
     KVF_LOG_INFO(
         "ucx: GPU {} memory to {} through pinned host bounce buffers (UCX {} has no CUDA "
         "support)",
-        setup.local_device, setup.peer->Address(), worker_->version());
+        setup.local_device, setup.peer->Address(), context_->version());
     o.local_kind = MemoryKind::kHost;
     std::shared_ptr<PeerChannel> host = ucx::CreateUcxChannel(std::move(o));
     GpuBounceOptions b;
@@ -113,18 +129,26 @@ class UcxTransport : public Transport, public RegionObserver {
   // only where this UCX moves CUDA memory (else peers reach them over TCP).
   Status OnRegister(RegionDescriptor* region) override {
     if ((region->access & kAccessRemoteReadWrite) == 0) return OkStatus();
-    if (region->kind == MemoryKind::kCuda && !worker_->cuda_memory()) return OkStatus();
-    ASSIGN_OR_RETURN(region->ucx_rkey, worker_->MapRegion(*region));
+    if (region->kind == MemoryKind::kCuda && !context_->cuda_memory()) return OkStatus();
+    ASSIGN_OR_RETURN(region->ucx_rkey, context_->MapRegion(*region));
     return OkStatus();
   }
   void OnUnregister(const RegionDescriptor& region) override {
-    if (!region.ucx_rkey.empty()) worker_->UnmapRegion(region.base);
+    if (!region.ucx_rkey.empty()) context_->UnmapRegion(region.base);
+  }
+
+  std::vector<uint64_t> LaneBytes() const override {
+    std::vector<uint64_t> out(workers_.size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = lane_bytes_[i].load(std::memory_order_relaxed);
+    return out;
   }
 
  private:
   UcxTransportOptions options_;
   MemoryRegistry* registry_;
-  std::unique_ptr<ucx::UcxWorker> worker_;
+  std::unique_ptr<ucx::UcxContext> context_;
+  std::vector<std::unique_ptr<ucx::UcxWorker>> workers_;  // one per lane
+  std::unique_ptr<std::atomic<uint64_t>[]> lane_bytes_;   // per lane: bytes of completed items
   TransportCapabilities capabilities_;
 };
 
@@ -134,10 +158,24 @@ bool UcxBuilt() { return true; }
 
 StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOptions& options,
                                                         MemoryRegistry* registry) {
-  ASSIGN_OR_RETURN(std::unique_ptr<ucx::UcxWorker> worker, ucx::UcxWorker::Create());
-  KVF_LOG_INFO("ucx: UCX {} started ({} CUDA memory support)", worker->version(),
-               worker->cuda_memory() ? "with" : "without");
-  return std::unique_ptr<Transport>(new UcxTransport(options, registry, std::move(worker)));
+  if (options.lanes < 1 || options.lanes > kMaxLanes) {
+    return InvalidArgumentError("ucx_lanes_per_peer must be in 1.." + std::to_string(kMaxLanes) +
+                                ", got " + std::to_string(options.lanes));
+  }
+  if (options.slice_bytes < 4096) {
+    return InvalidArgumentError("ucx_slice_bytes must be at least 4 KiB, got " +
+                                std::to_string(options.slice_bytes));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<ucx::UcxContext> context, ucx::UcxContext::Create());
+  std::vector<std::unique_ptr<ucx::UcxWorker>> workers;
+  for (int i = 0; i < options.lanes; ++i) {
+    ASSIGN_OR_RETURN(std::unique_ptr<ucx::UcxWorker> worker, ucx::UcxWorker::Create(context.get()));
+    workers.push_back(std::move(worker));
+  }
+  KVF_LOG_INFO("ucx: UCX {} started ({} CUDA memory support), {} lanes", context->version(),
+               context->cuda_memory() ? "with" : "without", options.lanes);
+  return std::unique_ptr<Transport>(
+      new UcxTransport(options, registry, std::move(context), std::move(workers)));
 }
 
 }  // namespace kvferry

@@ -16,8 +16,8 @@ std::string UcxStatusText(ucs_status_t status) {
   return std::string("UCX error '") + ucs_status_string(status) + "'";
 }
 
-StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create() {
-  std::unique_ptr<UcxWorker> w(new UcxWorker());
+StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
+  std::unique_ptr<UcxContext> w(new UcxContext());
   unsigned major = 0, minor = 0, release = 0;
   ucp_get_version(&major, &minor, &release);
   w->version_ = std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release);
@@ -39,8 +39,8 @@ StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create() {
   params.field_mask =
       UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
-  // Regions are mapped from the registering thread while the progress thread uses the
-  // context: UCX then guards the context's shared state with its own lock.
+  // Regions are mapped from the registering thread while the workers' progress threads use
+  // the context: UCX then guards the context's shared state with its own lock.
   params.mt_workers_shared = 1;
   params.name = "kvferry";
   s = ucp_init(&params, config, &w->context_);
@@ -52,12 +52,26 @@ StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create() {
   if (ucp_context_query(w->context_, &attr) == UCS_OK) {
     w->cuda_memory_ = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   }
+  return w;
+}
 
+UcxContext::~UcxContext() {
+  {
+    std::lock_guard<std::mutex> lock(map_mu_);
+    for (auto& [base, memh] : mapped_) ucp_mem_unmap(context_, memh);
+    mapped_.clear();
+  }
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(UcxContext* context) {
+  std::unique_ptr<UcxWorker> w(new UcxWorker());
+  w->context_ = context;
   ucp_worker_params_t wp = {};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
   wp.events = UCP_WAKEUP_RMA | UCP_WAKEUP_AMO | UCP_WAKEUP_TX | UCP_WAKEUP_RX;
-  s = ucp_worker_create(w->context_, &wp, &w->worker_);
+  ucs_status_t s = ucp_worker_create(context->context(), &wp, &w->worker_);
   if (s != UCS_OK) return UnavailableError("UCX worker: " + UcxStatusText(s));
 
   ucp_address_t* address = nullptr;
@@ -94,13 +108,7 @@ UcxWorker::~UcxWorker() {
     Wake();
     thread_.join();
   }
-  {
-    std::lock_guard<std::mutex> lock(map_mu_);
-    for (auto& [base, memh] : mapped_) ucp_mem_unmap(context_, memh);
-    mapped_.clear();
-  }
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
-  if (context_ != nullptr) ucp_cleanup(context_);
   if (event_fd_ >= 0) ::close(event_fd_);
   if (epoll_fd_ >= 0) ::close(epoll_fd_);
 }
@@ -179,7 +187,7 @@ void UcxWorker::Loop() {
   for (auto& task : rest) task();
 }
 
-StatusOr<std::vector<uint8_t>> UcxWorker::MapRegion(const RegionDescriptor& region) {
+StatusOr<std::vector<uint8_t>> UcxContext::MapRegion(const RegionDescriptor& region) {
   ucp_mem_map_params_t p = {};
   p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                  UCP_MEM_MAP_PARAM_FIELD_PROT | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
@@ -211,7 +219,7 @@ StatusOr<std::vector<uint8_t>> UcxWorker::MapRegion(const RegionDescriptor& regi
   return rkey;
 }
 
-void UcxWorker::UnmapRegion(uint64_t base) {
+void UcxContext::UnmapRegion(uint64_t base) {
   ucp_mem_h memh = nullptr;
   {
     std::lock_guard<std::mutex> lock(map_mu_);
