@@ -14,6 +14,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,27 +41,35 @@ constexpr std::chrono::milliseconds kTargetStartupTimeout{60000};
 // connection setup.
 constexpr double kWarmupSeconds = 0.2;
 
-// Effective lanes and slice size: what the engine will use after environment overrides
-// (TransferEngine::Create lets KVFERRY_TCP_LANES / KVFERRY_TCP_SLICE win over options).
+// Effective lanes and slice size of the transport the route names (UCX's, else TCP's): what
+// the engine will use after environment overrides (TransferEngine::Create lets
+// KVFERRY_TCP_LANES / KVFERRY_TCP_SLICE, or KVFERRY_UCX_LANES / KVFERRY_UCX_SLICE, win over
+// options).
 struct EffectiveTcp {
   int lanes = EngineOptions().tcp_lanes_per_peer;
   uint64_t slice_bytes = EngineOptions().tcp_slice_bytes;
 };
 
-EffectiveTcp ResolveTcp(const BenchPlan& plan) {
+EffectiveTcp ResolveTcp(const BenchPlan& plan, const std::string& route) {
+  const bool ucx = route.rfind("ucx", 0) == 0;
   EffectiveTcp tcp;
+  if (ucx) {
+    tcp.lanes = EngineOptions().ucx_lanes_per_peer;
+    tcp.slice_bytes = EngineOptions().ucx_slice_bytes;
+  }
   if (plan.lanes) tcp.lanes = *plan.lanes;
   StatusOr<EnvConfig> env = ReadEnvConfig();  // already validated by the CLI
-  if (env.ok()) {
-    if (env->tcp_lanes) {
-      if (plan.lanes && *plan.lanes != *env->tcp_lanes) {
-        std::fprintf(stderr, "kvferry bench: KVFERRY_TCP_LANES=%d overrides --lanes %d\n",
-                     *env->tcp_lanes, *plan.lanes);
-      }
-      tcp.lanes = *env->tcp_lanes;
+  if (!env.ok()) return tcp;
+  const std::optional<int> env_lanes = ucx ? env->ucx_lanes : env->tcp_lanes;
+  const std::optional<uint64_t> env_slice = ucx ? env->ucx_slice_bytes : env->tcp_slice_bytes;
+  if (env_lanes) {
+    if (plan.lanes && *plan.lanes != *env_lanes) {
+      std::fprintf(stderr, "kvferry bench: KVFERRY_%s_LANES=%d overrides --lanes %d\n",
+                   ucx ? "UCX" : "TCP", *env_lanes, *plan.lanes);
     }
-    if (env->tcp_slice_bytes) tcp.slice_bytes = *env->tcp_slice_bytes;
+    tcp.lanes = *env_lanes;
   }
+  if (env_slice) tcp.slice_bytes = *env_slice;
   return tcp;
 }
 
@@ -230,10 +239,10 @@ int RunBench(const BenchFlags& flags) {
     target = std::move(*spawned);
     address = target->info().address;
   }
-  const EffectiveTcp tcp = ResolveTcp(plan);
   StatusOr<std::unique_ptr<BenchSession>> session =
       BenchSession::Open(plan, address, target ? &target->info() : nullptr);
   if (!session.ok()) return Fail(session.status());
+  const EffectiveTcp tcp = ResolveTcp(plan, (*session)->route());
 
   std::printf(
       "kvferry bench: %s, transport %s (route: %s), %d threads x %d batches in flight, %d "
@@ -311,7 +320,7 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
   cmd->add_option("--duration", flags->duration_s, "Seconds per configuration (fractions allowed)")
       ->capture_default_str();
   cmd->add_option("--lanes", flags->lanes,
-                  "TCP lanes (connections) per peer; default: the engine's (4)");
+                  "lanes per peer (TCP connections, UCX workers); default: the engine's (4)");
   cmd->add_option("--buffer-size", flags->buffer_size,
                   "Bytes of each side's buffer; default threads x batch x block, at most 2 GiB");
   cmd->add_option("--json", flags->json_path, "Also write results as JSON to this file");

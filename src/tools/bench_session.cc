@@ -87,7 +87,10 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
   options.name = "bench-initiator-" + std::to_string(::getpid());
   options.auth_secret = plan.auth_secret;
   options.insecure = plan.insecure;
-  if (plan.lanes) options.tcp_lanes_per_peer = *plan.lanes;
+  if (plan.lanes) {
+    options.tcp_lanes_per_peer = *plan.lanes;
+    options.ucx_lanes_per_peer = *plan.lanes;
+  }
   ASSIGN_OR_RETURN(session->engine_, TransferEngine::Create(options));
   ASSIGN_OR_RETURN(session->segment_, session->engine_->OpenSegment(address));
   ASSIGN_OR_RETURN(SegmentDescriptor peer,
