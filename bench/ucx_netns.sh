@@ -149,7 +149,9 @@ done
 # 3 and 4. kvferry bench, UCX then TCP, against a target serving in namespace B.
 bench() {
   local transport="$1" port="$2" bin="${3:-$binary}" tag="${4:-$1}"
-  in_b "$bin" bench --serve --listen "$ip_b:$port" --transport auto \
+  # Not through in_b: $! must be the target itself (ip netns exec execs it), so that the kill
+  # below reaches it.
+  ip netns exec "$ns_b" "$bin" bench --serve --listen "$ip_b:$port" --transport auto \
     --buffer-size 1GiB >"$out/serve_$tag.txt" 2>&1 &
   local server=$!
   pids+=("$server")
