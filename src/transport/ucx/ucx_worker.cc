@@ -64,9 +64,11 @@ UcxContext::~UcxContext() {
   if (context_ != nullptr) ucp_cleanup(context_);
 }
 
-StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(UcxContext* context) {
+StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(UcxContext* context,
+                                                       std::chrono::nanoseconds idle_spin) {
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   w->context_ = context;
+  w->idle_spin_ = idle_spin;
   ucp_worker_params_t wp = {};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
@@ -143,7 +145,7 @@ void UcxWorker::Run(const std::function<void()>& fn) {
 
 void UcxWorker::Loop() {
   using Clock = std::chrono::steady_clock;
-  const auto idle_spin = IdleSpinWindow();
+  const auto idle_spin = idle_spin_;
   auto last_work = Clock::now();
   std::deque<std::function<void()>> tasks;
   while (true) {

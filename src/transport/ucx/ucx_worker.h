@@ -2,10 +2,10 @@
 // worker of the context) and its workers (UcxWorker: one per lane), each with the progress
 // thread that owns it. Every UCX call on a worker (endpoints, puts, gets, flushes, progress)
 // runs on that worker's thread: others hand it work with Post or Run. The thread polls the worker
-// while there is work and for IdleSpinWindow() after it, then sleeps on UCX's wakeup file
-// descriptor (ucp_worker_get_efd) and its own event fd, so an idle engine costs no CPU. The serving
-// side needs it too: over transports that emulate RMA in software (tcp) the target's worker
-// executes peers' puts and gets when it progresses.
+// while there is work and for a while after it (its share of IdleSpinWindow()), then sleeps on
+// UCX's wakeup file descriptor (ucp_worker_get_efd) and its own event fd, so an idle engine costs
+// no CPU. The serving side needs it too: over transports that emulate RMA in software (tcp) the
+// target's worker executes peers' puts and gets when it progresses.
 //
 // Only the .cc files of src/transport/ucx/ include this header (it includes UCX's).
 //
@@ -14,6 +14,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -75,8 +76,10 @@ class UcxContext {
 class UcxWorker {
  public:
   // Creates a worker on `context` (not owned; outlives the worker) and starts its progress
-  // thread. Errors: kUnavailable with UCX's reason.
-  static StatusOr<std::unique_ptr<UcxWorker>> Create(UcxContext* context);
+  // thread, which polls for `idle_spin` after its last work before it sleeps. Errors:
+  // kUnavailable with UCX's reason.
+  static StatusOr<std::unique_ptr<UcxWorker>> Create(UcxContext* context,
+                                                     std::chrono::nanoseconds idle_spin);
   ~UcxWorker();  // stops the thread; every channel on it must be closed
 
   UcxContext& context() const { return *context_; }
@@ -96,6 +99,7 @@ class UcxWorker {
   void Wake();
 
   UcxContext* context_ = nullptr;
+  std::chrono::nanoseconds idle_spin_{0};
   ucp_worker_h worker_ = nullptr;
   std::vector<uint8_t> address_;
   int ucx_fd_ = -1;    // ucp_worker_get_efd
