@@ -143,6 +143,12 @@ void Descriptors(Corpus& c) {
   decode.regions.resize(1);
   c.AddBytes("descriptor", "one_host_region", wire::EncodeDescriptor(decode));
   c.AddBytes("descriptor", "empty", wire::EncodeDescriptor(SegmentDescriptor{}));
+  SegmentDescriptor ucx = decode;
+  ucx.name = "decode-ucx";
+  ucx.transports = {"tcp", "ucx"};
+  ucx.ucx_addresses = {std::vector<uint8_t>(180, 0x2A), std::vector<uint8_t>(180, 0x2B)};
+  ucx.regions[0].ucx_rkey = std::vector<uint8_t>(36, 0x7E);
+  c.AddBytes("descriptor", "ucx_worker_and_rkey", wire::EncodeDescriptor(ucx));
 }
 
 void StridedWrites(Corpus& c) {

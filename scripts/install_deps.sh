@@ -4,6 +4,7 @@
 set -euo pipefail
 pkgs=(cmake g++ make pkg-config libasio-dev libcpp-httplib-dev libssl-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libfmt-dev libxxhash-dev libgtest-dev iperf3 clang-format
+      libucx-dev ucx-utils iproute2  # the UCX transport; its tests and bench/ucx_netns.sh
       clang libclang-rt-14-dev  # clang and its libFuzzer runtime: scripts/fuzz.sh
       # the Python package (python/), for Debian's /usr/bin/python3: its headers, pybind11,
       # numpy, pytest, and what `pip install --no-build-isolation .` uses

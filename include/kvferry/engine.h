@@ -47,9 +47,12 @@ struct EngineOptions {
   // Port to listen on; 0 picks a free one (read it back with LocalDescriptor()).
   uint16_t listen_port = 0;
   // Transport: "auto" picks per peer and kind of local memory, in the order NVLink (GPU
-  // memory to GPU memory on one node), then TCP (any memory, any node: GPU memory through
-  // pinned bounce buffers); "tcp" or "nvlink" force one (requests it cannot carry fail at
-  // submission, naming why). docs/ARCHITECTURE.md describes the choice.
+  // memory to GPU memory on one node), then UCX (peers on other nodes, when both engines offer
+  // it: builds with UCX, engines listening beyond loopback), then TCP (any memory, any node: GPU
+  // memory through pinned bounce buffers); "tcp", "nvlink" or "ucx" force one (requests it cannot
+  // carry fail at submission, naming why; "ucx" fails at Create in a build without UCX or where UCX
+  // cannot start). UCX reads its own UCX_* variables (README). docs/ARCHITECTURE.md describes the
+  // choice.
   std::string transport = "auto";
   // NVLink: blocks of at least this many bytes go through the copy engine (cudaMemcpyAsync),
   // smaller ones through one batched copy kernel per submission. Default: never (the kernel's
@@ -73,6 +76,14 @@ struct EngineOptions {
   // Requests longer than this are split into slices of this size, spread over lanes, so one
   // huge request uses every lane. Default 4 MiB: large enough to amortize framing.
   uint64_t tcp_slice_bytes = 4ull << 20;
+  // UCX: workers of this engine, each with its own progress thread, and so endpoints (lanes)
+  // per peer: requests spread over them, and over UCX's tcp (which executes puts and gets on
+  // the target's workers) both sides move bytes on several threads and connections.
+  // Default 4, range 1..64; KVFERRY_UCX_LANES overrides it.
+  int ucx_lanes_per_peer = 4;
+  // UCX: requests longer than this are cut into slices of this size, spread over the lanes.
+  // Default 1 MiB (docs/perf/ucx.md), at least 4 KiB; KVFERRY_UCX_SLICE overrides it.
+  uint64_t ucx_slice_bytes = 1ull << 20;
   // TCP serving side: connections served at once (each has a thread); more are closed when
   // they connect, logged. Default 1024 (256 peers of 4 lanes).
   int tcp_max_connections = 1024;
@@ -189,7 +200,7 @@ inline constexpr std::array<double, 19> kBatchLatencyBoundsSeconds = {
 struct EngineMetrics {
   // The requests of SubmitBatch batches that became final, for one transport and op.
   struct Transfers {
-    std::string transport;  // a name EngineOptions::transport accepts: "nvlink", "tcp"
+    std::string transport;  // a name EngineOptions::transport accepts: "nvlink", "tcp", "ucx"
     TransferOp op = TransferOp::kWrite;
     // Bytes that landed: a WRITE's once the peer acknowledged them (over NVLink: once the copy
     // completed), a READ's once in local memory. A request that failed later (a deadline, a
@@ -220,6 +231,10 @@ struct EngineMetrics {
   uint64_t notifications_sent = 0;
   uint64_t notifications_failed = 0;
   uint64_t notifications_received = 0;
+  // Bytes of SubmitBatch requests (slices) that completed on each UCX lane of this engine
+  // (index: lane; EngineOptions::ucx_lanes_per_peer of them), over every peer; empty where
+  // UCX did not start.
+  std::vector<uint64_t> ucx_lane_bytes;
   uint64_t segments_open = 0;  // peer segments opened (OpenSegment) and not closed
   // The serving side: connections of peers to this engine's TCP port (each peer's lanes and
   // control channel). Open now (in the handshake or after it), accepted ever, and closed at
@@ -275,6 +290,15 @@ class TransferEngine {
   virtual StatusOr<SegmentDescriptor> GetSegmentDescriptor(SegmentHandle segment) const = 0;
   // Closes connections to the peer; later use of the handle fails with kNotFound.
   virtual Status CloseSegment(SegmentHandle segment) = 0;
+  // How requests from local memory of `kind` travel to `segment`: the transport's name, and
+  // for GPU memory whether it is moved directly or through pinned host bounce buffers (e.g.
+  // "ucx, GPU memory through pinned host bounce buffers"). Errors: kNotFound (unknown
+  // segment), kFailedPrecondition (no transport reaches it: why).
+  virtual StatusOr<std::string> DescribeRoute(SegmentHandle segment, MemoryKind kind) const {
+    (void)segment;
+    (void)kind;
+    return UnimplementedError("DescribeRoute");
+  }
   // Readies the data path from registered local memory at `local_addr` to `segment` before
   // the first transfer. Between GPUs of one node it opens the NVLink channel and maps the
   // peer's GPU regions on that channel's thread in the background: mapping a large pool takes

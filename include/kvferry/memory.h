@@ -62,6 +62,9 @@ struct RegionDescriptor {
   std::vector<uint8_t> share_handle;  // at most 128 bytes
   uint64_t alloc_offset = 0;
   uint64_t alloc_bytes = 0;
+  // The region's packed UCX remote key (opaque bytes from UCX) when the engine offers the
+  // "ucx" transport and the region allows remote access; empty otherwise.
+  std::vector<uint8_t> ucx_rkey;
 
   bool Contains(uint64_t addr, uint64_t length) const {
     return addr >= base && length <= length_bytes && addr - base <= length_bytes - length;

@@ -17,8 +17,9 @@
 namespace kvferry {
 
 // Version of the handshake and frame protocol. Peers with a different version are refused.
-// 2: strided WRITE frames; 3: the handshake authenticates both sides (challenge and response).
-inline constexpr uint16_t kProtocolVersion = 3;
+// 2: strided WRITE frames; 3: the handshake authenticates both sides (challenge and response);
+// 4: descriptors carry the UCX worker addresses (one per lane) and each region's packed UCX rkey.
+inline constexpr uint16_t kProtocolVersion = 4;
 
 struct SegmentDescriptor {
   std::string name;  // engine name, unique per process group (e.g. "prefill-0")
@@ -28,6 +29,10 @@ struct SegmentDescriptor {
   uint32_t pid = 0;
   std::vector<std::string> transports;  // e.g. {"tcp", "nvlink"}
   std::string ipc_socket;  // abstract Unix socket serving device-memory file descriptors
+  // The engine's UCX worker addresses (opaque bytes from UCX), one per UCX lane (worker with
+  // its own progress thread), when it offers the "ucx" transport; empty otherwise. Sent only
+  // after the handshake authenticated both sides.
+  std::vector<std::vector<uint8_t>> ucx_addresses;
   std::vector<RegionDescriptor> regions;
 
   std::string Address() const { return host + ":" + std::to_string(port); }

@@ -50,7 +50,8 @@ requests_completed, requests_failed, requests_cancelled), "request_failures_by_c
 bounds; buckets: batches per bucket, not cumulative, the last above the last bound;
 sum_seconds; count), notifications_sent / _failed / _received, segments_open,
 connections_open / _accepted / _refused, handshakes_completed, handshakes_refused_auth /
-_protocol / _timeout. Never blocks on the network.)";
+_protocol / _timeout, ucx_lane_bytes (list: bytes completed on each UCX lane; empty where UCX
+did not start). Never blocks on the network.)";
 
 inline constexpr const char* kRegisterDoc =
     R"(Registers memory for transfers and returns its address (int).

@@ -55,6 +55,9 @@ py::dict MetricsDict(const EngineMetrics& m) {
   d["handshakes_refused_auth"] = m.handshakes_refused_auth;
   d["handshakes_refused_protocol"] = m.handshakes_refused_protocol;
   d["handshakes_refused_timeout"] = m.handshakes_refused_timeout;
+  py::list lanes;
+  for (uint64_t n : m.ucx_lane_bytes) lanes.append(n);
+  d["ucx_lane_bytes"] = lanes;
   return d;
 }
 

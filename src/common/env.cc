@@ -120,6 +120,15 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.tcp_slice_bytes = *size;
   }
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_UCX_LANES", 1, 64, &config.ucx_lanes));
+  if (const char* v = std::getenv("KVFERRY_UCX_SLICE"); v != nullptr && *v != '\0') {
+    auto size = ParseByteSize(v);
+    if (!size.ok() || *size < 4096) {
+      return InvalidArgumentError(std::string("KVFERRY_UCX_SLICE='") + v +
+                                  "' must be a byte size of at least 4KiB");
+    }
+    config.ucx_slice_bytes = *size;
+  }
   if (const char* v = std::getenv("KVFERRY_NVLINK_CE_THRESHOLD"); v != nullptr && *v != '\0') {
     auto size = ParseByteSize(v);
     if (!size.ok() || *size == 0) {

@@ -4,6 +4,8 @@
 //   KVFERRY_LOG_LEVEL      trace|debug|info|warn|error|off      default warn
 //   KVFERRY_TCP_LANES      TCP connections per peer, 1..64        default EngineOptions value
 //   KVFERRY_TCP_SLICE      slice size in bytes (KiB/MiB suffix)   default EngineOptions value
+//   KVFERRY_UCX_LANES      UCX workers (lanes) per engine, 1..64  default EngineOptions value
+//   KVFERRY_UCX_SLICE      UCX slice size in bytes (KiB/MiB suffix) default EngineOptions value
 //   KVFERRY_LISTEN_HOST    address engines listen on              default 127.0.0.1
 //   KVFERRY_NVLINK_CE_THRESHOLD  NVLink blocks of at least this size use the copy engine
 //                                (bytes, KiB/MiB suffix)      default EngineOptions value
@@ -39,6 +41,8 @@ struct EnvConfig {
   std::string log_level = "warn";
   std::optional<int> tcp_lanes;
   std::optional<uint64_t> tcp_slice_bytes;
+  std::optional<int> ucx_lanes;
+  std::optional<uint64_t> ucx_slice_bytes;
   std::optional<std::string> listen_host;
   std::optional<uint64_t> nvlink_ce_threshold_bytes;
   std::optional<int64_t> spin_us;

@@ -86,10 +86,16 @@ class EngineImpl : public TransferEngine {
     t.tcp.insecure = options_.insecure;
     t.tcp.describe = [this] { return LocalDescriptor(); };
     t.tcp.on_notification = [this](Notification n) { Deliver(std::move(n)); };
+    t.ucx.lanes = options_.ucx_lanes_per_peer;
+    t.ucx.slice_bytes = options_.ucx_slice_bytes;
     t.nvlink.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;
     t.nvlink.resident_min_tiles = options_.nvlink_resident_min_tiles;
     t.nvlink.auth_secret = options_.auth_secret;
+    // UCX listens on every interface UCX_NET_DEVICES allows, whatever listen_host says, and
+    // its tcp executes peers' puts unchecked (docs/security.md): an engine that serves only
+    // loopback (no peer on another node can reach it) does not start it unless forced.
+    t.ucx_in_auto = !IsLoopbackHost(options_.listen_host);
     t.faults = options_.faults;
     if (options_.faults.active()) {
       KVF_LOG_WARN("engine {}: fault injection on ({})", options_.name, options_.faults.ToString());
@@ -170,6 +176,7 @@ class EngineImpl : public TransferEngine {
       std::lock_guard<std::mutex> lock(describe_mu_);
       d.transports = self_transports_.transports;
       d.ipc_socket = self_transports_.ipc_socket;
+      d.ucx_addresses = self_transports_.ucx_addresses;
     }
     // Regions without remote access are the local side of requests only: peers see none of
     // them (not their addresses, sizes or IPC handles).
@@ -218,6 +225,13 @@ class EngineImpl : public TransferEngine {
     ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *peer, 0, &cache));
     channel->Prepare();
     return OkStatus();
+  }
+
+  StatusOr<std::string> DescribeRoute(SegmentHandle segment, MemoryKind kind) const override {
+    ASSIGN_OR_RETURN(auto peer, FindPeer(segment));
+    const StatusOr<Transport*>& route = peer->routes[static_cast<size_t>(kind)];
+    if (!route.ok()) return route.status();
+    return (*route)->RouteText(kind);
   }
 
   StatusOr<SegmentDescriptor> RefreshSegment(SegmentHandle segment) override {
@@ -488,6 +502,7 @@ class EngineImpl : public TransferEngine {
     EngineMetrics m;
     counters_->Fill(&m);
     m.segments_open = segments_open_.load(std::memory_order_relaxed);
+    m.ucx_lane_bytes = transports_->LaneBytes("ucx");
     const tcp::TcpServerCounters& server = transports_->control().server_counters();
     auto load = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
     m.connections_open = load(server.connections_open);
@@ -656,6 +671,8 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   ASSIGN_OR_RETURN(EnvConfig env, ReadEnvConfig());
   if (env.tcp_lanes) resolved.tcp_lanes_per_peer = *env.tcp_lanes;
   if (env.tcp_slice_bytes) resolved.tcp_slice_bytes = *env.tcp_slice_bytes;
+  if (env.ucx_lanes) resolved.ucx_lanes_per_peer = *env.ucx_lanes;
+  if (env.ucx_slice_bytes) resolved.ucx_slice_bytes = *env.ucx_slice_bytes;
   if (env.nvlink_ce_threshold_bytes) {
     resolved.nvlink_copy_engine_threshold_bytes = *env.nvlink_ce_threshold_bytes;
   }

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,27 +41,35 @@ constexpr std::chrono::milliseconds kTargetStartupTimeout{60000};
 // connection setup.
 constexpr double kWarmupSeconds = 0.2;
 
-// Effective lanes and slice size: what the engine will use after environment overrides
-// (TransferEngine::Create lets KVFERRY_TCP_LANES / KVFERRY_TCP_SLICE win over options).
+// Effective lanes and slice size of the transport the route names (UCX's, else TCP's): what
+// the engine will use after environment overrides (TransferEngine::Create lets
+// KVFERRY_TCP_LANES / KVFERRY_TCP_SLICE, or KVFERRY_UCX_LANES / KVFERRY_UCX_SLICE, win over
+// options).
 struct EffectiveTcp {
   int lanes = EngineOptions().tcp_lanes_per_peer;
   uint64_t slice_bytes = EngineOptions().tcp_slice_bytes;
 };
 
-EffectiveTcp ResolveTcp(const BenchPlan& plan) {
+EffectiveTcp ResolveTcp(const BenchPlan& plan, const std::string& route) {
+  const bool ucx = route.rfind("ucx", 0) == 0;
   EffectiveTcp tcp;
+  if (ucx) {
+    tcp.lanes = EngineOptions().ucx_lanes_per_peer;
+    tcp.slice_bytes = EngineOptions().ucx_slice_bytes;
+  }
   if (plan.lanes) tcp.lanes = *plan.lanes;
   StatusOr<EnvConfig> env = ReadEnvConfig();  // already validated by the CLI
-  if (env.ok()) {
-    if (env->tcp_lanes) {
-      if (plan.lanes && *plan.lanes != *env->tcp_lanes) {
-        std::fprintf(stderr, "kvferry bench: KVFERRY_TCP_LANES=%d overrides --lanes %d\n",
-                     *env->tcp_lanes, *plan.lanes);
-      }
-      tcp.lanes = *env->tcp_lanes;
+  if (!env.ok()) return tcp;
+  const std::optional<int> env_lanes = ucx ? env->ucx_lanes : env->tcp_lanes;
+  const std::optional<uint64_t> env_slice = ucx ? env->ucx_slice_bytes : env->tcp_slice_bytes;
+  if (env_lanes) {
+    if (plan.lanes && *plan.lanes != *env_lanes) {
+      std::fprintf(stderr, "kvferry bench: KVFERRY_%s_LANES=%d overrides --lanes %d\n",
+                   ucx ? "UCX" : "TCP", *env_lanes, *plan.lanes);
     }
-    if (env->tcp_slice_bytes) tcp.slice_bytes = *env->tcp_slice_bytes;
+    tcp.lanes = *env_lanes;
   }
+  if (env_slice) tcp.slice_bytes = *env_slice;
   return tcp;
 }
 
@@ -145,7 +154,7 @@ std::string RenderResults(const std::vector<BenchConfigResult>& results) {
 }
 
 Status WriteJson(const std::string& path, const BenchPlan& plan, const EffectiveTcp& tcp,
-                 const std::vector<BenchConfigResult>& results,
+                 const std::string& route, const std::vector<BenchConfigResult>& results,
                  const std::vector<GpuBaseline>& baselines) {
   nlohmann::ordered_json configs = nlohmann::ordered_json::array();
   for (const BenchConfigResult& r : results) {
@@ -171,6 +180,7 @@ Status WriteJson(const std::string& path, const BenchPlan& plan, const Effective
   nlohmann::ordered_json doc = {
       {"device", plan.device},
       {"transport", plan.transport},
+      {"route", route},
       {"op", plan.op == TransferOp::kWrite ? "write" : "read"},
       {"threads", plan.num_threads},
       {"inflight", plan.inflight},
@@ -237,19 +247,18 @@ int RunBench(const BenchFlags& flags) {
     target = std::move(*spawned);
     address = target->info().address;
   }
-  const EffectiveTcp tcp = ResolveTcp(plan);
   StatusOr<std::unique_ptr<BenchSession>> session =
       BenchSession::Open(plan, address, target ? &target->info() : nullptr);
   if (!session.ok()) return Fail(session.status());
+  const EffectiveTcp tcp = ResolveTcp(plan, (*session)->route());
 
   std::printf(
-      "kvferry bench: %s, transport %s, %d threads x %d batches in flight, %d lanes, slice %s, "
-      "buffer %s, "
-      "target %s%s, %.2f s per configuration\n",
-      plan.op == TransferOp::kWrite ? "WRITE" : "READ", plan.transport.c_str(), plan.num_threads,
-      plan.inflight, tcp.lanes, FormatBytes(tcp.slice_bytes).c_str(),
-      FormatBytes((*session)->buffer_bytes()).c_str(), address.c_str(), target ? " (spawned)" : "",
-      plan.duration_s);
+      "kvferry bench: %s, transport %s (route: %s), %d threads x %d batches in flight, %d "
+      "lanes, slice %s, buffer %s, target %s%s, %.2f s per configuration\n",
+      plan.op == TransferOp::kWrite ? "WRITE" : "READ", plan.transport.c_str(),
+      (*session)->route().c_str(), plan.num_threads, plan.inflight, tcp.lanes,
+      FormatBytes(tcp.slice_bytes).c_str(), FormatBytes((*session)->buffer_bytes()).c_str(),
+      address.c_str(), target ? " (spawned)" : "", plan.duration_s);
   std::fflush(stdout);
 
   StatusOr<BenchConfigResult> warmup =
@@ -273,6 +282,7 @@ int RunBench(const BenchFlags& flags) {
       results.push_back(*result);
     }
   }
+  const std::string route = (*session)->route();
   session->reset();  // close connections before the target goes away
   if (target != nullptr) {
     if (Status stopped = target->Stop(); !stopped.ok()) {
@@ -285,7 +295,8 @@ int RunBench(const BenchFlags& flags) {
   if (plan.device == "cuda") baselines = MeasureGpuBaselines(plan);
   std::fflush(stdout);
   if (!plan.json_path.empty()) {
-    if (Status written = WriteJson(plan.json_path, plan, tcp, results, baselines); !written.ok()) {
+    if (Status written = WriteJson(plan.json_path, plan, tcp, route, results, baselines);
+        !written.ok()) {
       return Fail(written);
     }
   }
@@ -302,7 +313,7 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
                   "cpu, or cuda: buffers in GPU memory (initiator GPU 0, target GPU 1); also "
                   "measures cudaMemcpyPeer and cudaMemcpyBatchAsync in the same run")
       ->capture_default_str();
-  cmd->add_option("--transport", flags->transport, "Transport: auto or a name such as tcp")
+  cmd->add_option("--transport", flags->transport, "Transport: auto, tcp, ucx or nvlink")
       ->capture_default_str();
   cmd->add_option("--op", flags->op, "write or read")->capture_default_str();
   cmd->add_option("--block-size", flags->block_sizes,
@@ -317,7 +328,7 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
   cmd->add_option("--duration", flags->duration_s, "Seconds per configuration (fractions allowed)")
       ->capture_default_str();
   cmd->add_option("--lanes", flags->lanes,
-                  "TCP lanes (connections) per peer; default: the engine's (4)");
+                  "lanes per peer (TCP connections, UCX workers); default: the engine's (4)");
   cmd->add_option("--buffer-size", flags->buffer_size,
                   "Bytes of each side's buffer; default threads x batch x block, at most 2 GiB");
   cmd->add_option("--json", flags->json_path, "Also write results as JSON to this file");

@@ -95,7 +95,10 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
   options.name = "bench-initiator-" + std::to_string(::getpid());
   options.auth_secret = plan.auth_secret;
   options.insecure = plan.insecure;
-  if (plan.lanes) options.tcp_lanes_per_peer = *plan.lanes;
+  if (plan.lanes) {
+    options.tcp_lanes_per_peer = *plan.lanes;
+    options.ucx_lanes_per_peer = *plan.lanes;
+  }
   ASSIGN_OR_RETURN(session->engine_, TransferEngine::Create(options));
   ASSIGN_OR_RETURN(session->segment_, session->engine_->OpenSegment(address));
   ASSIGN_OR_RETURN(SegmentDescriptor peer,
@@ -144,6 +147,11 @@ StatusOr<std::unique_ptr<BenchSession>> BenchSession::Open(const BenchPlan& plan
       session->engine_->RegisterMemory(session->local_.data(), session->local_.size_bytes(),
                                        session->local_.location(), kAccessRemoteReadWrite));
   return session;
+}
+
+std::string BenchSession::route() const {
+  StatusOr<std::string> route = engine_->DescribeRoute(segment_, local_.location().kind);
+  return route.ok() ? *route : route.status().message();
 }
 
 BenchSession::~BenchSession() {

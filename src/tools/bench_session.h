@@ -81,6 +81,9 @@ class BenchSession {
   Status Verify(uint64_t block_bytes, size_t batch_size);
 
   uint64_t buffer_bytes() const { return buffer_bytes_; }
+  // How this session's requests travel (TransferEngine::DescribeRoute), e.g. "ucx, GPU memory
+  // through pinned host bounce buffers"; the error text when no transport reaches the target.
+  std::string route() const;
   const std::string& address() const { return address_; }
 
  private:

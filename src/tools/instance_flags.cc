@@ -91,7 +91,8 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
   cmd->add_option("--page-size", f->page_size, "Tokens per KV page")->capture_default_str();
   cmd->add_option("--pool-size", f->pool_size, "KV pool bytes (KiB/MiB/GiB suffixes)")
       ->capture_default_str();
-  cmd->add_option("--transport", f->transport, "Transport: auto or tcp")->capture_default_str();
+  cmd->add_option("--transport", f->transport, "Transport: auto, tcp, ucx or nvlink")
+      ->capture_default_str();
   cmd->add_option("--host", f->host, "Address to listen on")->capture_default_str();
   cmd->add_option("--control-port", f->control_port, "HTTP control port (0 = any)");
   cmd->add_option("--aux-rows", f->aux_rows, "Aux (metadata) rows")->capture_default_str();

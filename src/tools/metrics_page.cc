@@ -1,5 +1,7 @@
 #include "tools/metrics_page.h"
 
+#include <string>
+
 #include "common/prometheus_text.h"
 
 namespace kvferry::tools {
@@ -90,6 +92,14 @@ void EngineFamilies(PrometheusText& t, const EngineMetrics& m) {
   t.Sample(refused, {{"reason", "auth"}}, m.handshakes_refused_auth);
   t.Sample(refused, {{"reason", "protocol"}}, m.handshakes_refused_protocol);
   t.Sample(refused, {{"reason", "timeout"}}, m.handshakes_refused_timeout);
+  if (!m.ucx_lane_bytes.empty()) {
+    const char* lanes = "kvferry_engine_ucx_lane_bytes_total";
+    t.Family(lanes, "counter",
+             "Bytes of transfer requests (slices) that completed on each UCX lane of this engine.");
+    for (size_t i = 0; i < m.ucx_lane_bytes.size(); ++i) {
+      t.Sample(lanes, {{"lane", std::to_string(i)}}, m.ucx_lane_bytes[i]);
+    }
+  }
 }
 
 void ConnectorFamilies(PrometheusText& t, std::string_view side_name, const ConnectorStats& s) {

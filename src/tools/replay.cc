@@ -734,7 +734,7 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
                   "Honour arrival times, X times faster (default: as fast as possible)");
   cmd->add_option("--pool-size", flags->instance.pool_size, "KV pool bytes per side")
       ->capture_default_str();
-  cmd->add_option("--transport", flags->instance.transport, "Transport: auto or tcp")
+  cmd->add_option("--transport", flags->instance.transport, "Transport: auto, tcp, ucx or nvlink")
       ->capture_default_str();
   cmd->add_option("--chunk-tokens", flags->instance.chunk_tokens, "Tokens per prefill chunk")
       ->capture_default_str();

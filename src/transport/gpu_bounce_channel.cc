@@ -24,7 +24,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
 
   void Submit(std::shared_ptr<WorkItem> item) override {
     if (item->kind != WorkItem::Kind::kWrite && item->kind != WorkItem::Kind::kRead) {
-      options_.tcp->Submit(std::move(item));  // notifications and queries carry no GPU bytes
+      options_.host->Submit(std::move(item));  // notifications and queries carry no GPU bytes
       return;
     }
     {
@@ -68,10 +68,10 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
       }
       cv_.notify_one();
     }
-    for (auto& sub : subs) options_.tcp->Abandon(sub.get(), why);
+    for (auto& sub : subs) options_.host->Abandon(sub.get(), why);
   }
 
-  // Fails what is queued; chunks in flight finish or fail through the TCP channel (close it
+  // Fails what is queued; chunks in flight finish or fail through the host channel (close it
   // first, so that nothing waits on the network), then the thread stops.
   void Close() override {
     {
@@ -105,7 +105,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
     std::shared_ptr<Job> job;
     uint64_t offset = 0;
     uint64_t length = 0;
-    std::shared_ptr<WorkItem> sub;  // the chunk's TCP item while kTcp
+    std::shared_ptr<WorkItem> sub;  // the chunk's host-channel item while kTcp
   };
 
   void Loop() {
@@ -176,7 +176,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
     if (job.error.ok()) job.error = s;
   }
 
-  // A chunk's TCP item finished: a WRITE chunk is done; a READ chunk goes to the device.
+  // A chunk's host-channel item finished: a WRITE chunk is done; a READ chunk goes to the device.
   void OnChunkSent(int i, const Status& status) {
     Buffer& b = buffers_[static_cast<size_t>(i)];
     Job& job = *b.job;
@@ -241,7 +241,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
       b.sub = sub;
     }
     SetState(i, Buffer::kTcp);
-    options_.tcp->Submit(std::move(sub));
+    options_.host->Submit(std::move(sub));
   }
 
   // Hands free buffers to the next bytes of the oldest jobs.
@@ -313,7 +313,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   std::condition_variable cv_;
   bool closed_ = false;
   std::deque<std::shared_ptr<Job>> queued_;
-  std::vector<std::pair<int, Status>> finished_;  // (buffer, status) of chunks' TCP items
+  std::vector<std::pair<int, Status>> finished_;  // (buffer, status) of chunks' host-channel items
   std::vector<std::pair<WorkItem*, Status>> abandons_;
   // Written by the loop thread under mu_ (Abandon reads them); the loop reads them freely.
   std::vector<Buffer> buffers_;
@@ -325,7 +325,8 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
 }  // namespace
 
 StatusOr<std::unique_ptr<PeerChannel>> CreateGpuBounceChannel(const GpuBounceOptions& options) {
-  if (options.tcp == nullptr) return InvalidArgumentError("GPU bounce channel needs a TCP channel");
+  if (options.host == nullptr)
+    return InvalidArgumentError("GPU bounce channel needs a host channel");
   if (options.num_buffers < 1 || options.buffer_bytes == 0) {
     return InvalidArgumentError("GPU bounce channel needs at least one buffer of at least a byte");
   }

@@ -1,5 +1,6 @@
-// GPU memory to a peer without NVLink: requests whose local side is GPU memory travel over the
-// peer's TCP channel through pinned host bounce buffers. A WRITE's chunk is copied device to
+// GPU memory to a peer without NVLink: requests whose local side is GPU memory travel over a
+// channel that moves host memory (the peer's TCP channel, or a UCX channel where UCX cannot
+// move GPU memory) through pinned host bounce buffers. A WRITE's chunk is copied device to
 // host asynchronously and sent when that copy finished; a READ's chunk is received into a
 // bounce buffer and copied host to device asynchronously. Chunks of several requests are in
 // flight at once, so the copies overlap the network. No CUDA types here: in a build without
@@ -13,8 +14,10 @@
 namespace kvferry {
 
 struct GpuBounceOptions {
-  PeerChannel* tcp = nullptr;  // the peer's TCP channel; must outlive this channel's Close
-  int local_device = 0;        // the GPU of the local memory this channel serves
+  // The channel that moves the host bounce buffers (and notifications); must outlive this
+  // channel's Close.
+  PeerChannel* host = nullptr;
+  int local_device = 0;  // the GPU of the local memory this channel serves
   int num_buffers = 16;
   uint64_t buffer_bytes = 1ull << 20;
 };

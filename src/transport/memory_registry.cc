@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <string>
 
+#include "common/checks.h"
+
 namespace kvferry {
 namespace {
 std::string RangeText(uint64_t addr, uint64_t length) {
@@ -34,14 +36,7 @@ void MemoryRegistry::Pin::Release() {
   registry_ = nullptr;
 }
 
-Status MemoryRegistry::Register(const RegionDescriptor& region) {
-  if (region.base == 0) return InvalidArgumentError("cannot register a null address");
-  if (region.length_bytes == 0) return InvalidArgumentError("cannot register zero bytes");
-  if (region.base + region.length_bytes < region.base) {
-    return InvalidArgumentError("region " + RangeText(region.base, region.length_bytes) +
-                                " wraps the address space");
-  }
-  std::lock_guard<std::mutex> lock(mu_);
+Status MemoryRegistry::CheckFreeLocked(const RegionDescriptor& region) const {
   auto next = regions_.lower_bound(region.base);
   if (next != regions_.end() && next->first < region.base + region.length_bytes) {
     return InvalidArgumentError("region " + RangeText(region.base, region.length_bytes) +
@@ -56,10 +51,34 @@ Status MemoryRegistry::Register(const RegionDescriptor& region) {
                                   RangeText(prev->first, prev->second->region.length_bytes));
     }
   }
+  return OkStatus();
+}
+
+Status MemoryRegistry::Register(const RegionDescriptor& region) {
+  if (region.base == 0) return InvalidArgumentError("cannot register a null address");
+  if (region.length_bytes == 0) return InvalidArgumentError("cannot register zero bytes");
+  if (region.base + region.length_bytes < region.base) {
+    return InvalidArgumentError("region " + RangeText(region.base, region.length_bytes) +
+                                " wraps the address space");
+  }
   auto entry = std::make_shared<Entry>();
   entry->region = region;
-  regions_.emplace(region.base, std::move(entry));
-  return OkStatus();
+  RegionObserver* observer = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(CheckFreeLocked(region));
+    observer = observer_;
+  }
+  // The observer may take long (UCX maps the memory): outside the lock, then checked again.
+  if (observer != nullptr) RETURN_IF_ERROR(observer->OnRegister(&entry->region));
+  Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status = CheckFreeLocked(region);
+    if (status.ok()) regions_.emplace(region.base, entry);
+  }
+  if (!status.ok() && observer != nullptr) observer->OnUnregister(entry->region);
+  return status;
 }
 
 Status MemoryRegistry::Unregister(uint64_t base) {
@@ -71,7 +90,15 @@ Status MemoryRegistry::Unregister(uint64_t base) {
   std::shared_ptr<Entry> entry = it->second;
   regions_.erase(it);  // no new pins from here on
   unpinned_.wait(lock, [&] { return entry->pins == 0; });
+  RegionObserver* observer = observer_;
+  lock.unlock();
+  if (observer != nullptr) observer->OnUnregister(entry->region);
   return OkStatus();
+}
+
+void MemoryRegistry::SetObserver(RegionObserver* observer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  observer_ = observer;
 }
 
 StatusOr<MemoryRegistry::Pin> MemoryRegistry::PinRange(uint64_t addr, uint64_t length,

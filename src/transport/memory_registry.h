@@ -17,6 +17,19 @@
 
 namespace kvferry {
 
+// What a transport keeps for each registered region (UCX: the region's memory mapping and
+// packed remote key). Called outside the registry's lock, from the registering thread.
+class RegionObserver {
+ public:
+  virtual ~RegionObserver() = default;
+  // Before `region` enters the registry; may add to it (RegionDescriptor::ucx_rkey). An error
+  // refuses the registration.
+  virtual Status OnRegister(RegionDescriptor* region) = 0;
+  // After `region` left the registry and every pin on it was released; also for a region
+  // whose registration failed after OnRegister succeeded.
+  virtual void OnUnregister(const RegionDescriptor& region) = 0;
+};
+
 class MemoryRegistry {
  private:
   struct Entry {
@@ -43,7 +56,8 @@ class MemoryRegistry {
     std::shared_ptr<Entry> entry_;
   };
 
-  // Errors: kInvalidArgument (null, zero length, wrapping, overlap with a registered region).
+  // Errors: kInvalidArgument (null, zero length, wrapping, overlap with a registered region),
+  // the observer's.
   Status Register(const RegionDescriptor& region);
   // Blocks until pins on the region are released. Errors: kNotFound.
   Status Unregister(uint64_t base);
@@ -67,10 +81,17 @@ class MemoryRegistry {
 
   std::vector<RegionDescriptor> Regions() const;
 
+  // Sets (or with null clears) the one observer; `observer` (not owned) outlives the setting.
+  // Regions registered before are not shown to it.
+  void SetObserver(RegionObserver* observer);
+
  private:
+  Status CheckFreeLocked(const RegionDescriptor& region) const;
+
   mutable std::mutex mu_;
   std::condition_variable unpinned_;
   std::map<uint64_t, std::shared_ptr<Entry>> regions_;  // by base
+  RegionObserver* observer_ = nullptr;                  // guarded by mu_
 };
 
 }  // namespace kvferry

@@ -92,6 +92,9 @@ struct WorkItem {
   // until it may complete the item (TCP's kAcked stage).
   std::atomic<void*> carrier{nullptr};
   Status acked_status;
+  // Which lane of a channel that spreads items over lanes of its own (UCX) carries the item;
+  // that channel's scratch, set before the lane sees the item.
+  uint32_t lane = 0;
 
   // Moves the item to kDone and calls the owner once; later calls do nothing.
   void Complete(const Status& status) {
@@ -192,11 +195,21 @@ class Transport {
   // descriptors as exchanged in the handshake). The engine checks capabilities first
   // (memory kinds, same node).
   virtual bool CanReach(const SegmentDescriptor& self, const SegmentDescriptor& peer) const = 0;
+  // How this transport moves local memory of `local_kind`, for logs and `kvferry bench`: its
+  // name, and how GPU memory travels where that differs (e.g. "ucx, GPU memory through pinned
+  // host bounce buffers").
+  virtual std::string RouteText(MemoryKind local_kind) const {
+    (void)local_kind;
+    return capabilities().name;
+  }
   // Opens a channel to setup.peer for local memory of setup.local_kind on
   // setup.local_device. The engine opens one per (peer, transport, local device), owns it,
   // and calls Close before dropping it; a transport may hand back setup.control itself. May
   // block for connection set-up. Errors: the transport's (kUnavailable, kFailedPrecondition).
   virtual StatusOr<std::shared_ptr<PeerChannel>> OpenChannel(const ChannelSetup& setup) = 0;
+  // Bytes of requests that completed on each of this transport's own lanes (index: lane), over
+  // every peer, for metrics; empty for a transport without lanes of its own. Never blocks.
+  virtual std::vector<uint64_t> LaneBytes() const { return {}; }
 };
 
 }  // namespace kvferry

@@ -1,10 +1,11 @@
 #include "transport/transport_set.h"
 
 #include "common/checks.h"
+#include "common/logging.h"
 
 namespace kvferry {
 
-std::vector<std::string> TransportSet::KnownNames() { return {"auto", "nvlink", "tcp"}; }
+std::vector<std::string> TransportSet::KnownNames() { return {"auto", "nvlink", "tcp", "ucx"}; }
 
 StatusOr<std::unique_ptr<TransportSet>> TransportSet::Create(const TransportSetOptions& options,
                                                              MemoryRegistry* registry) {
@@ -29,6 +30,20 @@ StatusOr<std::unique_ptr<TransportSet>> TransportSet::Create(const TransportSetO
   } else if (set->forced_ == "nvlink" || made.status().code() == StatusCode::kUnavailable) {
     return made.status();
   }
+  UcxTransportOptions ucx = options.ucx;
+  ucx.same_node = ucx.same_node || set->forced_ == "ucx";
+  if (set->forced_ == "ucx" || (set->forced_.empty() && options.ucx_in_auto)) {
+    auto ucx_made = CreateUcxTransport(ucx, registry);
+    if (ucx_made.ok()) {
+      set->data_.push_back(std::move(*ucx_made));
+    } else if (ucx_made.status().code() == StatusCode::kInvalidArgument) {
+      return ucx_made.status();  // bad options, forced or not
+    } else if (set->forced_ == "ucx") {
+      return FailedPreconditionError(ucx_made.status().message());
+    } else if (ucx_made.status().code() != StatusCode::kUnimplemented) {
+      KVF_LOG_WARN("UCX transport not started: {}", ucx_made.status().ToString());
+    }
+  }
 
   for (const auto& t : set->data_) set->preference_.push_back(t.get());
   set->preference_.push_back(set->tcp_.get());
@@ -50,6 +65,13 @@ std::shared_ptr<PeerChannel> TransportSet::NotifyChannel(
     std::shared_ptr<PeerChannel> control) const {
   if (faults_ == nullptr) return control;
   return std::make_shared<FaultChannel>(std::move(control), faults_, /*host_memory=*/true);
+}
+
+std::vector<uint64_t> TransportSet::LaneBytes(std::string_view name) const {
+  for (const auto& t : data_) {
+    if (t->capabilities().name == name) return t->LaneBytes();
+  }
+  return {};
 }
 
 void TransportSet::Describe(SegmentDescriptor* self) const {

@@ -2,9 +2,9 @@
 // control plane (handshake, descriptor queries, notifications) and the fallback data path.
 // Data transports are tried in one preference order:
 //
-//   nvlink (GPU memory to GPU memory on one node), then tcp (anything, anywhere)
-//
-// An inter-node transport goes between them. For each kind of local memory the first
+//   nvlink (GPU memory to GPU memory on one node), then ucx (peers on other nodes, when both
+//   sides offer it; any peer when forced), then tcp (anything, anywhere)
+// For each kind of local memory the first
 // transport whose capabilities allow it (local memory kind, same node) and whose CanReach
 // accepts the peer's descriptor carries a peer's requests; EngineOptions::transport ("auto",
 // or one transport's name) may force one. A new transport plugs in here (Create and the
@@ -15,6 +15,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvferry/faults.h"
@@ -25,6 +26,7 @@
 #include "transport/nvlink/nvlink_transport.h"
 #include "transport/tcp/tcp_transport.h"
 #include "transport/transport.h"
+#include "transport/ucx/ucx_transport.h"
 
 namespace kvferry {
 
@@ -32,6 +34,10 @@ struct TransportSetOptions {
   std::string transport = "auto";  // "auto" or a name from TransportSet::KnownNames()
   tcp::TcpTransportOptions tcp;
   NvlinkTransportOptions nvlink;
+  UcxTransportOptions ucx;
+  // Whether "auto" starts UCX (where built and it starts; the engine: when it listens beyond
+  // loopback); "ucx" always does.
+  bool ucx_in_auto = true;
   // When active, every transport is wrapped in a FaultTransport and notification channels in
   // a FaultChannel (kvferry/faults.h), all sharing one FaultInjector.
   FaultPlan faults;
@@ -43,14 +49,17 @@ class TransportSet {
   static std::vector<std::string> KnownNames();
 
   // Starts TCP and every other transport this build and machine support (NVLink with CUDA and
-  // a device). `registry` (not owned) outlives the set. Errors: kInvalidArgument for an
-  // unknown transport name or bad TCP options; a forced transport that cannot start fails
-  // with its reason (e.g. kFailedPrecondition: no CUDA device); kUnavailable when the listen
-  // address cannot be bound.
+  // a device, UCX where built and it starts). `registry` (not owned) outlives the set. Errors:
+  // kInvalidArgument for an unknown transport name or bad TCP or UCX options; a forced transport
+  // that cannot start fails with its reason (kFailedPrecondition: no CUDA device, no UCX in this
+  // build or UCX could not start); kUnavailable when the listen address cannot be bound.
   static StatusOr<std::unique_ptr<TransportSet>> Create(const TransportSetOptions& options,
                                                         MemoryRegistry* registry);
 
   tcp::TcpTransport& control() const { return *tcp_; }
+
+  // The started transport `name`'s Transport::LaneBytes; empty when it did not start.
+  std::vector<uint64_t> LaneBytes(std::string_view name) const;
 
   // Adds every started transport to `self` (name, and what peers need to reach it), TCP first.
   void Describe(SegmentDescriptor* self) const;

@@ -68,7 +68,7 @@ TEST(EngineMetricsTest, CountsKnownBatchesExactly) {
   ASSERT_NE(engine, nullptr);
   EngineMetrics m = engine->Metrics();
   EXPECT_EQ(m.segments_open, 0u);
-  ASSERT_EQ(m.transfers.size(), 4u);  // nvlink and tcp, WRITE and READ, all zero
+  ASSERT_EQ(m.transfers.size(), 6u);  // nvlink, tcp and ucx, WRITE and READ, all zero
   for (const auto& x : m.transfers) {
     EXPECT_EQ(x.bytes + x.requests_completed + x.requests_failed + x.requests_cancelled, 0u);
   }

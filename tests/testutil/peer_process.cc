@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "kvferry/engine.h"
+#include "testutil/netns.h"
 
 namespace kvferry::testutil {
 
@@ -26,12 +27,17 @@ uint64_t Hash64(const void* data, size_t length) { return XXH64(data, length, 0)
 
 namespace {
 
-[[noreturn]] void ChildMain(int write_fd, uint64_t region_bytes, const std::string& auth_secret) {
+[[noreturn]] void ChildMain(int write_fd, uint64_t region_bytes, const PeerOptions& peer) {
   auto fail = [&](const std::string& why) {
     std::string msg = "ERR " + why + "\n";
     (void)!::write(write_fd, msg.data(), msg.size());
     ::_exit(1);
   };
+  if (!peer.netns.empty()) {
+    const std::string failed = EnterNetnsInChild(peer.netns);
+    if (!failed.empty()) fail(failed);
+  }
+  for (const auto& [name, value] : peer.env) ::setenv(name.c_str(), value.c_str(), 1);
   auto* rw = static_cast<uint8_t*>(
       ::mmap(nullptr, region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   const uint64_t ro_bytes = 1 << 20;
@@ -42,7 +48,9 @@ namespace {
   for (uint64_t i = 0; i < ro_bytes; ++i) ro[i] = PeerPatternByte(i);
   EngineOptions options;
   options.name = "test-peer";
-  options.auth_secret = auth_secret;
+  options.auth_secret = peer.auth_secret;
+  options.listen_host = peer.listen_host;
+  options.transport = peer.transport;
   auto engine = TransferEngine::Create(options);
   if (!engine.ok()) fail(engine.status().ToString());
   TransferEngine* e = engine->get();
@@ -81,7 +89,10 @@ namespace {
 
 }  // namespace
 
-PeerProcess::PeerProcess(uint64_t region_bytes, const std::string& auth_secret) {
+PeerProcess::PeerProcess(uint64_t region_bytes, const std::string& auth_secret)
+    : PeerProcess(region_bytes, PeerOptions{.auth_secret = auth_secret}) {}
+
+PeerProcess::PeerProcess(uint64_t region_bytes, const PeerOptions& options) {
   int fds[2];
   if (::pipe(fds) != 0) return;
   pid_t parent = ::getpid();
@@ -90,7 +101,7 @@ PeerProcess::PeerProcess(uint64_t region_bytes, const std::string& auth_secret) 
     ::close(fds[0]);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive a crashed test
     if (::getppid() != parent) ::_exit(1);
-    ChildMain(fds[1], region_bytes, auth_secret);
+    ChildMain(fds[1], region_bytes, options);
   }
   ::close(fds[1]);
   if (pid_ < 0) {

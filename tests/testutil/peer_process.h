@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace kvferry::testutil {
 
@@ -23,11 +25,21 @@ struct PeerInfo {
   uint64_t ro_bytes = 0;
 };
 
+// Where and how the child's engine runs.
+struct PeerOptions {
+  std::string auth_secret;  // empty: none, unless the environment's KVFERRY_AUTH_TOKEN
+  std::string netns;        // a network namespace (`ip netns` name) to enter; empty: this one
+  std::string listen_host = "127.0.0.1";
+  std::string transport = "auto";
+  std::vector<std::pair<std::string, std::string>> env;  // set in the child before its engine
+};
+
 class PeerProcess {
  public:
   // Forks the child, whose engine holds `auth_secret` (empty: none, unless the environment's
   // KVFERRY_AUTH_TOKEN). Call before the test creates threads.
   explicit PeerProcess(uint64_t region_bytes, const std::string& auth_secret = "");
+  PeerProcess(uint64_t region_bytes, const PeerOptions& options);
   ~PeerProcess();  // SIGKILLs and reaps the child
 
   const PeerInfo& info() const { return info_; }

@@ -22,7 +22,27 @@ SegmentDescriptor Sample() {
   d.regions[1].share_handle = std::vector<uint8_t>(64, 0xAB);
   d.regions[1].alloc_offset = 4096;
   d.regions[1].alloc_bytes = (1ull << 33) + 4096;
+  d.ucx_addresses = {std::vector<uint8_t>(300, 0x5C), std::vector<uint8_t>(280, 0x5D)};
+  d.regions[0].ucx_rkey = std::vector<uint8_t>(40, 0x11);
   return d;
+}
+
+TEST(WireTest, UcxFieldsAreBounded) {
+  SegmentDescriptor d = Sample();
+  d.ucx_addresses[1].assign(kMaxUcxAddressBytes + 1, 1);
+  auto decoded = DecodeDescriptor(EncodeDescriptor(d));
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_NE(decoded.status().message().find("UCX address"), std::string::npos);
+  d = Sample();
+  d.ucx_addresses.assign(kMaxUcxLanes + 1, std::vector<uint8_t>(8, 1));
+  decoded = DecodeDescriptor(EncodeDescriptor(d));
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_NE(decoded.status().message().find("UCX addresses exceed"), std::string::npos);
+  d = Sample();
+  d.regions[1].ucx_rkey.assign(kMaxUcxRkeyBytes + 1, 1);
+  decoded = DecodeDescriptor(EncodeDescriptor(d));
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_NE(decoded.status().message().find("UCX rkey"), std::string::npos);
 }
 
 TEST(WireTest, HeaderRoundTrip) {

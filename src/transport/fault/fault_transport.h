@@ -106,7 +106,11 @@ class FaultTransport : public Transport {
   bool CanReach(const SegmentDescriptor& self, const SegmentDescriptor& peer) const override {
     return inner_->CanReach(self, peer);
   }
+  std::string RouteText(MemoryKind local_kind) const override {
+    return inner_->RouteText(local_kind);
+  }
   StatusOr<std::shared_ptr<PeerChannel>> OpenChannel(const ChannelSetup& setup) override;
+  std::vector<uint64_t> LaneBytes() const override { return inner_->LaneBytes(); }
 
  private:
   Transport* inner_;

@@ -101,7 +101,7 @@ bool TcpTransport::CanReach(const SegmentDescriptor&, const SegmentDescriptor& p
 StatusOr<std::shared_ptr<PeerChannel>> TcpTransport::OpenChannel(const ChannelSetup& setup) {
   if (setup.local_kind == MemoryKind::kHost) return setup.control;
   GpuBounceOptions o;
-  o.tcp = setup.control.get();
+  o.host = setup.control.get();
   o.local_device = setup.local_device;
   ASSIGN_OR_RETURN(std::unique_ptr<PeerChannel> bounce, CreateGpuBounceChannel(o));
   return std::shared_ptr<PeerChannel>(std::move(bounce));

@@ -72,6 +72,10 @@ class TcpTransport : public Transport {
   const TransportCapabilities& capabilities() const override { return capabilities_; }
   void Describe(SegmentDescriptor* self) const override;
   bool CanReach(const SegmentDescriptor& self, const SegmentDescriptor& peer) const override;
+  std::string RouteText(MemoryKind local_kind) const override {
+    return local_kind == MemoryKind::kCuda ? "tcp, GPU memory through pinned host bounce buffers"
+                                           : "tcp";
+  }
   // Host memory: setup.control itself. GPU memory: a bounce-buffer channel over it.
   StatusOr<std::shared_ptr<PeerChannel>> OpenChannel(const ChannelSetup& setup) override;
 

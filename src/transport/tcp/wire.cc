@@ -225,6 +225,11 @@ std::vector<uint8_t> EncodeDescriptor(const SegmentDescriptor& d) {
   w.Str(d.node_id);
   w.U32(d.pid);
   w.Str(d.ipc_socket);
+  w.U32(static_cast<uint32_t>(d.ucx_addresses.size()));
+  for (const auto& a : d.ucx_addresses) {
+    w.U32(static_cast<uint32_t>(a.size()));
+    w.Bytes(a);
+  }
   w.U32(static_cast<uint32_t>(d.transports.size()));
   for (const auto& t : d.transports) w.Str(t);
   w.U32(static_cast<uint32_t>(d.regions.size()));
@@ -240,6 +245,8 @@ std::vector<uint8_t> EncodeDescriptor(const SegmentDescriptor& d) {
     w.Bytes(r.share_handle);
     w.U64(r.alloc_offset);
     w.U64(r.alloc_bytes);
+    w.U32(static_cast<uint32_t>(r.ucx_rkey.size()));
+    w.Bytes(r.ucx_rkey);
   }
   return w.Take();
 }
@@ -263,6 +270,22 @@ StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
       !r.Str(&d.node_id, "node_id") || !r.U32(&d.pid) || !r.Str(&d.ipc_socket, "ipc_socket")) {
     return bad("");
   }
+  uint32_t num_ucx_addresses = 0;
+  if (!r.U32(&num_ucx_addresses)) return bad("");
+  if (num_ucx_addresses > kMaxUcxLanes) {
+    return bad(std::to_string(num_ucx_addresses) + " UCX addresses exceed " +
+               std::to_string(kMaxUcxLanes));
+  }
+  d.ucx_addresses.resize(num_ucx_addresses);
+  for (auto& a : d.ucx_addresses) {
+    uint32_t ucx_address_bytes = 0;
+    if (!r.U32(&ucx_address_bytes)) return bad("");
+    if (ucx_address_bytes > kMaxUcxAddressBytes || ucx_address_bytes > r.remaining()) {
+      return bad("UCX address of " + std::to_string(ucx_address_bytes) + " bytes");
+    }
+    a.resize(ucx_address_bytes);
+    if (!r.Bytes(a)) return bad("");
+  }
   uint32_t num_transports = 0;
   if (!r.U32(&num_transports)) return bad("");
   if (num_transports > kMaxTransports) {
@@ -278,8 +301,8 @@ StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
   if (num_regions > kMaxRegions) {
     return bad(std::to_string(num_regions) + " regions exceed " + std::to_string(kMaxRegions));
   }
-  // Each region takes at least 54 bytes; refuse counts the remaining bytes cannot hold.
-  if (static_cast<uint64_t>(num_regions) * 54 > r.remaining()) return bad("regions truncated");
+  // Each region takes at least 58 bytes; refuse counts the remaining bytes cannot hold.
+  if (static_cast<uint64_t>(num_regions) * 58 > r.remaining()) return bad("regions truncated");
   d.regions.resize(num_regions);
   for (auto& g : d.regions) {
     uint8_t kind = 0;
@@ -298,9 +321,16 @@ StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
     }
     g.share_type = static_cast<ShareHandleType>(share);
     g.share_handle.resize(handle_bytes);
-    if (!r.Bytes(g.share_handle) || !r.U64(&g.alloc_offset) || !r.U64(&g.alloc_bytes)) {
+    uint32_t rkey_bytes = 0;
+    if (!r.Bytes(g.share_handle) || !r.U64(&g.alloc_offset) || !r.U64(&g.alloc_bytes) ||
+        !r.U32(&rkey_bytes)) {
       return bad("");
     }
+    if (rkey_bytes > kMaxUcxRkeyBytes || rkey_bytes > r.remaining()) {
+      return bad("UCX rkey of " + std::to_string(rkey_bytes) + " bytes");
+    }
+    g.ucx_rkey.resize(rkey_bytes);
+    if (!r.Bytes(g.ucx_rkey)) return bad("");
     if (kind > static_cast<uint8_t>(MemoryKind::kCuda)) {
       return bad("unknown memory kind " + std::to_string(kind));
     }

@@ -49,6 +49,9 @@ inline constexpr uint32_t kMaxStringBytes = 4096;
 inline constexpr uint32_t kMaxRegions = 1u << 16;
 inline constexpr uint32_t kMaxTransports = 16;
 inline constexpr uint32_t kMaxShareHandleBytes = 128;
+inline constexpr uint32_t kMaxUcxLanes = 64;  // UCX worker addresses
+inline constexpr uint32_t kMaxUcxAddressBytes = 16384;
+inline constexpr uint32_t kMaxUcxRkeyBytes = 4096;
 
 // kWrite with kFlagStrided: the payload is `rows` rows of `row_bytes` (length = rows *
 // row_bytes) stored at addr + i * remote_stride; the body (kStridedBodyBytes) holds

@@ -1,0 +1,53 @@
+// The UCX transport: host and GPU memory to engines on other nodes over whatever UCX finds
+// (InfiniBand or RoCE verbs, tcp, ...). Each engine has one UCX context and `lanes` workers,
+// each with its own progress thread (ucx_worker.h); their addresses travel in the engine's
+// segment descriptor, so peers learn them only through the authenticated handshake. A channel
+// to a peer has an endpoint per lane, from this engine's worker i to the peer's worker
+// i (modulo the peer's count), and spreads requests (cut into slices) over them by bytes: over
+// transports that emulate RMA in software (tcp) both sides then move bytes on several threads
+// and connections. Regions with remote
+// access are mapped with UCX once, when registered (MemoryRegistry's observer), and their
+// packed rkeys travel in the descriptor; unregistering unmaps them. Channels (ucx_channel.h)
+// move WRITE and READ items; notifications stay on the TCP control channel.
+//
+// GPU memory: when the UCX loaded at run time moves CUDA memory, GPU regions are mapped with
+// it and GPU requests go straight to UCX (GPUDirect RDMA where the NIC and driver allow);
+// otherwise GPU requests go through pinned host bounce buffers (gpu_bounce_channel.h) over a
+// UCX channel. RouteText and the log say which.
+//
+// Settings come from UCX's own UCX_* variables; kvferry's defaults (ucx_worker.h) apply where
+// none is set. No UCX types here: without UCX in the build, Create reports why.
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "transport/memory_registry.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+
+struct UcxTransportOptions {
+  // Reach peers on this engine's node too (the transport was forced); otherwise only peers on
+  // other nodes, where UCX is preferred over TCP.
+  bool same_node = false;
+  // UCX workers of this engine, each with a progress thread, and endpoints per peer (one per
+  // worker). Default 4, range 1..64 (EngineOptions::ucx_lanes_per_peer).
+  int lanes = 4;
+  // Requests longer than this are cut into slices of this size, spread over the lanes.
+  // Default 1 MiB, at least 4 KiB (EngineOptions::ucx_slice_bytes).
+  uint64_t slice_bytes = 1ull << 20;
+};
+
+// Whether this build has the UCX transport.
+bool UcxBuilt();
+
+// Starts UCX and registers with `registry` (not owned; it outlives the transport) as its
+// region observer. Errors: kInvalidArgument (lanes or slice_bytes out of range),
+// kUnimplemented (built without UCX), kUnavailable (UCX could not start: its reason).
+StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOptions& options,
+                                                        MemoryRegistry* registry);
+
+}  // namespace kvferry

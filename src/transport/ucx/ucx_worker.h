@@ -1,0 +1,118 @@
+// One UCX context per engine (UcxContext: the memory mappings and their rkeys, valid on every
+// worker of the context) and its workers (UcxWorker: one per lane), each with the progress
+// thread that owns it. Every UCX call on a worker (endpoints, puts, gets, flushes, progress)
+// runs on that worker's thread: others hand it work with Post or Run. The thread polls the worker
+// while there is work and for a while after it (its share of IdleSpinWindow()), then sleeps on
+// UCX's wakeup file descriptor (ucp_worker_get_efd) and its own event fd, so an idle engine costs
+// no CPU. The serving side needs it too: over transports that emulate RMA in software (tcp) the
+// target's worker executes peers' puts and gets when it progresses.
+//
+// Only the .cc files of src/transport/ucx/ include this header (it includes UCX's).
+//
+// Thread-safety: Post, Run, the accessors and MapRegion / UnmapRegion from any thread.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvferry/memory.h"
+#include "kvferry/status.h"
+
+namespace kvferry::ucx {
+
+// UCX settings kvferry applies where the user set no UCX_<name> of its own: tcp segments and
+// socket buffers sized for bulk transfers (UCX's defaults reach ~40% of iperf3 here).
+struct UcxDefault {
+  const char* name;  // without the UCX_ prefix
+  const char* value;
+};
+inline constexpr UcxDefault kUcxDefaults[] = {{"TCP_TX_SEG_SIZE", "256K"},
+                                              {"TCP_RX_SEG_SIZE", "1M"},
+                                              {"TCP_SNDBUF", "4M"},
+                                              {"TCP_RCVBUF", "4M"}};
+
+class UcxContext {
+ public:
+  // Reads UCX's configuration (UCX_* variables, kUcxDefaults where unset) and creates the
+  // context (RMA, wakeup; workers share it). Errors: kUnavailable with UCX's reason.
+  static StatusOr<std::unique_ptr<UcxContext>> Create();
+  ~UcxContext();  // unmaps what is still mapped; every worker must be gone
+
+  // Whether this UCX registers and moves CUDA memory (built with CUDA, cuda_copy present).
+  bool cuda_memory() const { return cuda_memory_; }
+  // The version of the UCX library loaded at run time ("1.13.1").
+  const std::string& version() const { return version_; }
+  ucp_context_h context() const { return context_; }
+
+  // Maps `region` with UCX (remote read / write as its access allows) and returns the packed
+  // rkey, which peers may use on endpoints to any worker of this context; the mapping stays
+  // until UnmapRegion(region.base). Errors: kUnavailable with UCX's reason.
+  StatusOr<std::vector<uint8_t>> MapRegion(const RegionDescriptor& region);
+  // Unmaps the region mapped at `base`; nothing when none is.
+  void UnmapRegion(uint64_t base);
+
+ private:
+  UcxContext() = default;
+
+  ucp_context_h context_ = nullptr;
+  bool cuda_memory_ = false;
+  std::string version_;
+
+  std::mutex map_mu_;
+  std::map<uint64_t, ucp_mem_h> mapped_;  // by region base
+};
+
+class UcxWorker {
+ public:
+  // Creates a worker on `context` (not owned; outlives the worker) and starts its progress
+  // thread, which polls for `idle_spin` after its last work before it sleeps. Errors:
+  // kUnavailable with UCX's reason.
+  static StatusOr<std::unique_ptr<UcxWorker>> Create(UcxContext* context,
+                                                     std::chrono::nanoseconds idle_spin);
+  ~UcxWorker();  // stops the thread; every channel on it must be closed
+
+  UcxContext& context() const { return *context_; }
+  // The worker's address, as peers pass it to ucp_ep_create.
+  const std::vector<uint8_t>& address() const { return address_; }
+  ucp_worker_h worker() const { return worker_; }
+
+  // Runs `fn` on the progress thread soon; never blocks. Tasks run in order.
+  void Post(std::function<void()> fn);
+  // Runs `fn` on the progress thread and waits for it (runs it here when called there).
+  void Run(const std::function<void()>& fn);
+  bool OnProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+ private:
+  UcxWorker() = default;
+  void Loop();
+  void Wake();
+
+  UcxContext* context_ = nullptr;
+  std::chrono::nanoseconds idle_spin_{0};
+  ucp_worker_h worker_ = nullptr;
+  std::vector<uint8_t> address_;
+  int ucx_fd_ = -1;    // ucp_worker_get_efd
+  int event_fd_ = -1;  // Wake
+  int epoll_fd_ = -1;
+
+  std::mutex mu_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// "UCX error <name>" for a UCX status.
+std::string UcxStatusText(ucs_status_t status);
+
+}  // namespace kvferry::ucx

@@ -1,0 +1,332 @@
+// The UCX transport between two "nodes": this test's engine in this process's network
+// namespace, a peer process in a namespace of its own, joined by a veth pair; UCX pinned to
+// tcp (namespaces do not isolate shared memory) on the veth ends. Needs root; skips where
+// namespaces cannot be made or UCX is not built.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kvferry/engine.h"
+#include "testutil/netns.h"
+#include "testutil/peer_process.h"
+#include "transport/ucx/ucx_transport.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+using testutil::PeerPatternByte;
+
+constexpr uint64_t kRegionBytes = 64ull << 20;
+constexpr char kSecret[] = "ucx-netns-test-secret-0123456789";
+
+// UCX on tcp over `local_device` only, for this process and the peers it forks from now on.
+void PinUcx(const testutil::VethNamespace& netns) {
+  ::setenv("UCX_TLS", "tcp", 1);
+  ::setenv("UCX_NET_DEVICES", netns.local_device().c_str(), 1);
+}
+
+testutil::PeerOptions PeerIn(const testutil::VethNamespace& netns) {
+  testutil::PeerOptions po;
+  po.auth_secret = kSecret;
+  po.netns = netns.ns();
+  po.listen_host = netns.ns_ip();
+  po.env = {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", netns.ns_device()}};
+  return po;
+}
+
+StatusOr<std::unique_ptr<TransferEngine>> UcxEngine(
+    const testutil::VethNamespace& netns, int lanes = EngineOptions().ucx_lanes_per_peer) {
+  EngineOptions options;
+  options.ucx_lanes_per_peer = lanes;
+  options.name = "ucx-client";
+  options.listen_host = netns.local_ip();
+  options.transport = "ucx";
+  options.auth_secret = kSecret;
+  return TransferEngine::Create(options);
+}
+
+class UcxNetnsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";
+    netns_ = std::make_unique<testutil::VethNamespace>("u");
+    if (!netns_->ok()) GTEST_SKIP() << netns_->why();
+    PinUcx(*netns_);
+    peer_ = std::make_unique<testutil::PeerProcess>(kRegionBytes, PeerIn(*netns_));
+    ASSERT_TRUE(peer_->ok());
+    auto engine = UcxEngine(*netns_);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    engine_ = std::move(*engine);
+    auto seg = engine_->OpenSegment(peer_->info().address);
+    ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+    segment_ = *seg;
+  }
+  void TearDown() override {
+    engine_.reset();
+    peer_.reset();
+    netns_.reset();
+  }
+
+  uint64_t rw(uint64_t offset) const { return peer_->info().rw_base + offset; }
+
+  Status Run(std::span<const TransferRequest> requests, milliseconds deadline = {}) {
+    BatchOptions o;
+    o.deadline = deadline;
+    return TransferSync(*engine_, requests, o);
+  }
+
+  std::unique_ptr<testutil::VethNamespace> netns_;
+  std::unique_ptr<testutil::PeerProcess> peer_;
+  std::unique_ptr<TransferEngine> engine_;
+  SegmentHandle segment_;
+};
+
+TEST_F(UcxNetnsTest, RandomSizesWrittenAndReadBackByteForByte) {
+  auto route = engine_->DescribeRoute(segment_, MemoryKind::kHost);
+  ASSERT_TRUE(route.ok()) << route.status().ToString();
+  EXPECT_EQ(*route, "ucx");
+  std::vector<uint8_t> local(kRegionBytes), back(kRegionBytes, 0);
+  ASSERT_TRUE(engine_->RegisterMemory(local.data(), local.size(), {}, kAccessNone).ok());
+  ASSERT_TRUE(engine_->RegisterMemory(back.data(), back.size(), {}, kAccessNone).ok());
+  std::mt19937_64 rng(20);
+  for (auto& b : local) b = static_cast<uint8_t>(rng());
+  // Disjoint blocks of random sizes (1 byte .. 2 MiB) at random gaps, in batches of up to 16.
+  std::vector<TransferRequest> writes, reads;
+  uint64_t offset = 0;
+  while (true) {
+    const uint64_t len = 1 + rng() % (2ull << 20);
+    offset += rng() % 4096;
+    if (offset + len > kRegionBytes) break;
+    writes.push_back({TransferOp::kWrite, local.data() + offset, segment_, rw(offset), len});
+    reads.push_back({TransferOp::kRead, back.data() + offset, segment_, rw(offset), len});
+    offset += len;
+  }
+  ASSERT_GT(writes.size(), 20u);
+  for (size_t i = 0; i < writes.size(); i += 16) {
+    const size_t n = std::min<size_t>(16, writes.size() - i);
+    Status s = Run(std::span(writes).subspan(i, n));
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  for (size_t i = 0; i < reads.size(); i += 16) {
+    const size_t n = std::min<size_t>(16, reads.size() - i);
+    Status s = Run(std::span(reads).subspan(i, n));
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  size_t wrong = 0;
+  for (const TransferRequest& r : writes) {
+    const uint64_t off = r.remote_addr - rw(0);
+    wrong += std::memcmp(local.data() + off, back.data() + off, r.length_bytes) != 0;
+  }
+  EXPECT_EQ(wrong, 0u);
+  // The peer's read-only region holds its pattern: READ alone is right too.
+  std::vector<uint8_t> ro(1 << 20, 0);
+  TransferRequest r{TransferOp::kRead, ro.data(), segment_, peer_->info().ro_base, ro.size()};
+  ASSERT_TRUE(Run(std::span(&r, 1)).ok());
+  for (uint64_t i = 0; i < ro.size(); ++i) ASSERT_EQ(ro[i], PeerPatternByte(i)) << i;
+  EXPECT_TRUE(engine_->UnregisterMemory(local.data()).ok());
+  EXPECT_TRUE(engine_->UnregisterMemory(back.data()).ok());
+}
+
+// Writes `blocks` blocks of `block_bytes` of random bytes in one batch, reads them back in one
+// batch, and checks every byte; returns the bytes each UCX lane carried meanwhile.
+std::vector<uint64_t> WriteReadVerify(TransferEngine& engine, SegmentHandle segment,
+                                      uint64_t remote, int blocks, uint64_t block_bytes) {
+  std::vector<uint8_t> src(blocks * block_bytes), back(src.size(), 0);
+  std::mt19937_64 rng(blocks);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<TransferRequest> writes, reads;
+  for (int i = 0; i < blocks; ++i) {
+    const uint64_t off = i * block_bytes;
+    writes.push_back({TransferOp::kWrite, src.data() + off, segment, remote + off, block_bytes});
+    reads.push_back({TransferOp::kRead, back.data() + off, segment, remote + off, block_bytes});
+  }
+  const std::vector<uint64_t> before = engine.Metrics().ucx_lane_bytes;
+  Status s = TransferSync(engine, writes);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  s = TransferSync(engine, reads);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(std::memcmp(src.data(), back.data(), src.size()), 0);
+  std::vector<uint64_t> moved = engine.Metrics().ucx_lane_bytes;
+  EXPECT_EQ(moved.size(), before.size());
+  for (size_t i = 0; i < moved.size() && i < before.size(); ++i) moved[i] -= before[i];
+  return moved;
+}
+
+TEST_F(UcxNetnsTest, ABatchSpreadsEvenlyOverTheLanes) {
+  // 8 blocks of 4 MiB: 32 slices of 1 MiB each way, 8 per lane.
+  const std::vector<uint64_t> moved = WriteReadVerify(*engine_, segment_, rw(0), 8, 4ull << 20);
+  ASSERT_EQ(moved.size(), 4u);
+  for (size_t i = 0; i < moved.size(); ++i) {
+    EXPECT_EQ(moved[i], 2 * (8ull << 20)) << "lane " << i;  // 8 MiB written, 8 MiB read
+  }
+}
+
+TEST(UcxNetnsLanesTest, FewerLanesThanThePeerStillReachEveryByte) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";
+  testutil::VethNamespace netns("l");
+  if (!netns.ok()) GTEST_SKIP() << netns.why();
+  PinUcx(netns);
+  testutil::PeerProcess peer(kRegionBytes, PeerIn(netns));  // 4 lanes
+  ASSERT_TRUE(peer.ok());
+  auto engine = UcxEngine(netns, /*lanes=*/3);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  auto seg = (*engine)->OpenSegment(peer.info().address);
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  // Blocks of 1.5 MiB: a 1 MiB and a 0.5 MiB slice each, spread by bytes.
+  const std::vector<uint64_t> moved =
+      WriteReadVerify(**engine, *seg, peer.info().rw_base, 12, 3ull << 19);
+  ASSERT_EQ(moved.size(), 3u);
+  uint64_t total = 0;
+  for (size_t i = 0; i < moved.size(); ++i) {
+    EXPECT_GT(moved[i], 0u) << "lane " << i;
+    total += moved[i];
+  }
+  EXPECT_EQ(total, 2 * 12 * (3ull << 19));
+}
+
+TEST(UcxNetnsLanesTest, LaneCountOutOfRangeIsRefused) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";
+  for (int lanes : {0, 65}) {
+    EngineOptions options;
+    options.transport = "ucx";
+    options.ucx_lanes_per_peer = lanes;
+    auto engine = TransferEngine::Create(options);
+    ASSERT_FALSE(engine.ok()) << lanes;
+    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find("ucx_lanes_per_peer"), std::string::npos)
+        << engine.status().ToString();
+  }
+}
+
+TEST_F(UcxNetnsTest, StridedRowsLandAtTheirStrides) {
+  const uint32_t rows = 64;
+  const uint64_t row = 3000, local_stride = 4096, remote_stride = 8192;
+  std::vector<uint8_t> src(rows * local_stride), back(rows * local_stride, 0);
+  std::mt19937_64 rng(7);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  TransferRequest w{TransferOp::kWrite, src.data(),   segment_, rw(1 << 20), row, rows,
+                    local_stride,       remote_stride};
+  ASSERT_TRUE(Run(std::span(&w, 1)).ok());
+  TransferRequest r = w;
+  r.op = TransferOp::kRead;
+  r.local_addr = back.data();
+  ASSERT_TRUE(Run(std::span(&r, 1)).ok());
+  for (uint32_t i = 0; i < rows; ++i) {
+    ASSERT_EQ(std::memcmp(src.data() + i * local_stride, back.data() + i * local_stride, row), 0)
+        << "row " << i;
+  }
+  // Between rows the peer's memory kept its pattern.
+  std::vector<uint8_t> gap(remote_stride - row);
+  TransferRequest g{TransferOp::kRead, gap.data(), segment_, rw((1 << 20) + row), gap.size()};
+  ASSERT_TRUE(Run(std::span(&g, 1)).ok());
+  for (uint64_t i = 0; i < gap.size(); ++i) {
+    ASSERT_EQ(gap[i], PeerPatternByte((1 << 20) + row + i)) << i;
+  }
+}
+
+TEST_F(UcxNetnsTest, OutsideRegisteredMemoryFailsAndTouchesNothing) {
+  std::vector<uint8_t> src(8192, 0xEE);
+  // Past the end of the read-write region, and into the read-only region.
+  TransferRequest past{TransferOp::kWrite, src.data(), segment_, rw(kRegionBytes - 4096), 8192};
+  Status s = Run(std::span(&past, 1));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  TransferRequest ro{TransferOp::kWrite, src.data(), segment_, peer_->info().ro_base, 4096};
+  s = Run(std::span(&ro, 1));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  std::vector<uint8_t> back(4096);
+  TransferRequest r{TransferOp::kRead, back.data(), segment_, rw(kRegionBytes - 4096), 4096};
+  ASSERT_TRUE(Run(std::span(&r, 1)).ok());
+  for (uint64_t i = 0; i < back.size(); ++i) {
+    ASSERT_EQ(back[i], PeerPatternByte(kRegionBytes - 4096 + i)) << i;
+  }
+  r.remote_addr = peer_->info().ro_base;
+  ASSERT_TRUE(Run(std::span(&r, 1)).ok());
+  for (uint64_t i = 0; i < back.size(); ++i) ASSERT_EQ(back[i], PeerPatternByte(i)) << i;
+}
+
+TEST_F(UcxNetnsTest, KilledPeerFailsInFlightRequestsAtOnce) {
+  const uint64_t len = 4ull << 20;
+  std::vector<uint8_t> src(len, 1);
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < 256; ++i) {
+    reqs.push_back({TransferOp::kWrite, src.data(), segment_, rw((i % 16) * len), len});
+  }
+  BatchOptions o;
+  o.deadline = milliseconds(20000);
+  auto start = std::chrono::steady_clock::now();
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  std::this_thread::sleep_for(milliseconds(30));
+  peer_->Kill();
+  auto st = engine_->WaitBatch(*id, milliseconds(30000));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+  EXPECT_LT(elapsed, milliseconds(5000)) << "well before the 20 s deadline";
+  EXPECT_LT(st->num_completed, reqs.size());
+}
+
+TEST_F(UcxNetnsTest, FrozenPeerFailsAtTheDeadlineAndNothingCancelledCounts) {
+  const uint64_t len = 16ull << 20;
+  std::vector<uint8_t> src(len, 2), dst(len, 0);
+  peer_->Stop();
+  TransferRequest reqs[2] = {{TransferOp::kWrite, src.data(), segment_, rw(0), len},
+                             {TransferOp::kRead, dst.data(), segment_, rw(len), len}};
+  BatchOptions o;
+  o.deadline = milliseconds(400);
+  auto start = std::chrono::steady_clock::now();
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  auto st = engine_->WaitBatch(*id, milliseconds(10000));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded) << st->error.ToString();
+  EXPECT_LT(elapsed, milliseconds(2500));
+  for (size_t i = 0; i < 2; ++i) {
+    auto r = engine_->GetTransferStatus(*id, i);
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->state, TransferState::kFailed) << i;
+  }
+  ASSERT_TRUE(engine_->ReleaseBatch(*id).ok());
+  // Once the peer resumes, a new endpoint carries new transfers.
+  peer_->Continue();
+  std::vector<uint8_t> small(4096, 9), back(4096);
+  TransferRequest w{TransferOp::kWrite, small.data(), segment_, rw(3 * len), small.size()};
+  Status s = Run(std::span(&w, 1), milliseconds(10000));
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  TransferRequest r{TransferOp::kRead, back.data(), segment_, rw(3 * len), back.size()};
+  ASSERT_TRUE(Run(std::span(&r, 1), milliseconds(10000)).ok());
+  EXPECT_EQ(back, small);
+}
+
+TEST(UcxNetnsPeerTest, ForcedUcxToAPeerWithoutItFailsClearly) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";
+  testutil::VethNamespace netns("t");
+  if (!netns.ok()) GTEST_SKIP() << netns.why();
+  PinUcx(netns);
+  testutil::PeerOptions po = PeerIn(netns);
+  po.transport = "tcp";  // offers TCP only
+  testutil::PeerProcess tcp_only(1 << 20, po);
+  ASSERT_TRUE(tcp_only.ok());
+  auto engine = UcxEngine(netns);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  auto seg = (*engine)->OpenSegment(tcp_only.info().address);
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  std::vector<uint8_t> src(64, 1);
+  TransferRequest w{TransferOp::kWrite, src.data(), *seg, tcp_only.info().rw_base, src.size()};
+  auto id = (*engine)->SubmitBatch(std::span(&w, 1));
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(id.status().message().find("'ucx'"), std::string::npos) << id.status().ToString();
+}
+
+}  // namespace
+}  // namespace kvferry
