@@ -261,6 +261,7 @@ def compare(ref: dict, pd: dict, room: int, tolerance: float) -> dict:
         "corrupted": any(r["corrupted"] for r in pd["decode"].values()),
         "ttft_ms": (ready_at - pd["arrival"]) * 1e3,
         "tail_ms": (ready_at - max(r["first_token_at"] for r in pd["prefill"].values())) * 1e3,
+        "prefill_compute_ms": (pd["prefill"][0]["first_token_at"] - pd["prefill"][0]["began"]) * 1e3,
         "decode_tokens_per_s": len(decode0["logits"]) / decode0["decode_s"]
         if decode0["decode_s"] > 0 else 0.0,
     }
@@ -376,8 +377,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            tokens=reference[index]["tokens"])
             verdicts.append(verdict)
             print_row(verdict)
-    except (RuntimeError, OSError) as e:
-        error = str(e)
+    except Exception as e:  # a rank, a room or kvferry failed: reported, exit status 2
+        error = f"{type(e).__name__}: {e}"
         traceback.print_exc()
     finally:
         if pd is not None:
