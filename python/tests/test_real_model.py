@@ -92,11 +92,20 @@ CASES = {
 }
 
 
+# The transfer API; a tree without the file skips the PD runs, one whose module fails to import
+# fails them.
+needs_sglang = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(os.path.dirname(kvferry.__file__), "sglang.py")),
+    reason="kvferry.sglang is not in this tree")
+
+
+@needs_sglang
 @pytest.mark.parametrize("flags", list(CASES.values()), ids=list(CASES))
 def test_disaggregated_equals_colocated(tmp_path, flags):
     check_equal(*generate(tmp_path, "--device", "cpu", "--transport", "tcp", *flags))
 
 
+@needs_sglang
 @pytest.mark.parametrize("kind,corrupt", [("gqa", "page"), ("mla", "swap")])
 def test_negative_control_fails(tmp_path, kind, corrupt):
     code, result, text = generate(tmp_path, "--model", kind, "--corrupt", corrupt,
@@ -115,6 +124,7 @@ def cuda_gpus():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+@needs_sglang
 @pytest.mark.skipif(cuda_gpus() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("flags", [
     ["--model", "gqa", "--layerwise"],
