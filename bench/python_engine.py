@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""The Python-side cost of kvferry's engine, over TCP loopback, in one run:
+"""The Python-side cost of kvferry's engine, over TCP loopback (or NVLink with --device cuda),
+in one run:
 
   - `kvferry bench --target` (C++): one thread, one batch in flight, WRITE batches of COUNT
     blocks;
   - the native API: `engine.submit_write(segment, numpy columns, ...)` then `batch.result()`;
   - kvferry.mooncake: `batch_transfer_sync_write(session, lists, lists, lists)` as SGLang
     calls it (Python lists), and with numpy arrays;
-  - iperf3 with as many streams as kvferry has lanes (4): the ceiling of plain TCP here.
+  - iperf3 with as many streams as kvferry has lanes (4): the ceiling of plain TCP here
+    (--device cuda: torch's copy of 1 GiB from GPU 0 to GPU 1, cudaMemcpyPeer underneath).
+
+With --device cuda the target's buffer is a torch tensor on GPU 1 and the local ones on GPU 0
+(torch needed), the C++ bench runs with --device cuda --transport nvlink, and
+kvferry.mooncake is initialized with protocol "rdma" (kvferry's own choice: NVLink here).
 
 Each Python method and the C++ bench run ROUNDS times in turn for DURATION seconds each
 (medians reported), all against one target process (this script with --serve) serving a
@@ -41,18 +47,25 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def serve(size: int) -> None:
+def serve(size: int, device: str) -> None:
     """Target: an engine with `size` registered bytes, until stdin closes."""
     engine = kvferry.TransferEngine(name="bench-target")
-    memory = np.zeros(size, dtype=np.uint8)
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(1 if torch.cuda.device_count() > 1 else 0)
+        memory = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    else:
+        memory = np.zeros(size, dtype=np.uint8)
     base = engine.register_memory(memory)
     print(json.dumps({"address": engine.address, "base": base}), flush=True)
     sys.stdin.read()
     engine.close()
 
 
-def start_target(size: int):
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(size)],
+def start_target(size: int, device: str):
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(size),
+                             "--device", device],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     info = json.loads(proc.stdout.readline())
     return proc, info
@@ -71,9 +84,12 @@ def timed_loop(duration: float, one_batch):
             return t1 - start, len(latencies), latencies
 
 
-def cpp_bench(binary: str, target: str, block: int, count: int, duration: float) -> dict:
+def cpp_bench(binary: str, target: str, block: int, count: int, duration: float,
+              device: str) -> dict:
+    transport = ["--transport", "nvlink", "--device", "cuda"] if device == "cuda" else [
+        "--transport", "tcp"]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([binary, "bench", "--target", target, "--transport", "tcp", "--op", "write",
+        subprocess.run([binary, "bench", "--target", target, *transport, "--op", "write",
                         "--block-size", str(block), "--batch-size", str(count), "--threads", "1",
                         "--inflight", "1", "--duration", str(duration),
                         "--buffer-size", str(block * count), "--json", out.name],
@@ -95,22 +111,77 @@ def iperf3_ceiling(seconds: int, port: int = 5411) -> float:
         server.wait(10)
 
 
-def measure(binary: str, block: int, count: int, duration: float, rounds: int) -> dict:
+def cuda_ceiling() -> float:
+    """GB/s of torch's 1 GiB copy from GPU 0 to GPU 1 (cudaMemcpyPeer), best of 5."""
+    import torch
+
+    dst_gpu = 1 if torch.cuda.device_count() > 1 else 0
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(1 << 30, dtype=torch.uint8, device=f"cuda:{dst_gpu}")
+    best = 0.0
+    for _ in range(6):
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(dst_gpu)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(dst_gpu)
+        torch.cuda.synchronize(0)
+        best = max(best, (1 << 30) / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+class Buffers:
+    """The local source and check buffers: numpy (host) or torch tensors on GPU 0."""
+
+    def __init__(self, size: int, device: str):
+        self.device = device
+        if device == "cuda":
+            import torch
+
+            self.torch = torch
+            torch.cuda.set_device(0)
+            self.local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+            self.check = torch.zeros(size, dtype=torch.uint8, device="cuda:0")
+        else:
+            self.local = np.zeros(size, dtype=np.uint8)
+            self.check = np.zeros(size, dtype=np.uint8)
+        self.fill(0)
+
+    def address(self, buf) -> int:
+        return buf.data_ptr() if self.device == "cuda" else buf.ctypes.data
+
+    def fill(self, seed: int) -> None:
+        data = np.random.default_rng(seed).integers(0, 256, len(self.local), dtype=np.uint8)
+        if self.device == "cuda":
+            self.local.copy_(self.torch.from_numpy(data))
+            self.torch.cuda.synchronize()
+        else:
+            self.local[:] = data
+
+    def equal(self) -> bool:
+        if self.device == "cuda":
+            return bool(self.torch.equal(self.local, self.check))
+        return bool(np.array_equal(self.check, self.local))
+
+
+def measure(binary: str, block: int, count: int, duration: float, rounds: int,
+            device: str) -> dict:
     size = block * count
-    proc, target = start_target(size)
+    proc, target = start_target(size, device)
     try:
-        local = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-        check = np.zeros(size, dtype=np.uint8)
+        buffers = Buffers(size, device)
+        local, check = buffers.local, buffers.check
         offsets = np.arange(count, dtype=np.uint64) * block
-        local_col = local.ctypes.data + offsets
+        local_col = buffers.address(local) + offsets
         remote_col = target["base"] + offsets
         engine = kvferry.TransferEngine(name="bench-python")
         engine.register_memory(local)
         engine.register_memory(check)
         segment = engine.open_segment(target["address"])
         mooncake = MooncakeEngine()
-        assert mooncake.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-        assert mooncake.register_memory(local.ctypes.data, size) == 0
+        protocol = "rdma" if device == "cuda" else "tcp"
+        assert mooncake.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") == 0
+        assert mooncake.register_memory(buffers.address(local), size) == 0
         session = target["address"]
         local_list = [int(a) for a in local_col]
         remote_list = [int(a) for a in remote_col]
@@ -138,7 +209,7 @@ def measure(binary: str, block: int, count: int, duration: float, rounds: int) -
         results = {name: [] for name in ["kvferry bench (C++)", *methods]}
         for _ in range(rounds):
             results["kvferry bench (C++)"].append(
-                cpp_bench(binary, target["address"], block, count, duration))
+                cpp_bench(binary, target["address"], block, count, duration, device))
             for name, fn in methods.items():
                 seconds, batches, lat = timed_loop(duration, fn)
                 results[name].append({"gbps": size * batches / seconds / 1e9,
@@ -146,11 +217,11 @@ def measure(binary: str, block: int, count: int, duration: float, rounds: int) -
         # Bytes: a fresh pattern written by each method, read back, compared.
         verified = {}
         for name, fn in methods.items():
-            local[:] = np.random.default_rng(len(name)).integers(0, 256, size, dtype=np.uint8)
+            buffers.fill(len(name))
             fn()
-            check[:] = 0
-            engine.read(segment, check.ctypes.data + offsets, remote_col, block)
-            verified[name] = bool(np.array_equal(check, local))
+            check.zero_() if device == "cuda" else check.fill(0)
+            engine.read(segment, buffers.address(check) + offsets, remote_col, block)
+            verified[name] = buffers.equal()
         engine.close()
         mooncake.close()
     finally:
@@ -178,18 +249,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iperf-seconds", type=int, default=3)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve)
+        serve(args.serve, args.device)
         return
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "python": sys.version.split()[0], "nproc": os.cpu_count(),
-              "iperf3_p4_gbps": iperf3_ceiling(args.iperf_seconds), "configs": []}
-    print(f"iperf3 -P 4 (ceiling): {report['iperf3_p4_gbps']:.2f} GB/s")
+              "device": args.device, "configs": []}
+    if args.device == "cuda":
+        report["cuda_copy_peer_gbps"] = cuda_ceiling()
+        print(f"torch copy GPU 0 -> GPU 1 of 1 GiB (ceiling): "
+              f"{report['cuda_copy_peer_gbps']:.1f} GB/s")
+    else:
+        report["iperf3_p4_gbps"] = iperf3_ceiling(args.iperf_seconds)
+        print(f"iperf3 -P 4 (ceiling): {report['iperf3_p4_gbps']:.2f} GB/s")
     for config in args.configs.split(","):
         block_text, count_text = config.split(":")
         block, count = parse_size(block_text), int(count_text)
-        summary = measure(args.binary, block, count, args.duration, args.rounds)
+        summary = measure(args.binary, block, count, args.duration, args.rounds, args.device)
         report["configs"].append({"block": block, "count": count, "results": summary})
         cpp = summary["kvferry bench (C++)"]["gbps"]
         print(f"\n{count} x {block_text} ({args.rounds} rounds of {args.duration} s, medians)")

@@ -35,6 +35,8 @@ void CheckRegister(const DecodeKvArgs& a) {
   FUZZ_CHECK(a.buffer_bases.size() <= kMaxBuffers);
   FUZZ_CHECK(a.state_bases.size() <= kMaxBuffers);
   FUZZ_CHECK(a.state_bases.size() == a.state_slot_bytes.size());
+  FUZZ_CHECK(!a.aux_fields.empty() && a.aux_fields.size() <= kMaxBuffers);
+  FUZZ_CHECK(a.aux_room_field >= 0 && static_cast<size_t>(a.aux_room_field) < a.aux_fields.size());
 }
 
 void CheckTransferInfo(const ControlMessage& m) {

@@ -180,8 +180,13 @@ void ControlMessages(Corpus& c) {
   a.page_bytes = 16 * 8 * 128 * 2;
   a.num_pages = 4096;
   a.buffer_bases = {0x7f0000000000, 0x7f0010000000, 0x7f0020000000, 0x7f0030000000};
-  a.aux_base = 0x7f1000000000;
-  a.aux_row_bytes = 64;
+  // Packed rows of 64 bytes: three fields and the room.
+  a.aux_fields = {{0x7f1000000000, 64, 4},
+                  {0x7f1000000004, 64, 12},
+                  {0x7f1000000010, 64, 0},
+                  {0x7f1000000018, 64, 8}};
+  a.aux_packed_row_bytes = 64;
+  a.aux_room_field = 3;
   a.num_aux_rows = 1024;
   a.tp_size = 2;
   a.heads_per_token = 4;

@@ -173,6 +173,12 @@ class PrefillConnector {
   // an event that fails fails the pass's rooms.
   virtual Status MarkLayerReadyOnEvent(uint64_t pass, int layer, void* cuda_event) = 0;
 
+  // How many decode ranks sent their destination for `room` before CreateSender created it
+  // here (kept for up to bootstrap_timeout); 0 once the room exists. A server that learns a
+  // request's page count only after decode's destination arrived (SGLang's prefill polls its
+  // sender before init) reads decode's readiness here. Never blocks.
+  virtual int PendingDestinations(uint64_t room) const = 0;
+
   // The pages of a request of `num_pages` this rank sends (everything without CP).
   virtual PageRange SendRange(int64_t num_pages) const = 0;
 

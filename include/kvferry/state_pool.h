@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kvferry/kv_layout.h"
@@ -82,8 +83,9 @@ class StateLayout {
 };
 
 // Memory for `num_slots` state slots of every buffer of a StateLayout: buffer b starts at
-// BufferBase(b) and holds [slot][slot_bytes(b)]. Host memory (zeroed, 4 KiB aligned) or GPU
-// memory allocated by kvferry; freed with the pool.
+// BufferBase(b) and holds [slot][slot_bytes(b)]. Either one block kvferry allocates (host:
+// zeroed, 4 KiB aligned; or a GPU's) and frees with the pool, or buffers the caller owns, one
+// base per buffer (Wrap: e.g. SGLang's state_data_ptrs), which kvferry never frees.
 class StatePool {
  public:
   // Errors: kInvalidArgument when num_slots < 1 or the size overflows; kResourceExhausted when
@@ -93,6 +95,16 @@ class StatePool {
   // kFailedPrecondition ("no CUDA device") and kUnimplemented (built without CUDA).
   static StatusOr<std::unique_ptr<StatePool>> CreateOnDevice(const StateLayout& layout,
                                                              int32_t num_slots, int device);
+  // A pool over memory the caller owns, such as an inference server's own state tensors:
+  // buffer b (kvferry's order: the convolution state of each linear layer, then the recurrent
+  // state of each) is num_slots slots of layout.slot_bytes(b) bytes from buffer_bases[b], in
+  // memory of `location` (host, or a GPU's). The buffers need not be adjacent. kvferry never
+  // frees them: they must outlive the pool and every engine they are registered with.
+  // Errors: kInvalidArgument naming the fault (num_slots < 1, not one base per buffer, a null
+  // base, buffers that overlap, a buffer that would end past the top of the address space).
+  static StatusOr<std::unique_ptr<StatePool>> Wrap(const StateLayout& layout, int32_t num_slots,
+                                                   std::span<uint8_t* const> buffer_bases,
+                                                   MemoryLocation location);
   ~StatePool();
   StatePool(const StatePool&) = delete;
   StatePool& operator=(const StatePool&) = delete;
@@ -100,12 +112,22 @@ class StatePool {
   const StateLayout& layout() const { return layout_; }
   int32_t num_slots() const { return num_slots_; }
   MemoryLocation location() const { return location_; }
-  uint8_t* data() { return data_; }
-  const uint8_t* data() const { return data_; }
+  // Whether the buffers lie back to back from data() in buffer order (pools made by Create and
+  // CreateOnDevice, and wrapped buffers that happen to): only then does [data(), data() +
+  // size_bytes()) span every buffer.
+  bool contiguous() const { return contiguous_; }
+  // Buffer 0's first byte; with contiguous(), the whole pool's.
+  uint8_t* data() { return bases_[0]; }
+  const uint8_t* data() const { return bases_[0]; }
+  // Bytes of every buffer together.
   uint64_t size_bytes() const { return size_bytes_; }
+  // Bytes of `buffer`: num_slots * slot_bytes(buffer).
+  uint64_t buffer_bytes(int buffer) const {
+    return static_cast<uint64_t>(num_slots_) * layout_.slot_bytes(buffer);
+  }
   // REQUIRES 0 <= buffer < layout().num_buffers().
-  uint8_t* BufferBase(int buffer) { return data_ + BufferOffset(buffer); }
-  const uint8_t* BufferBase(int buffer) const { return data_ + BufferOffset(buffer); }
+  uint8_t* BufferBase(int buffer) { return bases_[static_cast<size_t>(buffer)]; }
+  const uint8_t* BufferBase(int buffer) const { return bases_[static_cast<size_t>(buffer)]; }
   // REQUIRES also 0 <= slot < num_slots().
   uint8_t* SlotAddress(int buffer, int32_t slot) {
     return BufferBase(buffer) + static_cast<uint64_t>(slot) * layout_.slot_bytes(buffer);
@@ -115,21 +137,17 @@ class StatePool {
   }
 
  private:
+  // `data`: one block holding every buffer back to back, or null for a wrapped pool (bases_
+  // set by Wrap).
   StatePool(const StateLayout& layout, int32_t num_slots, uint8_t* data, uint64_t size_bytes);
-  uint64_t BufferOffset(int buffer) const {
-    const int ll = layout_.geometry().num_linear_layers;
-    const uint64_t conv = static_cast<uint64_t>(num_slots_) * layout_.slot_bytes(0);
-    if (buffer < ll) return static_cast<uint64_t>(buffer) * conv;
-    return static_cast<uint64_t>(ll) * conv + static_cast<uint64_t>(buffer - ll) *
-                                                  static_cast<uint64_t>(num_slots_) *
-                                                  layout_.slot_bytes(ll);
-  }
 
   StateLayout layout_;
   MemoryLocation location_;
-  std::unique_ptr<cuda::DeviceAllocation> device_memory_;
+  std::unique_ptr<cuda::DeviceAllocation> device_memory_;  // set for GPU pools kvferry made
+  bool owns_host_memory_ = false;                          // set for host pools kvferry made
+  bool contiguous_ = true;
   int32_t num_slots_;
-  uint8_t* data_;
+  std::vector<uint8_t*> bases_;  // one per buffer
   uint64_t size_bytes_;
 };
 

@@ -234,3 +234,97 @@ class TransferEngine:
 
 def describe_buffer(obj: Any) -> Tuple[int, int, Optional[int]]: ...
 def locate_memory(address: int) -> Optional[int]: ...
+def geometry_from_hf_config(json_text: str, name: str = "") -> Dict[str, Any]: ...
+
+class BootstrapServer:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, auth_secret: str = "", insecure: bool = False
+    ) -> None: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+
+_RoomStatus = Tuple[int, Optional[Error]]
+
+class _Connector:
+    def poll(self, room: int) -> _RoomStatus: ...
+    def wait(self, room: int, state: int, timeout: float) -> _RoomStatus: ...
+    def abort(self, room: int, reason: str = "aborted by the caller") -> None: ...
+    def release(self, room: int) -> None: ...
+    def stats(self) -> Dict[str, Any]: ...
+    def engine_metrics(self) -> Dict[str, Any]: ...
+    @property
+    def engine_address(self) -> str: ...
+    def close(self) -> None: ...
+
+class PrefillConnector(_Connector):
+    def __init__(
+        self,
+        *,
+        geometry: Dict[str, Any],
+        page_size: int,
+        num_pages: int,
+        kv_bases: Sequence[int],
+        aux_field_bytes: Sequence[int],
+        aux_bases: Sequence[int],
+        num_aux_rows: int,
+        aux_room_field: int = -1,
+        state_bases: Sequence[int] = ...,
+        num_state_slots: int = 0,
+        device: Optional[int] = None,
+        aux_device: Optional[int] = None,
+        bootstrap_address: str = "127.0.0.1:0",
+        start_bootstrap_server: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        pp_rank: int = 0,
+        total_kv_heads: int = 0,
+        engine: Optional[Dict[str, Any]] = None,
+        bootstrap_timeout: float = 60.0,
+        transfer_timeout: float = 60.0,
+        heartbeat_timeout: float = 30.0,
+    ) -> None: ...
+    @property
+    def bootstrap_address(self) -> str: ...
+    def create_sender(self, room: int, num_pages: int, state_slot: int = -1) -> None: ...
+    def send_chunk(
+        self, room: int, first_page: int, pages: Any, aux_row: Optional[int] = None
+    ) -> None: ...
+    def pending_destinations(self, room: int) -> int: ...
+    def send_range(self, num_pages: int) -> Tuple[int, int]: ...
+    def begin_layerwise_pass(self, chunks: List[Tuple[int, int, Any, Optional[int]]]) -> int: ...
+    def mark_layer_ready(
+        self, pass_id: int, layer: int, cuda_event: Optional[int] = None
+    ) -> None: ...
+
+class DecodeConnector(_Connector):
+    def __init__(
+        self,
+        *,
+        geometry: Dict[str, Any],
+        page_size: int,
+        num_pages: int,
+        kv_bases: Sequence[int],
+        aux_field_bytes: Sequence[int],
+        aux_bases: Sequence[int],
+        num_aux_rows: int,
+        aux_room_field: int = -1,
+        state_bases: Sequence[int] = ...,
+        num_state_slots: int = 0,
+        device: Optional[int] = None,
+        aux_device: Optional[int] = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        engine: Optional[Dict[str, Any]] = None,
+        kv_path: str = "auto",
+        staging_bytes: int = ...,
+        bootstrap_timeout: float = 30.0,
+        waiting_timeout: float = 60.0,
+        heartbeat_interval: float = 2.0,
+    ) -> None: ...
+    def create_receiver(
+        self, room: int, bootstrap_address: str, pages: Any, aux_row: int, state_slot: int = -1
+    ) -> None: ...

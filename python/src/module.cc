@@ -3,6 +3,7 @@
 
 #include "batch.h"
 #include "buffers.h"
+#include "connector.h"
 #include "engine.h"
 #include "errors.h"
 #include "kvferry/segment.h"
@@ -17,4 +18,5 @@ PYBIND11_MODULE(_kvferry, m) {
   kvferry::python::BindBuffers(m);
   kvferry::python::BindBatch(m);
   kvferry::python::BindEngine(m);
+  kvferry::python::BindConnectors(m);
 }

@@ -1,5 +1,5 @@
 """Fixtures of the pytest suite: peer engines in their own processes (peer.py) whose memory
-the test maps too."""
+the test maps too, and the engine the Mooncake-surface tests drive (--mooncake-impl)."""
 
 import json
 import mmap
@@ -21,6 +21,48 @@ PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "peer.py")
 # Where the package under test was imported from: peers import the same one.
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kvferry.__file__)))
 READY_TIMEOUT_S = 30
+MOONCAKE_IMPLS = ("kvferry", "mooncake")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--mooncake-impl", choices=MOONCAKE_IMPLS, default="kvferry",
+        help="whose Mooncake-API engine test_mooncake.py drives, in this process and in its "
+             "peers: kvferry.mooncake's (default) or Mooncake's own mooncake.engine "
+             "(PyPI mooncake-transfer-engine; docs/python.md)")
+
+
+class MooncakeImpl:
+    """The Mooncake-API engine under test: `TransferEngine` and `TransferOpcode` of
+    kvferry.mooncake or of mooncake.engine, and how to stop an engine."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "kvferry":
+            from kvferry import mooncake as module
+        else:
+            from mooncake import engine as module
+        self.TransferEngine = module.TransferEngine
+        self.TransferOpcode = module.TransferOpcode
+
+    @property
+    def is_kvferry(self) -> bool:
+        return self.name == "kvferry"
+
+    def close(self, engine) -> None:
+        """kvferry's engine stops on close(); Mooncake's has none and stops when collected."""
+        if self.is_kvferry:
+            engine.close()
+
+
+@pytest.fixture(scope="session")
+def mooncake_impl(pytestconfig) -> MooncakeImpl:
+    name = pytestconfig.getoption("--mooncake-impl")
+    try:
+        return MooncakeImpl(name)
+    except ImportError as error:
+        pytest.skip(f"--mooncake-impl={name}: mooncake.engine cannot be imported ({error}); "
+                    "docs/python.md says how to install Mooncake's engine")
 
 
 class SharedFile:
@@ -118,10 +160,15 @@ class Peers:
         return peer
 
     def mooncake(self, memory: SharedFile, buffers: int, buffer_bytes: int, gap_bytes: int,
-                 hostname: str = "127.0.0.1") -> Peer:
-        peer = Peer(["mooncake", "--file", memory.path, "--buffers", str(buffers),
+                 hostname: str = "127.0.0.1", impl: str = "kvferry") -> Peer:
+        peer = Peer(["mooncake", "--impl", impl, "--file", memory.path, "--buffers", str(buffers),
                      "--buffer-bytes", str(buffer_bytes), "--gap-bytes", str(gap_bytes),
                      "--hostname", hostname])
+        self.peers.append(peer)
+        return peer
+
+    def cuda(self, device: int, size: int, api: str = "native") -> Peer:
+        peer = Peer(["cuda", "--device", str(device), "--size", str(size), "--api", api])
         self.peers.append(peer)
         return peer
 

@@ -6,7 +6,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
-#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "common/checks.h"
 #include "common/logging.h"
@@ -58,11 +59,51 @@ StatusOr<AuxLayout> AuxLayout::Create(int hidden_size, DType hidden_dtype, int t
       return InvalidArgumentError(
           "aux row would exceed 1 GiB (hidden_size=" + std::to_string(hidden_size) + ")");
     }
-    if (std::string_view(spec.name) == "bootstrap_room") {
-      layout.room_offset_ = static_cast<uint32_t>(offset);
-    }
     layout.fields_.push_back(
         AuxField{spec.name, static_cast<uint32_t>(offset), static_cast<uint32_t>(size)});
+    layout.field_bytes_per_row_ += size;
+    offset += size;
+  }
+  layout.room_field_ = static_cast<int>(layout.fields_.size()) - 1;
+  layout.row_bytes_ =
+      static_cast<uint32_t>(std::max(AlignUp(offset, kRowAlignBytes), kRowAlignBytes));
+  return layout;
+}
+
+StatusOr<AuxLayout> AuxLayout::FromFields(std::span<const uint32_t> field_bytes, int room_field,
+                                          std::span<const std::string> names) {
+  if (field_bytes.empty()) return InvalidArgumentError("an aux layout needs at least one field");
+  if (room_field < 0 || static_cast<size_t>(room_field) >= field_bytes.size()) {
+    return InvalidArgumentError("aux room field " + std::to_string(room_field) + " outside the " +
+                                std::to_string(field_bytes.size()) + " fields");
+  }
+  if (!names.empty() && names.size() != field_bytes.size()) {
+    return InvalidArgumentError("aux layout of " + std::to_string(field_bytes.size()) +
+                                " fields given " + std::to_string(names.size()) + " names");
+  }
+  const uint32_t room_bytes = field_bytes[static_cast<size_t>(room_field)];
+  if (room_bytes == 0 || room_bytes % 8 != 0) {
+    return InvalidArgumentError("aux room field " + std::to_string(room_field) + " has " +
+                                std::to_string(room_bytes) +
+                                " bytes per row; the room needs a nonzero multiple of 8");
+  }
+  AuxLayout layout;
+  layout.room_field_ = room_field;
+  uint64_t offset = 0;
+  for (size_t f = 0; f < field_bytes.size(); ++f) {
+    const uint64_t size = field_bytes[f];
+    // The widest element the field may hold: the largest power of two (<= 8) dividing it.
+    // A 0-byte field takes no room and moves nothing.
+    uint64_t align = size == 0 ? 1 : 8;
+    while (align > 1 && size % align != 0) align /= 2;
+    offset = AlignUp(offset, align);
+    if (offset + size > kMaxRowBytes) {
+      return InvalidArgumentError("aux row would exceed 1 GiB at field " + std::to_string(f) +
+                                  " (" + std::to_string(size) + " bytes)");
+    }
+    layout.fields_.push_back(AuxField{names.empty() ? "field" + std::to_string(f) : names[f],
+                                      static_cast<uint32_t>(offset), static_cast<uint32_t>(size)});
+    layout.field_bytes_per_row_ += size;
     offset += size;
   }
   layout.row_bytes_ =
@@ -86,7 +127,70 @@ StatusOr<std::unique_ptr<AuxBuffer>> AuxBuffer::Create(const AuxLayout& layout, 
     return ResourceExhaustedError("cannot map " + std::to_string(size_bytes) + " bytes for " +
                                   std::to_string(num_rows) + " aux rows");
   }
-  return std::unique_ptr<AuxBuffer>(new AuxBuffer(layout, num_rows, static_cast<uint8_t*>(data)));
+  std::unique_ptr<AuxBuffer> aux(new AuxBuffer(layout, num_rows, static_cast<uint8_t*>(data)));
+  aux->owns_host_memory_ = true;
+  return aux;
+}
+
+StatusOr<std::unique_ptr<AuxBuffer>> AuxBuffer::Wrap(const AuxLayout& layout, int32_t num_rows,
+                                                     std::span<uint8_t* const> field_bases,
+                                                     MemoryLocation location) {
+  if (num_rows < 1) {
+    return InvalidArgumentError("an aux buffer needs at least one row, got " +
+                                std::to_string(num_rows));
+  }
+  const std::vector<AuxField>& fields = layout.fields();
+  if (field_bases.size() != fields.size()) {
+    return InvalidArgumentError("the aux layout has " + std::to_string(fields.size()) +
+                                " fields, " + std::to_string(field_bases.size()) +
+                                " base addresses given");
+  }
+  std::vector<Region> regions;
+  std::vector<std::pair<uint64_t, size_t>> starts;  // (address, field) of nonempty fields
+  for (size_t f = 0; f < fields.size(); ++f) {
+    const uint64_t bytes = static_cast<uint64_t>(fields[f].size_bytes) * num_rows;
+    if (bytes == 0) continue;
+    const std::string what = "aux field " + std::to_string(f) + " ('" + fields[f].name + "')";
+    const uint64_t base = reinterpret_cast<uint64_t>(field_bases[f]);
+    if (base == 0) return InvalidArgumentError(what + " has a null base");
+    if (base > std::numeric_limits<uint64_t>::max() - bytes) {
+      return InvalidArgumentError(what + " at " + std::to_string(base) +
+                                  " would end past the top of the address space");
+    }
+    if (static_cast<int>(f) == layout.room_field() && base % 8 != 0) {
+      return InvalidArgumentError(what + " holds the room and must be 8-byte aligned, is at " +
+                                  std::to_string(base));
+    }
+    starts.emplace_back(base, f);
+    regions.push_back(Region{field_bases[f], bytes});
+  }
+  std::sort(starts.begin(), starts.end());
+  for (size_t i = 1; i < starts.size(); ++i) {
+    const uint64_t prev_bytes = static_cast<uint64_t>(fields[starts[i - 1].second].size_bytes) *
+                                static_cast<uint64_t>(num_rows);
+    if (starts[i].first < starts[i - 1].first + prev_bytes) {
+      return InvalidArgumentError("aux fields " + std::to_string(starts[i - 1].second) + " and " +
+                                  std::to_string(starts[i].second) + " overlap");
+    }
+  }
+  std::unique_ptr<AuxBuffer> aux(new AuxBuffer(layout, num_rows, nullptr));
+  aux->location_ = location;
+  aux->regions_ = std::move(regions);
+  aux->size_bytes_ = 0;
+  for (const Region& r : aux->regions_) aux->size_bytes_ += r.size_bytes;
+  for (size_t f = 0; f < fields.size(); ++f) {
+    aux->field_bases_.push_back(field_bases[f]);
+    aux->field_strides_.push_back(fields[f].size_bytes);
+  }
+  if (aux->on_device()) {
+    auto probes = cuda::DeviceWordProbes::Create(location.device_id, num_rows);
+    if (!probes.ok()) {
+      return probes.status().WithContext("aux rows on CUDA device " +
+                                         std::to_string(location.device_id));
+    }
+    aux->probes_ = std::move(*probes);
+  }
+  return aux;
 }
 
 AuxBuffer::AuxBuffer(const AuxLayout& layout, int32_t num_rows, uint8_t* data)
@@ -95,10 +199,18 @@ AuxBuffer::AuxBuffer(const AuxLayout& layout, int32_t num_rows, uint8_t* data)
       data_(data),
       is_allocated_(static_cast<size_t>(num_rows), 0) {
   for (int32_t row = 0; row < num_rows; ++row) free_rows_.push_back(row);
+  if (data != nullptr) {
+    size_bytes_ = static_cast<uint64_t>(num_rows) * layout.row_bytes();
+    regions_.push_back(Region{data, size_bytes_});
+    for (const AuxField& f : layout.fields()) {
+      field_bases_.push_back(data + f.offset_bytes);
+      field_strides_.push_back(layout.row_bytes());
+    }
+  }
 }
 
 AuxBuffer::~AuxBuffer() {
-  if (device_memory_ == nullptr) munmap(data_, static_cast<size_t>(size_bytes()));
+  if (owns_host_memory_) munmap(data_, static_cast<size_t>(size_bytes_));
 }
 
 StatusOr<std::unique_ptr<AuxBuffer>> AuxBuffer::CreateOnDevice(const AuxLayout& layout,
@@ -145,12 +257,24 @@ Status AuxBuffer::FreeRow(int32_t row) {
     return FailedPreconditionError("aux row " + std::to_string(row) + " is not allocated");
   }
   // Zero before the row can be handed out again, so a stale room never survives into it.
-  if (device_memory_ != nullptr) {
-    RETURN_IF_ERROR(cuda::MemsetDevice(Row(row), 0, layout_.row_bytes()));
-    probes_->Forget(row);
+  // A packed row is zeroed whole (padding included), wrapped rows field by field.
+  std::vector<std::pair<uint8_t*, uint64_t>> spans;
+  if (packed()) {
+    spans.emplace_back(Row(row), layout_.row_bytes());
   } else {
-    std::memset(Row(row), 0, layout_.row_bytes());
+    for (int f = 0; f < layout_.num_fields(); ++f) {
+      const uint64_t bytes = layout_.fields()[static_cast<size_t>(f)].size_bytes;
+      if (bytes > 0) spans.emplace_back(FieldAddress(f, row), bytes);
+    }
   }
+  for (const auto& [address, bytes] : spans) {
+    if (on_device()) {
+      RETURN_IF_ERROR(cuda::MemsetDevice(address, 0, bytes));
+    } else {
+      std::memset(address, 0, bytes);
+    }
+  }
+  if (probes_ != nullptr) probes_->Forget(row);
   is_allocated_[row] = 0;
   free_rows_.push_back(row);
   return OkStatus();
@@ -158,20 +282,21 @@ Status AuxBuffer::FreeRow(int32_t row) {
 
 uint64_t AuxBuffer::ReadRoom(int32_t row) const {
   uint64_t room = 0;
-  if (device_memory_ != nullptr) {
+  const uint8_t* at = FieldAddress(layout_.room_field(), row);
+  if (on_device()) {
     // A failed copy leaves 0, which no live room equals: the caller reports corruption (the
     // copy's own error is logged here).
-    Status read = cuda::CopyToHost(&room, Row(row) + layout_.room_offset(), sizeof(room));
+    Status read = cuda::CopyToHost(&room, at, sizeof(room));
     if (!read.ok()) KVF_LOG_WARN("aux row {}: cannot read its room: {}", row, read.ToString());
   } else {
-    std::memcpy(&room, Row(row) + layout_.room_offset(), sizeof(room));
+    std::memcpy(&room, at, sizeof(room));
   }
   return room;
 }
 
 bool AuxBuffer::RoomSeen(int32_t row, uint64_t room) const {
   if (probes_ == nullptr) return ReadRoom(row) == room;
-  return probes_->Seen(row, Row(row) + layout_.room_offset(), room);
+  return probes_->Seen(row, FieldAddress(layout_.room_field(), row), room);
 }
 
 }  // namespace kvferry

@@ -17,14 +17,26 @@ Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& a
               .WithContext("KV buffer " + std::to_string(b)));
     }
   }
-  RETURN_IF_ERROR(engine.RegisterMemory(aux.data(), aux.size_bytes(), aux.location(), access));
+  for (const AuxBuffer::Region& region : aux.regions()) {
+    RETURN_IF_ERROR(engine.RegisterMemory(region.base, region.size_bytes, aux.location(), access)
+                        .WithContext("aux rows"));
+  }
   if (state == nullptr) return OkStatus();
   if (state->layout().tp_size() != tp_size) {
     return InvalidArgumentError("state pool holds the share of TP " +
                                 std::to_string(state->layout().tp_size()) +
                                 ", connector runs at TP " + std::to_string(tp_size));
   }
-  return engine.RegisterMemory(state->data(), state->size_bytes(), state->location(), access);
+  if (state->contiguous()) {
+    return engine.RegisterMemory(state->data(), state->size_bytes(), state->location(), access);
+  }
+  for (int b = 0; b < state->layout().num_buffers(); ++b) {
+    RETURN_IF_ERROR(
+        engine
+            .RegisterMemory(state->BufferBase(b), state->buffer_bytes(b), state->location(), access)
+            .WithContext("state buffer " + std::to_string(b)));
+  }
+  return OkStatus();
 }
 
 cuda::PoolGeometry GpuGeometry(const KvPool& pool) {

@@ -7,7 +7,7 @@
 namespace kvferry {
 namespace {
 constexpr uint32_t kControlMagic = 0x4346564Bu;  // "KVFC"
-constexpr uint16_t kControlVersion = 4;
+constexpr uint16_t kControlVersion = 5;
 constexpr size_t kChecksumBytes = 8;
 
 uint64_t Checksum(std::span<const uint8_t> bytes) {
@@ -35,8 +35,14 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U32(static_cast<uint32_t>(a.num_pages));
       w.U32(static_cast<uint32_t>(a.buffer_bases.size()));
       for (uint64_t b : a.buffer_bases) w.U64(b);
-      w.U64(a.aux_base);
-      w.U32(a.aux_row_bytes);
+      w.U32(static_cast<uint32_t>(a.aux_fields.size()));
+      for (const AuxFieldArgs& f : a.aux_fields) {
+        w.U64(f.base);
+        w.U64(f.stride);
+        w.U32(f.bytes);
+      }
+      w.U32(a.aux_packed_row_bytes);
+      w.U32(static_cast<uint32_t>(a.aux_room_field));
       w.U32(static_cast<uint32_t>(a.num_aux_rows));
       w.U32(static_cast<uint32_t>(a.tp_size));
       w.U32(static_cast<uint32_t>(a.heads_per_token));
@@ -147,11 +153,26 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> message) {
       for (auto& b : a.buffer_bases) {
         if (!r.U64(&b)) return bad("");
       }
+      uint32_t num_aux_fields = 0, room_field = 0;
+      if (!r.U32(&num_aux_fields)) return bad("");
+      if (num_aux_fields < 1 || num_aux_fields > kMaxBuffers) {
+        return bad(std::to_string(num_aux_fields) + " aux fields");
+      }
+      if (!r.Fits(num_aux_fields, 20, "aux fields")) return bad("");
+      a.aux_fields.resize(num_aux_fields);
+      for (AuxFieldArgs& f : a.aux_fields) {
+        if (!r.U64(&f.base) || !r.U64(&f.stride) || !r.U32(&f.bytes)) return bad("");
+      }
       uint32_t tp_size = 0, heads = 0;
-      if (!r.U64(&a.aux_base) || !r.U32(&a.aux_row_bytes) || !r.U32(&rows) || !r.U32(&tp_size) ||
-          !r.U32(&heads)) {
+      if (!r.U32(&a.aux_packed_row_bytes) || !r.U32(&room_field) || !r.U32(&rows) ||
+          !r.U32(&tp_size) || !r.U32(&heads)) {
         return bad("");
       }
+      if (room_field >= num_aux_fields) {
+        return bad("aux room field " + std::to_string(room_field) + " of " +
+                   std::to_string(num_aux_fields));
+      }
+      a.aux_room_field = static_cast<int32_t>(room_field);
       a.tp_size = static_cast<int32_t>(tp_size);
       a.heads_per_token = static_cast<int32_t>(heads);
       if (!r.U64(&a.staging_base) || !r.U64(&a.staging_bytes) || !r.U64(&a.watermark_addr)) {

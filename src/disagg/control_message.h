@@ -41,6 +41,13 @@ enum class ControlType : uint8_t {
   kStagingCancel = 11,  // prefill -> decode: a granted region will not be written; free it
 };
 
+// One aux field of decode's rows: row r's bytes of the field are [base + r * stride, + bytes).
+struct AuxFieldArgs {
+  uint64_t base = 0;
+  uint64_t stride = 0;
+  uint32_t bytes = 0;
+};
+
 // Decode rank's pool as prefill needs it to address WRITEs.
 struct DecodeKvArgs {
   std::string decode_address;  // decode engine "host:port"
@@ -50,8 +57,13 @@ struct DecodeKvArgs {
   uint64_t page_bytes = 0;             // bytes of one page of one buffer
   int32_t num_pages = 0;               // pages per buffer
   std::vector<uint64_t> buffer_bases;  // address of page 0 of each buffer
-  uint64_t aux_base = 0;
-  uint32_t aux_row_bytes = 0;
+  // Aux rows: one entry per field of decode's AuxLayout, in its order (AuxBuffer::FieldBase,
+  // FieldStride, the field's bytes); aux_packed_row_bytes > 0 when decode's rows are packed
+  // (every field inside one row of that many bytes, its padding decode's own), 0 when its
+  // fields are separate buffers.
+  std::vector<AuxFieldArgs> aux_fields;
+  uint32_t aux_packed_row_bytes = 0;
+  int32_t aux_room_field = 0;
   int32_t num_aux_rows = 0;
   int32_t tp_size = 1;          // decode attention TP size
   int32_t heads_per_token = 0;  // KV heads this decode rank holds (1 for MLA)

@@ -2,7 +2,11 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "common/checks.h"
 #include "cuda/device_memory.h"
@@ -109,8 +113,53 @@ StatusOr<std::unique_ptr<StatePool>> StatePool::Create(const StateLayout& layout
                                   " slots (out of memory?)");
   }
 #endif
-  return std::unique_ptr<StatePool>(
+  std::unique_ptr<StatePool> pool(
       new StatePool(layout, num_slots, static_cast<uint8_t*>(data), size_bytes));
+  pool->owns_host_memory_ = true;
+  return pool;
+}
+
+StatusOr<std::unique_ptr<StatePool>> StatePool::Wrap(const StateLayout& layout, int32_t num_slots,
+                                                     std::span<uint8_t* const> buffer_bases,
+                                                     MemoryLocation location) {
+  ASSIGN_OR_RETURN(uint64_t size_bytes, PoolBytes(layout, num_slots));
+  if (buffer_bases.size() != static_cast<size_t>(layout.num_buffers())) {
+    return InvalidArgumentError("the state layout has " + std::to_string(layout.num_buffers()) +
+                                " buffers, " + std::to_string(buffer_bases.size()) +
+                                " base addresses given");
+  }
+  auto bytes_of = [&](size_t b) {
+    return static_cast<uint64_t>(num_slots) * layout.slot_bytes(static_cast<int>(b));
+  };
+  std::vector<std::pair<uint64_t, size_t>> starts;  // (address, buffer) to find overlaps
+  for (size_t b = 0; b < buffer_bases.size(); ++b) {
+    const uint64_t base = reinterpret_cast<uint64_t>(buffer_bases[b]);
+    if (base == 0) {
+      return InvalidArgumentError("state buffer " + std::to_string(b) + " has a null base");
+    }
+    if (base > std::numeric_limits<uint64_t>::max() - bytes_of(b)) {
+      return InvalidArgumentError("state buffer " + std::to_string(b) + " at " +
+                                  std::to_string(base) +
+                                  " would end past the top of the address space");
+    }
+    starts.emplace_back(base, b);
+  }
+  std::sort(starts.begin(), starts.end());
+  for (size_t i = 1; i < starts.size(); ++i) {
+    if (starts[i].first < starts[i - 1].first + bytes_of(starts[i - 1].second)) {
+      return InvalidArgumentError("state buffers " + std::to_string(starts[i - 1].second) +
+                                  " and " + std::to_string(starts[i].second) + " overlap");
+    }
+  }
+  std::unique_ptr<StatePool> pool(new StatePool(layout, num_slots, nullptr, size_bytes));
+  pool->location_ = location;
+  pool->bases_.assign(buffer_bases.begin(), buffer_bases.end());
+  uint64_t offset = 0;
+  for (size_t b = 0; b < pool->bases_.size(); ++b) {
+    if (pool->bases_[b] != pool->bases_[0] + offset) pool->contiguous_ = false;
+    offset += bytes_of(b);
+  }
+  return pool;
 }
 
 StatusOr<std::unique_ptr<StatePool>> StatePool::CreateOnDevice(const StateLayout& layout,
@@ -128,10 +177,18 @@ StatusOr<std::unique_ptr<StatePool>> StatePool::CreateOnDevice(const StateLayout
 
 StatePool::StatePool(const StateLayout& layout, int32_t num_slots, uint8_t* data,
                      uint64_t size_bytes)
-    : layout_(layout), num_slots_(num_slots), data_(data), size_bytes_(size_bytes) {}
+    : layout_(layout), num_slots_(num_slots), size_bytes_(size_bytes) {
+  if (data == nullptr) return;
+  // Every conv buffer, then every recurrent buffer, each num_slots slots.
+  uint64_t offset = 0;
+  for (int b = 0; b < layout.num_buffers(); ++b) {
+    bases_.push_back(data + offset);
+    offset += static_cast<uint64_t>(num_slots) * layout.slot_bytes(b);
+  }
+}
 
 StatePool::~StatePool() {
-  if (device_memory_ == nullptr) munmap(data_, static_cast<size_t>(size_bytes_));
+  if (owns_host_memory_) munmap(bases_[0], static_cast<size_t>(size_bytes_));
 }
 
 }  // namespace kvferry

@@ -269,10 +269,6 @@ VerifyResult VerifyStateSlot(const StateLayout& layout, const StatePool& pool, i
 
 namespace {
 
-inline bool IsRoomField(const AuxLayout& layout, const AuxField& field) {
-  return field.size_bytes != 0 && field.offset_bytes == layout.room_offset();
-}
-
 inline uint64_t AuxFieldSeed(uint64_t room, size_t field_index) {
   return Mix64(Mix64(room ^ kAuxSalt) + (field_index + 1) * kGolden);
 }
@@ -284,8 +280,11 @@ void FillAuxRow(const AuxLayout& layout, uint8_t* row, uint64_t room) {
   const std::vector<AuxField>& fields = layout.fields();
   for (size_t k = 0; k < fields.size(); ++k) {
     const AuxField& f = fields[k];
-    if (IsRoomField(layout, f)) continue;
-    WritePattern(row + f.offset_bytes, AuxFieldSeed(room, k), f.size_bytes);
+    // The room field's first 8 bytes are the room, the rest (SGLang's is 64 bytes) a pattern.
+    const uint32_t skip = static_cast<int>(k) == layout.room_field() ? 8 : 0;
+    if (f.size_bytes > skip) {
+      WritePattern(row + f.offset_bytes + skip, AuxFieldSeed(room, k), f.size_bytes - skip);
+    }
   }
   std::memcpy(row + layout.room_offset(), &room, sizeof(room));
 }
@@ -300,12 +299,14 @@ Status VerifyAuxRow(const AuxLayout& layout, const uint8_t* row, uint64_t room) 
   const std::vector<AuxField>& fields = layout.fields();
   for (size_t k = 0; k < fields.size(); ++k) {
     const AuxField& f = fields[k];
-    if (IsRoomField(layout, f)) continue;
+    const uint32_t skip = static_cast<int>(k) == layout.room_field() ? 8 : 0;
+    if (f.size_bytes <= skip) continue;
+    const uint8_t* data = row + f.offset_bytes + skip;
     const uint64_t seed = AuxFieldSeed(room, k);
-    if (DiffPattern(row + f.offset_bytes, seed, f.size_bytes) == 0) continue;
+    if (DiffPattern(data, seed, f.size_bytes - skip) == 0) continue;
     uint8_t expected = 0;
     uint8_t actual = 0;
-    const uint64_t at = FirstDiffByte(row + f.offset_bytes, seed, f.size_bytes, &expected, &actual);
+    const uint64_t at = FirstDiffByte(data, seed, f.size_bytes - skip, &expected, &actual) + skip;
     char text[160];
     std::snprintf(text, sizeof(text),
                   " differs at byte %" PRIu64 " of %u: expected 0x%02x, got 0x%02x", at,
@@ -314,6 +315,28 @@ Status VerifyAuxRow(const AuxLayout& layout, const uint8_t* row, uint64_t room) 
                          text);
   }
   return OkStatus();
+}
+
+void FillAuxFields(AuxBuffer& aux, int32_t row, uint64_t room) {
+  const AuxLayout& layout = aux.layout();
+  std::vector<uint8_t> packed(layout.row_bytes());
+  FillAuxRow(layout, packed.data(), room);
+  for (int f = 0; f < layout.num_fields(); ++f) {
+    const AuxField& field = layout.fields()[static_cast<size_t>(f)];
+    if (field.size_bytes == 0) continue;
+    std::memcpy(aux.FieldAddress(f, row), packed.data() + field.offset_bytes, field.size_bytes);
+  }
+}
+
+Status VerifyAuxFields(const AuxBuffer& aux, int32_t row, uint64_t room) {
+  const AuxLayout& layout = aux.layout();
+  std::vector<uint8_t> packed(layout.row_bytes());
+  for (int f = 0; f < layout.num_fields(); ++f) {
+    const AuxField& field = layout.fields()[static_cast<size_t>(f)];
+    if (field.size_bytes == 0) continue;
+    std::memcpy(packed.data() + field.offset_bytes, aux.FieldAddress(f, row), field.size_bytes);
+  }
+  return VerifyAuxRow(layout, packed.data(), room);
 }
 
 }  // namespace kvferry

@@ -81,8 +81,9 @@ void FillStateBuffer(const StateLayout& layout, int buffer, uint8_t* slot_data, 
 VerifyResult VerifyStateBuffer(const StateLayout& layout, int buffer, const uint8_t* slot_data,
                                uint64_t room, int tp_rank);
 
-// Writes a row derived from `room`: every field gets room-derived bytes, the bootstrap_room
-// field holds `room`, padding is zeroed. REQUIRES row points at layout.row_bytes() bytes.
+// Writes a packed row derived from `room`: every field gets room-derived bytes, the room field
+// holds `room` in its first 8 bytes, padding is zeroed. REQUIRES row points at
+// layout.row_bytes() bytes.
 void FillAuxRow(const AuxLayout& layout, uint8_t* row, uint64_t room);
 
 // Checks a row written by FillAuxRow(layout, row, room).
@@ -90,5 +91,12 @@ void FillAuxRow(const AuxLayout& layout, uint8_t* row, uint64_t room);
 // "metadata corruption" and both rooms; otherwise it names the first field that differs and the
 // byte offset inside it.
 Status VerifyAuxRow(const AuxLayout& layout, const uint8_t* row, uint64_t room);
+
+// The same on row `row` of `aux`, packed or wrapped, field by field (FieldAddress): the bytes
+// FillAuxRow gives each field. REQUIRES host rows, 0 <= row < aux.num_rows().
+void FillAuxFields(AuxBuffer& aux, int32_t row, uint64_t room);
+// Checks a row written by FillAuxFields (or FillAuxRow on an equal layout); errors as
+// VerifyAuxRow.
+Status VerifyAuxFields(const AuxBuffer& aux, int32_t row, uint64_t room);
 
 }  // namespace kvferry

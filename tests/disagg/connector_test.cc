@@ -452,9 +452,29 @@ TEST(ControlMessageTest, RoundTripAndTruncation) {
   reg.kv_args.num_pages = 10;
   reg.kv_args.node_id = "host/boot";
   reg.kv_args.done_mailbox = "/kvferry-done-1-0";
+  // A register without aux fields, or with the room outside them, is malformed.
+  auto no_aux = DecodeControl(EncodeControl(reg));
+  ASSERT_FALSE(no_aux.ok());
+  EXPECT_NE(no_aux.status().message().find("0 aux fields"), std::string::npos)
+      << no_aux.status().message();
+  reg.kv_args.aux_fields = {{0x1000, 64, 4}, {0x9000, 8, 0}, {0x2000, 8, 8}};
+  reg.kv_args.aux_room_field = 3;
+  auto bad_room = DecodeControl(EncodeControl(reg));
+  ASSERT_FALSE(bad_room.ok());
+  EXPECT_NE(bad_room.status().message().find("aux room field 3 of 3"), std::string::npos)
+      << bad_room.status().message();
+  reg.kv_args.aux_room_field = 2;
   auto r = DecodeControl(EncodeControl(reg));
-  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->kv_args.buffer_bases, reg.kv_args.buffer_bases);
+  ASSERT_EQ(r->kv_args.aux_fields.size(), 3u);
+  for (size_t f = 0; f < 3; ++f) {
+    EXPECT_EQ(r->kv_args.aux_fields[f].base, reg.kv_args.aux_fields[f].base);
+    EXPECT_EQ(r->kv_args.aux_fields[f].stride, reg.kv_args.aux_fields[f].stride);
+    EXPECT_EQ(r->kv_args.aux_fields[f].bytes, reg.kv_args.aux_fields[f].bytes);
+  }
+  EXPECT_EQ(r->kv_args.aux_packed_row_bytes, 0u);
+  EXPECT_EQ(r->kv_args.aux_room_field, 2);
   EXPECT_EQ(r->kv_args.node_id, "host/boot");
   EXPECT_EQ(r->kv_args.done_mailbox, "/kvferry-done-1-0");
   // A message corrupted anywhere (a flipped page index would send KV to pages decode did not

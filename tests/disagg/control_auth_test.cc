@@ -150,6 +150,7 @@ TEST_F(ControlAuthTest, PrefillIgnoresAbortsAndRegistrationsFromAnUnpairedEngine
   reg.decode_address = decode_conn_->engine_address();
   reg.kv_args.decode_address = decode_conn_->engine_address();
   reg.kv_args.page_size = 999;  // would refuse the real decode's rooms if it replaced it
+  reg.kv_args.aux_fields = {{0x1000, 64, 8}};
   Forge(prefill_conn_->engine_address(), reg);
   ControlMessage info;
   info.type = ControlType::kTransferInfo;

@@ -36,10 +36,18 @@ DecodeKvArgs DecodeArgs(const KvLayout& prefill, int heads, uint64_t step) {
   a.page_bytes = static_cast<uint64_t>(prefill.page_size()) * heads * prefill.head_bytes();
   a.num_pages = 64;
   for (int b = 0; b < prefill.num_buffers(); ++b) a.buffer_bases.push_back(kDecodeBase + b * step);
-  a.aux_base = 0x7e0000000000ull;
-  a.aux_row_bytes = 0;
   a.num_aux_rows = 16;
   return a;
+}
+
+// Decode's aux rows packed at `base` in rows of `layout`.
+void PackedAux(DecodeKvArgs& a, const AuxLayout& layout, uint64_t base) {
+  a.aux_fields.clear();
+  for (const AuxField& f : layout.fields()) {
+    a.aux_fields.push_back({base + f.offset_bytes, layout.row_bytes(), f.size_bytes});
+  }
+  a.aux_packed_row_bytes = layout.row_bytes();
+  a.aux_room_field = layout.room_field();
 }
 
 SliceInfo Slice(const HeadSlice& s) {
@@ -268,7 +276,8 @@ TEST(PrefillPlanTest, LastChunkCarriesStateThenAuxRow) {
 
   DecodeKvArgs a = DecodeArgs(l, 2, 2 * kMiB);
   a.tp_size = 1;
-  a.aux_row_bytes = f.aux->layout().row_bytes();
+  PackedAux(a, f.aux->layout(), 0x7e0000000000ull);
+  const uint64_t row_bytes = f.aux->layout().row_bytes();
   const StateLayout decode_state = *StateLayout::Create(g, 1);
   for (int b = 0; b < decode_state.num_buffers(); ++b) {
     a.state_bases.push_back(0x7d0000000000ull + b * 64 * kMiB);
@@ -298,8 +307,9 @@ TEST(PrefillPlanTest, LastChunkCarriesStateThenAuxRow) {
   ExpectRequest(out[36 * 3], Addr(state->SlotAddress(36, 1)),
                 0x7d0000000000ull + 36 * 64 * kMiB + 3 * 32 * 64 * kKiB + 16 * 64 * kKiB,
                 16 * 64 * kKiB);
-  ExpectRequest(out.back(), Addr(f.aux->Row(5)), 0x7e0000000000ull + 6 * a.aux_row_bytes,
-                a.aux_row_bytes);
+  // Packed rows on both sides: one request from the first field to the room's end.
+  ExpectRequest(out.back(), Addr(f.aux->Row(5)), 0x7e0000000000ull + 6 * row_bytes,
+                f.aux->layout().room_offset() + 8);
 
   // A chunk before the last carries neither; a destination that takes the aux row from
   // another prefill rank gets no aux row.
@@ -354,6 +364,58 @@ TEST(PrefillPlanTest, StagingPiecesCutChunksLargerThanAnEighthOfTheRing) {
   EXPECT_EQ(c.num_heads, 4);
   EXPECT_EQ(c.dst_head_start, 0);
   EXPECT_EQ(StagingRequestChunk(l, SliceInfo{}, 0, 4, 0, 0).bytes, 8 * kMiB);  // every head
+}
+
+// The aux row goes field by field; fields join a request when adjacent on both sides, or
+// equally far apart in packed rows on both sides (the gap is each row's own padding).
+TEST(PrefillPlanTest, AuxFieldsCoalesceWhereBothSidesAllow) {
+  // Packed offsets 0, (empty), 4, 10, 16: fields 0, 2 and 3 adjacent, a 4-byte gap before 4.
+  const AuxLayout layout = *AuxLayout::FromFields(std::vector<uint32_t>{4, 0, 6, 2, 16}, 4);
+  auto packed = std::move(*AuxBuffer::Create(layout, 4));
+  ASSERT_EQ(layout.row_bytes(), 64u);
+  Fixture f = Make(Llama());
+  f.source.aux = packed.get();
+  DecodeKvArgs a = DecodeArgs(Llama(), 8, 2 * kMiB);
+  constexpr uint64_t kAux = 0x7e0000000000ull;
+  PackedAux(a, layout, kAux);
+  PlanDestination d{&a, SegmentHandle{7}, {}, /*aux_row=*/3, -1, SliceInfo{}};
+  std::vector<TransferRequest> out;
+  AppendAuxRequests(f.source, d, 2, &out);  // packed to packed: one request, gap included
+  ASSERT_EQ(out.size(), 1u);
+  ExpectRequest(out[0], Addr(packed->Row(2)), kAux + 3 * 64, 32);
+
+  // Into separate buffers laid so that row 3's fields 0, 2, 3 and 4 follow each other: the
+  // first three join; field 4 is as far away on both sides, but decode's gap is not padding.
+  a.aux_packed_row_bytes = 0;
+  a.aux_fields = {{kAux - 3 * 4, 4, 4},
+                  {0, 0, 0},
+                  {kAux + 4 - 3 * 6, 6, 6},
+                  {kAux + 10 - 3 * 2, 2, 2},
+                  {kAux + 16 - 3 * 16, 16, 16}};
+  out.clear();
+  AppendAuxRequests(f.source, d, 2, &out);
+  ASSERT_EQ(out.size(), 2u);
+  ExpectRequest(out[0], Addr(packed->Row(2)), kAux, 12);
+  ExpectRequest(out[1], Addr(packed->Row(2)) + 16, kAux + 16, 16);
+
+  // Separate buffers on both sides, apart: one request per field of nonzero size.
+  std::vector<std::vector<uint64_t>> storage(5, std::vector<uint64_t>(16));
+  std::vector<uint8_t*> bases;
+  for (auto& v : storage) bases.push_back(reinterpret_cast<uint8_t*>(v.data()));
+  auto wrapped = std::move(*AuxBuffer::Wrap(layout, 4, bases, MemoryLocation{}));
+  f.source.aux = wrapped.get();
+  a.aux_fields = {{kAux, 4, 4},
+                  {0, 0, 0},
+                  {kAux + 0x1000, 6, 6},
+                  {kAux + 0x2000, 2, 2},
+                  {kAux + 0x3000, 16, 16}};
+  out.clear();
+  AppendAuxRequests(f.source, d, 1, &out);
+  ASSERT_EQ(out.size(), 4u);
+  ExpectRequest(out[0], Addr(bases[0]) + 4, kAux + 3 * 4, 4);
+  ExpectRequest(out[1], Addr(bases[2]) + 6, kAux + 0x1000 + 3 * 6, 6);
+  ExpectRequest(out[2], Addr(bases[3]) + 2, kAux + 0x2000 + 3 * 2, 2);
+  ExpectRequest(out[3], Addr(bases[4]) + 16, kAux + 0x3000 + 3 * 16, 16);
 }
 
 }  // namespace

@@ -184,8 +184,10 @@ void ReceiverCompletion::RecordBytes(uint64_t room) {
   rooms_
       .With(room,
             [&](ReceiverRooms::Room& r) -> Status {
-              bytes_ += r.data.dst_pages.size() * pool_.layout().bytes_per_page_all_buffers() +
-                        aux_.layout().row_bytes();
+              // An aux row counts whole when packed, its fields' bytes when wrapped.
+              bytes_ +=
+                  r.data.dst_pages.size() * pool_.layout().bytes_per_page_all_buffers() +
+                  (aux_.packed() ? aux_.layout().row_bytes() : aux_.layout().field_bytes_per_row());
               return OkStatus();
             })
       .IgnoreError();

@@ -87,8 +87,12 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
   for (int b = 0; b < layout.num_buffers(); ++b) {
     a.buffer_bases.push_back(reinterpret_cast<uint64_t>(pool_.BufferBase(b)));
   }
-  a.aux_base = reinterpret_cast<uint64_t>(aux_.data());
-  a.aux_row_bytes = aux_.layout().row_bytes();
+  for (int f = 0; f < aux_.layout().num_fields(); ++f) {
+    a.aux_fields.push_back({reinterpret_cast<uint64_t>(aux_.FieldBase(f)), aux_.FieldStride(f),
+                            aux_.layout().fields()[static_cast<size_t>(f)].size_bytes});
+  }
+  a.aux_packed_row_bytes = aux_.packed() ? aux_.layout().row_bytes() : 0;
+  a.aux_room_field = aux_.layout().room_field();
   a.num_aux_rows = aux_.num_rows();
   if (const StatePool* state = options_.state_pool; state != nullptr) {
     for (int b = 0; b < state->layout().num_buffers(); ++b) {

@@ -264,6 +264,10 @@ class PrefillConnectorImpl : public PrefillConnector {
     return layerwise_.MarkLayerReadyOnEvent(pass_id, layer, cuda_event);
   }
 
+  int PendingDestinations(uint64_t room) const override {
+    return static_cast<int>(early_.NumDestinations(room));
+  }
+
   PageRange SendRange(int64_t num_pages) const override {
     if (options_.cp_size <= 1) return {0, num_pages};
     if (!options_.cp_all_ranks_send) {
@@ -347,7 +351,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   std::unique_ptr<TransferEngine> engine_;
   prefill::SenderRooms rooms_;
   prefill::DecodeRegistry decodes_;
-  prefill::EarlyArrivals early_;
+  mutable prefill::EarlyArrivals early_;
   prefill::BatchSender batches_;
   prefill::FailureNotices failures_;
   prefill::DoneNotices done_;

@@ -1,6 +1,7 @@
 // The decode ranks a prefill rank pairs with (see prefill/decode_registry.h).
 #include "disagg/prefill/decode_registry.h"
 
+#include "common/checks.h"
 #include "disagg/prefill/plan.h"
 
 namespace kvferry::prefill {
@@ -24,6 +25,31 @@ Status CheckStatePairing(const StatePool* state, int tp_size, const DecodeKvArgs
           std::to_string(state->layout().slot_bytes(static_cast<int>(b))) + " bytes, decode TP " +
           std::to_string(a.tp_size) + " x " + std::to_string(a.state_slot_bytes[b]) + " bytes");
     }
+  }
+  return OkStatus();
+}
+
+// Both sides keep the same aux fields, field by field, and the room in the same one; where
+// each side keeps them (packed rows or separate buffers) may differ.
+Status CheckAuxPairing(const AuxLayout& aux, const DecodeKvArgs& a) {
+  const std::vector<AuxField>& fields = aux.fields();
+  if (a.aux_fields.size() != fields.size()) {
+    return FailedPreconditionError("aux layout mismatch: prefill has " +
+                                   std::to_string(fields.size()) + " aux fields, decode " +
+                                   std::to_string(a.aux_fields.size()));
+  }
+  for (size_t f = 0; f < fields.size(); ++f) {
+    if (a.aux_fields[f].bytes != fields[f].size_bytes) {
+      return FailedPreconditionError(
+          "aux field " + std::to_string(f) + " ('" + fields[f].name + "') mismatch: prefill " +
+          std::to_string(fields[f].size_bytes) + " bytes per row, decode " +
+          std::to_string(a.aux_fields[f].bytes));
+    }
+  }
+  if (a.aux_room_field != aux.room_field()) {
+    return FailedPreconditionError("aux room field mismatch: prefill keeps the room in field " +
+                                   std::to_string(aux.room_field()) + ", decode in field " +
+                                   std::to_string(a.aux_room_field));
   }
   return OkStatus();
 }
@@ -80,10 +106,7 @@ Status CheckDecodePairing(const KvLayout& layout, const AuxLayout& aux, const St
         std::to_string(a.buffer_bases.size()) + " buffers of " + std::to_string(a.page_bytes) +
         "-byte pages with " + std::to_string(a.heads_per_token) + " heads");
   }
-  if (a.aux_row_bytes != aux.row_bytes()) {
-    return FailedPreconditionError("aux row mismatch: prefill " + std::to_string(aux.row_bytes()) +
-                                   " bytes, decode " + std::to_string(a.aux_row_bytes));
-  }
+  RETURN_IF_ERROR(CheckAuxPairing(aux, a));
   return CheckStatePairing(state, tp_size, a);
 }
 

@@ -41,7 +41,8 @@ class DecodeRegistry {
 };
 
 // Whether decode's pools (`a`) can take this rank's: the same page size, KV dtype, buffers
-// and head size (with unequal TP the page sizes in bytes differ), aux row size, and the same
+// and head size (with unequal TP the page sizes in bytes differ), the same aux fields (count,
+// bytes of each, the room's field; packed or separate buffers on either side), and the same
 // linear-attention state (or none), each side its TP share of it (this side at `tp_size`).
 // Errors: kFailedPrecondition naming the mismatch.
 Status CheckDecodePairing(const KvLayout& layout, const AuxLayout& aux, const StatePool* state,

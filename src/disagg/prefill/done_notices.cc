@@ -2,7 +2,8 @@
 #include "disagg/prefill/done_notices.h"
 
 #include <algorithm>
-#include <optional>
+#include <utility>
+#include <vector>
 
 #include "common/logging.h"
 
@@ -77,7 +78,7 @@ void DoneNotices::OnBatchDone(uint64_t room, size_t dest, bool finishing, const 
     return;
   }
   bool finish_now = false, notify_only = false, all_done = false, idle = false;
-  std::optional<TransferRequest> aux;
+  std::vector<TransferRequest> aux;  // the aux row's requests, when it leaves now
   Status found = rooms_->With(room, [&](SenderRooms::Room& r) -> Status {
     SenderRoom& d = r.data;
     Destination& t = d.destinations[dest];
@@ -92,7 +93,7 @@ void DoneNotices::OnBatchDone(uint64_t room, size_t dest, bool finishing, const 
       finish_now = true;
       if (t.slice.sends && t.slice.sends_aux && !t.aux_sent) {
         ++t.outstanding_batches;
-        aux = AuxRequest(source_, t.plan(), d.src_aux_row);
+        AppendAuxRequests(source_, t.plan(), d.src_aux_row, &aux);
       } else {
         notify_only = true;
       }
@@ -103,14 +104,14 @@ void DoneNotices::OnBatchDone(uint64_t room, size_t dest, bool finishing, const 
   if (idle) failures_->Tell(room);
   if (finish_now) {
     KVF_LOG_DEBUG("prefill: room {} destination {}: all KV landed, {}", room, dest,
-                  aux ? "aux row and done notice next" : "done notice next");
+                  !aux.empty() ? "aux row and done notice next" : "done notice next");
   }
   if (all_done) KVF_LOG_DEBUG("prefill: room {} done", room);
-  if (finish_now && aux) {
+  if (finish_now && !aux.empty()) {
     ControlMessage note;
     note.type = ControlType::kRoomDone;
     note.room = room;
-    Submit(room, dest, {*aux}, EncodeControl(note), true);
+    Submit(room, dest, std::move(aux), EncodeControl(note), true);
   } else if (finish_now && notify_only) {
     NotifyDone(room, dest);
   }

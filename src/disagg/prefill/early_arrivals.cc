@@ -3,6 +3,12 @@
 
 namespace kvferry::prefill {
 
+size_t EarlyArrivals::NumDestinations(uint64_t room) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = pending_.find(room);
+  return it == pending_.end() ? 0 : it->second.size();
+}
+
 EarlyArrivals::Collected EarlyArrivals::Collect(uint64_t room) {
   Collected c;
   std::lock_guard<std::mutex> lock(mu_);

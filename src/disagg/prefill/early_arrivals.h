@@ -56,6 +56,9 @@ class EarlyArrivals {
   // room's destinations, taken; nullopt when none. Called once its destination was added.
   std::optional<std::string> TakeAbort(uint64_t room, const std::string& from);
 
+  // Destinations held for `room` (not created yet).
+  size_t NumDestinations(uint64_t room);
+
   // Drops what came more than `timeout` before `now` (the timer).
   void Expire(Clock::time_point now, std::chrono::milliseconds timeout);
 

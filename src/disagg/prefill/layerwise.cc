@@ -208,7 +208,7 @@ void LayerwiseScheduler::SubmitLayer(const LayerPass& pass, int layer,
         dest.decode->mailbox->Announce(dest.dst_aux_row, t.room);
       }
       if (last_layer && t.last && t.sends && dest.slice.sends_aux) {
-        requests.push_back(AuxRequest(source_, to, r.data.src_aux_row));
+        AppendAuxRequests(source_, to, r.data.src_aux_row, &requests);
         dest.aux_sent = true;
       }
       if (!requests.empty()) ++dest.outstanding_batches;

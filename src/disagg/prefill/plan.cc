@@ -14,9 +14,20 @@ struct BufferStep {
   uint64_t src = 0;
   uint64_t dst = 0;
 };
+// Whether decode's buffers lie back to back (its pool is then registered as one region).
+bool DecodeContiguous(const DecodeKvArgs& a) {
+  const uint64_t buffer_bytes = static_cast<uint64_t>(a.num_pages) * a.page_bytes;
+  for (size_t b = 1; b < a.buffer_bases.size(); ++b) {
+    if (a.buffer_bases[b] != a.buffer_bases[0] + b * buffer_bytes) return false;
+  }
+  return true;
+}
+
+// A strided request must lie inside one registered region on each side, so only pools
+// registered whole (contiguous on both sides) get one.
 BufferStep UniformBufferStep(const KvPool& pool, std::span<const int> buffers,
                              const DecodeKvArgs& a) {
-  if (buffers.size() < 2) return {};
+  if (buffers.size() < 2 || !pool.contiguous() || !DecodeContiguous(a)) return {};
   auto src_base = [&](size_t k) { return reinterpret_cast<uint64_t>(pool.BufferBase(buffers[k])); };
   auto dst_base = [&](size_t k) { return a.buffer_bases[buffers[k]]; };
   if (src_base(1) <= src_base(0) || dst_base(1) <= dst_base(0)) return {};
@@ -42,7 +53,7 @@ std::vector<TransferRequest> PlanChunk(const PlanSource& source, const PlanDesti
     AppendStateRequests(source, dest, chunk.state_slot, AllStateBuffers(source.state), &requests);
   }
   if (chunk.aux_row >= 0 && dest.slice.sends && dest.slice.sends_aux) {
-    requests.push_back(AuxRequest(source, dest, chunk.aux_row));
+    AppendAuxRequests(source, dest, chunk.aux_row, &requests);
   }
   return requests;
 }
@@ -159,12 +170,40 @@ void AppendStateRequests(const PlanSource& source, const PlanDestination& dest,
   }
 }
 
-TransferRequest AuxRequest(const PlanSource& source, const PlanDestination& dest,
-                           int32_t src_aux_row) {
+void AppendAuxRequests(const PlanSource& source, const PlanDestination& dest, int32_t src_aux_row,
+                       std::vector<TransferRequest>* out) {
+  const AuxBuffer& aux = *source.aux;
   const DecodeKvArgs& a = *dest.args;
-  return {TransferOp::kWrite, source.aux->Row(src_aux_row), dest.segment,
-          a.aux_base + static_cast<uint64_t>(dest.aux_row) * a.aux_row_bytes,
-          source.aux->layout().row_bytes()};
+  const bool both_packed = aux.packed() && a.aux_packed_row_bytes > 0;
+  const std::vector<AuxField>& fields = aux.layout().fields();
+  const size_t num_fields = std::min(fields.size(), a.aux_fields.size());
+  bool open = false;                   // a request is being extended
+  uint64_t src = 0, dst = 0, end = 0;  // the open request: source, destination, source end
+  auto close = [&] {
+    if (open) {
+      out->push_back(
+          {TransferOp::kWrite, reinterpret_cast<void*>(src), dest.segment, dst, end - src});
+    }
+    open = false;
+  };
+  for (size_t f = 0; f < num_fields; ++f) {
+    const uint64_t bytes = fields[f].size_bytes;
+    if (bytes == 0) continue;
+    const uint64_t s =
+        reinterpret_cast<uint64_t>(aux.FieldAddress(static_cast<int>(f), src_aux_row));
+    const uint64_t d =
+        a.aux_fields[f].base + static_cast<uint64_t>(dest.aux_row) * a.aux_fields[f].stride;
+    if (open && s >= end && s - src == d - dst && d >= dst && (s == end || both_packed)) {
+      end = s + bytes;  // the same distance on both sides: the gap, if any, is padding
+      continue;
+    }
+    close();
+    open = true;
+    src = s;
+    dst = d;
+    end = s + bytes;
+  }
+  close();
 }
 
 std::vector<int> AllStateBuffers(const StatePool* state) {

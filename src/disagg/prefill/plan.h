@@ -74,9 +74,14 @@ void AppendStateRequests(const PlanSource& source, const PlanDestination& dest,
                          int32_t src_state_slot, std::span<const int> buffers,
                          std::vector<TransferRequest>* out);
 
-// The WRITE of this rank's aux row `src_aux_row` into the destination's aux row.
-TransferRequest AuxRequest(const PlanSource& source, const PlanDestination& dest,
-                           int32_t src_aux_row);
+// Appends the WRITEs of this rank's aux row `src_aux_row` into the destination's aux row: one
+// per field of nonzero size, fields in layout order, where consecutive fields join one request
+// when they are adjacent on both sides, or when both sides' rows are packed and the fields lie
+// equally far apart on both (the bytes between them are padding of the same row on each side).
+// Packed rows of equal layouts therefore go as one request. REQUIRES the pairing was checked
+// (CheckDecodePairing: the same fields on both sides).
+void AppendAuxRequests(const PlanSource& source, const PlanDestination& dest, int32_t src_aux_row,
+                       std::vector<TransferRequest>* out);
 
 // Every state buffer of `state` (none when null).
 std::vector<int> AllStateBuffers(const StatePool* state);

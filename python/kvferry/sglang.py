@@ -1,0 +1,733 @@
+"""SGLang's disaggregation backend interface over kvferry's connectors.
+
+The classes here satisfy, by duck typing, what SGLang's prefill and decode schedulers call on a
+transfer backend (sglang/srt/disaggregation/base/conn.py: KVArgs, KVPoll, a manager, a
+bootstrap server, KVSender, KVReceiver), without importing sglang. Underneath they drive
+kvferry's C++ PrefillConnector / DecodeConnector (include/kvferry/connector.h) over the
+server's own memory: the KV buffers of `KVArgs.kv_data_ptrs` (one per layer buffer), the aux
+fields of `aux_data_ptrs` (one per MetadataBuffers field) and, for hybrid models, the state
+buffers of `state_data_ptrs`. kvferry registers them with its engine and never frees them.
+
+    from kvferry.sglang import KVArgs, KVManager, KVPoll, KVSender, KVReceiver, \
+        KVBootstrapServer, DisaggregationMode
+
+    server = KVBootstrapServer("127.0.0.1", 8998)                 # prefill instance, once
+    mgr = KVManager(args, DisaggregationMode.PREFILL, bootstrap_address=server.address)
+    sender = KVSender(mgr, server.address, bootstrap_room=17)
+    while sender.poll() == KVPoll.Bootstrapping: ...              # decode's pages arrive
+    sender.init(num_kv_indices=num_pages, aux_index=aux_row)
+    sender.send(chunk_pages)                                      # once per prefill chunk
+    # decode:
+    mgr = KVManager(args, DisaggregationMode.DECODE)
+    receiver = KVReceiver(mgr, server.address, bootstrap_room=17)
+    receiver.init(decode_pages, aux_index=aux_row)
+    while receiver.poll() not in (KVPoll.Success, KVPoll.Failed): ...
+
+Layerwise: `mgr.begin_layerwise([(sender, pages), ...])` registers one forward pass's chunks and
+returns a LayerwisePass whose `layer_ready(layer, event)` hands each layer over as it finishes
+(optionally once a `torch.cuda.Event` recorded after it completes).
+
+Where SGLang and kvferry differ (docs/python.md): the state slot of a hybrid request is named at
+`KVSender.init(..., state_index=)` (kvferry opens the room then), not with the last chunk; the
+bootstrap room field of the aux row (the last aux field unless `KVArgs.aux_room_field` says
+otherwise) is checked on decode, and KVSender writes the room there when the aux fields are in
+host memory.
+
+Thread-safety: managers may be used from several threads; one sender or receiver from one
+thread at a time (as SGLang's schedulers do).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import kvferry
+from kvferry import _kvferry
+
+__all__ = [
+    "DisaggregationMode",
+    "KVArgs",
+    "KVBootstrapServer",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "LayerwisePass",
+]
+
+# kvferry's RoomState (kvferry/room.h) -> SGLang's KVPoll.
+_BOOTSTRAPPING, _WAITING, _TRANSFERRING, _SUCCESS, _FAILED = range(5)
+
+
+class KVPoll:
+    """SGLang's poll values."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+_TO_POLL = {
+    _BOOTSTRAPPING: KVPoll.Bootstrapping,
+    _WAITING: KVPoll.WaitingForInput,
+    _TRANSFERRING: KVPoll.Transferring,
+    _SUCCESS: KVPoll.Success,
+    _FAILED: KVPoll.Failed,
+}
+
+
+class DisaggregationMode(enum.Enum):
+    NULL = "null"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class KVTransferError(Exception):
+    """A room that failed: `bootstrap_room`, `failure_reason` and the kvferry.Error behind it
+    (`__cause__`)."""
+
+    def __init__(self, bootstrap_room: int, failure_reason: str):
+        super().__init__(failure_reason)
+        self.bootstrap_room = bootstrap_room
+        self.failure_reason = failure_reason
+
+    def __str__(self) -> str:
+        return f"KVTransferError(bootstrap_room={self.bootstrap_room}): {self.failure_reason}"
+
+
+class KVArgs:
+    """The buffers and geometry of one rank, shaped as SGLang's KVArgs (plain attributes).
+
+    kv_data_ptrs / kv_data_lens / kv_item_lens: per layer buffer (K of every layer, then V of
+      every layer for MHA/GQA; one latent per layer for MLA) its address, its bytes, and the
+      bytes of one page (page_size * kv_head_num * head_dim * element size).
+    aux_data_ptrs / aux_data_lens / aux_item_lens: per aux field (SGLang's MetadataBuffers
+      order) its address, bytes, and bytes of one row. Field aux_room_field (default -1: the
+      last, SGLang's bootstrap_room) holds the room as a 64-bit integer at offset 0.
+    state_data_ptrs / state_data_lens / state_item_lens: hybrid models' state buffers, the
+      convolution state of each linear-attention layer then the recurrent state of each; item
+      = bytes of one slot. Flat lists (a list of lists, SGLang's per-type form, is flattened).
+    page_size, kv_head_num (heads in this rank's buffers; 1 for MLA), total_kv_head_num,
+    head_dim (MLA: kv_lora_rank + qk_rope_head_dim), kv_dtype ("bfloat16", "float16",
+    "float32", "float8_e4m3fn"), is_mla, kv_lora_rank, qk_rope_head_dim.
+    hf_config: optional config.json text or dict; hybrid models need it (the geometry of their
+      state comes from it).
+    engine_rank / tp_rank, tp_size, cp_rank, cp_size, pp_rank: this rank's attention
+    parallelism. gpu_id: informational (where each buffer lives is looked up from its address).
+    """
+
+    engine_rank: int = 0
+    kv_data_ptrs: List[int] = []
+    kv_data_lens: List[int] = []
+    kv_item_lens: List[int] = []
+    aux_data_ptrs: List[int] = []
+    aux_data_lens: List[int] = []
+    aux_item_lens: List[int] = []
+    aux_room_field: int = -1
+    state_data_ptrs: List[int] = []
+    state_data_lens: List[int] = []
+    state_item_lens: List[int] = []
+    state_type: str = "none"
+    gpu_id: Optional[int] = None
+    ib_device: Optional[str] = None
+    page_size: int = 1
+    kv_head_num: int = 0
+    total_kv_head_num: int = 0
+    head_dim: int = 0
+    kv_dtype: str = "bfloat16"
+    is_mla: bool = False
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    hf_config: Any = None
+    tp_rank: Optional[int] = None
+    tp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    pp_rank: int = 0
+
+    def __init__(self, **values: Any):
+        for key, value in values.items():
+            if not hasattr(KVArgs, key):
+                raise TypeError(f"KVArgs has no field {key!r}")
+            setattr(self, key, value)
+
+
+def _flat(values: Any) -> List[int]:
+    out: List[int] = []
+    for v in values or []:
+        if isinstance(v, (list, tuple)):
+            out.extend(int(x) for x in v)
+        else:
+            out.append(int(v))
+    return out
+
+
+def _rows(what: str, lens: Sequence[int], items: Sequence[int]) -> int:
+    """Rows (pages, aux rows, slots) every buffer holds: each len / item, all equal."""
+    if len(lens) != len(items):
+        raise kvferry.InvalidArgumentError(
+            f"{what}: {len(lens)} data lengths but {len(items)} item lengths"
+        )
+    counts = set()
+    for i, (n, item) in enumerate(zip(lens, items)):
+        if item <= 0 or n < item:
+            raise kvferry.InvalidArgumentError(
+                f"{what} buffer {i}: {n} bytes cannot hold one item of {item} bytes"
+            )
+        counts.add(n // item)
+    if len(counts) != 1:
+        raise kvferry.InvalidArgumentError(
+            f"{what}: buffers hold different numbers of items ({sorted(counts)})"
+        )
+    return counts.pop()
+
+
+def _device_of(what: str, addresses: Sequence[int]) -> Optional[int]:
+    devices = {kvferry.locate_memory(int(a)) for a in addresses}
+    if len(devices) != 1:
+        raise kvferry.InvalidArgumentError(f"{what} buffers lie on different devices: {devices}")
+    return devices.pop()
+
+
+def _geometry(args: KVArgs) -> Dict[str, Any]:
+    """The connector geometry of one rank (num_kv_heads = this rank's heads)."""
+    num_buffers = len(args.kv_data_ptrs)
+    if args.hf_config is not None:
+        text = args.hf_config
+        if not isinstance(text, str):
+            import json
+
+            text = json.dumps(text)
+        g = _kvferry.geometry_from_hf_config(text)
+        if g["attention"] == "mha" and args.kv_head_num:
+            g["num_kv_heads"] = int(args.kv_head_num)
+        return g
+    if args.is_mla:
+        head_dim = args.head_dim or args.kv_lora_rank + args.qk_rope_head_dim
+        return {
+            "attention": "mla",
+            "num_layers": num_buffers,
+            "num_attention_heads": max(1, int(args.total_kv_head_num)),
+            "num_kv_heads": 1,
+            "head_dim": int(head_dim),
+            "kv_lora_rank": int(args.kv_lora_rank),
+            "qk_rope_head_dim": int(args.qk_rope_head_dim),
+            "dtype": args.kv_dtype,
+        }
+    if num_buffers % 2:
+        raise kvferry.InvalidArgumentError(
+            f"an MHA/GQA pool has a K and a V buffer per layer; got {num_buffers} kv_data_ptrs"
+        )
+    return {
+        "attention": "mha",
+        "num_layers": num_buffers // 2,
+        "num_attention_heads": max(1, int(args.total_kv_head_num or args.kv_head_num)),
+        "num_kv_heads": int(args.kv_head_num),
+        "head_dim": int(args.head_dim),
+        "dtype": args.kv_dtype,
+    }
+
+
+def _pool_kwargs(args: KVArgs) -> Dict[str, Any]:
+    kv_ptrs = [int(p) for p in args.kv_data_ptrs]
+    aux_ptrs = [int(p) for p in args.aux_data_ptrs]
+    if not kv_ptrs:
+        raise kvferry.InvalidArgumentError("KVArgs.kv_data_ptrs is empty")
+    if not aux_ptrs:
+        raise kvferry.InvalidArgumentError(
+            "KVArgs.aux_data_ptrs is empty (at least the bootstrap_room field is needed)"
+        )
+    num_pages = _rows("kv", _flat(args.kv_data_lens), _flat(args.kv_item_lens))
+    num_aux_rows = _rows("aux", _flat(args.aux_data_lens), _flat(args.aux_item_lens))
+    geometry = _geometry(args)
+    item = _flat(args.kv_item_lens)
+    elem = np.dtype(_NUMPY_DTYPES.get(args.kv_dtype, "u2")).itemsize
+    expected = args.page_size * geometry["num_kv_heads"] * geometry["head_dim"] * elem
+    if any(i != expected for i in item):
+        raise kvferry.InvalidArgumentError(
+            f"kv_item_lens {sorted(set(item))} differ from page_size {args.page_size} x "
+            f"{geometry['num_kv_heads']} KV heads x head_dim {geometry['head_dim']} x "
+            f"{elem} bytes = {expected}"
+        )
+    state_ptrs = _flat(args.state_data_ptrs)
+    num_slots = 0
+    if state_ptrs:
+        num_slots = _rows("state", _flat(args.state_data_lens), _flat(args.state_item_lens))
+    return dict(
+        geometry=geometry,
+        page_size=int(args.page_size),
+        num_pages=num_pages,
+        kv_bases=kv_ptrs,
+        aux_field_bytes=_flat(args.aux_item_lens),
+        aux_bases=aux_ptrs,
+        num_aux_rows=num_aux_rows,
+        aux_room_field=int(args.aux_room_field),
+        state_bases=state_ptrs,
+        num_state_slots=num_slots,
+        device=_device_of("kv", kv_ptrs + state_ptrs),
+        aux_device=_device_of("aux", aux_ptrs),
+    )
+
+
+_NUMPY_DTYPES = {
+    "float32": "f4",
+    "fp32": "f4",
+    "float": "f4",
+    "float16": "f2",
+    "fp16": "f2",
+    "half": "f2",
+    "bfloat16": "u2",
+    "bf16": "u2",
+    "fp8": "u1",
+    "float8_e4m3fn": "u1",
+}
+
+
+class KVBootstrapServer:
+    """The prefill instance's bootstrap server (SGLang's KVBootstrapServer(host, port)).
+
+    Serves from background threads until close() or collection. port 0 picks a free port;
+    `address` is "host:port". Raises kvferry.UnavailableError when the port cannot be bound.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **kwargs: Any):
+        self._server: Optional[_kvferry.BootstrapServer] = _kvferry.BootstrapServer(
+            host, int(port), **kwargs
+        )
+        self.address: str = self._server.address
+        self.port: int = self._server.port
+
+    def close(self) -> None:
+        self._server = None
+
+
+def _bootstrap_address_of(server_args: Any) -> Optional[str]:
+    port = getattr(server_args, "disaggregation_bootstrap_port", None)
+    if port is None:
+        return None
+    host = getattr(server_args, "host", None) or "127.0.0.1"
+    return f"{host}:{int(port)}"
+
+
+class KVManager:
+    """One rank's connector (prefill or decode) over the buffers of `args`.
+
+    Creating it starts the transfer engine, registers the buffers and, on prefill, registers
+    the rank with the bootstrap server at `bootstrap_address` (or the one server_args names,
+    SGLang's disaggregation_bootstrap_port); blocks meanwhile. Options (keywords): host (the
+    engine's listen host, default 127.0.0.1), transport ("auto", "tcp", "nvlink"),
+    auth_secret, faults, bootstrap_timeout, transfer_timeout (prefill), waiting_timeout,
+    kv_path, staging_bytes (decode), all timeouts in seconds. Raises kvferry.Error subclasses
+    naming what did not fit.
+    """
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any = None,
+        is_mla_backend: Optional[bool] = False,
+        *,
+        bootstrap_address: Optional[str] = None,
+        host: str = "127.0.0.1",
+        transport: str = "auto",
+        auth_secret: Optional[str] = None,
+        faults: str = "",
+        bootstrap_timeout: float = 60.0,
+        transfer_timeout: float = 60.0,
+        waiting_timeout: float = 60.0,
+        heartbeat_timeout: float = 30.0,
+        kv_path: str = "auto",
+        staging_bytes: int = 1 << 30,
+    ):
+        self.kv_args = args
+        self._bootstrap_timeout = float(bootstrap_timeout)
+        self.disaggregation_mode = DisaggregationMode(disaggregation_mode)
+        self.is_mla_backend = bool(is_mla_backend or args.is_mla)
+        if self.is_mla_backend:
+            args.is_mla = True
+        tp_rank = args.tp_rank if args.tp_rank is not None else args.engine_rank
+        engine: Dict[str, Any] = {"listen_host": host, "transport": transport, "faults": faults}
+        if auth_secret is not None:
+            engine["auth_secret"] = auth_secret
+        pools = _pool_kwargs(args)
+        self._aux_host = pools["aux_device"] is None
+        # Senders holding chunks until their room is WaitingForInput, flushed by a thread.
+        self._waiting_senders: set = set()
+        self._waiting_cv = threading.Condition()
+        self._flusher: Optional[threading.Thread] = None
+        self._closed = False
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            address = bootstrap_address or _bootstrap_address_of(server_args)
+            if address is None:
+                raise kvferry.InvalidArgumentError(
+                    "a prefill KVManager needs bootstrap_address (or server_args with "
+                    "disaggregation_bootstrap_port)"
+                )
+            self.bootstrap_address = address
+            self._conn = _kvferry.PrefillConnector(
+                **pools,
+                bootstrap_address=address,
+                tp_rank=int(tp_rank),
+                tp_size=int(args.tp_size),
+                cp_rank=int(args.cp_rank),
+                cp_size=int(args.cp_size),
+                pp_rank=int(args.pp_rank),
+                total_kv_heads=int(args.total_kv_head_num or 0),
+                engine=engine,
+                bootstrap_timeout=bootstrap_timeout,
+                transfer_timeout=transfer_timeout,
+                heartbeat_timeout=heartbeat_timeout,
+            )
+        elif self.disaggregation_mode == DisaggregationMode.DECODE:
+            self.bootstrap_address = None
+            self._conn = _kvferry.DecodeConnector(
+                **pools,
+                tp_rank=int(tp_rank),
+                tp_size=int(args.tp_size),
+                engine=engine,
+                kv_path=kv_path,
+                staging_bytes=int(staging_bytes),
+                bootstrap_timeout=bootstrap_timeout,
+                waiting_timeout=waiting_timeout,
+            )
+        else:
+            raise kvferry.InvalidArgumentError("KVManager needs PREFILL or DECODE mode")
+        self.engine_address: str = self._conn.engine_address
+
+    def register_to_bootstrap(self) -> None:
+        """Done when the manager was created; kept for SGLang's interface."""
+
+    def stats(self) -> Dict[str, Any]:
+        """Connector counters (rooms succeeded/failed by code, requests, bytes)."""
+        return self._conn.stats()
+
+    def metrics(self) -> Dict[str, Any]:
+        """The transfer engine's counters, as kvferry.TransferEngine.metrics()."""
+        return self._conn.engine_metrics()
+
+    def close(self) -> None:
+        """Stops the connector and its engine; open rooms fail. Idempotent."""
+        with self._waiting_cv:
+            self._closed = True
+            self._waiting_cv.notify_all()
+        if self._flusher is not None:
+            self._flusher.join()
+        self._conn.close()
+
+    def _hold_until_ready(self, sender: "KVSender") -> None:
+        """Flushes `sender`'s kept chunks from a background thread once its room is ready, so
+        that they leave without waiting for the server's next poll()."""
+        with self._waiting_cv:
+            self._waiting_senders.add(sender)
+            if self._flusher is None:
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name="kvferry-sglang-flush", daemon=True
+                )
+                self._flusher.start()
+            self._waiting_cv.notify_all()
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._waiting_cv:
+                while not self._waiting_senders and not self._closed:
+                    self._waiting_cv.wait()
+                if self._closed:
+                    return
+                senders = list(self._waiting_senders)
+            for sender in senders:
+                if sender._try_flush():
+                    with self._waiting_cv:
+                        self._waiting_senders.discard(sender)
+            time.sleep(0.0005)
+
+    def begin_layerwise(self, chunks: Iterable[Tuple["KVSender", Any]]) -> "LayerwisePass":
+        """Registers one forward pass's chunks, each (sender, pages of the chunk), with send()'s
+        checks and bookkeeping, and returns the pass; nothing moves until its layers are marked
+        ready. Prefill only. Raises as KVSender.send."""
+        entries = []
+        senders = []
+        for sender, pages in chunks:
+            entry = sender._next_chunk(pages)
+            if entry is not None:
+                entries.append(entry)
+                senders.append(sender)
+        pass_id = self._conn.begin_layerwise_pass(entries) if entries else None
+        return LayerwisePass(self, pass_id)
+
+    # The auxiliary row's room field, written by KVSender before the last chunk.
+    def _write_room(self, aux_index: int, room: int) -> None:
+        args = self.kv_args
+        if not self._aux_host:
+            return
+        field = args.aux_room_field
+        ptrs, items = _flat(args.aux_data_ptrs), _flat(args.aux_item_lens)
+        address = ptrs[field] + aux_index * items[field]
+        ctypes.c_uint64.from_address(address).value = room & 0xFFFFFFFFFFFFFFFF
+
+
+class LayerwisePass:
+    """One forward pass's layers, handed over as they finish (KVManager.begin_layerwise)."""
+
+    def __init__(self, mgr: KVManager, pass_id: Optional[int]):
+        self._mgr = mgr
+        self.pass_id = pass_id
+
+    def layer_ready(self, layer: int, event: Any = None) -> None:
+        """Model layer `layer` wrote its KV. event: None (ready now), a torch.cuda.Event (or
+        anything with a `cuda_event` attribute) or an int cudaEvent_t recorded after the layer;
+        the layer leaves once the event completed, without this call waiting. Layers leave in
+        order; the aux row goes with the last, so write it before marking the last layer.
+        Never blocks on the network. Raises kvferry.OutOfRangeError, AlreadyExistsError."""
+        if self.pass_id is None:
+            return
+        handle = None
+        if event is not None:
+            handle = int(getattr(event, "cuda_event", event))
+        self._mgr._conn.mark_layer_ready(self.pass_id, int(layer), handle)
+
+
+class _Room:
+    """What KVSender and KVReceiver share: poll, failure_exception, abort, clear."""
+
+    def __init__(self, mgr: KVManager, bootstrap_room: Optional[int]):
+        self.kv_mgr = mgr
+        self.bootstrap_room = int(bootstrap_room) if bootstrap_room is not None else None
+        self._opened = False
+        self._error: Optional[BaseException] = None
+
+    def _status(self) -> Tuple[int, Optional[BaseException]]:
+        if self._error is not None:
+            return _FAILED, self._error
+        if not self._opened:
+            return _BOOTSTRAPPING, None
+        state, error = self.kv_mgr._conn.poll(self.bootstrap_room)
+        return state, error
+
+    def poll(self) -> int:
+        """The room's KVPoll value. Never blocks."""
+        state, error = self._status()
+        if error is not None and self._error is None:
+            self._error = error
+        return _TO_POLL[state]
+
+    def failure_exception(self) -> None:
+        """Raises KVTransferError for a failed room (its kvferry.Error as the cause)."""
+        state, error = self._status()
+        if state != _FAILED:
+            raise KVTransferError(self.bootstrap_room or 0, "the room has not failed")
+        raise KVTransferError(self.bootstrap_room or 0, str(error)) from error
+
+    def abort(self) -> None:
+        """Fails the room here and on the other side."""
+        if self._opened:
+            try:
+                self.kv_mgr._conn.abort(self.bootstrap_room, "aborted by the server")
+            except kvferry.NotFoundError:
+                pass
+        elif self._error is None:
+            self._error = kvferry.AbortedError("aborted before the room opened")
+
+    def clear(self) -> None:
+        """Forgets the room once it is final (a room still moving is left alone)."""
+        if not self._opened:
+            return
+        state, _ = self.kv_mgr._conn.poll(self.bootstrap_room)
+        if state in (_SUCCESS, _FAILED):
+            self.kv_mgr._conn.release(self.bootstrap_room)
+            self._opened = False
+
+
+class KVSender(_Room):
+    """Prefill side of one request (SGLang's KVSender).
+
+    Created, it is Bootstrapping until init() opens the room and decode's destination
+    arrived, then WaitingForInput; send() once per prefill chunk; Success once every page and
+    the aux row landed on decode.
+    """
+
+    def __init__(
+        self,
+        mgr: KVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        dest_tp_ranks: Optional[List[int]] = None,
+        pp_rank: int = 0,
+        **_: Any,
+    ):
+        super().__init__(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self._num_pages = 0
+        self._aux_index: Optional[int] = None
+        self._range = (0, 0)
+        self._next_page = 0  # request pages handed over so far
+        self._pending: List[Tuple[int, np.ndarray, Optional[int]]] = []
+        self._created = time.monotonic()
+        self._flush_lock = threading.Lock()
+
+    def init(
+        self,
+        num_kv_indices: int,
+        aux_index: Optional[int] = None,
+        state_index: Optional[int] = None,
+    ) -> None:
+        """Opens the room for a request of num_kv_indices pages whose aux row is aux_index
+        (and, hybrid models, whose state is in slot state_index). Does not block. Raises
+        kvferry.AlreadyExistsError (duplicate room), InvalidArgumentError."""
+        conn = self.kv_mgr._conn
+        conn.create_sender(
+            self.bootstrap_room, int(num_kv_indices), -1 if state_index is None else state_index
+        )
+        self._opened = True
+        self._num_pages = int(num_kv_indices)
+        self._aux_index = aux_index
+        self._range = conn.send_range(self._num_pages)
+
+    def _next_chunk(self, kv_indices: Any) -> Optional[Tuple[int, int, np.ndarray, Optional[int]]]:
+        """The connector's (room, first_page, pages, aux_row) for the next chunk, cut to the
+        pages this rank sends; None when nothing of it is this rank's."""
+        if not self._opened:
+            raise kvferry.FailedPreconditionError("KVSender.send before init")
+        pages = np.ascontiguousarray(np.asarray(kv_indices, dtype=np.int32).reshape(-1))
+        first = self._next_page
+        self._next_page += len(pages)
+        if self._next_page > self._num_pages:
+            raise kvferry.InvalidArgumentError(
+                f"room {self.bootstrap_room}: {self._next_page} pages sent, but init said "
+                f"{self._num_pages}"
+            )
+        lo, count = self._range
+        hi = lo + count
+        start, end = max(first, lo), min(first + len(pages), hi)
+        last = self._next_page == self._num_pages
+        if start >= end and not last:
+            return None
+        cut = pages[start - first : end - first] if start < end else pages[:0]
+        aux = None
+        if last:
+            if self._aux_index is None:
+                raise kvferry.InvalidArgumentError(
+                    f"room {self.bootstrap_room}: the last chunk needs init's aux_index"
+                )
+            aux = int(self._aux_index)
+            self.kv_mgr._write_room(aux, self.bootstrap_room)
+        return (self.bootstrap_room, max(start, lo) if start < end else hi, cut, aux)
+
+    def send(self, kv_indices: Any, state_indices: Any = None) -> None:
+        """Sends the next chunk: kv_indices are this prefill rank's pool pages holding the
+        request's next pages (int32, token order). The chunk that completes init's page count
+        carries the aux row. Before the room is WaitingForInput the chunk is kept and sent by
+        a later poll(). Does not block on the network. Raises kvferry errors for pages out of
+        range or a room that failed."""
+        entry = self._next_chunk(kv_indices)
+        if entry is None:
+            return
+        with self._flush_lock:
+            self._pending.append(entry[1:])
+        if not self._try_flush():
+            self.kv_mgr._hold_until_ready(self)
+
+    def _try_flush(self) -> bool:
+        """Sends kept chunks while the room takes them; True when none is left (or the room
+        failed: the error is kept for poll())."""
+        with self._flush_lock:
+            while self._pending and self._error is None:
+                state, _ = self.kv_mgr._conn.poll(self.bootstrap_room)
+                if state == _FAILED:
+                    return True
+                if state not in (_WAITING, _TRANSFERRING):
+                    return False
+                first, pages, aux = self._pending[0]
+                try:
+                    self.kv_mgr._conn.send_chunk(self.bootstrap_room, first, pages, aux)
+                except kvferry.Error as e:
+                    self._error = e
+                    return True
+                self._pending.pop(0)
+            return True
+
+    def poll(self) -> int:
+        if not self._opened and self._error is None:
+            # SGLang polls a sender before init (which names the page count kvferry opens the
+            # room with): WaitingForInput once a decode rank's destination is held for it.
+            if self.kv_mgr._conn.pending_destinations(self.bootstrap_room) > 0:
+                return KVPoll.WaitingForInput
+            if time.monotonic() - self._created > self.kv_mgr._bootstrap_timeout:
+                self._error = kvferry.DeadlineExceededError(
+                    f"room {self.bootstrap_room}: no decode destination within "
+                    f"{self.kv_mgr._bootstrap_timeout} s"
+                )
+            return super().poll()
+        if self._pending:
+            self._try_flush()
+        return super().poll()
+
+
+class KVReceiver(_Room):
+    """Decode side of one request (SGLang's KVReceiver).
+
+    init() (or send_metadata()) names decode's pages and aux row; bootstrapping with the
+    prefill instance runs in the background; Success once every page and the aux row landed.
+    """
+
+    def __init__(
+        self,
+        mgr: KVManager,
+        bootstrap_addr: str,
+        bootstrap_room: Optional[int] = None,
+        prefill_dp_rank: Optional[int] = None,
+        **_: Any,
+    ):
+        super().__init__(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self.prefill_dp_rank = prefill_dp_rank
+
+    def init(
+        self,
+        kv_indices: Any = None,
+        aux_index: Optional[int] = None,
+        state_indices: Any = None,
+    ) -> None:
+        """init(kv_indices, aux_index, state_indices=None): opens the room (SGLang before
+        send_metadata existed). init(prefill_dp_rank): records the rank, as newer SGLang calls
+        it before send_metadata."""
+        if kv_indices is None or np.isscalar(kv_indices):
+            self.prefill_dp_rank = kv_indices
+            return
+        self.send_metadata(kv_indices, aux_index, state_indices)
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: Optional[int] = None,
+        state_indices: Any = None,
+        decode_prefix_len: Optional[int] = None,
+    ) -> None:
+        """Opens the room: kv_indices are this decode rank's pool pages for the request
+        (int32, token order), aux_index its aux row, state_indices its state slot (hybrid
+        models: an int or a one-element sequence). Does not block. Raises
+        kvferry.AlreadyExistsError (duplicate room), InvalidArgumentError, OutOfRangeError."""
+        if aux_index is None:
+            raise kvferry.InvalidArgumentError("KVReceiver needs aux_index")
+        if decode_prefix_len:
+            raise kvferry.UnimplementedError("decode-side prefix reuse is not supported")
+        slot = -1
+        if state_indices is not None:
+            flat = np.asarray(state_indices).reshape(-1)
+            if len(flat) != 1:
+                raise kvferry.InvalidArgumentError("one state slot per request")
+            slot = int(flat[0])
+        pages = np.ascontiguousarray(np.asarray(kv_indices, dtype=np.int32).reshape(-1))
+        self.kv_mgr._conn.create_receiver(
+            self.bootstrap_room, self.bootstrap_addr, pages, int(aux_index), slot
+        )
+        self._opened = True
