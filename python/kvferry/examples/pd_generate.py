@@ -193,7 +193,9 @@ class Disaggregated:
                     raise RuntimeError(f"timed out after {timeout_s} s waiting for {kind}")
                 continue
             if message[0] == "error":
-                raise RuntimeError(f"the {message[1]} rank {message[2]} failed:\n{message[3]}")
+                lines = [line for line in message[3].splitlines() if line.strip()]
+                raise RuntimeError(f"the {message[1]} rank {message[2]} failed: "
+                                   f"{lines[-1] if lines else '?'}\n{message[3]}")
             if message[0] != kind:
                 raise RuntimeError(f"unexpected message {message[0]!r} while waiting for {kind}")
             got.append(message)
@@ -210,7 +212,7 @@ class Disaggregated:
                 request["prompt_len"] = int(prompt.shape[0])
                 request["decode_aux_row"] = (3 * index + 5) % AUX_ROWS
             self.inboxes[(role, rank)].put(("request", request))
-        done = self._collect("done", len(self.ranks), 3 * self.args.timeout)
+        done = self._collect("done", len(self.ranks), 4 * self.args.timeout + 60)
         out = {"arrival": arrival, "prefill": {}, "decode": {}}
         for _, role, rank, result in done:
             out[role][rank] = result
@@ -303,7 +305,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--transport", choices=("auto", "tcp", "nvlink"), default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds a room may take to bootstrap or transfer (default 60)")
+                   help="kvferry's bootstrap, transfer and decode waiting timeouts in seconds; "
+                        "decode's wait includes prefill's compute (default 60)")
     for name, default in (("layers", 4), ("hidden", 256), ("heads", 8), ("kv-heads", 4),
                           ("head-dim", 32), ("intermediate", 512), ("vocab", 512),
                           ("kv-lora-rank", 64), ("rope-dim", 16)):
@@ -317,6 +320,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.steps < 0:
         p.error("--steps must be >= 0")
+    if not args.timeout > 0:
+        p.error("--timeout must be > 0")
     if args.dtype is None:
         args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     if args.trace is None:

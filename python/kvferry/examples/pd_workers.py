@@ -155,11 +155,12 @@ def _kv_args(model: Model, pool: KVPool, aux: AuxBuffers, tp_rank: int, tp_size:
 
 
 def _wait_room(room_obj, what: str, timeout_s: float, done: int) -> None:
-    """Polls a KVSender/KVReceiver until its state reaches `done` (or beyond); raises on
-    failure or timeout."""
+    """Polls a KVSender/KVReceiver until its state reaches `done` (or beyond); raises
+    KVTransferError on failure, TimeoutError when kvferry's own timeouts (timeout_s) have not
+    ended the room 30 s after they should have."""
     from kvferry.sglang import KVPoll
 
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s + 30
     while True:
         state = room_obj.poll()
         if state == KVPoll.Failed:
@@ -199,9 +200,13 @@ class _Worker:
         self.aux = AuxBuffers(AUX_ROWS)
         args = _kv_args(self.model, self.pool, self.aux, rank, tp_size)
         mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
-        kwargs = {"transport": opts["transport"]}
+        timeout_s = opts["timeout_s"]
+        kwargs = {"transport": opts["transport"], "bootstrap_timeout": timeout_s}
         if role == "prefill":
-            kwargs["bootstrap_address"] = opts["bootstrap"]
+            kwargs.update(bootstrap_address=opts["bootstrap"], transfer_timeout=timeout_s)
+        else:
+            # From WaitingForInput to Success: prefill's compute of the prompt, then the transfer.
+            kwargs["waiting_timeout"] = timeout_s
         self.mgr = KVManager(args, mode, is_mla_backend=self.config.is_mla, **kwargs)
 
     def close(self) -> None:
