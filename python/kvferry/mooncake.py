@@ -500,7 +500,10 @@ class TransferEngine:
             self._drop(target, segment)
 
     def _deadline(self, lengths) -> float:
-        total = int(np.sum(np.asarray(lengths, dtype=np.uint64), dtype=np.uint64))
+        if isinstance(lengths, (list, tuple)):
+            total = sum(lengths)  # SGLang's lists: no array made just for the sum
+        else:
+            total = int(np.sum(np.asarray(lengths, dtype=np.uint64), dtype=np.uint64))
         return self._timeout_s + total * _SECONDS_PER_BYTE
 
     def _submit(self, op, target: str, buffers, peer_addresses, lengths) -> int:

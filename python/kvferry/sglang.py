@@ -453,14 +453,15 @@ class KVManager:
     def begin_layerwise(self, chunks: Iterable[Tuple["KVSender", Any]]) -> "LayerwisePass":
         """Registers one forward pass's chunks, each (sender, pages of the chunk), with send()'s
         checks and bookkeeping, and returns the pass; nothing moves until its layers are marked
-        ready. Prefill only. Raises as KVSender.send."""
+        ready. Prefill only. Blocks (without the GIL) until each room has paired with its decode
+        ranks, which a room SGLang schedules has normally done already, for at most
+        bootstrap_timeout. Raises as KVSender.send, and the room's failure."""
         entries = []
-        senders = []
         for sender, pages in chunks:
             entry = sender._next_chunk(pages)
             if entry is not None:
+                sender._wait_paired()
                 entries.append(entry)
-                senders.append(sender)
         pass_id = self._conn.begin_layerwise_pass(entries) if entries else None
         return LayerwisePass(self, pass_id)
 
@@ -635,6 +636,20 @@ class KVSender(_Room):
             self._pending.append(entry[1:])
         if not self._try_flush():
             self.kv_mgr._hold_until_ready(self)
+
+    def _wait_paired(self) -> None:
+        """Blocks until the room is WaitingForInput or later; raises its failure."""
+        state, error = self.kv_mgr._conn.wait(
+            self.bootstrap_room, _WAITING, self.kv_mgr._bootstrap_timeout
+        )
+        if state == _FAILED:
+            self._error = error
+            raise error
+        if state == _BOOTSTRAPPING:
+            raise kvferry.DeadlineExceededError(
+                f"room {self.bootstrap_room}: not paired with decode within "
+                f"{self.kv_mgr._bootstrap_timeout} s"
+            )
 
     def _try_flush(self) -> bool:
         """Sends kept chunks while the room takes them; True when none is left (or the room

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "kvferry/memory.h"
 
@@ -63,10 +64,23 @@ DescribedBuffer DescribeBuffer(py::handle obj);
 // C, without per-element Python work; lists and scalars are accepted too). One value stands
 // for every index (broadcast).
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+// The same values, taken from a list or tuple of ints by a plain loop (numpy's conversion of a
+// list inspects every element's type first, about 3x slower: SGLang passes lists of 8192
+// addresses per call); anything else (numpy arrays, scalars, lists numpy must convert, such as
+// negative values) goes through U64Array. Loaded by the type caster below.
+struct U64Values {
+  std::vector<uint64_t> owned;  // list or tuple values
+  U64Array array;               // otherwise
+  const uint64_t* data = nullptr;
+  size_t size = 0;
+};
+
 class Column {
  public:
   explicit Column(const U64Array& values)
       : data_(values.data()), size_(static_cast<size_t>(values.size())) {}
+  explicit Column(const U64Values& values) : data_(values.data), size_(values.size) {}
   size_t size() const { return size_; }
   uint64_t operator[](size_t i) const { return size_ == 1 ? data_[0] : data_[i]; }
 
@@ -78,3 +92,50 @@ class Column {
 void BindBuffers(py::module_& m);
 
 }  // namespace kvferry::python
+
+namespace pybind11::detail {
+
+template <>
+struct type_caster<kvferry::python::U64Values> {
+  PYBIND11_TYPE_CASTER(kvferry::python::U64Values, const_name("ArrayLike[int]"));
+
+  bool load(handle src, bool convert) {
+    PyObject* obj = src.ptr();
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+      PyObject** items = PySequence_Fast_ITEMS(obj);
+      value.owned.resize(static_cast<size_t>(n));
+      bool fast = true;
+      for (Py_ssize_t i = 0; i < n && fast; ++i) {
+        if (!PyLong_Check(items[i])) {
+          fast = false;
+          break;
+        }
+        const unsigned long long v = PyLong_AsUnsignedLongLong(items[i]);
+        if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+          PyErr_Clear();
+          fast = false;
+          break;
+        }
+        value.owned[static_cast<size_t>(i)] = v;
+      }
+      if (fast) {
+        value.data = value.owned.data();
+        value.size = value.owned.size();
+        return true;
+      }
+      value.owned.clear();
+    }
+    if (!convert && !kvferry::python::U64Array::check_(src)) return false;
+    value.array = kvferry::python::U64Array::ensure(src);
+    if (!value.array) {
+      PyErr_Clear();
+      return false;
+    }
+    value.data = value.array.data();
+    value.size = static_cast<size_t>(value.array.size());
+    return true;
+  }
+};
+
+}  // namespace pybind11::detail

@@ -52,7 +52,10 @@ T Take(py::dict& d, const char* key, T fallback) {
 void RefuseLeftovers(const py::dict& d, const char* what) {
   if (d.empty()) return;
   std::string keys;
-  for (auto item : d) keys += (keys.empty() ? "" : ", ") + std::string(py::str(item.first));
+  for (auto item : d) {
+    if (!keys.empty()) keys += ", ";
+    keys += py::str(item.first).cast<std::string>();
+  }
   throw StatusError(InvalidArgumentError(std::string("unknown ") + what + " keys: " + keys));
 }
 

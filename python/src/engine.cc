@@ -237,8 +237,8 @@ class PyEngine {
     std::optional<uint64_t> start_after_event;
   };
 
-  std::unique_ptr<PyBatch> Submit(TransferOp op, py::handle segment, const U64Array& local,
-                                  const U64Array& remote, const U64Array& lengths,
+  std::unique_ptr<PyBatch> Submit(TransferOp op, py::handle segment, const U64Values& local,
+                                  const U64Values& remote, const U64Values& lengths,
                                   const SubmitArgs& args) {
     SegmentHandle handle = Resolve(segment);
     BatchOptions options;
@@ -391,8 +391,8 @@ void BindEngine(py::module_& m) {
       });
 
   auto submit = [](TransferOp op) {
-    return [op](PyEngine& e, py::handle segment, const U64Array& local, const U64Array& remote,
-                const U64Array& lengths, std::optional<double> deadline,
+    return [op](PyEngine& e, py::handle segment, const U64Values& local, const U64Values& remote,
+                const U64Values& lengths, std::optional<double> deadline,
                 std::optional<std::string> notification, std::optional<py::function> on_complete,
                 std::optional<U64Array> num_rows, std::optional<U64Array> local_strides,
                 std::optional<U64Array> remote_strides, std::optional<uint64_t> start_after_event) {
@@ -403,8 +403,8 @@ void BindEngine(py::module_& m) {
     };
   };
   auto sync = [](TransferOp op) {
-    return [op](PyEngine& e, py::handle segment, const U64Array& local, const U64Array& remote,
-                const U64Array& lengths, std::optional<double> deadline,
+    return [op](PyEngine& e, py::handle segment, const U64Values& local, const U64Values& remote,
+                const U64Values& lengths, std::optional<double> deadline,
                 std::optional<std::string> notification, std::optional<U64Array> num_rows,
                 std::optional<U64Array> local_strides, std::optional<U64Array> remote_strides,
                 std::optional<uint64_t> start_after_event) {

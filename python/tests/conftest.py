@@ -184,3 +184,7 @@ def peers():
     p = Peers()
     yield p
     p.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs torch with a CUDA GPU (skipped otherwise)")

@@ -181,6 +181,10 @@ def run_prefill(spec: dict) -> None:
                 rank.fill(room, pages)
             rank.write_aux(row, room)
             sender.init(len(pages), aux_index=row)
+            if room_spec.get("abort"):
+                sender.abort()  # prefill gives the room up before sending anything
+                results[room] = None
+                continue
             chunk = room_spec.get("chunk_pages", len(pages))
             for start in range(0, len(pages), chunk):
                 if layerwise:
@@ -198,8 +202,6 @@ def run_prefill(spec: dict) -> None:
                         p.layer_ready(layer, event)
                 else:
                     sender.send(pages[start : start + chunk])
-            if room_spec.get("abort"):
-                sender.abort()
             results[room] = None
     for room, (sender, _, _) in waiting.items():
         results[room] = [sender.poll(), "decode never sent its destination"]

@@ -68,7 +68,8 @@ def server():
 
 
 def run_pair(server, geometry, prefill_tp, decode_tp, rooms, *, layerwise=False, seed=1,
-             abort_on_decode=(), decode_pages=512, prefill_device=None, decode_device=None):
+             abort_on_decode=(), decode_pages=512, prefill_device=None, decode_device=None,
+             prefill_bootstrap_timeout=30.0):
     """Prefill ranks (processes) and decode ranks (here) move `rooms`; returns the decode ranks,
     their receivers' final states and the prefill results."""
     prefills = []
@@ -76,7 +77,7 @@ def run_pair(server, geometry, prefill_tp, decode_tp, rooms, *, layerwise=False,
         for r in range(prefill_tp):
             spec = dict(geometry, tp_rank=r, tp_size=prefill_tp, num_pages=256,
                         bootstrap=server.address, seed=seed, rooms=rooms, layerwise=layerwise,
-                        device=prefill_device)
+                        device=prefill_device, bootstrap_timeout=prefill_bootstrap_timeout)
             prefills.append(PrefillProcess(spec))
         decode = []
         for r in range(decode_tp):
@@ -170,11 +171,11 @@ def test_layerwise(server):
         close_all(decode)
 
 
-def test_aborted_room_fails_on_both_sides_and_others_land(server):
+def test_room_aborted_by_prefill_fails_on_both_sides_and_others_land(server):
     rooms = rooms_of(4, base=4000)
     aborted = rooms[1]["room"]
-    decode, receivers, final, results = run_pair(server, GQA, 1, 1, rooms,
-                                                 abort_on_decode={aborted})
+    rooms[1]["abort"] = True
+    decode, receivers, final, results = run_pair(server, GQA, 1, 1, rooms)
     try:
         check_landed(decode, receivers, final, [r for r in rooms if r["room"] != aborted])
         assert final[aborted] == [KVPoll.Failed]
@@ -183,6 +184,24 @@ def test_aborted_room_fails_on_both_sides_and_others_land(server):
         with pytest.raises(KVTransferError) as info:
             receiver.failure_exception()
         assert info.value.bootstrap_room == aborted
+        assert isinstance(info.value.__cause__, kvferry.AbortedError)
+    finally:
+        close_all(decode)
+
+
+def test_room_aborted_by_decode_fails_there_and_others_land(server):
+    rooms = rooms_of(4, base=4100)
+    aborted = rooms[2]["room"]
+    # Prefill learns of the abort if decode's destination reached it (it fails the room), else
+    # it fails the room at its bootstrap timeout; if its copies were done first, its side
+    # succeeded: decode's abort races prefill.
+    decode, receivers, final, results = run_pair(server, GQA, 1, 1, rooms,
+                                                 abort_on_decode={aborted},
+                                                 prefill_bootstrap_timeout=3.0)
+    try:
+        check_landed(decode, receivers, final, [r for r in rooms if r["room"] != aborted])
+        assert final[aborted] == [KVPoll.Failed]
+        assert results[0][aborted][0] in (KVPoll.Failed, KVPoll.Success), results[0][aborted]
     finally:
         close_all(decode)
 

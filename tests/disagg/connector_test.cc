@@ -286,6 +286,28 @@ TEST_F(ConnectorTest, PrefillAbortReachesDecode) {
       << st->error.message();
 }
 
+// SGLang's order: prefill learns decode's destination is waiting (PendingDestinations), opens
+// the room and gives it up at once, while the destination it collected is still being paired:
+// decode hears of the failure (when the destination is handled), not at its waiting timeout.
+TEST_F(ConnectorTest, PrefillAbortRightAfterCreateReachesDecode) {
+  Start();
+  std::vector<int32_t> dst = {8, 9};
+  ASSERT_TRUE(decode_conn_->CreateReceiver(18, prefill_conn_->bootstrap_address(), dst, 0).ok());
+  const auto deadline = std::chrono::steady_clock::now() + milliseconds(5000);
+  while (prefill_conn_->PendingDestinations(18) == 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  ASSERT_EQ(prefill_conn_->PendingDestinations(18), 1);
+  ASSERT_TRUE(prefill_conn_->CreateSender(18, 2).ok());
+  EXPECT_EQ(prefill_conn_->PendingDestinations(18), 0);
+  ASSERT_TRUE(prefill_conn_->Abort(18, "request cancelled").ok());
+  auto st = decode_conn_->Wait(18, RoomState::kSuccess, milliseconds(3000));
+  ASSERT_EQ(st->state, RoomState::kFailed);
+  EXPECT_NE(st->error.message().find("aborted by prefill: request cancelled"), std::string::npos)
+      << st->error.ToString();
+}
+
 // Decode gives up on a room before prefill even created its sender: the sender fails as soon
 // as it is created, with decode's reason, instead of waiting out its bootstrap timeout.
 TEST_F(ConnectorTest, DecodeAbortBeforeTheSenderExistsFailsItAtOnce) {

@@ -148,12 +148,14 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
     return;
   }
   bool all_arrived = false;
+  Status failed_before;  // the room failed before this destination came (abort, timeout)
   Status s = rooms_->With(m.room, [&](SenderRooms::Room& r) -> Status {
     SenderRoom& d = r.data;
     if (d.uses(decode) || d.all_arrived()) {
       return AlreadyExistsError("bootstrap room " + std::to_string(m.room) +
                                 " already has this decode destination (duplicate room id)");
     }
+    if (r.status.state == RoomState::kFailed) failed_before = r.status.error;
     if (IsFinal(r.status.state)) return OkStatus();
     RETURN_IF_ERROR(CheckDestination(m, decode->args, d.num_pages, source_.pool->layout(),
                                      source_.state, source_.tp_size));
@@ -192,6 +194,12 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
   if (!s.ok()) {
     refuse(s);
     failures_->FailRoom(m.room, s);
+    return;
+  }
+  if (!failed_before.ok()) {
+    // Nothing of the room was sent to this rank: its failure notices went to the destinations
+    // known when it failed, so this rank hears of it here, or it would wait out its timeout.
+    refuse(failed_before);
     return;
   }
   // This decode rank aborted the room before its destination got here (HandleAbort).
