@@ -82,8 +82,10 @@ CASES = {
                                "--prefill-tp", "2"],
     "gqa-p1-layerwise-tp1to2": ["--model", "gqa", "--page-size", "1", "--chunk-tokens", "16",
                                 "--layerwise", "--decode-tp", "2"],
+    # Chunks of 12 tokens in pages of 16: some chunks complete no page, most leave a partial
+    # one to the next chunk.
     "gqa-p16-layerwise-tp2to1-partial-pages": ["--model", "gqa", "--page-size", "16",
-                                               "--chunk-tokens", "24", "--layerwise",
+                                               "--chunk-tokens", "12", "--layerwise",
                                                "--prefill-tp", "2"],
     "mla-p1-chunked-tp2to1": ["--model", "mla", "--page-size", "1", "--chunk-tokens", "32",
                               "--prefill-tp", "2"],
