@@ -229,9 +229,6 @@ class _Worker:
         pages = self.allocator.alloc(pages_for(length, page_size))
         row = req["prefill_aux_row"]
         sender.init(len(pages), aux_index=row)
-        # Before init, poll() says WaitingForInput once any decode rank's destination is in;
-        # after init, once the room has them all, which begin_layerwise requires.
-        _wait_room(sender, "prefill bootstrap", opts["timeout_s"], KVPoll.WaitingForInput)
         began = time.monotonic()
         sent = [0]
         events = []  # CUDA events stay alive until the room is final
