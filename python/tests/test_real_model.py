@@ -87,8 +87,9 @@ CASES = {
     "gqa-p16-layerwise-tp2to1-partial-pages": ["--model", "gqa", "--page-size", "16",
                                                "--chunk-tokens", "12", "--layerwise",
                                                "--prefill-tp", "2"],
-    "mla-p1-chunked-tp2to1": ["--model", "mla", "--page-size", "1", "--chunk-tokens", "32",
-                              "--prefill-tp", "2"],
+    # bfloat16 KV (2-byte pages; the ranks' all-gather carries bytes, gloo has no bfloat16).
+    "mla-p1-chunked-tp2to1-bf16": ["--model", "mla", "--page-size", "1", "--chunk-tokens", "32",
+                                   "--prefill-tp", "2", "--dtype", "bfloat16"],
     "mla-p16-layerwise-tp1to2": ["--model", "mla", "--page-size", "16", "--chunk-tokens", "16",
                                  "--layerwise", "--decode-tp", "2"],
 }

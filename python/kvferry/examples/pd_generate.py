@@ -324,6 +324,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error("--timeout must be > 0")
     if args.dtype is None:
         args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    if args.device == "cpu":
+        try:
+            one = torch.ones((2, 2), dtype=DTYPES[args.dtype])
+            one @ one
+        except RuntimeError as e:
+            p.error(f"--dtype {args.dtype}: this torch cannot multiply it on the CPU ({e})")
     if args.trace is None:
         args.trace = default_trace()
     elif not os.path.isfile(args.trace):
@@ -360,13 +366,13 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"decode TP {args.decode_tp}; {args.device}; prompts from "
           f"{args.trace or 'seeded lengths'}; corrupt {args.corrupt}", flush=True)
 
-    reference = run_colocated(config, placement["colocated"], prompts, args)
     rng = random.Random(args.seed)
     rooms = rng.sample(range(1, 1 << 62), len(prompts))
     verdicts: List[dict] = []
     error = None
     pd = None
     try:
+        reference = run_colocated(config, placement["colocated"], prompts, args)
         pd = Disaggregated(config, args, placement, max(p.shape[0] for p in prompts))
         for index, prompt in enumerate(prompts):
             result = pd.run(index, prompt, rooms[index])

@@ -125,9 +125,10 @@ def _all_gather_fn(device: torch.device) -> Callable[[torch.Tensor], torch.Tenso
 
     def all_gather(local: torch.Tensor) -> torch.Tensor:
         host = local.contiguous().cpu()
-        parts = [torch.empty_like(host) for _ in range(world)]
-        dist.all_gather(parts, host)
-        return torch.cat(parts, dim=1).to(device)
+        wire = host.view(torch.uint8)  # gloo lacks bfloat16 (and int16): bytes, unchanged
+        parts = [torch.empty_like(wire) for _ in range(world)]
+        dist.all_gather(parts, wire)
+        return torch.cat([part.view(host.dtype) for part in parts], dim=1).to(device)
 
     return all_gather
 
