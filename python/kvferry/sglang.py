@@ -250,7 +250,7 @@ def _pool_kwargs(args: KVArgs) -> Dict[str, Any]:
     num_aux_rows = _rows("aux", _flat(args.aux_data_lens), _flat(args.aux_item_lens))
     geometry = _geometry(args)
     item = _flat(args.kv_item_lens)
-    elem = np.dtype(_NUMPY_DTYPES.get(args.kv_dtype, "u2")).itemsize
+    elem = np.dtype(_NUMPY_DTYPES.get(geometry["dtype"], "u2")).itemsize
     expected = args.page_size * geometry["num_kv_heads"] * geometry["head_dim"] * elem
     if any(i != expected for i in item):
         raise kvferry.InvalidArgumentError(

@@ -13,6 +13,7 @@ import pytest
 import kvferry
 from kvferry.sglang import (
     DisaggregationMode,
+    KVArgs,
     KVBootstrapServer,
     KVManager,
     KVPoll,
@@ -276,6 +277,76 @@ def test_sender_polled_before_init_waits_for_decode(server):
         assert receiver.poll() == KVPoll.Success
         assert drank.mismatches(91, pages) == 0
         assert drank.aux_ok(5, 91)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_hybrid_model_state_travels_with_the_last_chunk(server):
+    """A Qwen3-Next-shaped model (tests/data/tiny-hybrid-config.json: 2 attention layers, 6
+    linear-attention layers): per-layer KV buffers and SGLang-style state buffers (conv state
+    of each linear layer, then recurrent state of each) on both sides; the request's state
+    slot lands in decode's slot with its KV and aux row."""
+    config = open(os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data",
+                               "tiny-hybrid-config.json")).read()
+    geometry = kvferry._kvferry.geometry_from_hf_config(config)
+    conv_dim = (2 * geometry["linear_num_key_heads"] * geometry["linear_key_head_dim"]
+                + geometry["linear_num_value_heads"] * geometry["linear_value_head_dim"])
+    conv_slot = conv_dim * (geometry["linear_conv_kernel_dim"] - 1) * 2  # bfloat16
+    rec_slot = (geometry["linear_num_value_heads"] * geometry["linear_value_head_dim"]
+                * geometry["linear_key_head_dim"] * 4)  # float32
+    layers, slots, page_size = geometry["num_linear_layers"], 4, 4
+    rng = np.random.default_rng(11)
+
+    def side(num_pages):
+        kv = [np.zeros((num_pages * page_size, 2, 64), np.uint16) for _ in range(4)]
+        state = ([np.zeros((slots, conv_slot), np.uint8) for _ in range(layers)]
+                 + [np.zeros((slots, rec_slot), np.uint8) for _ in range(layers)])
+        aux = [np.zeros((8, 16), np.int32), np.zeros((8, 8), np.int64)]
+        a = KVArgs(hf_config=config, page_size=page_size, kv_head_num=2, total_kv_head_num=2,
+                   head_dim=64, kv_dtype="bfloat16")
+        a.kv_data_ptrs = [b.ctypes.data for b in kv]
+        a.kv_data_lens = [b.nbytes for b in kv]
+        a.kv_item_lens = [b[0].nbytes * page_size for b in kv]
+        a.aux_data_ptrs = [b.ctypes.data for b in aux]
+        a.aux_data_lens = [b.nbytes for b in aux]
+        a.aux_item_lens = [b[0].nbytes for b in aux]
+        a.state_data_ptrs = [b.ctypes.data for b in state]
+        a.state_data_lens = [b.nbytes for b in state]
+        a.state_item_lens = [b[0].nbytes for b in state]
+        return a, kv, state, aux
+
+    pargs, pkv, pstate, paux = side(32)
+    dargs, dkv, dstate, daux = side(64)
+    prefill = KVManager(pargs, DisaggregationMode.PREFILL, bootstrap_address=server.address)
+    decode = KVManager(dargs, DisaggregationMode.DECODE)
+    try:
+        src_pages, dst_pages = np.array([5, 2, 9], np.int32), np.array([40, 3, 17], np.int32)
+        for b in pkv:
+            b[:] = rng.integers(0, 1 << 16, b.shape, dtype=np.uint16)
+        for b in pstate:
+            b[:] = rng.integers(0, 256, b.shape, dtype=np.uint8)
+        paux[0][6] = np.arange(16)
+        receiver = KVReceiver(decode, server.address, 123)
+        receiver.init(dst_pages, aux_index=1, state_indices=[3])
+        sender = KVSender(prefill, server.address, 123)
+        deadline = time.monotonic() + 20
+        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.002)
+        sender.init(3, aux_index=6, state_index=2)
+        sender.send(src_pages)
+        while receiver.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert receiver.poll() == KVPoll.Success
+        for p, d in zip(pkv, dkv):
+            for sp, dp in zip(src_pages, dst_pages):
+                ps = slice(sp * page_size, (sp + 1) * page_size)
+                ds = slice(dp * page_size, (dp + 1) * page_size)
+                assert (p[ps] == d[ds]).all()
+        for p, d in zip(pstate, dstate):
+            assert (p[2] == d[3]).all()
+            assert not d[[0, 1, 2]].any()  # other slots untouched
+        assert (daux[0][1] == np.arange(16)).all() and daux[1][1, 0] == 123
     finally:
         decode.close()
         prefill.close()

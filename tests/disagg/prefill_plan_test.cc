@@ -34,7 +34,8 @@ DecodeKvArgs DecodeArgs(const KvLayout& prefill, int heads, uint64_t step) {
   a.page_size = prefill.page_size();
   a.heads_per_token = heads;
   a.page_bytes = static_cast<uint64_t>(prefill.page_size()) * heads * prefill.head_bytes();
-  a.num_pages = 64;
+  // Buffers `step` apart, each filling its step: one pool allocation, registered whole.
+  a.num_pages = static_cast<int32_t>(step / a.page_bytes);
   for (int b = 0; b < prefill.num_buffers(); ++b) a.buffer_bases.push_back(kDecodeBase + b * step);
   a.num_aux_rows = 16;
   return a;
@@ -133,15 +134,34 @@ TEST(PrefillPlanTest, UnequallySpacedDecodeBuffersGetABlockPerBuffer) {
   ExpectRequest(out[64 + 37], base + 37 * 16 * 32 * kKiB + 9 * 32 * kKiB,
                 kDecodeBase + 37 * 4 * kMiB + 20 * 32 * kKiB, 32 * kKiB);
 
-  // A layer's buffers only (a layerwise pass): K and V of layer 1, equally spaced on both
-  // sides, in one request per run.
+  // A layer's buffers only (a layerwise pass): K and V of layer 1 are equally spaced on both
+  // sides, but decode's pool is not one block (registered buffer by buffer), so a request
+  // across them would span several regions: a request per run and buffer.
   out.clear();
   const std::vector<int> layer1 = {1, 33};
   AppendPageRequests(f.source, d, 0, src, layer1, &out);
+  ASSERT_EQ(out.size(), 4u);
+  ExpectRequest(out[3], Addr(f.pool->BufferBase(33)) + 9 * 32 * kKiB,
+                kDecodeBase + 33 * 4 * kMiB + 20 * 32 * kKiB, 32 * kKiB);
+}
+
+// Decode's buffers one stride apart but with gaps between them (tensors a server allocated one
+// by one, registered buffer by buffer): a strided request across buffers would span
+// unregistered gaps, so each buffer gets its own.
+TEST(PrefillPlanTest, EquallySpacedSeparateDecodeBuffersGetABlockPerBuffer) {
+  const KvLayout l = Llama();
+  Fixture f = Make(l);
+  DecodeKvArgs a = DecodeArgs(l, 8, 4 * kMiB);
+  a.num_pages = 64;  // 2 MiB buffers, 4 MiB apart
+  const std::vector<int32_t> dst = {10, 11};
+  PlanDestination d{&a, SegmentHandle{7}, dst, 3, -1, SliceInfo{}};
+  const std::vector<int32_t> src = {3, 4};
+  std::vector<TransferRequest> out;
+  const std::vector<int> layer1 = {1, 33};
+  AppendPageRequests(f.source, d, 0, src, layer1, &out);
   ASSERT_EQ(out.size(), 2u);
-  ExpectRequest(out[1], Addr(f.pool->BufferBase(1)) + 9 * 32 * kKiB,
-                kDecodeBase + 1 * 4 * kMiB + 20 * 32 * kKiB, 32 * kKiB, 2, 32 * 16 * 32 * kKiB,
-                32 * 4 * kMiB);
+  ExpectRequest(out[1], Addr(f.pool->BufferBase(33)) + 3 * 32 * kKiB,
+                kDecodeBase + 33 * 4 * kMiB + 10 * 32 * kKiB, 64 * kKiB);
 }
 
 // Prefill TP1 (all 8 heads) to decode TP2 (4 heads each): decode rank 1 takes heads 4..7.
