@@ -9,7 +9,8 @@ pkgs=(cmake g++ make pkg-config libasio-dev libcpp-httplib-dev libssl-dev nlohma
       # the Python package (python/), for Debian's /usr/bin/python3: its headers, pybind11,
       # numpy, pytest, and what `pip install --no-build-isolation .` uses
       python3-dev pybind11-dev python3-numpy python3-pytest python3-setuptools python3-wheel
-      python3-pip python3-venv)
+      python3-pip python3-venv
+      python3-torch)  # the example model of python/kvferry/examples (docs/real-model.md)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -22,6 +22,7 @@ out=.devbuild/python
 rm -rf "$out" && mkdir -p "$out/kvferry" "$out/tests" .devbuild/lib
 cp -L "$build"/python/kvferry/*.py "$build"/python/kvferry/*.pyi "$build"/python/kvferry/py.typed \
   "$out/kvferry/"
+cp -rL "$build"/python/kvferry/examples "$out/kvferry/" && rm -rf "$out/kvferry/examples/__pycache__"
 for module in "$build"/python/kvferry/_kvferry*.so; do strip -o "$out/kvferry/$(basename "$module")" "$module"; done
 cp python/tests/*.py "$out/tests/"
 for lib in libcpp-httplib.so.0.11 libxxhash.so.0 libspdlog.so.1.10 libfmt.so.9 libcrypto.so.3 libbrotlidec.so.1 libbrotlienc.so.1 \

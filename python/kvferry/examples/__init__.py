@@ -1,0 +1,1 @@
+"""Worked examples over kvferry: a small transformer served disaggregated (pd_generate)."""
