@@ -13,6 +13,7 @@
 #include "common/logging.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
+#include "disagg/wrapped_buffers.h"
 
 namespace kvferry {
 
@@ -146,31 +147,20 @@ StatusOr<std::unique_ptr<AuxBuffer>> AuxBuffer::Wrap(const AuxLayout& layout, in
                                 " base addresses given");
   }
   std::vector<Region> regions;
-  std::vector<std::pair<uint64_t, size_t>> starts;  // (address, field) of nonempty fields
+  std::vector<WrappedBuffer> buffers;  // the nonempty fields
   for (size_t f = 0; f < fields.size(); ++f) {
     const uint64_t bytes = static_cast<uint64_t>(fields[f].size_bytes) * num_rows;
     if (bytes == 0) continue;
-    const std::string what = "aux field " + std::to_string(f) + " ('" + fields[f].name + "')";
     const uint64_t base = reinterpret_cast<uint64_t>(field_bases[f]);
-    if (base == 0) return InvalidArgumentError(what + " has a null base");
-    if (base > std::numeric_limits<uint64_t>::max() - bytes) {
-      return InvalidArgumentError(what + " at " + std::to_string(base) +
-                                  " would end past the top of the address space");
-    }
-    if (static_cast<int>(f) == layout.room_field() && base % 8 != 0) {
-      return InvalidArgumentError(what + " holds the room and must be 8-byte aligned, is at " +
-                                  std::to_string(base));
-    }
-    starts.emplace_back(base, f);
+    buffers.push_back(
+        {"aux field " + std::to_string(f) + " ('" + fields[f].name + "')", f, base, bytes});
     regions.push_back(Region{field_bases[f], bytes});
   }
-  std::sort(starts.begin(), starts.end());
-  for (size_t i = 1; i < starts.size(); ++i) {
-    const uint64_t prev_bytes = static_cast<uint64_t>(fields[starts[i - 1].second].size_bytes) *
-                                static_cast<uint64_t>(num_rows);
-    if (starts[i].first < starts[i - 1].first + prev_bytes) {
-      return InvalidArgumentError("aux fields " + std::to_string(starts[i - 1].second) + " and " +
-                                  std::to_string(starts[i].second) + " overlap");
+  RETURN_IF_ERROR(CheckWrappedBuffers(buffers, "aux fields"));
+  for (const WrappedBuffer& b : buffers) {
+    if (static_cast<int>(b.index) == layout.room_field() && b.base % 8 != 0) {
+      return InvalidArgumentError(b.label + " holds the room and must be 8-byte aligned, is at " +
+                                  std::to_string(b.base));
     }
   }
   std::unique_ptr<AuxBuffer> aux(new AuxBuffer(layout, num_rows, nullptr));

@@ -7,7 +7,9 @@
 #include <string>
 #include <utility>
 
+#include "common/checks.h"
 #include "cuda/device_memory.h"
+#include "disagg/wrapped_buffers.h"
 
 namespace kvferry {
 
@@ -188,26 +190,14 @@ StatusOr<std::unique_ptr<KvPool>> KvPool::Wrap(const KvLayout& layout, int32_t n
                                 " pages of " + std::to_string(page_bytes) + " bytes");
   }
   const uint64_t buffer_bytes = page_bytes * static_cast<uint64_t>(num_pages);
-  std::vector<std::pair<uint64_t, size_t>> starts;  // (address, buffer) to find overlaps
+  std::vector<WrappedBuffer> buffers;
   for (size_t b = 0; b < buffer_bases.size(); ++b) {
-    const uint64_t base = reinterpret_cast<uint64_t>(buffer_bases[b]);
-    if (base == 0) return InvalidArgumentError("buffer " + std::to_string(b) + " has a null base");
-    if (base > std::numeric_limits<uint64_t>::max() - buffer_bytes) {
-      return InvalidArgumentError("buffer " + std::to_string(b) + " at " + std::to_string(base) +
-                                  " would end past the top of the address space");
-    }
-    starts.emplace_back(base, b);
+    buffers.push_back({"buffer " + std::to_string(b), b,
+                       reinterpret_cast<uint64_t>(buffer_bases[b]), buffer_bytes});
   }
-  std::sort(starts.begin(), starts.end());
-  for (size_t i = 1; i < starts.size(); ++i) {
-    if (starts[i].first < starts[i - 1].first + buffer_bytes) {
-      return InvalidArgumentError("buffers " + std::to_string(starts[i - 1].second) + " and " +
-                                  std::to_string(starts[i].second) + " overlap (each is " +
-                                  std::to_string(buffer_bytes) + " bytes)");
-    }
-  }
+  RETURN_IF_ERROR(CheckWrappedBuffers(buffers, "buffers"));
   std::unique_ptr<KvPool> pool(
-      new KvPool(layout, num_pages, nullptr, buffer_bytes * static_cast<uint64_t>(starts.size())));
+      new KvPool(layout, num_pages, nullptr, buffer_bytes * static_cast<uint64_t>(buffers.size())));
   pool->location_ = location;
   pool->bases_.assign(buffer_bases.begin(), buffer_bases.end());
   for (size_t b = 1; b < pool->bases_.size(); ++b) {

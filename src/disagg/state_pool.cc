@@ -10,6 +10,7 @@
 
 #include "common/checks.h"
 #include "cuda/device_memory.h"
+#include "disagg/wrapped_buffers.h"
 
 namespace kvferry {
 
@@ -131,26 +132,12 @@ StatusOr<std::unique_ptr<StatePool>> StatePool::Wrap(const StateLayout& layout, 
   auto bytes_of = [&](size_t b) {
     return static_cast<uint64_t>(num_slots) * layout.slot_bytes(static_cast<int>(b));
   };
-  std::vector<std::pair<uint64_t, size_t>> starts;  // (address, buffer) to find overlaps
+  std::vector<WrappedBuffer> buffers;
   for (size_t b = 0; b < buffer_bases.size(); ++b) {
-    const uint64_t base = reinterpret_cast<uint64_t>(buffer_bases[b]);
-    if (base == 0) {
-      return InvalidArgumentError("state buffer " + std::to_string(b) + " has a null base");
-    }
-    if (base > std::numeric_limits<uint64_t>::max() - bytes_of(b)) {
-      return InvalidArgumentError("state buffer " + std::to_string(b) + " at " +
-                                  std::to_string(base) +
-                                  " would end past the top of the address space");
-    }
-    starts.emplace_back(base, b);
+    buffers.push_back({"state buffer " + std::to_string(b), b,
+                       reinterpret_cast<uint64_t>(buffer_bases[b]), bytes_of(b)});
   }
-  std::sort(starts.begin(), starts.end());
-  for (size_t i = 1; i < starts.size(); ++i) {
-    if (starts[i].first < starts[i - 1].first + bytes_of(starts[i - 1].second)) {
-      return InvalidArgumentError("state buffers " + std::to_string(starts[i - 1].second) +
-                                  " and " + std::to_string(starts[i].second) + " overlap");
-    }
-  }
+  RETURN_IF_ERROR(CheckWrappedBuffers(buffers, "state buffers"));
   std::unique_ptr<StatePool> pool(new StatePool(layout, num_slots, nullptr, size_bytes));
   pool->location_ = location;
   pool->bases_.assign(buffer_bases.begin(), buffer_bases.end());
