@@ -111,8 +111,11 @@ struct type_caster<kvferry::python::U64Values> {
           fast = false;
           break;
         }
-        const unsigned long long v = PyLong_AsUnsignedLongLong(items[i]);
-        if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+        // PyLong_AsUnsignedLong walks the int's digits; the ...LongLong variant goes through a
+        // byte array for any int above 2^30, which addresses are (several times slower).
+        static_assert(sizeof(unsigned long) == sizeof(uint64_t));
+        const unsigned long v = PyLong_AsUnsignedLong(items[i]);
+        if (v == static_cast<unsigned long>(-1) && PyErr_Occurred()) {
           PyErr_Clear();
           fast = false;
           break;
