@@ -92,8 +92,12 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
         } else if (closed_) {
           refused.push_back(std::move(item));
         } else {
+          live_[item.get()] = item;
           incoming_.push_back(std::move(item));
         }
+      }
+      if (live_.size() > 2 * kLiveSweepEvery + incoming_.size()) {
+        std::erase_if(live_, [](const auto& entry) { return entry.second.expired(); });
       }
       post = !incoming_.empty() && !drain_posted_;
       if (post) drain_posted_ = true;
@@ -123,7 +127,23 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
       return;
     }
     if (item->state.load() == WorkItem::kDone) return;
-    worker_->Post([self = shared_from_this(), item, why] { self->AbandonOnThread(item, why); });
+    // The posted call must keep the item (and through it its batch) alive: it may complete
+    // and its batch be released before the worker thread gets to it.
+    std::shared_ptr<WorkItem> keep;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = live_.find(item);
+      if (it != live_.end()) keep = it->second.lock();
+    }
+    if (keep == nullptr) {
+      // Never on a lane of ours (notifications and queries go to the control channel) or
+      // completed already: the control channel's Abandon is synchronous and thread-safe.
+      o_.control->Abandon(item, why);
+      return;
+    }
+    worker_->Post([self = shared_from_this(), keep = std::move(keep), why] {
+      self->AbandonOnThread(keep.get(), why);
+    });
   }
 
   void Close() override {
@@ -331,7 +351,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   // abandoned, or finished (a WRITE: flushed); drops the flight once nothing refers to it.
   void Settle(Flight* f) {
     if (f->completed) {
-      if (f->outstanding == 0 && !f->flush_pending) flights_.erase(f->item.get());
+      if (f->outstanding == 0 && !f->flush_pending) Forget(f->item.get());
       return;
     }
     if (f->outstanding > 0) return;
@@ -350,9 +370,16 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
       o_.lane_bytes[lane_].fetch_add(item->length, std::memory_order_relaxed);
     }
     const bool drop = !f->flush_pending;
-    if (drop) flights_.erase(item.get());  // frees *f
+    if (drop) Forget(item.get());  // frees *f
     item->Complete(status);
     MaybeClosed();
+  }
+
+  // Drops an item's flight (worker thread) and its entry for Abandon.
+  void Forget(WorkItem* item) {
+    flights_.erase(item);
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.erase(item);
   }
 
   void AbandonOnThread(WorkItem* item, const Status& why) {
@@ -479,6 +506,10 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   std::mutex mu_;
   bool closed_ = false;
   bool drain_posted_ = false;
+  // Items submitted to this lane, for Abandon to keep alive what it posts (expired entries
+  // are swept now and then). Guarded by mu_.
+  static constexpr size_t kLiveSweepEvery = 4096;
+  std::unordered_map<WorkItem*, std::weak_ptr<WorkItem>> live_;
   std::deque<std::shared_ptr<WorkItem>> incoming_;    // submitted, not yet drained
   std::deque<std::shared_ptr<WorkItem>> unresolved_;  // waiting for a fresh descriptor
   std::condition_variable resolver_cv_;
