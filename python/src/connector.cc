@@ -26,15 +26,6 @@ namespace py = pybind11;
 using std::chrono::milliseconds;
 using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
-milliseconds Seconds(double seconds, const char* what) {
-  if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
-    throw StatusError(InvalidArgumentError(std::string(what) +
-                                           " must be a positive number of seconds (got " +
-                                           std::to_string(seconds) + ")"));
-  }
-  return milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
-}
-
 // Pops `key` from `d` as T, or `fallback` when absent; leftover keys are refused by the caller.
 template <typename T>
 T Take(py::dict& d, const char* key, T fallback) {
@@ -123,8 +114,8 @@ EngineOptions EngineOptionsFromDict(const py::object& in) {
   o.listen_host = Take<std::string>(d, "listen_host", o.listen_host);
   o.listen_port = Take<uint16_t>(d, "listen_port", 0);
   o.transport = Take<std::string>(d, "transport", o.transport);
-  o.default_deadline = Seconds(Take<double>(d, "default_deadline", 30.0), "default_deadline");
-  o.connect_timeout = Seconds(Take<double>(d, "connect_timeout", 5.0), "connect_timeout");
+  o.default_deadline = Millis(Take<double>(d, "default_deadline", 30.0), "default_deadline");
+  o.connect_timeout = Millis(Take<double>(d, "connect_timeout", 5.0), "connect_timeout");
   o.auth_secret = Take<std::string>(d, "auth_secret", "");
   o.insecure = Take<bool>(d, "insecure", false);
   o.tcp_lanes_per_peer = Take<int>(d, "tcp_lanes_per_peer", o.tcp_lanes_per_peer);
@@ -295,9 +286,9 @@ std::unique_ptr<PyPrefill> MakePrefill(
   o.cp_size = cp_size;
   o.pp_rank = pp_rank;
   o.total_kv_heads = total_kv_heads;
-  o.bootstrap_timeout = Seconds(bootstrap_timeout, "bootstrap_timeout");
-  o.transfer_timeout = Seconds(transfer_timeout, "transfer_timeout");
-  o.heartbeat_timeout = Seconds(heartbeat_timeout, "heartbeat_timeout");
+  o.bootstrap_timeout = Millis(bootstrap_timeout, "bootstrap_timeout");
+  o.transfer_timeout = Millis(transfer_timeout, "transfer_timeout");
+  o.heartbeat_timeout = Millis(heartbeat_timeout, "heartbeat_timeout");
   Pools pools = WrapPools(PoolArgsOf(std::move(geometry), page_size, num_pages, std::move(kv_bases),
                                      std::move(aux_field_bytes), std::move(aux_bases), num_aux_rows,
                                      aux_room_field, std::move(state_bases), num_state_slots,
@@ -325,9 +316,9 @@ std::unique_ptr<PyDecode> MakeDecode(
   o.tp_size = tp_size;
   o.kv_path = std::move(kv_path);
   o.staging_bytes = staging_bytes;
-  o.bootstrap_timeout = Seconds(bootstrap_timeout, "bootstrap_timeout");
-  o.waiting_timeout = Seconds(waiting_timeout, "waiting_timeout");
-  o.heartbeat_interval = Seconds(heartbeat_interval, "heartbeat_interval");
+  o.bootstrap_timeout = Millis(bootstrap_timeout, "bootstrap_timeout");
+  o.waiting_timeout = Millis(waiting_timeout, "waiting_timeout");
+  o.heartbeat_interval = Millis(heartbeat_interval, "heartbeat_interval");
   Pools pools = WrapPools(PoolArgsOf(std::move(geometry), page_size, num_pages, std::move(kv_bases),
                                      std::move(aux_field_bytes), std::move(aux_bases), num_aux_rows,
                                      aux_room_field, std::move(state_bases), num_state_slots,
@@ -363,7 +354,7 @@ void BindRoomMethods(Class& c) {
       .def(
           "wait",
           [](H& h, uint64_t room, int state, double timeout) {
-            const milliseconds t = Seconds(timeout, "timeout");
+            const milliseconds t = Millis(timeout, "timeout");
             RoomStatus s =
                 h.Call([&](auto& x) { return ValueOrThrow(x.Wait(room, StateArg(state), t)); });
             return StatusTuple(s);

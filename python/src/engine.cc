@@ -43,17 +43,6 @@ void CloseAllAtExit() {
   for (auto& holder : open) holder->Close();
 }
 
-// Seconds (a float, as Python's time APIs) to whole milliseconds, rounded up.
-milliseconds Millis(double seconds, const char* what) {
-  if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
-    throw StatusError(InvalidArgumentError(std::string(what) +
-                                           " must be a positive number of "
-                                           "seconds (got " +
-                                           std::to_string(seconds) + ")"));
-  }
-  return milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
-}
-
 struct PySegment {
   SegmentHandle handle;
   std::string address;

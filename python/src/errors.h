@@ -9,6 +9,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <chrono>
+#include <cmath>
 #include <exception>
 #include <string>
 #include <utility>
@@ -39,6 +41,17 @@ template <typename T>
 T ValueOrThrow(StatusOr<T> value) {
   if (!value.ok()) throw StatusError(value.status());
   return std::move(value).value();
+}
+
+// Seconds (a float, as Python's time APIs) to whole milliseconds, rounded up. Throws
+// StatusError (kInvalidArgument naming `what`) unless 0 < seconds <= 1e9.
+inline std::chrono::milliseconds Millis(double seconds, const char* what) {
+  if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
+    throw StatusError(InvalidArgumentError(std::string(what) +
+                                           " must be a positive number of seconds (got " +
+                                           std::to_string(seconds) + ")"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
 }
 
 // Adds kvferry.StatusCode, kvferry.Error and one subclass per code to `m`, and the translator
