@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -57,18 +58,30 @@ std::string_view StatusCodeName(StatusCode code);
 // Maps a wire value back to a code; unknown values become kUnknown.
 StatusCode StatusCodeFromInt(uint32_t value);
 
+// An error code and message, or OK. OK is a null pointer (no allocation, cheap to make, copy
+// and destroy: every request of a batch carries one); an error holds its code and message in
+// one heap block, copied deeply.
 class [[nodiscard]] Status {
  public:
   Status() = default;  // OK
-  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {
-    if (code_ == StatusCode::kOk) message_.clear();
+  Status(StatusCode code, std::string message) {
+    if (code != StatusCode::kOk) rep_ = std::make_unique<Rep>(Rep{code, std::move(message)});
   }
+  Status(const Status& other)
+      : rep_(other.rep_ == nullptr ? nullptr : std::make_unique<Rep>(*other.rep_)) {}
+  Status& operator=(const Status& other) {
+    if (this != &other) rep_ = other.rep_ == nullptr ? nullptr : std::make_unique<Rep>(*other.rep_);
+    return *this;
+  }
+  Status(Status&&) noexcept = default;
+  Status& operator=(Status&&) noexcept = default;
 
   static Status Ok() { return Status(); }
 
-  bool ok() const { return code_ == StatusCode::kOk; }
-  StatusCode code() const { return code_; }
-  const std::string& message() const { return message_; }
+  bool ok() const { return rep_ == nullptr; }
+  StatusCode code() const { return rep_ == nullptr ? StatusCode::kOk : rep_->code; }
+  // Empty for OK.
+  const std::string& message() const;
   // "OK" or "CODE_NAME: message".
   std::string ToString() const;
 
@@ -79,12 +92,15 @@ class [[nodiscard]] Status {
   void IgnoreError() const {}
 
   friend bool operator==(const Status& a, const Status& b) {
-    return a.code_ == b.code_ && a.message_ == b.message_;
+    return a.code() == b.code() && a.message() == b.message();
   }
 
  private:
-  StatusCode code_ = StatusCode::kOk;
-  std::string message_;
+  struct Rep {
+    StatusCode code;
+    std::string message;
+  };
+  std::unique_ptr<Rep> rep_;
 };
 
 inline Status OkStatus() { return Status(); }
