@@ -36,7 +36,7 @@ T Take(py::dict& d, const char* key, T fallback) {
     return value.cast<T>();
   } catch (const py::cast_error&) {
     throw StatusError(InvalidArgumentError(std::string("'") + key + "' has the wrong type (" +
-                                           std::string(py::str(value.get_type())) + ")"));
+                                           std::string(Py_TYPE(value.ptr())->tp_name) + ")"));
   }
 }
 
