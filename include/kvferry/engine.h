@@ -54,11 +54,13 @@ struct EngineOptions {
   // cannot start). UCX reads its own UCX_* variables (README). docs/ARCHITECTURE.md describes the
   // choice.
   std::string transport = "auto";
-  // NVLink: blocks of at least this many bytes go through the copy engine (cudaMemcpyAsync),
-  // smaller ones through one batched copy kernel per submission. Default: never (the kernel's
-  // latency for a layer's last copy is lower; docs/perf/nvlink-h200.md has the measurements).
-  // Lower it to keep SMs free for compute, or for more GB/s on large blocks.
-  uint64_t nvlink_copy_engine_threshold_bytes = UINT64_MAX;
+  // NVLink: which engine copies large blocks. 0 (default): measured per peer channel: blocks
+  // of at least 256 KiB go through the copy engine (cudaMemcpyAsync) or the copy kernel,
+  // whichever moved them faster lately (the kernel wins on idle SMs, the copy engine when
+  // kernels compete for them; docs/perf/nvlink-h100.md). Any other value fixes it: blocks at
+  // least that long use the copy engine, smaller ones the kernel (UINT64_MAX: kernel only).
+  // Copies queued behind a start event (layerwise) always use the kernel.
+  uint64_t nvlink_copy_engine_threshold_bytes = 0;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small
   // batches (up to 512 tiles of 16 KiB) keep coming, so that each costs no kernel launch, and
   // leaves after KVFERRY_IDLE_SPIN_US without work. -1 (default): one block per SM of the

@@ -8,7 +8,7 @@
 //   KVFERRY_UCX_SLICE      UCX slice size in bytes (KiB/MiB suffix) default EngineOptions value
 //   KVFERRY_LISTEN_HOST    address engines listen on              default 127.0.0.1
 //   KVFERRY_NVLINK_CE_THRESHOLD  NVLink blocks of at least this size use the copy engine
-//                                (bytes, KiB/MiB suffix)      default EngineOptions value
+//                                (bytes, KiB/MiB suffix; 0: measured)  default EngineOptions value
 //   KVFERRY_SPIN_US        microseconds a waiter polls before blocking, 0..100000   default 50
 //   KVFERRY_IDLE_SPIN_US   microseconds an NVLink progress thread polls for new work after
 //                          its last before sleeping (and the resident NVLink copy kernel

@@ -25,10 +25,29 @@ void Batch::Watch() {
   }
 }
 
-Batch::Batch(std::span<const TransferRequest> requests) {
-  requests_.resize(requests.size());
-  transfer_requests_.assign(requests.begin(), requests.end());
-  requests_left_ = requests.size();
+Batch::Batch(std::span<const TransferRequest> requests) : submitted_(requests) {
+  const size_t n = requests.size();
+  num_requests_ = n;
+  request_bytes_.reset(new uint64_t[n]);
+  requests_left_ = n;
+  op_ = n > 0 ? requests[0].op : TransferOp::kWrite;
+  for (size_t i = 0; i < n; ++i) {
+    const TransferRequest& r = requests[i];
+    request_bytes_[i] = r.total_bytes();
+    total_bytes_ += request_bytes_[i];
+    one_op_ = one_op_ && r.op == op_;
+  }
+  if (!one_op_) KeepRequests();  // CountLocked reads each request's op
+}
+
+void Batch::EnsureRequestsLocked() {
+  if (requests_.empty()) requests_.resize(num_requests_);
+}
+
+void Batch::KeepRequests() {
+  if (transfer_requests_.empty()) {
+    transfer_requests_.assign(submitted_.begin(), submitted_.end());
+  }
 }
 
 void Batch::BuildItems() {
@@ -110,7 +129,13 @@ void Batch::Start() {
   }
   if (distinct.size() == 1) {
     if (SubmitWhole(distinct[0], nullptr)) return;
-  } else {
+  }
+  KeepRequests();  // work items and bulk groups read them after SubmitBatch returned
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // a cancel may look at them meanwhile
+    EnsureRequestsLocked();
+  }
+  if (distinct.size() > 1) {
     bulk_groups_.resize(distinct.size());
     for (size_t g = 0; g < distinct.size(); ++g) {
       // Channels that take no bulk submissions (TCP): do not copy their requests for one.
@@ -162,13 +187,16 @@ bool Batch::StartAfterEventOnDevice(void* event) {
 }
 
 bool Batch::SubmitWhole(PeerChannel* channel, void* start_event) {
-  BulkSubmission bulk{transfer_requests_, this, shared_from_this(), kWholeBatch, start_event};
-  for (Request& r : requests_) r.bulk = true;
+  // Request::bulk stays false: it tells BuildItems which requests to skip, and a batch taken
+  // whole builds no items.
+  std::span<const TransferRequest> requests =
+      transfer_requests_.empty() ? submitted_
+                                 : std::span<const TransferRequest>(transfer_requests_);
+  BulkSubmission bulk{requests, this, shared_from_this(), kWholeBatch, start_event};
   if (channel->TrySubmitBulk(bulk)) {
     TookBulk(channel, kWholeBatch);
     return true;
   }
-  for (Request& r : requests_) r.bulk = false;
   return false;
 }
 
@@ -187,7 +215,7 @@ void Batch::Drop(const Status& why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     const Status reason = drop_reason_.ok() ? why : drop_reason_;
-    for (size_t i = 0; i < requests_.size(); ++i) {
+    for (size_t i = 0; i < num_requests_; ++i) {
       all_requests_done |= ApplyLocked(i, 0, reason, true);
     }
   }
@@ -200,10 +228,18 @@ void Batch::OnBulkDone(const Status& status, uint32_t tag) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto apply = [&](size_t i) {
-      all_requests_done |= ApplyLocked(i, transfer_requests_[i].total_bytes(), status, true);
+      all_requests_done |= ApplyLocked(i, request_bytes_[i], status, true);
     };
-    if (tag == kWholeBatch) {
-      for (size_t i = 0; i < requests_.size(); ++i) apply(i);
+    if (tag == kWholeBatch && status.ok() && !abandoned_ && requests_left_ == num_requests_) {
+      // Every request landed, none was touched before: the batch's counts say so at once
+      // and the per-request entries stay as they are (RequestStatus reads whole_done_).
+      whole_done_ = true;
+      num_completed_ = num_requests_;
+      transferred_bytes_ = total_bytes_;
+      requests_left_ = 0;
+      all_requests_done = true;
+    } else if (tag == kWholeBatch) {
+      for (size_t i = 0; i < num_requests_; ++i) apply(i);
     } else {
       for (uint32_t i : bulk_groups_[tag].index) apply(i);
     }
@@ -257,8 +293,12 @@ void Batch::Abandon(const Status& why, bool queued_only) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (final_) return;
-    for (auto& r : requests_) {
-      if (r.state == TransferState::kPending && r.error.ok()) r.error = why;
+    if (!whole_done_) {
+      abandoned_ = true;
+      EnsureRequestsLocked();
+      for (auto& r : requests_) {
+        if (r.state == TransferState::kPending && r.error.ok()) r.error = why;
+      }
     }
     snapshot.reserve(num_items_ + 1);
     for (size_t k = 0; k < num_items_; ++k) snapshot.push_back(&items_[k]);
@@ -287,7 +327,7 @@ void Batch::Abandon(const Status& why, bool queued_only) {
 BatchStatus Batch::Snapshot() const {
   std::lock_guard<std::mutex> lock(mu_);
   BatchStatus s;
-  s.num_requests = requests_.size();
+  s.num_requests = num_requests_;
   s.num_completed = num_completed_;
   s.num_failed = num_failed_;
   s.transferred_bytes = transferred_bytes_;
@@ -298,12 +338,18 @@ BatchStatus Batch::Snapshot() const {
 
 StatusOr<TransferStatus> Batch::RequestStatus(size_t index) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (index >= requests_.size()) {
+  if (index >= num_requests_) {
     return OutOfRangeError("request index " + std::to_string(index) + " of a batch of " +
-                           std::to_string(requests_.size()));
+                           std::to_string(num_requests_));
   }
-  const Request& r = requests_[index];
   TransferStatus s;
+  if (whole_done_) {
+    s.state = TransferState::kCompleted;
+    s.transferred_bytes = request_bytes_[index];
+    return s;
+  }
+  if (requests_.empty()) return s;  // nothing applied yet: pending
+  const Request& r = requests_[index];
   s.state = r.state;
   s.transferred_bytes = r.transferred_bytes;
   if (r.state != TransferState::kPending && r.state != TransferState::kCompleted) {
@@ -367,7 +413,7 @@ void Batch::Finish(const Status& notify_status) {
     }
     // Counted before anyone can see the batch final, so that a caller that waited for it
     // finds it in the engine's metrics.
-    if (counters != nullptr && !requests_.empty()) CountLocked();
+    if (counters != nullptr && num_requests_ > 0) CountLocked();
     final_ = true;
     final_flag_.store(true, std::memory_order_release);
   }
@@ -380,6 +426,7 @@ void Batch::Finish(const Status& notify_status) {
 }
 
 bool Batch::ApplyLocked(size_t index, uint64_t bytes, const Status& status, bool last) {
+  EnsureRequestsLocked();
   Request& r = requests_[index];
   if (status.ok()) {
     r.transferred_bytes += bytes;
@@ -402,10 +449,25 @@ bool Batch::ApplyLocked(size_t index, uint64_t bytes, const Status& status, bool
 
 void Batch::CountLocked() {
   EngineCounters::BatchTally tally;
-  for (size_t i = 0; i < requests_.size(); ++i) {
+  if (num_completed_ == num_requests_ && one_op_ && transport_slots.size() == 1) {
+    // All completed, one operation, one transport: the batch's own counts are the tally.
+    const size_t op = static_cast<size_t>(op_);
+    tally.bytes[transport_slots[0]][op] = transferred_bytes_;
+    tally.requests[transport_slots[0]][op][EngineCounters::kCompleted] = num_completed_;
+    counters->AddBatch(tally, final_error_.code(), Clock::now() - submitted);
+    return;
+  }
+  for (size_t i = 0; i < num_requests_; ++i) {
+    const size_t slot = transport_slots.size() == num_requests_ ? transport_slots[i]
+                        : transport_slots.empty()               ? 0
+                                                                : transport_slots[0];
+    const size_t op = static_cast<size_t>(one_op_ ? op_ : transfer_requests_[i].op);
+    if (requests_.empty()) {  // whole_done_: every request completed
+      tally.bytes[slot][op] += request_bytes_[i];
+      ++tally.requests[slot][op][EngineCounters::kCompleted];
+      continue;
+    }
     const Request& r = requests_[i];
-    const size_t slot = i < transport_slots.size() ? transport_slots[i] : 0;
-    const size_t op = static_cast<size_t>(transfer_requests_[i].op);
     tally.bytes[slot][op] += r.transferred_bytes;
     EngineCounters::Outcome outcome = EngineCounters::kCompleted;
     if (r.state == TransferState::kFailed) outcome = EngineCounters::kFailed;

@@ -58,7 +58,8 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // Per request: a strided WRITE into the peer's host memory, which a channel that takes
   // several rows per item (TCP: strided frames) receives in groups of rows.
   std::vector<uint8_t> strided_wire;
-  // Per request: its transport's slot in `counters` (EngineCounters::SlotOf).
+  // Per request: its transport's slot in `counters` (EngineCounters::SlotOf); one entry when
+  // every request has the same.
   std::vector<uint8_t> transport_slots;
   // The engine's counters; set once, before the batch starts.
   std::shared_ptr<EngineCounters> counters;
@@ -69,7 +70,12 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // Enters the deadline set unless already final.
   void Watch();
 
+  // `requests` must stay valid until Start returned or KeepRequests was called.
   explicit Batch(std::span<const TransferRequest> requests);
+
+  // Copies the submitted requests into the batch (once), for a start after SubmitBatch
+  // returned (a gated batch).
+  void KeepRequests();
 
   // Splits each request not taken in bulk into items of at most its channel's
   // ChannelTraits::slice_bytes (TCP spreads them over lanes; other channels take whole
@@ -139,6 +145,8 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   void AfterRequestsDone();
 
   void Finish(const Status& notify_status);
+  // Allocates requests_ unless it is. Holds mu_ (or nothing else can reach the batch yet).
+  void EnsureRequestsLocked();
   // Adds the final batch to `counters`. Holds mu_.
   void CountLocked();
 
@@ -150,7 +158,15 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   std::unique_ptr<WorkItem[]> items_;
   size_t num_items_ = 0;
-  std::vector<TransferRequest> transfer_requests_;  // as submitted; read by a bulk submission
+  // The requests as submitted: the caller's, valid only while SubmitBatch runs (Start, or
+  // SubmitWhole from StartAfterEventOnDevice, reads them there); a copy is kept
+  // (KeepRequests) when they are read later: work items, bulk groups, a gated start, mixed
+  // operations. A batch taken whole by a channel needs no copy (the channel copies what it
+  // keeps).
+  std::span<const TransferRequest> submitted_;
+  std::vector<TransferRequest> transfer_requests_;
+  std::unique_ptr<uint64_t[]> request_bytes_;  // per request: TransferRequest::total_bytes()
+  TransferOp op_ = TransferOp::kWrite;         // the first request's operation
   // A batch spanning several channels: each channel's requests, and their indices in the
   // batch, for its bulk submission (tag = index here).
   struct BulkGroup {
@@ -168,8 +184,17 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
+  size_t num_requests_ = 0;
+  // Per request, allocated at the first event that needs it (EnsureRequestsLocked): a batch
+  // completed whole in bulk never allocates it.
   std::vector<Request> requests_;
   size_t requests_left_ = 0;
+  uint64_t total_bytes_ = 0;  // of every request, as submitted
+  bool one_op_ = true;        // every request has the same TransferOp
+  // Every request completed through one whole-batch bulk completion, which set the batch's
+  // counts and left requests_ untouched (RequestStatus answers from request_bytes_).
+  bool whole_done_ = false;
+  bool abandoned_ = false;  // Abandon marked pending requests with its reason
   size_t num_completed_ = 0;
   size_t num_failed_ = 0;
   uint64_t transferred_bytes_ = 0;

@@ -26,4 +26,22 @@ Status CheckRows(const TransferRequest& r, size_t i) {
   return OkStatus();
 }
 
+Status CheckRequestShapeSlow(const TransferRequest& r, size_t i) {
+  if (r.local_addr == nullptr) {
+    return InvalidArgumentError("request " + std::to_string(i) + ": null local address");
+  }
+  if (r.length_bytes == 0) {
+    return InvalidArgumentError("request " + std::to_string(i) + ": zero length");
+  }
+  if (r.num_rows != 1) {
+    Status rows = CheckRows(r, i);
+    if (!rows.ok()) return rows;
+  }
+  if (r.remote_addr + r.remote_extent() < r.remote_addr) {
+    return InvalidArgumentError("request " + std::to_string(i) +
+                                ": remote range wraps the address space");
+  }
+  return OkStatus();
+}
+
 }  // namespace kvferry

@@ -364,10 +364,19 @@ class EngineImpl : public TransferEngine {
       }
     }
     ChannelCache cache;
+    bool one_slot = true;
     for (size_t i = 0; i < requests.size(); ++i) {
-      ASSIGN_OR_RETURN(batch->channels[i], ChooseChannel(requests[i], *batch->peers[i], i, &cache));
+      const TransferRequest& r = requests[i];
+      if (cache.peer == batch->peers[i] &&
+          cache.region.Contains(reinterpret_cast<uint64_t>(r.local_addr), r.local_extent())) {
+        batch->channels[i] = cache.channel;  // the request before's data path
+      } else {
+        ASSIGN_OR_RETURN(batch->channels[i], ChooseChannel(r, *batch->peers[i], i, &cache));
+      }
       batch->transport_slots[i] = cache.slot;
+      one_slot = one_slot && cache.slot == batch->transport_slots[0];
     }
+    if (one_slot) batch->transport_slots.resize(1);
     void* wait_event = options.start_after_event;
     if (wait_event != nullptr) {
       // Checks the event now (a bad handle is the caller's error); one already passed needs
@@ -376,7 +385,10 @@ class EngineImpl : public TransferEngine {
       if (!passed.ok()) return passed.status().WithContext("start_after_event");
       if (*passed) wait_event = nullptr;
     }
-    if (wait_event != nullptr) batch->Gate();  // before anyone can find it by id
+    if (wait_event != nullptr) {
+      batch->KeepRequests();  // the gate thread may start it after this returns
+      batch->Gate();          // before anyone can find it by id
+    }
     batch->notification = options.notification;
     batch->notify_peer = batch->peer_refs[0];
     Publish(batch, options);

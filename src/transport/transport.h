@@ -51,6 +51,7 @@ class WorkOwner {
 // thread translates every request and launches the copies itself (the NVLink path for many
 // small blocks). `requests` and what `keepalive` holds stay alive until owner->OnBulkDone.
 struct BulkSubmission {
+  // Valid while TrySubmitBulk runs; a channel that keeps the submission longer calls Own().
   std::span<const TransferRequest> requests;
   WorkOwner* owner = nullptr;
   std::shared_ptr<void> keepalive;
@@ -59,6 +60,15 @@ struct BulkSubmission {
   // one queues the wait on the GPU and must still be able to withdraw it (AbandonBulk) until
   // the copies start; one that cannot refuses it.
   void* start_event = nullptr;
+  std::vector<TransferRequest> owned;  // the requests, once Own() copied them
+
+  // Copies the requests into the submission (once), so that it outlives TrySubmitBulk.
+  void Own() {
+    if (owned.empty()) {
+      owned.assign(requests.begin(), requests.end());
+      requests = owned;
+    }
+  }
 };
 
 struct WorkItem {

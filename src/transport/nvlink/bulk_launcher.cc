@@ -11,8 +11,9 @@
 
 namespace kvferry {
 
-BulkLauncher::BulkLauncher(int device, TileArena& arena, BulkFlights& flights, BulkStats& stats)
-    : device_(device), arena_(arena), flights_(flights), stats_(stats) {}
+BulkLauncher::BulkLauncher(int device, TileArena& arena, BulkFlights& flights, BulkStats& stats,
+                           CopyPathChooser& chooser)
+    : device_(device), arena_(arena), flights_(flights), stats_(stats), chooser_(chooser) {}
 
 Status BulkLauncher::Init() {
   for (cuda::Stream& st : streams_) {
@@ -48,7 +49,8 @@ void BulkLauncher::LaunchPending() {
     std::vector<BulkPart> group;
 
     for (BulkPart& part : parts) {
-      if (part.num_tiles > kCombineMaxTiles || !part.engine.empty()) {
+      if (part.num_tiles > kCombineMaxTiles || !part.engine.empty() ||
+          part.arm != CopyPathChooser::kNone) {
         std::vector<BulkPart> alone;
         alone.push_back(std::move(part));
         LaunchGroup(std::move(alone));
@@ -71,6 +73,7 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
   stats_.launches.fetch_add(1, std::memory_order_relaxed);
   stats_.parts.fetch_add(parts.size(), std::memory_order_relaxed);
   if (parts.size() > 1) stats_.combined.fetch_add(1, std::memory_order_relaxed);
+  if (parts.size() == 1) chooser_.OnLaunch(parts[0].arm, CopyPathChooser::Clock::now());
   BulkFlight flight;
   cudaEvent_t event = arena_.TakeEvent();
   cuda::DeviceGuard device(device_);

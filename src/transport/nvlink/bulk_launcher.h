@@ -25,7 +25,9 @@ namespace kvferry {
 
 class BulkLauncher {
  public:
-  BulkLauncher(int device, TileArena& arena, BulkFlights& flights, BulkStats& stats);
+  // `chooser` hears of each launch of a measured part (BulkPart::arm).
+  BulkLauncher(int device, TileArena& arena, BulkFlights& flights, BulkStats& stats,
+               CopyPathChooser& chooser);
   BulkLauncher(const BulkLauncher&) = delete;
   BulkLauncher& operator=(const BulkLauncher&) = delete;
 
@@ -54,6 +56,7 @@ class BulkLauncher {
   TileArena& arena_;
   BulkFlights& flights_;
   BulkStats& stats_;
+  CopyPathChooser& chooser_;
   std::array<cuda::Stream, kBulkStreams> streams_;
   std::atomic<uint32_t> next_stream_{0};
   std::mutex pending_mu_;  // guards pending_

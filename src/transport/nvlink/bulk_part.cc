@@ -11,11 +11,8 @@
 
 namespace kvferry {
 
-BulkPreparer::BulkPreparer(const PeerMappings& mappings, TileArena& arena,
-                           uint64_t copy_engine_threshold_bytes)
-    : mappings_(mappings),
-      arena_(arena),
-      copy_engine_threshold_bytes_(copy_engine_threshold_bytes) {}
+BulkPreparer::BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser)
+    : mappings_(mappings), arena_(arena), chooser_(chooser) {}
 
 Status BulkPreparer::Init(int device) {
   int max_pitch = 0;
@@ -24,26 +21,42 @@ Status BulkPreparer::Init(int device) {
   return OkStatus();
 }
 
+BulkFit BulkPreparer::Classify(std::span<const TransferRequest> requests,
+                               const RegionDescriptor** missing, MappedRegion* cache) const {
+  bool unmapped = false;
+  for (const TransferRequest& r : requests) {
+    const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
+    if (mappings_.MapMapped(r.remote_addr, r.remote_extent(), need, cache) != nullptr) continue;
+    const RegionDescriptor* region = mappings_.FindRegion(r.remote_addr, r.remote_extent());
+    if (region == nullptr || region->kind != MemoryKind::kCuda || (region->access & need) != need) {
+      return BulkFit::kItemPath;
+    }
+    if (!unmapped && missing != nullptr) *missing = region;
+    unmapped = true;
+  }
+  return unmapped ? BulkFit::kUnmapped : BulkFit::kFits;
+}
+
 BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPart* part,
                               const RegionDescriptor** missing, bool take_space,
                               bool allow_engine) {
+  // The table's size first (arithmetic on the requests), then, with its space taken, one pass
+  // that translates each remote range and writes its tiles; a range that does not translate
+  // gives the space back and the requests are classified (Classify) to say why.
+  const CopyPathChooser::Choice choice =
+      allow_engine ? chooser_.Choose()
+                   : CopyPathChooser::Choice{UINT64_MAX, CopyPathChooser::kNone};
+  const uint64_t threshold = choice.engine_threshold_bytes;
   size_t num_tiles = 0, engine_blocks = 0;
-  bool unmapped = false;
-  std::shared_lock<std::shared_mutex> map_lock = mappings_.ReadLock();
-  MappedRegion cache;
+  uint64_t bytes = 0;
+  bool eligible = false;  // a block the chooser decides about
   for (const TransferRequest& r : requests) {
-    const uint32_t need = r.op == TransferOp::kWrite ? kAccessRemoteWrite : kAccessRemoteRead;
-    if (mappings_.MapMapped(r.remote_addr, r.remote_extent(), need, &cache) == nullptr) {
-      const RegionDescriptor* region = mappings_.FindRegion(r.remote_addr, r.remote_extent());
-      if (region == nullptr || region->kind != MemoryKind::kCuda ||
-          (region->access & need) != need) {
-        return BulkFit::kItemPath;
-      }
-      if (!unmapped && missing != nullptr) *missing = region;
-      unmapped = true;
-    }
-    if (allow_engine && UsesCopyEngine(r)) {
+    bytes += r.total_bytes();
+    eligible = eligible || UsesCopyEngine(r, CopyPathChooser::kMinEngineBytes);
+    if (UsesCopyEngine(r, threshold)) {
       ++engine_blocks;
+    } else if (r.num_rows <= 1 && r.length_bytes <= cuda::kCopyTileBytes) {
+      ++num_tiles;  // one tile (the common case: a page)
     } else {
       num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
     }
@@ -52,24 +65,43 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
   if ((num_tiles == 0 && engine_blocks == 0) || units > TileArena::kUnits) {
     return BulkFit::kItemPath;
   }
-  if (unmapped) return BulkFit::kUnmapped;
-  if (!take_space) return BulkFit::kFits;
+  std::shared_lock<std::shared_mutex> map_lock = mappings_.ReadLock();
+  MappedRegion cache;
+  if (!take_space) return Classify(requests, missing, &cache);
+  uint32_t first_unit = 0;
   if (units > 0) {
     std::optional<uint32_t> first = arena_.Take(static_cast<uint32_t>(units));
-    if (!first) return BulkFit::kNoSpace;
-    part->first_unit = *first;
-    part->num_units = static_cast<uint32_t>(units);
+    if (!first) {
+      const BulkFit fit = Classify(requests, missing, &cache);
+      return fit == BulkFit::kFits ? BulkFit::kNoSpace : fit;
+    }
+    first_unit = *first;
   }
-  cuda::CopyTile* out = arena_.host_tiles(part->first_unit);
+  cuda::CopyTile* out = arena_.host_tiles(first_unit);
   auto emit = [&](const cuda::CopyTile& tile) { *out++ = tile; };
   part->engine.clear();
   part->engine.reserve(engine_blocks);
   for (const TransferRequest& r : requests) {
     const bool write = r.op == TransferOp::kWrite;
     const uint64_t local = reinterpret_cast<uint64_t>(r.local_addr);
-    const uint64_t remote = reinterpret_cast<uint64_t>(mappings_.MapMapped(
-        r.remote_addr, r.remote_extent(), write ? kAccessRemoteWrite : kAccessRemoteRead, &cache));
-    if (allow_engine && UsesCopyEngine(r)) {
+    const uint8_t* mapped = mappings_.MapMapped(
+        r.remote_addr, r.remote_extent(), write ? kAccessRemoteWrite : kAccessRemoteRead, &cache);
+    if (mapped == nullptr) {
+      if (units > 0) arena_.Give(first_unit, static_cast<uint32_t>(units));
+      part->engine.clear();
+      return Classify(requests, missing, &cache);
+    }
+    const uint64_t remote = reinterpret_cast<uint64_t>(mapped);
+    if (r.num_rows <= 1 && r.length_bytes <= cuda::kCopyTileBytes &&
+        !UsesCopyEngine(r, threshold)) {
+      // One tile, written in place (ForEachTile's first case, without the call).
+      *out++ = cuda::CopyTile{write ? local : remote,
+                              write ? remote : local,
+                              0,
+                              0,
+                              static_cast<uint32_t>(r.length_bytes),
+                              1};
+    } else if (UsesCopyEngine(r, threshold)) {
       part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
                               r.num_rows, write ? r.local_stride : r.remote_stride,
                               write ? r.remote_stride : r.local_stride});
@@ -81,7 +113,13 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
                         emit);
     }
   }
+  if (units > 0) {
+    part->first_unit = first_unit;
+    part->num_units = static_cast<uint32_t>(units);
+  }
   part->num_tiles = num_tiles;
+  part->bytes = bytes;
+  part->arm = eligible ? choice.arm : CopyPathChooser::kNone;
   return BulkFit::kPrepared;
 }
 

@@ -22,6 +22,7 @@
 #include "cuda/copy_kernels.h"
 #include "kvferry/status.h"
 #include "kvferry/transfer.h"
+#include "transport/nvlink/copy_path_chooser.h"
 #include "transport/nvlink/peer_mappings.h"
 #include "transport/nvlink/tile_arena.h"
 #include "transport/transport.h"
@@ -46,6 +47,10 @@ struct BulkPart {
   size_t num_tiles = 0;
   std::vector<EngineBlock> engine;  // its copy-engine blocks (such a part launches alone)
   int gate = -1;  // its gate (CopyGates) when it waits on the GPU for a start event
+  // The path it measures for the CopyPathChooser (kNone: no block long enough to choose, or
+  // the choice is fixed); such a part launches alone.
+  CopyPathChooser::Arm arm = CopyPathChooser::kNone;
+  uint64_t bytes = 0;  // of its requests
   WorkOwner* owner = nullptr;
   std::shared_ptr<void> keepalive;
   uint32_t tag = 0;
@@ -75,9 +80,8 @@ struct BulkStats {
 
 class BulkPreparer {
  public:
-  // Blocks of at least `copy_engine_threshold_bytes` go to the copy engine.
-  BulkPreparer(const PeerMappings& mappings, TileArena& arena,
-               uint64_t copy_engine_threshold_bytes);
+  // `chooser` says which blocks go to the copy engine, per submission.
+  BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser);
   BulkPreparer(const BulkPreparer&) = delete;
   BulkPreparer& operator=(const BulkPreparer&) = delete;
 
@@ -92,17 +96,23 @@ class BulkPreparer {
                   const RegionDescriptor** missing, bool take_space, bool allow_engine = true);
 
  private:
+  // Why requests that did not all translate cannot be prepared: kItemPath (a range outside
+  // the peer's GPU regions with the access needed), kUnmapped (`missing` gets the first such
+  // region) or kFits (every range translates). Holds the mappings' read lock.
+  BulkFit Classify(std::span<const TransferRequest> requests, const RegionDescriptor** missing,
+                   MappedRegion* cache) const;
+
   // Whether a request goes through the copy engine: long enough, and strided rows only with
   // pitches cudaMemcpy2DAsync takes (a page's rows across a layer-major pool may be GiBs
   // apart: those stay in the kernel).
-  bool UsesCopyEngine(const TransferRequest& r) const {
-    return r.length_bytes >= copy_engine_threshold_bytes_ &&
+  bool UsesCopyEngine(const TransferRequest& r, uint64_t threshold) const {
+    return r.length_bytes >= threshold &&
            (r.num_rows <= 1 || (r.local_stride <= max_pitch_ && r.remote_stride <= max_pitch_));
   }
 
   const PeerMappings& mappings_;
   TileArena& arena_;
-  const uint64_t copy_engine_threshold_bytes_;
+  CopyPathChooser& chooser_;
   uint64_t max_pitch_ = 0;  // cudaDevAttrMaxPitch: the longest stride cudaMemcpy2DAsync takes
 };
 

@@ -42,11 +42,14 @@ class NvlinkChannel : public PeerChannel {
   explicit NvlinkChannel(const NvlinkChannelOptions& options)
       : PeerChannel(ChannelTraits{.takes_bulk = true}),
         local_device_(options.local_device),
+        chooser_(options.copy_engine_threshold_bytes),
         gated_(options.local_device, arena_, flights_, stats_),
-        bulk_launcher_(options.local_device, arena_, flights_, stats_),
+        bulk_launcher_(options.local_device, arena_, flights_, stats_, chooser_),
         mappings_(options.peer, options.refresh, options.local_device, options.auth_secret),
-        preparer_(mappings_, arena_, options.copy_engine_threshold_bytes),
-        item_path_(mappings_, options.copy_engine_threshold_bytes),
+        preparer_(mappings_, arena_, chooser_),
+        item_path_(mappings_, options.copy_engine_threshold_bytes == 0
+                                  ? UINT64_MAX
+                                  : options.copy_engine_threshold_bytes),
         resident_(options, arena_, stats_, bulk_tiles_in_flight_, sleeping_) {}
 
   Status Init() {
@@ -87,10 +90,11 @@ class NvlinkChannel : public PeerChannel {
         "nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
         "waited on the GPU for a start event), {} fell back to items (no free table "
         "space), {} waited for a mapping; {} through the resident kernel in {} "
-        "launches, {} found its ring full",
+        "launches, {} found its ring full; copy path: {}",
         mappings_.peer_name(), stats_.parts.load(), stats_.launches.load(), stats_.combined.load(),
         stats_.gated.load(), stats_.no_slot.load(), stats_.parked.load(),
-        stats_.resident_jobs.load(), stats_.resident_launches.load(), stats_.ring_full.load());
+        stats_.resident_jobs.load(), stats_.resident_launches.load(), stats_.ring_full.load(),
+        chooser_.Describe());
     // The members free the rest on this device, in the order their declarations explain.
     cudaSetDevice(local_device_);
   }
@@ -143,6 +147,7 @@ class NvlinkChannel : public PeerChannel {
           stats_.parked.fetch_add(1, std::memory_order_relaxed);
           [[fallthrough]];
         case BulkFit::kFits:
+          bulk.Own();
           parked_.Push(std::move(bulk), /*front=*/false);
           taken = true;
           break;
@@ -295,6 +300,9 @@ class NvlinkChannel : public PeerChannel {
     if (e == cudaErrorNotReady) return false;
     if (e != cudaSuccess && f.status.ok()) f.status = InternalError(CudaError("NVLink copy", e));
     BulkFlight done = std::move(f);
+    if (done.parts.size() == 1 && done.parts[0].arm != CopyPathChooser::kNone) {
+      chooser_.OnDone(done.parts[0].arm, done.parts[0].bytes, CopyPathChooser::Clock::now());
+    }
     arena_.GiveBack(done.parts, done.event);
     for (const BulkPart& p : done.parts) {
       bulk_tiles_in_flight_.fetch_sub(static_cast<int64_t>(p.num_tiles));
@@ -386,6 +394,7 @@ class NvlinkChannel : public PeerChannel {
   bool closed_ = false;
 
   BulkStats stats_;
+  CopyPathChooser chooser_;                       // copy kernel or copy engine for large blocks
   std::atomic<int64_t> bulk_tiles_in_flight_{0};  // tiles of bulk parts not completed yet
   BulkFlights flights_;
   ParkedQueue parked_;

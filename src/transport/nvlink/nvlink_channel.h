@@ -23,7 +23,8 @@ struct NvlinkChannelOptions {
   // for strided rows), smaller ones through one batched copy kernel per submission; a bulk
   // submission with both launches alone, its copy-engine blocks after its kernel on its
   // stream.
-  uint64_t copy_engine_threshold_bytes = UINT64_MAX;
+  // 0: chosen by measurement (CopyPathChooser); else fixed (UINT64_MAX: kernel only).
+  uint64_t copy_engine_threshold_bytes = 0;
   // Thread blocks of the resident copy kernel, which carries small bulk submissions without a
   // launch each while they keep coming (see cuda::ResidentArgs): -1 one per SM, 0 none (each
   // submission, or a group of them, is its own launch). The engine passes

@@ -20,7 +20,7 @@ struct NvlinkTransportOptions {
   // Part of the fd socket's name, which also carries the pid and a random number.
   uint16_t listen_port = 0;
   // See NvlinkChannelOptions.
-  uint64_t copy_engine_threshold_bytes = UINT64_MAX;
+  uint64_t copy_engine_threshold_bytes = 0;
   int resident_blocks = -1;
   int64_t resident_min_tiles = 2048;
   // The shared secret a peer proves before the fd socket sends it anything, and which this side

@@ -90,7 +90,7 @@ cuda::ResidentArgs ResidentKernel::ArgsFor() const {
 // slots.
 bool ResidentKernel::Publish(BulkPart& part) {
   if (part.num_tiles > kCombineMaxTiles || !part.engine.empty() ||
-      !ok_.load(std::memory_order_acquire) ||
+      part.arm != CopyPathChooser::kNone || !ok_.load(std::memory_order_acquire) ||
       tiles_in_flight_.load(std::memory_order_relaxed) < min_tiles_) {
     return false;
   }

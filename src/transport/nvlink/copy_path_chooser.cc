@@ -1,0 +1,85 @@
+#include "transport/nvlink/copy_path_chooser.h"
+
+#include <cstdio>
+
+namespace kvferry {
+
+CopyPathChooser::CopyPathChooser(uint64_t fixed_threshold_bytes)
+    : fixed_threshold_bytes_(fixed_threshold_bytes) {}
+
+double CopyPathChooser::Meter::BusySeconds(Clock::time_point now) const {
+  Clock::duration d = busy;
+  if (in_flight > 0) d += now - busy_since;
+  return std::chrono::duration<double>(d).count();
+}
+
+CopyPathChooser::Choice CopyPathChooser::Choose() {
+  if (fixed_threshold_bytes_ != 0) return {fixed_threshold_bytes_, kNone};
+  std::lock_guard<std::mutex> lock(mu_);
+  AdvanceLocked(Clock::now());
+  return {current_ == kEngine ? kMinEngineBytes : UINT64_MAX, current_};
+}
+
+void CopyPathChooser::OnLaunch(Arm arm, Clock::time_point now) {
+  if (arm == kNone) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  Meter& m = meters_[arm];
+  if (m.in_flight++ == 0) m.busy_since = now;
+}
+
+void CopyPathChooser::OnDone(Arm arm, uint64_t bytes, Clock::time_point now) {
+  if (arm == kNone) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  Meter& m = meters_[arm];
+  m.bytes += bytes;
+  if (phase_ == kExploit && arm == current_) exploit_bytes_ += bytes;
+  if (m.in_flight > 0 && --m.in_flight == 0) m.busy += now - m.busy_since;
+}
+
+void CopyPathChooser::AdvanceLocked(Clock::time_point now) {
+  // A new window: what the arm's earlier launches still bring counts into it.
+  auto restart = [&](Arm arm) {
+    Meter& m = meters_[arm];
+    m.bytes = 0;
+    m.busy = Clock::duration{};
+    if (m.in_flight > 0) m.busy_since = now;
+  };
+  Meter& m = meters_[current_];
+  if (phase_ == kExplore) {
+    if (m.bytes < kExploreBytes) return;
+    const double seconds = m.BusySeconds(now);
+    m.rate_gbps = seconds > 0 ? static_cast<double>(m.bytes) / seconds / 1e9 : 0;
+    if (current_ == kKernel) {  // the copy engine's window next
+      current_ = kEngine;
+      restart(kEngine);
+      return;
+    }
+    current_ = meters_[kEngine].rate_gbps > meters_[kKernel].rate_gbps ? kEngine : kKernel;
+    phase_ = kExploit;
+    exploit_bytes_ = 0;
+    return;
+  }
+  if (exploit_bytes_ < kExploitBytes) return;
+  phase_ = kExplore;
+  current_ = kKernel;
+  restart(kKernel);
+}
+
+std::string CopyPathChooser::Describe() const {
+  char text[160];
+  if (fixed_threshold_bytes_ != 0) {
+    if (fixed_threshold_bytes_ == UINT64_MAX) return "copy kernel only (fixed)";
+    std::snprintf(text, sizeof(text), "copy engine for blocks of at least %llu bytes (fixed)",
+                  static_cast<unsigned long long>(fixed_threshold_bytes_));
+    return text;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::snprintf(text, sizeof(text),
+                "blocks of at least %llu bytes measured: kernel %.1f GB/s, copy engine %.1f "
+                "GB/s, now %s",
+                static_cast<unsigned long long>(kMinEngineBytes), meters_[kKernel].rate_gbps,
+                meters_[kEngine].rate_gbps, current_ == kEngine ? "copy engine" : "kernel");
+  return text;
+}
+
+}  // namespace kvferry

@@ -1,0 +1,80 @@
+// Which engine copies a bulk submission's large blocks: the copy kernel (SMs) or the copy
+// engine (cudaMemcpyAsync per block), chosen from what each achieved on this channel.
+//
+// Neither wins everywhere: on an idle GPU the kernel moves 64 KiB..16 MiB blocks at the link's
+// rate and the copy engine pays a host call per block (a 1 MiB block per call reached 205 of
+// 397 GB/s on H200, docs/perf/nvlink-h100.md), while on a GPU whose SMs are busy (prefill's
+// model, a replay's fill kernels) the kernel gets what the other kernels leave and the copy
+// engine does not compete for SMs (87% against 66% of the link in a 500-request replay). So
+// the chooser measures: blocks of at least kMinEngineBytes are eligible; submissions with such
+// blocks run on one path (an arm) for a window of kExploreBytes, then on the other, and the
+// one with the higher rate serves the next kExploitBytes, after which both are measured again.
+// A rate is bytes over the time at least one launch of that arm was in flight (launch call
+// to completion seen by the progress thread), so host call costs and contention both count.
+//
+// Thread-safety: every method from any thread (one mutex, taken once per submission and twice
+// per measured launch).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+namespace kvferry {
+
+class CopyPathChooser {
+ public:
+  using Clock = std::chrono::steady_clock;
+  enum Arm : int8_t { kNone = -1, kKernel = 0, kEngine = 1 };
+
+  // Blocks shorter than this always go through the kernel: the copy engine's per-call cost
+  // (~2.5 us) exceeds their copy time at link speed.
+  static constexpr uint64_t kMinEngineBytes = 256 << 10;
+  // Bytes of eligible submissions each arm carries per measurement, and the bytes the faster
+  // one then carries before both are measured again (exploration costs about 1/32 of the
+  // difference between the arms).
+  static constexpr uint64_t kExploreBytes = 1ull << 30;
+  static constexpr uint64_t kExploitBytes = 32ull << 30;
+
+  // `fixed_threshold_bytes`: 0 measures as above; any other value fixes the choice (blocks
+  // at least that long use the copy engine; UINT64_MAX: never) and measures nothing.
+  explicit CopyPathChooser(uint64_t fixed_threshold_bytes);
+
+  struct Choice {
+    uint64_t engine_threshold_bytes;  // blocks at least this long go to the copy engine
+    Arm arm;                          // kNone: not measured
+  };
+  // The path for the next submission's eligible blocks.
+  Choice Choose();
+
+  // A launch carrying a submission of `arm` (with eligible blocks) is being issued (before
+  // its first CUDA call) / completed with `bytes` copied. Calls with kNone are ignored.
+  void OnLaunch(Arm arm, Clock::time_point now);
+  void OnDone(Arm arm, uint64_t bytes, Clock::time_point now);
+
+  // For logs: "kernel X GB/s, copy engine Y GB/s, using Z" (or the fixed threshold).
+  std::string Describe() const;
+
+ private:
+  enum Phase : uint8_t { kExplore, kExploit };
+  struct Meter {
+    int in_flight = 0;
+    Clock::time_point busy_since;
+    Clock::duration busy{};
+    uint64_t bytes = 0;    // completed in the current window
+    double rate_gbps = 0;  // of the last finished window; 0: none yet
+    double BusySeconds(Clock::time_point now) const;
+  };
+  // Ends the current arm's window if it carried enough; moves the phase on. Holds mu_.
+  void AdvanceLocked(Clock::time_point now);
+
+  const uint64_t fixed_threshold_bytes_;
+  mutable std::mutex mu_;
+  Phase phase_ = kExplore;
+  Arm current_ = kKernel;
+  uint64_t exploit_bytes_ = 0;  // completed since the exploit phase began
+  Meter meters_[2];
+};
+
+}  // namespace kvferry

@@ -1,0 +1,117 @@
+#include "transport/nvlink/copy_path_chooser.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+
+namespace kvferry {
+namespace {
+
+using Clock = CopyPathChooser::Clock;
+constexpr uint64_t kGiB = 1ull << 30;
+
+// Runs launches of `bytes` each, one after another, of whatever arm the chooser picks, each
+// taking bytes / (rate of its arm) from `*t`, until `total` bytes ran; returns the bytes each
+// arm carried.
+struct Carried {
+  uint64_t kernel = 0, engine = 0;
+};
+Carried Drive(CopyPathChooser& chooser, Clock::time_point* t, uint64_t bytes, uint64_t total,
+              double kernel_gbps, double engine_gbps) {
+  Carried carried;
+  for (uint64_t done = 0; done < total; done += bytes) {
+    const CopyPathChooser::Choice c = chooser.Choose();
+    EXPECT_NE(c.arm, CopyPathChooser::kNone);
+    const bool engine = c.arm == CopyPathChooser::kEngine;
+    EXPECT_EQ(c.engine_threshold_bytes, engine ? CopyPathChooser::kMinEngineBytes : UINT64_MAX);
+    const double seconds =
+        static_cast<double>(bytes) / ((engine ? engine_gbps : kernel_gbps) * 1e9);
+    chooser.OnLaunch(c.arm, *t);
+    *t += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+    chooser.OnDone(c.arm, bytes, *t);
+    (engine ? carried.engine : carried.kernel) += bytes;
+  }
+  return carried;
+}
+
+TEST(CopyPathChooserTest, FixedThresholdMeasuresNothing) {
+  CopyPathChooser never(UINT64_MAX);
+  EXPECT_EQ(never.Choose().engine_threshold_bytes, UINT64_MAX);
+  EXPECT_EQ(never.Choose().arm, CopyPathChooser::kNone);
+  CopyPathChooser fixed(1 << 20);
+  EXPECT_EQ(fixed.Choose().engine_threshold_bytes, 1u << 20);
+  EXPECT_EQ(fixed.Choose().arm, CopyPathChooser::kNone);
+  EXPECT_NE(fixed.Describe().find("fixed"), std::string::npos);
+}
+
+TEST(CopyPathChooserTest, StartsWithTheKernelThenMeasuresTheCopyEngine) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  Carried first = Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 350);
+  EXPECT_EQ(first.kernel, CopyPathChooser::kExploreBytes);
+  EXPECT_EQ(first.engine, 0u);
+  Carried second = Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 350);
+  EXPECT_EQ(second.engine, CopyPathChooser::kExploreBytes);
+}
+
+TEST(CopyPathChooserTest, TheFasterPathCarriesTheExploitWindowEitherWay) {
+  for (bool engine_faster : {true, false}) {
+    CopyPathChooser chooser(0);
+    Clock::time_point t = Clock::now();
+    const double kernel = engine_faster ? 250 : 370, engine = engine_faster ? 345 : 200;
+    Drive(chooser, &t, 64 << 20, 2 * CopyPathChooser::kExploreBytes, kernel, engine);
+    Carried exploit = Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploitBytes, kernel, engine);
+    EXPECT_EQ(engine_faster ? exploit.engine : exploit.kernel, CopyPathChooser::kExploitBytes)
+        << "engine_faster=" << engine_faster;
+    EXPECT_NE(chooser.Describe().find(engine_faster ? "now copy engine" : "now kernel"),
+              std::string::npos)
+        << chooser.Describe();
+  }
+}
+
+TEST(CopyPathChooserTest, MeasuresAgainAfterTheExploitWindowAndFollowsAChange) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  // The copy engine wins first (SMs busy)...
+  Drive(chooser, &t, 64 << 20, 2 * CopyPathChooser::kExploreBytes + CopyPathChooser::kExploitBytes,
+        250, 345);
+  // ... then the SMs are free and the kernel is faster: the next measurement sees it.
+  Drive(chooser, &t, 64 << 20, 2 * CopyPathChooser::kExploreBytes, 370, 200);
+  Carried after = Drive(chooser, &t, 64 << 20, 4 * kGiB, 370, 200);
+  EXPECT_EQ(after.kernel, 4 * kGiB);
+}
+
+TEST(CopyPathChooserTest, IdleTimeBetweenLaunchesDoesNotCount) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  // Kernel launches separated by long idle gaps (a lightly loaded server): its rate is the
+  // copies' own (300 GB/s), not bytes over wall time.
+  for (uint64_t done = 0; done < CopyPathChooser::kExploreBytes; done += 64 << 20) {
+    const CopyPathChooser::Choice c = chooser.Choose();
+    ASSERT_EQ(c.arm, CopyPathChooser::kKernel);
+    chooser.OnLaunch(c.arm, t);
+    t += std::chrono::microseconds(224);  // 64 MiB at 300 GB/s
+    chooser.OnDone(c.arm, 64 << 20, t);
+    t += std::chrono::milliseconds(50);  // idle
+  }
+  // The copy engine at 280 GB/s, back to back: slower, so the kernel is kept.
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 280);
+  EXPECT_EQ(chooser.Choose().arm, CopyPathChooser::kKernel) << chooser.Describe();
+}
+
+TEST(CopyPathChooserTest, OverlappingLaunchesCountTheirUnionOnce) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  // Four kernel launches of 256 MiB in flight together for 1 ms each, the window's busy
+  // time is 1 ms (1 GiB in 1 ms: ~1074 GB/s), far above a copy engine at 400 GB/s.
+  for (int i = 0; i < 4; ++i) chooser.OnLaunch(CopyPathChooser::kKernel, t);
+  t += std::chrono::milliseconds(1);
+  for (int i = 0; i < 4; ++i) chooser.OnDone(CopyPathChooser::kKernel, 256 << 20, t);
+  EXPECT_EQ(chooser.Choose().arm, CopyPathChooser::kEngine);  // the kernel's window is full
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
+  EXPECT_EQ(chooser.Choose().arm, CopyPathChooser::kKernel) << chooser.Describe();
+}
+
+}  // namespace
+}  // namespace kvferry
