@@ -121,7 +121,7 @@ void Batch::BuildItems() {
 void Batch::Start() {
   auto self = shared_from_this();
   std::vector<PeerChannel*> distinct;
-  for (PeerChannel* c : channels) {
+  for (PeerChannel* c : channels.values()) {
     if (distinct.empty() || (distinct.back() != c &&
                              std::find(distinct.begin(), distinct.end(), c) == distinct.end())) {
       distinct.push_back(c);
@@ -140,10 +140,8 @@ void Batch::Start() {
     for (size_t g = 0; g < distinct.size(); ++g) {
       // Channels that take no bulk submissions (TCP): do not copy their requests for one.
       if (!distinct[g]->traits().takes_bulk) continue;
-      const size_t first = static_cast<size_t>(
-          std::find(channels.begin(), channels.end(), distinct[g]) - channels.begin());
       BulkGroup& group = bulk_groups_[g];
-      for (size_t i = first; i < channels.size(); ++i) {
+      for (size_t i = 0; i < num_requests_; ++i) {
         if (channels[i] != distinct[g]) continue;
         group.requests.push_back(transfer_requests_[i]);
         group.index.push_back(static_cast<uint32_t>(i));
@@ -179,8 +177,8 @@ void Batch::Start() {
 }
 
 bool Batch::StartAfterEventOnDevice(void* event) {
-  PeerChannel* channel = channels.front();
-  for (PeerChannel* c : channels) {
+  PeerChannel* channel = channels[0];
+  for (PeerChannel* c : channels.values()) {
     if (c != channel) return false;
   }
   return SubmitWhole(channel, event);

@@ -34,6 +34,31 @@ namespace kvferry {
 
 class Peer;
 
+// Per-request values that are usually one for the whole batch (its peer, its data path): one
+// entry while every request appended so far has the same, one per request from the first
+// that differs. Appended in request order.
+template <typename T>
+class PerRequest {
+ public:
+  void Append(T v) {
+    if (count_ > 0 && values_.size() == 1 && v == values_[0]) {
+      ++count_;
+      return;
+    }
+    if (values_.size() == 1) values_.assign(count_, values_[0]);
+    values_.push_back(v);
+    ++count_;
+  }
+  T operator[](size_t i) const { return values_.size() == 1 ? values_[0] : values_[i]; }
+  // The distinct runs' values (every value once when they are all the same).
+  const std::vector<T>& values() const { return values_; }
+  bool empty() const { return count_ == 0; }
+
+ private:
+  std::vector<T> values_;
+  size_t count_ = 0;
+};
+
 class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
  public:
   struct Request {
@@ -52,9 +77,9 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::function<void(BatchId, const BatchStatus&)> on_complete;
   std::function<void()> on_landed;
   std::shared_ptr<Peer> notify_peer;
-  std::vector<Peer*> peers;                      // per request
+  PerRequest<Peer*> peers;                       // per request
   std::vector<std::shared_ptr<Peer>> peer_refs;  // each distinct peer once: keeps channels alive
-  std::vector<PeerChannel*> channels;            // per request: the data path chosen
+  PerRequest<PeerChannel*> channels;             // per request: the data path chosen
   // Per request: a strided WRITE into the peer's host memory, which a channel that takes
   // several rows per item (TCP: strided frames) receives in groups of rows.
   std::vector<uint8_t> strided_wire;

@@ -278,8 +278,6 @@ class EngineImpl : public TransferEngine {
     auto batch = std::make_shared<Batch>(requests);
     batch->watch = watch_;
     batch->counters = counters_;
-    batch->peers.resize(requests.size());
-    batch->channels.resize(requests.size());
     batch->transport_slots.resize(requests.size());
     batch->strided_wire.assign(requests.size(), 0);
     // Per-request work stays allocation-free: error text is built only on failure, and the
@@ -326,7 +324,7 @@ class EngineImpl : public TransferEngine {
             batch->peer_refs.push_back(it->second);
           }
         }
-        batch->peers[i] = peer;
+        batch->peers.Append(peer);
         if (r.num_rows > 1) {
           relock();
           if (!RowsInside(CachedDescriptorLocked(*peer), r, &rows_region)) {
@@ -369,9 +367,10 @@ class EngineImpl : public TransferEngine {
       const TransferRequest& r = requests[i];
       if (cache.peer == batch->peers[i] &&
           cache.region.Contains(reinterpret_cast<uint64_t>(r.local_addr), r.local_extent())) {
-        batch->channels[i] = cache.channel;  // the request before's data path
+        batch->channels.Append(cache.channel);  // the request before's data path
       } else {
-        ASSIGN_OR_RETURN(batch->channels[i], ChooseChannel(r, *batch->peers[i], i, &cache));
+        ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *batch->peers[i], i, &cache));
+        batch->channels.Append(channel);
       }
       batch->transport_slots[i] = cache.slot;
       one_slot = one_slot && cache.slot == batch->transport_slots[0];

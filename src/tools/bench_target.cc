@@ -257,6 +257,8 @@ StatusOr<std::unique_ptr<TargetProcess>> TargetProcess::Spawn(
 
   // Read the target line, bounded by the startup timeout.
   std::string line;
+  constexpr int kMaxSkippedLines = 64;
+  int skipped = 0;
   const auto deadline = std::chrono::steady_clock::now() + startup_timeout;
   while (true) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -282,7 +284,14 @@ StatusOr<std::unique_ptr<TargetProcess>> TargetProcess::Spawn(
       }
       return UnavailableError("bench target " + how + " before reporting its address");
     }
-    if (c == '\n') break;
+    if (c == '\n') {
+      // Libraries the target loads may print to stdout first (UCX's warnings do): skip
+      // lines until the target's own, up to a bound.
+      if (line.rfind(kTargetLinePrefix, 0) == 0) break;
+      if (++skipped > kMaxSkippedLines) break;  // ParseTargetLine reports this line
+      line.clear();
+      continue;
+    }
     line.push_back(c);
   }
   ASSIGN_OR_RETURN(process->info_, ParseTargetLine(line));

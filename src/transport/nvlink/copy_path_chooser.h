@@ -28,9 +28,10 @@ class CopyPathChooser {
   using Clock = std::chrono::steady_clock;
   enum Arm : int8_t { kNone = -1, kKernel = 0, kEngine = 1 };
 
-  // Blocks shorter than this always go through the kernel: the copy engine's per-call cost
-  // (~2.5 us) exceeds their copy time at link speed.
-  static constexpr uint64_t kMinEngineBytes = 256 << 10;
+  // Blocks shorter than this always go through the kernel: below it the copy engine's host
+  // cost per block (one cudaMemcpyAsync, ~2.5 us) exceeds the block's copy time at link speed
+  // (on H200: 1 MiB blocks one call each reached 205 of 397 GB/s, 128 KiB ones 45).
+  static constexpr uint64_t kMinEngineBytes = 1 << 20;
   // Bytes of eligible submissions each arm carries per measurement, and the bytes the faster
   // one then carries before both are measured again (exploration costs about 1/32 of the
   // difference between the arms).
