@@ -142,7 +142,10 @@ def test_thousands_of_small_runs_write_and_read(prefill, peers, decode_memory, c
     decode = start_decode(peers, decode_memory, prefill.impl)
     session = decode.info["session_id"]
     rng = np.random.default_rng(21)
-    run, count = 64, 5000
+    run = 64
+    # Mooncake's TCP transport (0.3.13) queues at most 2048 requests of a batch per lane and
+    # fails larger batches (-1, "queue-full rejection" in its log): it gets 2000.
+    count = 5000 if prefill.impl.is_kvferry else 2000
     slots = BUFFERS * BUFFER_BYTES // run
     dst_slots = rng.permutation(slots)[:count]
     src_slots = rng.permutation(slots)[:count]
@@ -150,7 +153,7 @@ def test_thousands_of_small_runs_write_and_read(prefill, peers, decode_memory, c
     per_buffer = BUFFER_BYTES // run
 
     def addresses(ptrs, slot_ids):
-        return [ptrs[s // per_buffer] + (s % per_buffer) * run for s in slot_ids]
+        return [int(ptrs[s // per_buffer] + (s % per_buffer) * run) for s in slot_ids]
 
     def views(d, s):
         """The bytes of decode's slot d and of prefill's slot s."""
