@@ -3,6 +3,7 @@ up to 4096) and submit each group as its own batch as soon as it is read: bytes 
 peer process's memory at counts on both sides of group boundaries, all-or-nothing failures
 (bad input in a late group, a dead or stalled peer mid-call) named in the caller's numbering."""
 
+import _thread
 import threading
 import time
 
@@ -227,3 +228,25 @@ def test_stalled_peer_raises_deadline_exceeded_at_the_calls_deadline(engine, pee
         engine.write(segment, local.ctypes.data + offsets, peer.info["base"] + offsets, page,
                      deadline=1.0)
     assert 0.9 < time.monotonic() - start < 4
+
+
+def test_ctrl_c_cancels_the_groups_and_waits_until_they_are_final(engine, peer):
+    local = np.ones(PEER_BYTES, dtype=np.uint8)
+    engine.register_memory(local)
+    segment = engine.open_segment(peer.info["address"])
+    count, page = 5000, 1024
+    offsets = [i * page for i in range(count)]
+    peer.stop()  # requests on the wire stay unacknowledged until the deadline
+    before = tcp_write_requests_final(engine)
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.write(segment, [local.ctypes.data + o for o in offsets],
+                     [peer.info["base"] + o for o in offsets], page, deadline=1.5)
+    seconds = time.monotonic() - start
+    timer.join()
+    # Raised once every group was final: the requests not sent cancelled at once, those sent
+    # failed at the deadline (1.5 s); nothing left behind.
+    assert 0.3 < seconds < 4
+    assert tcp_write_requests_final(engine) - before == count
