@@ -95,7 +95,11 @@ class PyEngine {
 
   // Batches keep their engine object alive (keep_alive in the bindings), so this runs after
   // them: the engine stops before the memory of registered objects is let go.
-  ~PyEngine() { Close(); }
+  ~PyEngine() {
+    Close();
+    py::gil_scoped_release release;
+    submitter_.reset();  // joins its thread
+  }
 
   void Close() {
     {
@@ -334,7 +338,7 @@ class PyEngine {
       columns.emplace_back(args.remote_strides->object, "remote_strides");
     }
     SegmentHandle handle = Resolve(segment);
-    return TransferPipelined(*holder_, handle, op, columns, options);
+    return TransferPipelined(holder_, submitter_, handle, op, columns, options);
   }
 
   std::unique_ptr<PyBatch> SubmitNotification(py::handle segment, const std::string& message,
@@ -383,6 +387,9 @@ class PyEngine {
   std::shared_ptr<EngineHolder> holder_;
   kvferry::SegmentDescriptor descriptor_;       // as created: name, host, port
   std::chrono::milliseconds default_deadline_;  // as created
+  // Submits the groups of write() / read() calls of several groups; made by the first one
+  // (guarded by the GIL).
+  std::unique_ptr<GroupSubmitter> submitter_;
   // Objects registered through their interfaces, by address (guarded by the GIL).
   std::unordered_map<uint64_t, std::unique_ptr<HeldBuffer>> held_;
 };

@@ -136,8 +136,9 @@ The columns are those of submit_write: ints, lists or tuples of ints, numpy inte
 column of length 1 or an int applies to every request). They are read in groups of requests
 (256, then twice as many each time up to 4096), and each group is submitted as its own batch
 as soon as it is read, so the first bytes move while later groups are still being read (a list
-of 8192 ints takes about 0.2 ms to read). The GIL is held only while reading; submission and
-the wait run without it. All or nothing: the call returns only when every request completed.
+of 8192 ints takes about 0.2 ms to read). The GIL is held only while reading: an engine
+thread submits the groups, and the call releases the GIL once, to wait. All or nothing: the
+call returns only when every request completed.
 
 deadline: seconds for the whole call (default: the engine's default_deadline).
 deadline_per_gb: seconds added to the deadline per GB (1e9 bytes) moved (default 0). Each

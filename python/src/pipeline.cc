@@ -3,6 +3,7 @@
 #include <pybind11/numpy.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <span>
@@ -109,7 +110,7 @@ class Groups {
     }
   }
 
-  void Add(BatchId id, size_t first, size_t count) { groups_.push_back({id, first, count}); }
+  void Add(const Group& group) { groups_.push_back(group); }
   size_t size() const { return groups_.size(); }
   Group& operator[](size_t k) { return groups_[k]; }
 
@@ -131,6 +132,20 @@ class Groups {
  private:
   EngineHolder& holder_;
   std::vector<Group> groups_;
+};
+
+// What the reading thread and the submitting thread share during one call.
+struct CallState {
+  size_t num_requests = 0;
+  std::optional<std::string> notification;
+  void* start_after_event = nullptr;
+  std::atomic<bool> failed{false};  // a submission failed (error): read no further
+  std::atomic<bool> stop{false};    // the call is failing: submit nothing more
+  std::mutex mu;
+  std::condition_variable processed_changed;
+  size_t processed = 0;          // jobs submitted or skipped (guarded by mu)
+  std::vector<Group> submitted;  // in order (guarded by mu)
+  Status error;                  // the first submission error (guarded by mu)
 };
 
 // The error a failed group's batch raises: the batch's first error, its message naming the
@@ -268,8 +283,108 @@ void ColumnReader::Read(size_t first, size_t count, uint64_t* out) const {
   }
 }
 
-uint64_t TransferPipelined(EngineHolder& holder, SegmentHandle segment, TransferOp op,
-                           const std::vector<ColumnReader>& columns,
+struct GroupSubmitter::Job {
+  std::shared_ptr<CallState> call;
+  std::vector<TransferRequest> requests;  // the group's
+  size_t first = 0;                       // index of its first request in the call
+  Clock::time_point limit;                // its deadline
+};
+
+namespace {
+
+// Submits one group's batch and records it, or the error, in its call. Without the GIL.
+void SubmitGroup(EngineHolder& holder, GroupSubmitter::Job& job) {
+  CallState& call = *job.call;
+  Status error;
+  std::optional<BatchId> id;
+  if (!call.stop.load() && !call.failed.load()) {
+    BatchOptions options;
+    options.start_after_event = call.start_after_event;
+    if (call.notification) options.notification = *call.notification;
+    options.deadline = std::chrono::ceil<std::chrono::milliseconds>(job.limit - Clock::now());
+    if (options.deadline.count() <= 0) {
+      error = DeadlineExceededError("the call's deadline passed before " +
+                                    RequestPrefix(job.first, call.num_requests) + "was submitted");
+    } else {
+      try {
+        auto engine = holder.Acquire();
+        if (job.first == 0) holder.SweepOrphans(*engine);
+        StatusOr<BatchId> submitted = engine->SubmitBatch(job.requests, options);
+        if (submitted.ok()) {
+          id = *submitted;
+        } else {
+          error = InCallerNumbering(submitted.status(), job.first, call.num_requests);
+        }
+      } catch (const StatusError& closed) {
+        error = closed.status();
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(call.mu);
+    if (id) call.submitted.push_back({*id, job.first, job.requests.size()});
+    if (!error.ok() && call.error.ok()) {
+      call.error = error;
+      call.failed.store(true);
+    }
+    ++call.processed;
+  }
+  call.processed_changed.notify_all();
+}
+
+}  // namespace
+
+GroupSubmitter::GroupSubmitter(std::shared_ptr<EngineHolder> holder)
+    : holder_(std::move(holder)), thread_([this] { Run(); }) {}
+
+GroupSubmitter::~GroupSubmitter() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+std::vector<TransferRequest> GroupSubmitter::TakeBuffer() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (buffers_.empty()) return {};
+  std::vector<TransferRequest> buffer = std::move(buffers_.back());
+  buffers_.pop_back();
+  return buffer;
+}
+
+void GroupSubmitter::Recycle(std::vector<TransferRequest> buffer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (buffers_.size() < 8) buffers_.push_back(std::move(buffer));
+}
+
+void GroupSubmitter::Enqueue(std::unique_ptr<Job> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(job));
+  }
+  wake_.notify_one();
+}
+
+void GroupSubmitter::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping
+    std::unique_ptr<Job> job = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    SubmitGroup(*holder_, *job);
+    Recycle(std::move(job->requests));
+    job.reset();
+    lock.lock();
+  }
+}
+
+uint64_t TransferPipelined(const std::shared_ptr<EngineHolder>& holder,
+                           std::unique_ptr<GroupSubmitter>& submitter, SegmentHandle segment,
+                           TransferOp op, const std::vector<ColumnReader>& columns,
                            const PipelineOptions& options) {
   const Clock::time_point start = Clock::now();
   size_t n = 0;
@@ -283,21 +398,40 @@ uint64_t TransferPipelined(EngineHolder& holder, SegmentHandle segment, Transfer
   }
   const bool strided = columns.size() == 6;
   const size_t max_group = options.notification ? n : std::min(n, kMaxGroupRequests);
+  size_t group_size = options.notification ? n : std::min(n, kFirstGroupRequests);
+  const bool single = group_size == n;  // submitted by this thread
+  if (!single && !submitter) submitter = std::make_unique<GroupSubmitter>(holder);
+  auto call = std::make_shared<CallState>();
+  call->num_requests = n;
+  call->notification = options.notification;
+  call->start_after_event = options.start_after_event;
   std::vector<std::vector<uint64_t>> values(columns.size(), std::vector<uint64_t>(max_group));
-  std::vector<TransferRequest> requests(max_group);
-  Groups groups(holder);
+  Groups groups(*holder);
+  size_t enqueued = 0;
+  std::unique_ptr<GroupSubmitter::Job> own_job;
   uint64_t bytes_read = 0;
-  size_t group_size = options.notification ? n : kFirstGroupRequests;
+  // Without the GIL: waits until every job handed over is submitted or skipped.
+  auto drain = [&] {
+    std::unique_lock<std::mutex> lock(call->mu);
+    call->processed_changed.wait(lock, [&] { return call->processed == enqueued; });
+    for (const Group& g : call->submitted) groups.Add(g);
+    call->submitted.clear();
+  };
   try {
-    for (size_t first = 0, count = 0; first < n; first += count) {
+    for (size_t first = 0, count = 0; first < n && !call->failed.load(); first += count) {
       count = std::min(group_size, n - first);
       group_size = std::min(group_size * 2, max_group);
+      auto job = std::make_unique<GroupSubmitter::Job>();
+      job->call = call;
+      job->first = first;
+      if (!single) job->requests = submitter->TakeBuffer();
+      job->requests.resize(count);
       try {
         for (size_t c = 0; c < columns.size(); ++c) {
           columns[c].Read(first, count, values[c].data());
         }
         for (size_t j = 0; j < count; ++j) {
-          TransferRequest& r = requests[j];
+          TransferRequest& r = job->requests[j];
           r.op = op;
           r.segment = segment;
           r.local_addr = reinterpret_cast<const void*>(values[0][j]);
@@ -314,59 +448,58 @@ uint64_t TransferPipelined(EngineHolder& holder, SegmentHandle segment, Transfer
           bytes_read = SaturatingAdd(bytes_read, r.total_bytes());
         }
       } catch (const StatusError& error) {
-        if (groups.size() == 0) throw;
+        if (enqueued == 0) throw;
         throw StatusError(Status(error.status().code(),
-                                 error.status().message() + " (requests 0.." +
-                                     std::to_string(first - 1) +
-                                     " had been submitted: cancelled and waited for; some of "
-                                     "their bytes may have moved)"));
+                                 error.status().message() +
+                                     " (the requests before it were cancelled, those already "
+                                     "submitted waited for: some of their bytes may have "
+                                     "moved)"));
       }
-      py::gil_scoped_release release;
-      BatchOptions batch_options;
-      batch_options.start_after_event = options.start_after_event;
-      if (options.notification) batch_options.notification = *options.notification;
-      const auto limit = start + options.deadline +
-                         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-                             options.seconds_per_byte * static_cast<double>(bytes_read)));
-      batch_options.deadline = std::chrono::ceil<std::chrono::milliseconds>(limit - Clock::now());
-      if (batch_options.deadline.count() <= 0) {
-        throw StatusError(DeadlineExceededError("the call's deadline passed before " +
-                                                RequestPrefix(first, n) + "was submitted"));
+      job->limit = start + options.deadline +
+                   std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                       options.seconds_per_byte * static_cast<double>(bytes_read)));
+      if (single) {
+        own_job = std::move(job);
+      } else {
+        submitter->Enqueue(std::move(job));
+        ++enqueued;
       }
-      auto engine = holder.Acquire();
-      if (first == 0) holder.SweepOrphans(*engine);
-      StatusOr<BatchId> id = engine->SubmitBatch(
-          std::span<const TransferRequest>(requests.data(), count), batch_options);
-      if (!id.ok()) throw StatusError(InCallerNumbering(id.status(), first, n));
-      groups.Add(*id, first, count);
     }
+    py::gil_scoped_release release;
+    if (own_job) {
+      ++enqueued;
+      SubmitGroup(*holder, *own_job);
+    }
+    drain();
+    if (call->failed.load()) throw StatusError(call->error);
     uint64_t moved = 0;
     for (size_t k = 0; k < groups.size(); ++k) {
       Group& group = groups[k];
       while (true) {
         Status failure;
-        bool done = false;
         {
-          py::gil_scoped_release release;
-          auto engine = holder.Acquire();
+          auto engine = holder->Acquire();
           BatchStatus status = ValueOrThrow(engine->WaitBatch(group.id, kWaitSlice));
           if (status.state == TransferState::kCompleted) {
             ThrowIfError(engine->ReleaseBatch(group.id));
             group.released = true;
             moved += status.transferred_bytes;
-            done = true;
-          } else if (status.state != TransferState::kPending) {
+            break;
+          }
+          if (status.state != TransferState::kPending) {
             failure = FirstFailure(*engine, group, status, n);
           }
         }
         if (!failure.ok()) throw StatusError(failure);
-        if (done) break;
+        py::gil_scoped_acquire gil;
         if (PyErr_CheckSignals() != 0) throw py::error_already_set();
       }
     }
     return moved;
   } catch (...) {
     py::gil_scoped_release release;
+    call->stop.store(true);
+    drain();
     groups.Abort();
     throw;
   }

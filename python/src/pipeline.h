@@ -8,8 +8,11 @@
 // kMaxGroupRequests (256, 512, 1024, 2048, 4096, 4096, ...): the first copies start after a
 // few microseconds of reading, and large calls are not cut into many small batches.
 //
-// GIL: held while the columns are read (lists and tuples are read element by element); released
-// for each submission and for the wait.
+// GIL: the calling thread holds it while it reads the columns (lists and tuples are read
+// element by element) and releases it once, for the wait. The groups of a call of more than one
+// group are submitted meanwhile by the engine's GroupSubmitter thread, without the GIL: the
+// reading thread never gives the GIL up between groups, so other Python threads cannot make it
+// wait for the GIL back (up to the interpreter's switch interval, 5 ms) in the middle of a call.
 //
 // Thread-safety: a call may run concurrently with any other engine call; the column objects
 // must not be resized by another thread during it (that is detected and refused).
@@ -18,11 +21,15 @@
 #include <pybind11/pybind11.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine_holder.h"
@@ -81,9 +88,40 @@ struct PipelineOptions {
   void* start_after_event = nullptr;
 };
 
+// One engine's submitting thread for calls of several groups: it submits the groups that
+// reading threads hand over, in the order they come, without the GIL. Started by the first
+// such call; it sleeps while there is nothing to submit.
+class GroupSubmitter {
+ public:
+  struct Job;
+  explicit GroupSubmitter(std::shared_ptr<EngineHolder> holder);
+  GroupSubmitter(const GroupSubmitter&) = delete;
+  GroupSubmitter& operator=(const GroupSubmitter&) = delete;
+  // Joins the thread. Call it without the GIL, once no call uses it.
+  ~GroupSubmitter();
+
+  EngineHolder& holder() { return *holder_; }
+  // A request buffer of a finished job, or an empty vector.
+  std::vector<TransferRequest> TakeBuffer();
+  void Enqueue(std::unique_ptr<Job> job);
+
+ private:
+  void Run();
+  void Recycle(std::vector<TransferRequest> buffer);
+
+  std::shared_ptr<EngineHolder> holder_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::unique_ptr<Job>> queue_;
+  std::vector<std::vector<TransferRequest>> buffers_;  // for reuse: no page faults per call
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 // Reads the columns (local addresses, remote addresses, lengths, and optionally num_rows, local
 // strides, remote strides), submits them to `segment` in groups, waits for every group's batch
 // and releases them. Returns the bytes moved. Needs the GIL (released while the engine works).
+// `submitter` makes the engine's GroupSubmitter when a call has several groups and none exists.
 //
 // Throws StatusError before anything is submitted: kInvalidArgument (columns of different
 // lengths other than 1, no request, a bad element found in the first group), and the
@@ -93,8 +131,9 @@ struct PipelineOptions {
 // of the first failed request in the caller's order, its message starting "request I of N: "
 // (I in the caller's numbering), or the KeyboardInterrupt. A failed call may have moved
 // some of the bytes (as any failed WRITE).
-uint64_t TransferPipelined(EngineHolder& holder, SegmentHandle segment, TransferOp op,
-                           const std::vector<ColumnReader>& columns,
+uint64_t TransferPipelined(const std::shared_ptr<EngineHolder>& holder,
+                           std::unique_ptr<GroupSubmitter>& submitter, SegmentHandle segment,
+                           TransferOp op, const std::vector<ColumnReader>& columns,
                            const PipelineOptions& options);
 
 // A column argument of write() / read(), taken as the object itself (ColumnReader reads it);
