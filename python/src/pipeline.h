@@ -100,7 +100,6 @@ class GroupSubmitter {
   // Joins the thread. Call it without the GIL, once no call uses it.
   ~GroupSubmitter();
 
-  EngineHolder& holder() { return *holder_; }
   // A request buffer of a finished job, or an empty vector.
   std::vector<TransferRequest> TakeBuffer();
   void Enqueue(std::unique_ptr<Job> job);
@@ -121,7 +120,7 @@ class GroupSubmitter {
 // Reads the columns (local addresses, remote addresses, lengths, and optionally num_rows, local
 // strides, remote strides), submits them to `segment` in groups, waits for every group's batch
 // and releases them. Returns the bytes moved. Needs the GIL (released while the engine works).
-// `submitter` makes the engine's GroupSubmitter when a call has several groups and none exists.
+// `submitter`: the engine's GroupSubmitter, made here by the first call of several groups.
 //
 // Throws StatusError before anything is submitted: kInvalidArgument (columns of different
 // lengths other than 1, no request, a bad element found in the first group), and the
