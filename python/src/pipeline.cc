@@ -444,6 +444,10 @@ uint64_t TransferPipelined(const std::shared_ptr<EngineHolder>& holder,
             r.num_rows = static_cast<uint32_t>(values[3][j]);
             r.local_stride = values[4][j];
             r.remote_stride = values[5][j];
+          } else {  // a recycled buffer may hold a strided call's requests
+            r.num_rows = 1;
+            r.local_stride = 0;
+            r.remote_stride = 0;
           }
           bytes_read = SaturatingAdd(bytes_read, r.total_bytes());
         }

@@ -281,3 +281,30 @@ def test_concurrent_calls_from_several_threads(engine, peer, peer_memory):
     assert not errors, errors
     assert results == [pages.shape[1] * page] * 12
     assert np.array_equal(peer_memory.view, local)
+
+
+def test_strided_groups_then_plain_groups(engine, peer, peer_memory):
+    """Strided requests across groups, then plain ones (whose request buffers the engine
+    reuses): each moves exactly its rows."""
+    rng = np.random.default_rng(3)
+    local = rng.integers(0, 256, PEER_BYTES, dtype=np.uint8)
+    engine.register_memory(local)
+    segment = engine.open_segment(peer.info["address"])
+    count, row, rows, local_stride, remote_stride = 600, 64, 2, 128, 256
+    starts = np.arange(count, dtype=np.uint64) * 1024
+    expected = peer_memory.view.copy()
+    for s in starts.astype(np.int64):
+        for r in range(rows):
+            dst, src = s + r * remote_stride, s + r * local_stride
+            expected[dst:dst + row] = local[src:src + row]
+    assert engine.write(segment, local.ctypes.data + starts, peer.info["base"] + starts, row,
+                        num_rows=rows, local_strides=local_stride,
+                        remote_strides=remote_stride) == count * rows * row
+    assert np.array_equal(peer_memory.view, expected)
+
+    plain = [int(s) + 4 * MiB for s in starts]
+    for s in plain:
+        expected[s:s + 100] = local[s:s + 100]
+    assert engine.write(segment, [local.ctypes.data + s for s in plain],
+                        [peer.info["base"] + s for s in plain], 100) == count * 100
+    assert np.array_equal(peer_memory.view, expected)
