@@ -570,6 +570,7 @@ class TransferEngine:
             return -1
         return 0
 
+
 def _op(opcode) -> kvferry.TransferOp:
     return kvferry.TransferOp.READ if int(opcode) == TransferOpcode.Read else kvferry.TransferOp.WRITE
 
