@@ -2,8 +2,10 @@
 # The Python package on a GPU machine (issue 18): the pytest suite with its GPU tests (torch
 # CUDA tensors over NVLink: the native engine, kvferry.mooncake, kvferry.sglang with
 # layerwise handed over by torch.cuda.Event), then the Python-side cost over NVLink
-# (bench/python_engine.py --device cuda: native submit and batch_transfer_sync_write against
-# kvferry bench, same blocks, same run, next to torch's GPU 0 -> GPU 1 copy).
+# (bench/python_engine.py --device cuda: native submit_write + result, the native blocking
+# write with lists and with numpy columns (read and submitted in groups), and
+# batch_transfer_sync_write with lists and numpy (through that write) against kvferry bench,
+# same blocks, same run, next to torch's GPU 0 -> GPU 1 copy).
 #
 # Runs from the repository root with .devbuild/ carried: scripts/device_bundle.sh BUILD (the
 # kvferry binary and its libraries) and scripts/python_bundle.sh BUILD (the package built for

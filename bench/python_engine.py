@@ -4,7 +4,10 @@ in one run:
 
   - `kvferry bench --target` (C++): one thread, one batch in flight, WRITE batches of COUNT
     blocks;
-  - the native API: `engine.submit_write(segment, numpy columns, ...)` then `batch.result()`;
+  - the native API: `engine.submit_write(segment, numpy columns, ...)` then `batch.result()`
+    (one batch), and the blocking `engine.write(segment, columns)` with Python lists and with
+    numpy columns (the columns read in groups of 256 doubling to 4096 requests, each group
+    submitted as soon as it is read);
   - kvferry.mooncake: `batch_transfer_sync_write(session, lists, lists, lists)` as SGLang
     calls it (Python lists), and with numpy arrays;
   - iperf3 with as many streams as kvferry has lanes (4): the ceiling of plain TCP here
@@ -195,6 +198,12 @@ def measure(binary: str, block: int, count: int, duration: float, rounds: int,
             submit_us.append((time.perf_counter() - t0) * 1e6)
             batch.result()
 
+        def native_write_lists():
+            engine.write(segment, local_list, remote_list, length_list)
+
+        def native_write_numpy():
+            engine.write(segment, local_col, remote_col, lengths_np)
+
         def mooncake_lists():
             assert mooncake.batch_transfer_sync_write(session, local_list, remote_list,
                                                       length_list) == 0
@@ -204,6 +213,8 @@ def measure(binary: str, block: int, count: int, duration: float, rounds: int,
                                                       lengths_np) == 0
 
         methods = {"native submit_write + result": native,
+                   "native write (lists)": native_write_lists,
+                   "native write (numpy)": native_write_numpy,
                    "mooncake batch_transfer_sync_write (lists)": mooncake_lists,
                    "mooncake batch_transfer_sync_write (numpy)": mooncake_numpy}
         results = {name: [] for name in ["kvferry bench (C++)", *methods]}

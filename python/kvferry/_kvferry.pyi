@@ -201,8 +201,18 @@ class TransferEngine:
         lengths: _Column,
         *,
         deadline: Optional[float] = None,
+        deadline_per_gb: float = 0.0,
         notification: Optional[_Message] = None,
-    ) -> int: ...
+        num_rows: Optional[_Column] = None,
+        local_strides: Optional[_Column] = None,
+        remote_strides: Optional[_Column] = None,
+        start_after_event: Optional[int] = None,
+    ) -> int:
+        """WRITEs and blocks until every request landed; returns the bytes moved. The
+        columns are read in groups (256 requests, doubling up to 4096), each submitted as its
+        own batch as soon as it is read; all or nothing: on a failure the pending groups are
+        cancelled and the first failed request's error is raised ("request I of N: ...").
+        deadline: seconds for the whole call; deadline_per_gb: seconds added per GB moved."""
     def read(
         self,
         segment: _SegmentLike,
@@ -211,8 +221,15 @@ class TransferEngine:
         lengths: _Column,
         *,
         deadline: Optional[float] = None,
+        deadline_per_gb: float = 0.0,
         notification: Optional[_Message] = None,
-    ) -> int: ...
+        num_rows: Optional[_Column] = None,
+        local_strides: Optional[_Column] = None,
+        remote_strides: Optional[_Column] = None,
+        start_after_event: Optional[int] = None,
+    ) -> int:
+        """READs and blocks until every request landed; returns the bytes moved.
+        Grouping, deadline and errors as write()."""
     def send_notification(
         self, segment: _SegmentLike, message: _Message, timeout: float = 5.0
     ) -> None: ...

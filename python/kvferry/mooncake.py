@@ -542,17 +542,33 @@ class TransferEngine:
             return False
 
     def _sync(self, op, target: str, buffers, peer_addresses, lengths) -> int:
-        if self._engine is None:
+        """Moves the runs with the engine's blocking write/read, which reads the columns in
+        groups and submits each as soon as it is read (no per-element work here: the total
+        length for the deadline is summed as the columns are read). Returns 0 or -1."""
+        engine = self._engine
+        if engine is None:
             logger.error("transfer to %s: the engine is not initialized", target)
             return -1
-        if len(buffers) == 0 and len(peer_addresses) == 0 and len(lengths) == 0:
-            return 0  # nothing to move
-        batch_id = self._submit(op, target, buffers, peer_addresses, lengths)
-        if batch_id < 0:
+        count = len(buffers)
+        if not count == len(peer_addresses) == len(lengths):
+            logger.error("%d buffers, %d peer addresses and %d lengths differ", count,
+                         len(peer_addresses), len(lengths))
             return -1
-        with self._lock:
-            batch, target, segment = self._batches.pop(batch_id)
-        return 0 if self._finish(batch, target, segment) else -1
+        if count == 0:
+            return 0  # nothing to move
+        segment = self._segment(target)
+        if segment is None:
+            return -1
+        transfer = engine.write if op == kvferry.TransferOp.WRITE else engine.read
+        try:
+            transfer(segment, buffers, peer_addresses, lengths, deadline=self._timeout_s,
+                     deadline_per_gb=_SECONDS_PER_BYTE * 1e9)
+        except kvferry.Error as error:
+            log = logger.warning if isinstance(error, _PEER_ERRORS) else logger.error
+            log("transfer to %s failed: %s: %s", target, type(error).__name__, error)
+            self._note_failure(target, segment, error)
+            return -1
+        return 0
 
 
 def _op(opcode) -> kvferry.TransferOp:

@@ -19,6 +19,7 @@
 #include "engine_holder.h"
 #include "errors.h"
 #include "metrics.h"
+#include "pipeline.h"
 
 namespace kvferry::python {
 namespace {
@@ -84,6 +85,7 @@ class PyEngine {
     }
     auto self = std::make_unique<PyEngine>();
     self->descriptor_ = engine->LocalDescriptor();
+    self->default_deadline_ = options.default_deadline;
     self->holder_ = std::make_shared<EngineHolder>(std::move(engine));
     std::lock_guard<std::mutex> lock(g_open_mu);
     std::erase_if(g_open, [](const auto& weak) { return weak.expired(); });
@@ -93,7 +95,11 @@ class PyEngine {
 
   // Batches keep their engine object alive (keep_alive in the bindings), so this runs after
   // them: the engine stops before the memory of registered objects is let go.
-  ~PyEngine() { Close(); }
+  ~PyEngine() {
+    Close();
+    py::gil_scoped_release release;
+    submitter_.reset();  // joins its thread
+  }
 
   void Close() {
     {
@@ -291,6 +297,50 @@ class PyEngine {
     return std::make_unique<PyBatch>(holder_, id, n);
   }
 
+  struct TransferArgs {
+    std::optional<double> deadline;
+    double deadline_per_gb = 0;
+    std::optional<std::string> notification;
+    std::optional<ColumnArg> num_rows;
+    std::optional<ColumnArg> local_strides;
+    std::optional<ColumnArg> remote_strides;
+    std::optional<uint64_t> start_after_event;
+  };
+
+  // write() / read(): the columns read and submitted in groups (pipeline.h), then waited for.
+  uint64_t Transfer(TransferOp op, py::handle segment, const ColumnArg& local,
+                    const ColumnArg& remote, const ColumnArg& lengths, const TransferArgs& args) {
+    PipelineOptions options;
+    options.deadline = args.deadline ? Millis(*args.deadline, "deadline") : default_deadline_;
+    if (!std::isfinite(args.deadline_per_gb) || args.deadline_per_gb < 0) {
+      throw StatusError(InvalidArgumentError("deadline_per_gb must be >= 0 seconds (got " +
+                                             std::to_string(args.deadline_per_gb) + ")"));
+    }
+    options.seconds_per_byte = args.deadline_per_gb / 1e9;
+    options.notification = args.notification;
+    if (args.start_after_event) {
+      options.start_after_event = reinterpret_cast<void*>(*args.start_after_event);
+    }
+    std::vector<ColumnReader> columns;
+    columns.reserve(6);
+    columns.emplace_back(local.object, "local_addresses");
+    columns.emplace_back(remote.object, "remote_addresses");
+    columns.emplace_back(lengths.object, "lengths");
+    const int strided = args.num_rows.has_value() + args.local_strides.has_value() +
+                        args.remote_strides.has_value();
+    if (strided != 0 && strided != 3) {
+      throw StatusError(
+          InvalidArgumentError("strided requests need num_rows, local_strides and remote_strides"));
+    }
+    if (strided == 3) {
+      columns.emplace_back(args.num_rows->object, "num_rows");
+      columns.emplace_back(args.local_strides->object, "local_strides");
+      columns.emplace_back(args.remote_strides->object, "remote_strides");
+    }
+    SegmentHandle handle = Resolve(segment);
+    return TransferPipelined(holder_, submitter_, handle, op, columns, options);
+  }
+
   std::unique_ptr<PyBatch> SubmitNotification(py::handle segment, const std::string& message,
                                               std::optional<double> deadline,
                                               std::optional<py::function> on_complete) {
@@ -335,7 +385,11 @@ class PyEngine {
 
  private:
   std::shared_ptr<EngineHolder> holder_;
-  kvferry::SegmentDescriptor descriptor_;  // as created: name, host, port
+  kvferry::SegmentDescriptor descriptor_;       // as created: name, host, port
+  std::chrono::milliseconds default_deadline_;  // as created
+  // Submits the groups of write() / read() calls of several groups; made by the first one
+  // (guarded by the GIL).
+  std::unique_ptr<GroupSubmitter> submitter_;
   // Objects registered through their interfaces, by address (guarded by the GIL).
   std::unordered_map<uint64_t, std::unique_ptr<HeldBuffer>> held_;
 };
@@ -392,20 +446,14 @@ void BindEngine(py::module_& m) {
     };
   };
   auto sync = [](TransferOp op) {
-    return [op](PyEngine& e, py::handle segment, const U64Values& local, const U64Values& remote,
-                const U64Values& lengths, std::optional<double> deadline,
-                std::optional<std::string> notification, std::optional<U64Array> num_rows,
-                std::optional<U64Array> local_strides, std::optional<U64Array> remote_strides,
+    return [op](PyEngine& e, py::handle segment, const ColumnArg& local, const ColumnArg& remote,
+                const ColumnArg& lengths, std::optional<double> deadline, double deadline_per_gb,
+                std::optional<std::string> notification, std::optional<ColumnArg> num_rows,
+                std::optional<ColumnArg> local_strides, std::optional<ColumnArg> remote_strides,
                 std::optional<uint64_t> start_after_event) {
-      auto batch = e.Submit(op, segment, local, remote, lengths,
-                            {deadline,
-                             std::move(notification),
-                             {},
-                             std::move(num_rows),
-                             std::move(local_strides),
-                             std::move(remote_strides),
-                             start_after_event});
-      return batch->Result(std::nullopt, true).transferred_bytes;
+      return e.Transfer(op, segment, local, remote, lengths,
+                        {deadline, deadline_per_gb, std::move(notification), std::move(num_rows),
+                         std::move(local_strides), std::move(remote_strides), start_after_event});
     };
   };
   py::class_<PyEngine>(m, "TransferEngine", kEngineDoc)
@@ -469,16 +517,16 @@ void BindEngine(py::module_& m) {
            py::arg("start_after_event") = py::none(), submit_read_doc.c_str())
       .def("write", sync(TransferOp::kWrite), py::arg("segment"), py::arg("local_addresses"),
            py::arg("remote_addresses"), py::arg("lengths"), py::kw_only(),
-           py::arg("deadline") = py::none(), py::arg("notification") = py::none(),
-           py::arg("num_rows") = py::none(), py::arg("local_strides") = py::none(),
-           py::arg("remote_strides") = py::none(), py::arg("start_after_event") = py::none(),
-           kWriteDoc)
+           py::arg("deadline") = py::none(), py::arg("deadline_per_gb") = 0.0,
+           py::arg("notification") = py::none(), py::arg("num_rows") = py::none(),
+           py::arg("local_strides") = py::none(), py::arg("remote_strides") = py::none(),
+           py::arg("start_after_event") = py::none(), kWriteDoc)
       .def("read", sync(TransferOp::kRead), py::arg("segment"), py::arg("local_addresses"),
            py::arg("remote_addresses"), py::arg("lengths"), py::kw_only(),
-           py::arg("deadline") = py::none(), py::arg("notification") = py::none(),
-           py::arg("num_rows") = py::none(), py::arg("local_strides") = py::none(),
-           py::arg("remote_strides") = py::none(), py::arg("start_after_event") = py::none(),
-           kReadDoc)
+           py::arg("deadline") = py::none(), py::arg("deadline_per_gb") = 0.0,
+           py::arg("notification") = py::none(), py::arg("num_rows") = py::none(),
+           py::arg("local_strides") = py::none(), py::arg("remote_strides") = py::none(),
+           py::arg("start_after_event") = py::none(), kReadDoc)
       .def("send_notification", &PyEngine::SendNotification, py::arg("segment"), py::arg("message"),
            py::arg("timeout") = 5.0, kSendNotificationDoc)
       .def("submit_notification", &PyEngine::SubmitNotification, py::keep_alive<0, 1>(),

@@ -135,6 +135,56 @@ def test_sglang_style_batch_write_and_read_of_page_runs(prefill, peers, decode_m
         assert np.array_equal(prefill.buffers[b], decode_memory.view[offset:offset + BUFFER_BYTES])
 
 
+@pytest.mark.parametrize("columns", ["lists", "numpy"])
+def test_thousands_of_small_runs_write_and_read(prefill, peers, decode_memory, columns):
+    """5000 runs of 64 bytes in one call (kvferry's engine reads and submits them in groups of
+    256 up to 4096), scattered over every buffer, written and read back."""
+    decode = start_decode(peers, decode_memory, prefill.impl)
+    session = decode.info["session_id"]
+    rng = np.random.default_rng(21)
+    run = 64
+    # Mooncake's TCP transport (0.3.13) queues at most 2048 requests of a batch per lane and
+    # fails larger batches (-1, "queue-full rejection" in its log): it gets 2000.
+    count = 5000 if prefill.impl.is_kvferry else 2000
+    slots = BUFFERS * BUFFER_BYTES // run
+    dst_slots = rng.permutation(slots)[:count]
+    src_slots = rng.permutation(slots)[:count]
+
+    per_buffer = BUFFER_BYTES // run
+
+    def addresses(ptrs, slot_ids):
+        return [int(ptrs[s // per_buffer] + (s % per_buffer) * run) for s in slot_ids]
+
+    def views(d, s):
+        """The bytes of decode's slot d and of prefill's slot s."""
+        start = decode.info["offsets"][d // per_buffer] + (d % per_buffer) * run
+        b, o = divmod(int(s) * run, BUFFER_BYTES)
+        return decode_memory.view[start:start + run], prefill.buffers[b][o:o + run]
+
+    src = addresses(prefill.ptrs, src_slots)
+    dst = addresses(decode.info["ptrs"], dst_slots)
+    lengths = [run] * count
+    if columns == "numpy":
+        src, dst, lengths = (np.array(c, dtype=np.uint64) for c in (src, dst, lengths))
+    untouched = decode_memory.view.copy()
+    assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == 0
+    written = np.zeros(len(untouched), dtype=bool)
+    for s, d in zip(src_slots, dst_slots):
+        landed, source = views(d, s)
+        assert np.array_equal(landed, source)
+        start = landed.ctypes.data - decode_memory.view.ctypes.data
+        written[start:start + run] = True
+    assert np.array_equal(decode_memory.view[~written], untouched[~written])
+
+    # READ the same destinations back into zeroed local buffers, each run to its source.
+    for b in prefill.buffers:
+        b[:] = 0
+    assert prefill.engine.batch_transfer_sync_read(session, src, dst, lengths) == 0
+    for s, d in zip(src_slots, dst_slots):
+        remote, local = views(d, s)
+        assert np.array_equal(local, remote)
+
+
 def test_single_async_and_polled_transfers(prefill, peers, decode_memory):
     decode = start_decode(peers, decode_memory, prefill.impl)
     session = decode.info["session_id"]
