@@ -164,9 +164,11 @@ StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device,
   // Memory a NIC may read and write directly (GPUDirect RDMA of cuMem allocations, e.g. by
   // UCX's verbs transports) where the device supports it; without, if the driver refuses.
   int rdma_vmm = 0;
-  if (cudaDeviceGetAttribute(&rdma_vmm, cudaDevAttrGPUDirectRDMAWithCudaVMMSupported, device) !=
-      cudaSuccess) {
-    cudaGetLastError();
+  CUdevice cu_device = 0;
+  if (d->cuDeviceGet(&cu_device, device) != CUDA_SUCCESS ||
+      d->cuDeviceGetAttribute(&rdma_vmm,
+                              CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                              cu_device) != CUDA_SUCCESS) {
     rdma_vmm = 0;
   }
   prop.allocFlags.gpuDirectRDMACapable = rdma_vmm != 0 ? 1 : 0;
