@@ -42,7 +42,7 @@ with_ucx() {
   LD_LIBRARY_PATH="$B/lib:$UCX_CUDA_DIR/lib" UCX_MODULE_DIR="$UCX_CUDA_DIR/lib/ucx" "$@"
 }
 # Keeps a protocol table's rows that name a transport, deduplicated, at most $2 lines.
-proto_rows() { grep -E '\|' "$1" | grep -v -E '^\S*\s*\+|-----' | sed -E 's/^\[[^]]*\] \[[^]]*\] *//' |
+proto_rows() { grep -E '\|.*(/|ep_cfg|rkey_cfg)' "$1" | sed -E 's/^\[[^]]*\] \[[^]]*\] *//' |
   awk '!seen[$0]++' | head -"${2:-24}"; }
 for need in "$KVF" "$UCX_CUDA_DIR/lib/ucx"; do
   [[ -e "$need" ]] || { echo "gpu_ucx_diag.sh: missing $need (see the header)"; exit 2; }
@@ -150,7 +150,6 @@ for f in "$OUT"/diag_bench_*.json; do
     "$(jq -r '[.configs[] | "\(.block_size / 1048576)MiB:\(.gbps * 100 | round / 100)"] | join(" ")' "$f" 2>/dev/null)" \
     "$(jq -r .route "$f" 2>/dev/null)"
 done
-grep -h "^perftest" "$OUT"/diag_perftest_*.txt 2>/dev/null
-awk -v n=none 'NF == 8 && $1 ~ /^[0-9]+$/ { printf "perftest %s: %.2f GB/s\n", FILENAME, $6 * 1048576 / 1e9 }' \
+awk 'NF == 8 && $1 ~ /^[0-9]+$/ { printf "perftest %s: %.2f GB/s\n", FILENAME, $6 * 1048576 / 1e9 }' \
   "$OUT"/diag_perftest_none.txt "$OUT"/diag_perftest_peer.txt 2>/dev/null | sed "s|$OUT/diag_perftest_||"
 date -u
