@@ -6,7 +6,8 @@
 #                           (libnuma1, libibverbs1, librdmacm1, libnl-3-200, libnl-route-3-200,
 #                           ibverbs-providers), unpacked with `apt-get download` + `dpkg -x`
 #   .devbuild/ucx-cuda/     with a wheel path: UCX with CUDA from PyPI's libucx-cu13 (get it
-#                           with `pip download libucx-cu13 --no-deps -d /work/wheels`)
+#                           with `pip download libucx-cu13 --no-deps -d /work/wheels`), with
+#                           its ucx_info and ucx_perftest in bin/
 #
 # Usage: scripts/ucx_bundle.sh [PATH/TO/libucx_cu13-*.whl]
 # Each folder holds lib/ (LD_LIBRARY_PATH) and lib/ucx/ (UCX_MODULE_DIR); only the shared
@@ -37,11 +38,17 @@ if [[ -n "$wheel" ]]; then
   rm -rf "$cuda" && mkdir -p "$cuda/lib/ucx"
   python3 -m zipfile -e "$wheel" "$tmp/w"
   for so in "$tmp"/w/libucx/lib/*.so.0; do cp -L "$so" "$cuda/lib/"; done
-  for so in "$tmp"/w/libucx/lib/ucx/libuct_*.so.0 "$tmp"/w/libucx/lib/ucx/libucm_*.so.0; do
-    cp -L "$so" "$cuda/lib/ucx/"
+  for so in "$tmp"/w/libucx/lib/ucx/libuct_*.so.0 "$tmp"/w/libucx/lib/ucx/libucm_*.so.0 \
+            "$tmp"/w/libucx/lib/ucx/libucx_perftest_*.so.0; do
+    [[ -e "$so" ]] && cp -L "$so" "$cuda/lib/ucx/"
+  done
+  # Its ucx_info and ucx_perftest, for bench/gpu_ucx_diag.sh (run with LD_LIBRARY_PATH=lib).
+  mkdir -p "$cuda/bin"
+  for tool in ucx_info ucx_perftest; do
+    [[ -e "$tmp/w/libucx/bin/$tool" ]] && install -m 755 "$tmp/w/libucx/bin/$tool" "$cuda/bin/"
   done
   # Libraries the wheel vendors (auditwheel-renamed: the .so files above name them as they are).
   [[ -d "$tmp/w/libucx_cu13.libs" ]] && cp "$tmp"/w/libucx_cu13.libs/* "$cuda/lib/"
-  strip --strip-unneeded "$cuda"/lib/*.so* "$cuda"/lib/ucx/*.so* 2>/dev/null || true
+  strip --strip-unneeded "$cuda"/lib/*.so* "$cuda"/lib/ucx/*.so* "$cuda"/bin/* 2>/dev/null || true
 fi
 du -sh "$root"/ucx-*

@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <string>
@@ -94,6 +95,23 @@ Status ReadInteger(const char* name, long long lo, long long hi, std::optional<T
   return OkStatus();
 }
 
+// Reads the variable `name` into `*out` when it is set and not empty. Errors: kInvalidArgument
+// naming the variable, its value and the accepted values when it is none of `choices`.
+Status ReadChoice(const char* name, std::initializer_list<const char*> choices,
+                  std::optional<std::string>* out) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return OkStatus();
+  std::string accepted;
+  for (const char* c : choices) {
+    if (std::string(v) == c) {
+      *out = std::string(v);
+      return OkStatus();
+    }
+    accepted += accepted.empty() ? c : std::string(" or ") + c;
+  }
+  return InvalidArgumentError(std::string(name) + "='" + v + "' must be " + accepted);
+}
+
 }  // namespace
 
 bool MallocArenaMaxSet() { return std::getenv("MALLOC_ARENA_MAX") != nullptr; }
@@ -129,6 +147,9 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.ucx_slice_bytes = *size;
   }
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_UCX_SPIN_US", 0, 100000, &config.ucx_spin_us));
+  RETURN_IF_ERROR(ReadChoice("KVFERRY_UCX_GPU", {"direct", "bounce"}, &config.ucx_gpu));
+  RETURN_IF_ERROR(ReadChoice("KVFERRY_CUDA_ALLOC", {"cumem", "cudamalloc"}, &config.cuda_alloc));
   if (const char* v = std::getenv("KVFERRY_NVLINK_CE_THRESHOLD"); v != nullptr && *v != '\0') {
     auto size = ParseByteSize(v);
     if (!size.ok() || *size == 0) {

@@ -6,6 +6,14 @@
 //   KVFERRY_TCP_SLICE      slice size in bytes (KiB/MiB suffix)   default EngineOptions value
 //   KVFERRY_UCX_LANES      UCX workers (lanes) per engine, 1..64  default EngineOptions value
 //   KVFERRY_UCX_SLICE      UCX slice size in bytes (KiB/MiB suffix) default EngineOptions value
+//   KVFERRY_UCX_SPIN_US    microseconds each UCX progress thread polls its worker after its last
+//                          work before it sleeps on UCX's event fd, 0..100000     default 0
+//   KVFERRY_UCX_GPU        direct|bounce: GPU memory this engine sends or fetches over UCX goes
+//                          to UCX as GPU memory (when UCX has CUDA) or through pinned host
+//                          bounce buffers                                      default direct
+//   KVFERRY_CUDA_ALLOC     cumem|cudamalloc: how kvferry allocates GPU memory of its own (KV
+//                          pools, staging): cuMemCreate (shared as a POSIX fd) or cudaMalloc
+//                          (shared as a CUDA IPC handle)                        default cumem
 //   KVFERRY_LISTEN_HOST    address engines listen on              default 127.0.0.1
 //   KVFERRY_NVLINK_CE_THRESHOLD  NVLink blocks of at least this size use the copy engine
 //                                (bytes, KiB/MiB suffix; 0: measured)  default EngineOptions value
@@ -43,6 +51,9 @@ struct EnvConfig {
   std::optional<uint64_t> tcp_slice_bytes;
   std::optional<int> ucx_lanes;
   std::optional<uint64_t> ucx_slice_bytes;
+  std::optional<int64_t> ucx_spin_us;
+  std::optional<std::string> ucx_gpu;     // "direct" or "bounce"
+  std::optional<std::string> cuda_alloc;  // "cumem" or "cudamalloc"
   std::optional<std::string> listen_host;
   std::optional<uint64_t> nvlink_ce_threshold_bytes;
   std::optional<int64_t> spin_us;

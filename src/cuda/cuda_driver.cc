@@ -50,6 +50,8 @@ Status LoadAll(DriverApi* d) {
   KVF_LOAD(cuMemRetainAllocationHandle);
   KVF_LOAD(cuCtxGetCurrent);
   KVF_LOAD(cuCtxSetCurrent);
+  KVF_LOAD(cuDeviceGet);
+  KVF_LOAD(cuDeviceGetAttribute);
 #undef KVF_LOAD
 #undef RETURN_IF_ERROR_LOCAL
   return OkStatus();

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/checks.h"
+#include "common/env.h"
 #include "cuda/cuda_driver.h"
 #include "cuda/device_guard.h"
 
@@ -136,6 +137,7 @@ CUmemAllocationProp PinnedProp(int device) {
 
 StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device, uint64_t bytes) {
   RETURN_IF_ERROR(CheckDevice(device));
+  ASSIGN_OR_RETURN(EnvConfig env, ReadEnvConfig());
   ASSIGN_OR_RETURN(const DriverApi* d, Driver());
   DeviceGuard guard(device);
   CUmemAllocationProp prop = PinnedProp(device);
@@ -145,8 +147,37 @@ StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device,
   std::unique_ptr<DeviceAllocation> a(new DeviceAllocation());
   a->device_ = device;
   a->size_ = (bytes + granularity - 1) / granularity * granularity;
+  if (env.cuda_alloc == "cudamalloc") {
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, a->size_);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return ResourceExhaustedError(
+          "cudaMalloc of " + std::to_string(a->size_) + " bytes on device " +
+          std::to_string(device) +
+          " failed (KVFERRY_CUDA_ALLOC=cudamalloc): " + cudaGetErrorName(e));
+    }
+    a->ptr_ = reinterpret_cast<uint64_t>(p);
+    a->runtime_ = true;
+    return a;
+  }
+  // Memory a NIC may read and write directly (GPUDirect RDMA of cuMem allocations, e.g. by
+  // UCX's verbs transports) where the device supports it; without, if the driver refuses.
+  int rdma_vmm = 0;
+  CUdevice cu_device = 0;
+  if (d->cuDeviceGet(&cu_device, device) != CUDA_SUCCESS ||
+      d->cuDeviceGetAttribute(&rdma_vmm,
+                              CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                              cu_device) != CUDA_SUCCESS) {
+    rdma_vmm = 0;
+  }
+  prop.allocFlags.gpuDirectRDMACapable = rdma_vmm != 0 ? 1 : 0;
   CUmemGenericAllocationHandle h = 0;
   CUresult r = d->cuMemCreate(&h, a->size_, &prop, 0);
+  if (r != CUDA_SUCCESS && prop.allocFlags.gpuDirectRDMACapable != 0) {
+    prop.allocFlags.gpuDirectRDMACapable = 0;
+    r = d->cuMemCreate(&h, a->size_, &prop, 0);
+  }
   if (r != CUDA_SUCCESS) {
     return ResourceExhaustedError("cuMemCreate of " + std::to_string(a->size_) +
                                   " bytes on device " + std::to_string(device) +
@@ -157,7 +188,14 @@ StatusOr<std::unique_ptr<DeviceAllocation>> DeviceAllocation::Create(int device,
   return a;
 }
 
-DeviceAllocation::~DeviceAllocation() { Unmap(device_, ptr_, size_, handle_); }
+DeviceAllocation::~DeviceAllocation() {
+  if (runtime_) {
+    DeviceGuard guard(device_);
+    cudaFree(reinterpret_cast<void*>(ptr_));
+    return;
+  }
+  Unmap(device_, ptr_, size_, handle_);
+}
 
 StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromIpcHandle(
     std::span<const uint8_t> handle, int local_device) {

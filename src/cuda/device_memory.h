@@ -49,7 +49,12 @@ StatusOr<ShareInfo> ExportAllocation(const AllocationInfo& info);
 StatusOr<int> ExportFd(uint64_t alloc_base, int device);
 
 // Memory kvferry allocates for KV pools: cuMemCreate with POSIX fd export, mapped read-write
-// on its device. Freed on destruction.
+// on its device (GPUDirect RDMA capable where the device supports it for cuMem memory); with
+// KVFERRY_CUDA_ALLOC=cudamalloc, cudaMalloc instead (peers map it through a CUDA IPC handle:
+// what UCX builds without pidfd_getfd, such as PyPI's libucx wheels, can share between
+// processes). Freed on destruction. Errors: kResourceExhausted (the allocation failed, with
+// the driver's reason), kInvalidArgument (a bad KVFERRY_CUDA_ALLOC), kFailedPrecondition (no
+// device).
 class DeviceAllocation {
  public:
   static StatusOr<std::unique_ptr<DeviceAllocation>> Create(int device, uint64_t bytes);
@@ -64,6 +69,7 @@ class DeviceAllocation {
   uint64_t size_ = 0;
   uint64_t handle_ = 0;
   int device_ = -1;
+  bool runtime_ = false;  // cudaMalloc (KVFERRY_CUDA_ALLOC=cudamalloc), not cuMemCreate
 };
 
 // A peer's allocation mapped into this process for `local_device` (which must have peer

@@ -88,6 +88,10 @@ class EngineImpl : public TransferEngine {
     t.tcp.on_notification = [this](Notification n) { Deliver(std::move(n)); };
     t.ucx.lanes = options_.ucx_lanes_per_peer;
     t.ucx.slice_bytes = options_.ucx_slice_bytes;
+    if (StatusOr<EnvConfig> env = ReadEnvConfig(); env.ok()) {  // validated in Create
+      t.ucx.gpu_bounce = env->ucx_gpu == "bounce";
+      if (env->ucx_spin_us) t.ucx.idle_spin = std::chrono::microseconds(*env->ucx_spin_us);
+    }
     t.nvlink.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;
     t.nvlink.resident_min_tiles = options_.nvlink_resident_min_tiles;

@@ -69,5 +69,38 @@ TEST(EnvTest, ResidentMinTilesAreParsedAndBadValuesNamed) {
   EXPECT_FALSE(ReadEnvConfig()->nvlink_resident_min_tiles.has_value());
 }
 
+TEST(EnvTest, UcxSettingsAndCudaAllocAreParsedAndBadValuesNamed) {
+  ::setenv("KVFERRY_UCX_GPU", "bounce", 1);
+  ::setenv("KVFERRY_CUDA_ALLOC", "cudamalloc", 1);
+  auto env = ReadEnvConfig();
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->ucx_gpu, "bounce");
+  EXPECT_EQ(env->cuda_alloc, "cudamalloc");
+  ::setenv("KVFERRY_UCX_GPU", "gpudirect", 1);
+  env = ReadEnvConfig();
+  ASSERT_FALSE(env.ok());
+  EXPECT_NE(env.status().message().find("KVFERRY_UCX_GPU='gpudirect' must be direct or bounce"),
+            std::string::npos)
+      << env.status().ToString();
+  ::unsetenv("KVFERRY_UCX_GPU");
+  ::setenv("KVFERRY_CUDA_ALLOC", "vmm", 1);
+  env = ReadEnvConfig();
+  ASSERT_FALSE(env.ok());
+  EXPECT_NE(env.status().message().find("KVFERRY_CUDA_ALLOC='vmm' must be cumem or cudamalloc"),
+            std::string::npos)
+      << env.status().ToString();
+  ::unsetenv("KVFERRY_CUDA_ALLOC");
+  env = ReadEnvConfig();
+  ASSERT_TRUE(env.ok());
+  EXPECT_FALSE(env->ucx_gpu.has_value());
+  EXPECT_FALSE(env->cuda_alloc.has_value());
+  ::setenv("KVFERRY_UCX_SPIN_US", "30", 1);
+  env = ReadEnvConfig();
+  ASSERT_TRUE(env.ok());
+  EXPECT_EQ(env->ucx_spin_us, 30);
+  ExpectEachRefusedByName("KVFERRY_UCX_SPIN_US", {"-1", "100001", "soon"});
+  EXPECT_FALSE(ReadEnvConfig()->ucx_spin_us.has_value());
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -7,7 +7,6 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
-#include "common/spin.h"
 #include "transport/gpu_bounce_channel.h"
 #include "transport/ucx/ucx_channel.h"
 #include "transport/ucx/ucx_worker.h"
@@ -84,9 +83,11 @@ class UcxTransport : public Transport, public RegionObserver {
 
   std::string RouteText(MemoryKind local_kind) const override {
     if (local_kind != MemoryKind::kCuda) return "ucx";
-    return context_->cuda_memory() ? "ucx, GPU memory registered with UCX (direct)"
-                                   : "ucx, GPU memory through pinned host bounce buffers (this "
-                                     "UCX has no CUDA support)";
+    if (GpuDirect()) return "ucx, GPU memory registered with UCX (direct)";
+    return context_->cuda_memory()
+               ? "ucx, GPU memory through pinned host bounce buffers (KVFERRY_UCX_GPU=bounce)"
+               : "ucx, GPU memory through pinned host bounce buffers (this UCX has no CUDA "
+                 "support)";
   }
 
   StatusOr<std::shared_ptr<PeerChannel>> OpenChannel(const ChannelSetup& setup) override {
@@ -100,7 +101,7 @@ class UcxTransport : public Transport, public RegionObserver {
     // A strided request: a put or get per row, up to a slice of rows per item.
     o.traits.max_rows_per_item = 4096;
     o.traits.slice_bytes = options_.slice_bytes;
-    const bool direct = setup.local_kind == MemoryKind::kHost || context_->cuda_memory();
+    const bool direct = setup.local_kind == MemoryKind::kHost || GpuDirect();
     if (direct) {
       if (setup.local_kind == MemoryKind::kCuda) {
         KVF_LOG_INFO("ucx: GPU {} memory to {} registered with UCX {} (direct)", setup.local_device,
@@ -108,10 +109,10 @@ class UcxTransport : public Transport, public RegionObserver {
       }
       return ucx::CreateUcxChannel(std::move(o));
     }
-    KVF_LOG_INFO(
-        "ucx: GPU {} memory to {} through pinned host bounce buffers (UCX {} has no CUDA "
-        "support)",
-        setup.local_device, setup.peer->Address(), context_->version());
+    KVF_LOG_INFO("ucx: GPU {} memory to {} through pinned host bounce buffers ({})",
+                 setup.local_device, setup.peer->Address(),
+                 context_->cuda_memory() ? "KVFERRY_UCX_GPU=bounce"
+                                         : "UCX " + context_->version() + " has no CUDA support");
     o.local_kind = MemoryKind::kHost;
     std::shared_ptr<PeerChannel> host = ucx::CreateUcxChannel(std::move(o));
     GpuBounceOptions b;
@@ -132,11 +133,27 @@ class UcxTransport : public Transport, public RegionObserver {
     if ((region->access & kAccessRemoteReadWrite) == 0) return OkStatus();
     if (region->kind == MemoryKind::kCuda && !context_->cuda_memory()) return OkStatus();
     ASSIGN_OR_RETURN(region->ucx_rkey, context_->MapRegion(*region));
+    if (region->kind == MemoryKind::kCuda && region->share_type == ShareHandleType::kPosixFd &&
+        !logged_cumem_.exchange(true)) {
+      // UCX's cuda_ipc (UCX >= 1.19) passes a cuMem allocation to another process only as a
+      // fabric handle or a POSIX fd fetched with pidfd_getfd; a UCX built without
+      // pidfd_getfd (PyPI's libucx wheels) or refused it (ptrace rules) cannot, and moves the
+      // bytes of such memory through host memory over its other transports instead.
+      KVF_LOG_INFO(
+          "ucx: GPU {} region at 0x{:x} is a cuMem allocation: UCX's cuda_ipc on one node can "
+          "reach it only through a fabric handle or pidfd_getfd; where it cannot, UCX stages it "
+          "through host memory (KVFERRY_CUDA_ALLOC=cudamalloc allocates kvferry's pools with "
+          "cudaMalloc, shared by CUDA IPC handles)",
+          region->device_id, region->base);
+    }
     return OkStatus();
   }
   void OnUnregister(const RegionDescriptor& region) override {
     if (!region.ucx_rkey.empty()) context_->UnmapRegion(region.base);
   }
+
+  // GPU requests go to UCX as GPU memory (else through bounce buffers).
+  bool GpuDirect() const { return context_->cuda_memory() && !options_.gpu_bounce; }
 
   std::vector<uint64_t> LaneBytes() const override {
     std::vector<uint64_t> out(workers_.size());
@@ -151,6 +168,7 @@ class UcxTransport : public Transport, public RegionObserver {
   std::vector<std::unique_ptr<ucx::UcxWorker>> workers_;  // one per lane
   std::unique_ptr<std::atomic<uint64_t>[]> lane_bytes_;   // per lane: bytes of completed items
   TransportCapabilities capabilities_;
+  std::atomic<bool> logged_cumem_{false};
 };
 
 }  // namespace
@@ -168,20 +186,21 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
                                 std::to_string(options.slice_bytes));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ucx::UcxContext> context, ucx::UcxContext::Create());
-  // The workers share one progress thread's polling window (KVFERRY_IDLE_SPIN_US): with a
-  // whole window each, several threads polling between the bursts of a transfer take the
-  // cores the transfer needs (on a 2-core machine 4 lanes moved 256 KiB blocks at 0.65 GB/s
-  // with 200 us each, 1.0-1.7 GB/s with none: docs/perf/ucx.md).
-  const auto idle_spin =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(IdleSpinWindow()) / options.lanes;
+  if (options.idle_spin.count() < 0) {
+    return InvalidArgumentError("UCX idle_spin must not be negative");
+  }
+  const auto idle_spin = std::chrono::duration_cast<std::chrono::nanoseconds>(options.idle_spin);
   std::vector<std::unique_ptr<ucx::UcxWorker>> workers;
   for (int i = 0; i < options.lanes; ++i) {
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::UcxWorker> worker,
                      ucx::UcxWorker::Create(context.get(), idle_spin));
     workers.push_back(std::move(worker));
   }
-  KVF_LOG_INFO("ucx: UCX {} started ({} CUDA memory support), {} lanes", context->version(),
-               context->cuda_memory() ? "with" : "without", options.lanes);
+  KVF_LOG_INFO(
+      "ucx: UCX {} started ({} CUDA memory support{}), {} lanes", context->version(),
+      context->cuda_memory() ? "with" : "without",
+      context->cuda_memory() && options.gpu_bounce ? ", GPU requests through bounce buffers" : "",
+      options.lanes);
   return std::unique_ptr<Transport>(
       new UcxTransport(options, registry, std::move(context), std::move(workers)));
 }

@@ -12,8 +12,8 @@
 //
 // GPU memory: when the UCX loaded at run time moves CUDA memory, GPU regions are mapped with
 // it and GPU requests go straight to UCX (GPUDirect RDMA where the NIC and driver allow);
-// otherwise GPU requests go through pinned host bounce buffers (gpu_bounce_channel.h) over a
-// UCX channel. RouteText and the log say which.
+// otherwise (or with UcxTransportOptions::gpu_bounce) GPU requests go through pinned host
+// bounce buffers (gpu_bounce_channel.h) over a UCX channel. RouteText and the log say which.
 //
 // Settings come from UCX's own UCX_* variables; kvferry's defaults (ucx_worker.h) apply where
 // none is set. No UCX types here: without UCX in the build, Create reports why.
@@ -21,6 +21,7 @@
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -39,6 +40,16 @@ struct UcxTransportOptions {
   // Requests longer than this are cut into slices of this size, spread over the lanes.
   // Default 1 MiB, at least 4 KiB (EngineOptions::ucx_slice_bytes).
   uint64_t slice_bytes = 1ull << 20;
+  // GPU memory this engine sends or fetches goes through pinned host bounce buffers even when
+  // UCX moves CUDA memory (KVFERRY_UCX_GPU=bounce): where UCX would stage it through host
+  // memory itself (no transport that reaches the peer's GPU memory directly), kvferry's
+  // pipelined bounce buffers are faster (docs/perf/ucx.md). Its own GPU regions are still
+  // mapped with UCX, so that peers may reach them directly.
+  bool gpu_bounce = false;
+  // How long each worker's progress thread polls after its last work before it sleeps on
+  // UCX's event fd (KVFERRY_UCX_SPIN_US). Default 0: on a loaded machine the polling threads
+  // (one per lane, on both sides) took the cores the transfer needed (docs/perf/ucx.md).
+  std::chrono::microseconds idle_spin{0};
 };
 
 // Whether this build has the UCX transport.

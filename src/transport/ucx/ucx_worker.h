@@ -2,7 +2,7 @@
 // worker of the context) and its workers (UcxWorker: one per lane), each with the progress
 // thread that owns it. Every UCX call on a worker (endpoints, puts, gets, flushes, progress)
 // runs on that worker's thread: others hand it work with Post or Run. The thread polls the worker
-// while there is work and for a while after it (its share of IdleSpinWindow()), then sleeps on
+// while there is work and for a while after it (UcxTransportOptions::idle_spin), then sleeps on
 // UCX's wakeup file descriptor (ucp_worker_get_efd) and its own event fd, so an idle engine costs
 // no CPU. The serving side needs it too: over transports that emulate RMA in software (tcp) the
 // target's worker executes peers' puts and gets when it progresses.
