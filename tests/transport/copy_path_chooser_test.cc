@@ -21,15 +21,16 @@ Carried Drive(CopyPathChooser& chooser, Clock::time_point* t, uint64_t bytes, ui
               double kernel_gbps, double engine_gbps) {
   Carried carried;
   for (uint64_t done = 0; done < total; done += bytes) {
-    const CopyPathChooser::Choice c = chooser.Choose();
+    const CopyPathChooser::Choice c = chooser.Choose(*t);
     EXPECT_NE(c.arm, CopyPathChooser::kNone);
     const bool engine = c.arm == CopyPathChooser::kEngine;
     EXPECT_EQ(c.engine_threshold_bytes, engine ? CopyPathChooser::kMinEngineBytes : UINT64_MAX);
     const double seconds =
         static_cast<double>(bytes) / ((engine ? engine_gbps : kernel_gbps) * 1e9);
-    chooser.OnLaunch(c.arm, *t);
+    const bool measured = chooser.OnLaunch(c.arm, *t);
+    EXPECT_TRUE(measured);  // one launch at a time: the other arm has none in flight
     *t += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-    chooser.OnDone(c.arm, bytes, *t);
+    chooser.OnDone(c.arm, measured, bytes, *t);
     (engine ? carried.engine : carried.kernel) += bytes;
   }
   return carried;
@@ -88,29 +89,50 @@ TEST(CopyPathChooserTest, IdleTimeBetweenLaunchesDoesNotCount) {
   // Kernel launches separated by long idle gaps (a lightly loaded server): its rate is the
   // copies' own (300 GB/s), not bytes over wall time.
   for (uint64_t done = 0; done < CopyPathChooser::kExploreBytes; done += 64 << 20) {
-    const CopyPathChooser::Choice c = chooser.Choose();
+    const CopyPathChooser::Choice c = chooser.Choose(t);
     ASSERT_EQ(c.arm, CopyPathChooser::kKernel);
-    chooser.OnLaunch(c.arm, t);
+    ASSERT_TRUE(chooser.OnLaunch(c.arm, t));
     t += std::chrono::microseconds(224);  // 64 MiB at 300 GB/s
-    chooser.OnDone(c.arm, 64 << 20, t);
+    chooser.OnDone(c.arm, true, 64 << 20, t);
     t += std::chrono::milliseconds(50);  // idle
   }
   // The copy engine at 280 GB/s, back to back: slower, so the kernel is kept.
   Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 280);
-  EXPECT_EQ(chooser.Choose().arm, CopyPathChooser::kKernel) << chooser.Describe();
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel) << chooser.Describe();
 }
 
 TEST(CopyPathChooserTest, OverlappingLaunchesCountTheirUnionOnce) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
-  // Four kernel launches of 256 MiB in flight together for 1 ms each, the window's busy
-  // time is 1 ms (1 GiB in 1 ms: ~1074 GB/s), far above a copy engine at 400 GB/s.
-  for (int i = 0; i < 4; ++i) chooser.OnLaunch(CopyPathChooser::kKernel, t);
-  t += std::chrono::milliseconds(1);
-  for (int i = 0; i < 4; ++i) chooser.OnDone(CopyPathChooser::kKernel, 256 << 20, t);
-  EXPECT_EQ(chooser.Choose().arm, CopyPathChooser::kEngine);  // the kernel's window is full
+  // Sixteen kernel launches of 256 MiB in flight together for 4 ms each, the window's busy
+  // time is 4 ms (4 GiB in 4 ms: ~1074 GB/s), far above a copy engine at 400 GB/s.
+  for (int i = 0; i < 16; ++i) ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kKernel, t));
+  t += std::chrono::milliseconds(4);
+  for (int i = 0; i < 16; ++i) chooser.OnDone(CopyPathChooser::kKernel, true, 256 << 20, t);
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);  // the kernel's window is full
   Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
-  EXPECT_EQ(chooser.Choose().arm, CopyPathChooser::kKernel) << chooser.Describe();
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel) << chooser.Describe();
+}
+
+TEST(CopyPathChooserTest, LaunchesQueuedBehindTheOtherArmAreNotMeasured) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  // The kernel's window, its last launch still in flight when the copy engine's begins.
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes - (64 << 20), 300, 350);
+  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel);
+  ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kKernel, t));
+  t += std::chrono::microseconds(224);
+  chooser.OnDone(CopyPathChooser::kKernel, true, 64 << 20, t);
+  ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kKernel, t));  // a straggler from the window
+  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);
+  // An engine launch issued now waits behind the straggler (10 ms): not measured.
+  EXPECT_FALSE(chooser.OnLaunch(CopyPathChooser::kEngine, t));
+  t += std::chrono::milliseconds(10);
+  chooser.OnDone(CopyPathChooser::kKernel, true, 64 << 20, t);
+  chooser.OnDone(CopyPathChooser::kEngine, false, 64 << 20, t);
+  // The rest of the engine's window runs alone at 350 GB/s: the engine is chosen.
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 350);
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
 }
 
 }  // namespace

@@ -73,7 +73,9 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
   stats_.launches.fetch_add(1, std::memory_order_relaxed);
   stats_.parts.fetch_add(parts.size(), std::memory_order_relaxed);
   if (parts.size() > 1) stats_.combined.fetch_add(1, std::memory_order_relaxed);
-  if (parts.size() == 1) chooser_.OnLaunch(parts[0].arm, CopyPathChooser::Clock::now());
+  if (parts.size() == 1) {
+    parts[0].measured = chooser_.OnLaunch(parts[0].arm, CopyPathChooser::Clock::now());
+  }
   BulkFlight flight;
   cudaEvent_t event = arena_.TakeEvent();
   cuda::DeviceGuard device(device_);

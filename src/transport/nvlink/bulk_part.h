@@ -50,7 +50,8 @@ struct BulkPart {
   // The path it measures for the CopyPathChooser (kNone: no block long enough to choose, or
   // the choice is fixed); such a part launches alone.
   CopyPathChooser::Arm arm = CopyPathChooser::kNone;
-  uint64_t bytes = 0;  // of its requests
+  bool measured = false;  // CopyPathChooser::OnLaunch counted its launch
+  uint64_t bytes = 0;     // of its requests
   WorkOwner* owner = nullptr;
   std::shared_ptr<void> keepalive;
   uint32_t tag = 0;

@@ -13,26 +13,36 @@ double CopyPathChooser::Meter::BusySeconds(Clock::time_point now) const {
   return std::chrono::duration<double>(d).count();
 }
 
-CopyPathChooser::Choice CopyPathChooser::Choose() {
+CopyPathChooser::Choice CopyPathChooser::Choose(Clock::time_point now) {
   if (fixed_threshold_bytes_ != 0) return {fixed_threshold_bytes_, kNone};
   std::lock_guard<std::mutex> lock(mu_);
-  AdvanceLocked(Clock::now());
+  AdvanceLocked(now);
   return {current_ == kEngine ? kMinEngineBytes : UINT64_MAX, current_};
 }
 
-void CopyPathChooser::OnLaunch(Arm arm, Clock::time_point now) {
-  if (arm == kNone) return;
+bool CopyPathChooser::OnLaunch(Arm arm, Clock::time_point now) {
+  if (arm == kNone) return false;
   std::lock_guard<std::mutex> lock(mu_);
   Meter& m = meters_[arm];
+  const Meter& other = meters_[arm == kKernel ? kEngine : kKernel];
+  if (other.in_flight + other.unmeasured > 0) {
+    ++m.unmeasured;
+    return false;
+  }
   if (m.in_flight++ == 0) m.busy_since = now;
+  return true;
 }
 
-void CopyPathChooser::OnDone(Arm arm, uint64_t bytes, Clock::time_point now) {
+void CopyPathChooser::OnDone(Arm arm, bool measured, uint64_t bytes, Clock::time_point now) {
   if (arm == kNone) return;
   std::lock_guard<std::mutex> lock(mu_);
   Meter& m = meters_[arm];
-  m.bytes += bytes;
   if (phase_ == kExploit && arm == current_) exploit_bytes_ += bytes;
+  if (!measured) {
+    if (m.unmeasured > 0) --m.unmeasured;
+    return;
+  }
+  m.bytes += bytes;
   if (m.in_flight > 0 && --m.in_flight == 0) m.busy += now - m.busy_since;
 }
 

@@ -11,6 +11,8 @@
 // one with the higher rate serves the next kExploitBytes, after which both are measured again.
 // A rate is bytes over the time at least one launch of that arm was in flight (launch call
 // to completion seen by the progress thread), so host call costs and contention both count.
+// Launches issued while the other arm still has launches in flight are not measured: they
+// would queue behind them on the shared streams and charge that wait to their own arm.
 //
 // Thread-safety: every method from any thread (one mutex, taken once per submission and twice
 // per measured launch).
@@ -35,8 +37,8 @@ class CopyPathChooser {
   // Bytes of eligible submissions each arm carries per measurement, and the bytes the faster
   // one then carries before both are measured again (exploration costs about 1/32 of the
   // difference between the arms).
-  static constexpr uint64_t kExploreBytes = 1ull << 30;
-  static constexpr uint64_t kExploitBytes = 32ull << 30;
+  static constexpr uint64_t kExploreBytes = 4ull << 30;
+  static constexpr uint64_t kExploitBytes = 128ull << 30;
 
   // `fixed_threshold_bytes`: 0 measures as above; any other value fixes the choice (blocks
   // at least that long use the copy engine; UINT64_MAX: never) and measures nothing.
@@ -46,13 +48,15 @@ class CopyPathChooser {
     uint64_t engine_threshold_bytes;  // blocks at least this long go to the copy engine
     Arm arm;                          // kNone: not measured
   };
-  // The path for the next submission's eligible blocks.
-  Choice Choose();
+  // The path for the next submission's eligible blocks, at `now`.
+  Choice Choose(Clock::time_point now);
+  Choice Choose() { return Choose(Clock::now()); }
 
   // A launch carrying a submission of `arm` (with eligible blocks) is being issued (before
-  // its first CUDA call) / completed with `bytes` copied. Calls with kNone are ignored.
-  void OnLaunch(Arm arm, Clock::time_point now);
-  void OnDone(Arm arm, uint64_t bytes, Clock::time_point now);
+  // its first CUDA call); returns whether it is measured (pass that to OnDone). Then it
+  // completed with `bytes` copied. Calls with kNone are ignored (OnLaunch: false).
+  bool OnLaunch(Arm arm, Clock::time_point now);
+  void OnDone(Arm arm, bool measured, uint64_t bytes, Clock::time_point now);
 
   // For logs: "kernel X GB/s, copy engine Y GB/s, using Z" (or the fixed threshold).
   std::string Describe() const;
@@ -60,7 +64,8 @@ class CopyPathChooser {
  private:
   enum Phase : uint8_t { kExplore, kExploit };
   struct Meter {
-    int in_flight = 0;
+    int in_flight = 0;   // measured launches
+    int unmeasured = 0;  // launches issued while the other arm had some in flight
     Clock::time_point busy_since;
     Clock::duration busy{};
     uint64_t bytes = 0;    // completed in the current window
