@@ -152,9 +152,9 @@ StatusOr<EnvConfig> ReadEnvConfig() {
   RETURN_IF_ERROR(ReadChoice("KVFERRY_CUDA_ALLOC", {"cumem", "cudamalloc"}, &config.cuda_alloc));
   if (const char* v = std::getenv("KVFERRY_NVLINK_CE_THRESHOLD"); v != nullptr && *v != '\0') {
     auto size = ParseByteSize(v);
-    if (!size.ok() || *size == 0) {
+    if (!size.ok()) {
       return InvalidArgumentError(std::string("KVFERRY_NVLINK_CE_THRESHOLD='") + v +
-                                  "' must be a positive byte size");
+                                  "' must be a byte size (0: chosen by measurement)");
     }
     config.nvlink_ce_threshold_bytes = *size;
   }
