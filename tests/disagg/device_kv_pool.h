@@ -2,7 +2,7 @@
 // (KvPool::CreateOnDevice), or a pool that wraps a cudaMalloc of its own per buffer, as an
 // inference server's per-layer K and V tensors are (KvPool::Wrap). Contents move buffer by
 // buffer between the GPU and a host pool of the same layout. Without CUDA every pool fails to
-// build (tests skip before that). Not thread-safe.
+// build (tests skip before that). Both kinds start zeroed. Not thread-safe.
 #pragma once
 
 #ifdef KVFERRY_WITH_CUDA
@@ -27,7 +27,11 @@ class DeviceKvPool {
     if (!wrapped) {
       auto p = KvPool::CreateOnDevice(layout, num_pages, device);
       EXPECT_TRUE(p.ok()) << p.status().ToString();
-      if (p.ok()) pool_ = std::move(*p);
+      if (!p.ok()) return;
+      // cuMem memory starts undefined: zero it, as the wrapped buffers are.
+      Status zeroed = cuda::MemsetDevice((*p)->data(), 0, (*p)->size_bytes());
+      EXPECT_TRUE(zeroed.ok()) << zeroed.ToString();
+      if (zeroed.ok()) pool_ = std::move(*p);
       return;
     }
     const uint64_t bytes = static_cast<uint64_t>(num_pages) * layout.page_bytes();

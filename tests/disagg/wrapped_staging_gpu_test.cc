@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "cuda/device_ops.h"
 #include "disagg/device_kv_pool.h"
@@ -212,13 +215,14 @@ void RunRooms(const Run& run) {
     }
   }
   // With a ring these rooms never wrap, staging moves each chunk's slice to each decode rank
-  // in one WRITE after one watermark READ, plus the aux row: where "direct" would need a
-  // request per page, token slot and buffer (7 * 4 * 6 for the larger chunk here).
+  // in one WRITE after a watermark READ (more only while the ring is full), plus the aux row:
+  // "direct" would need a request per page, token slot and buffer (at least 5 * 4 * 6 per
+  // chunk here).
   if (!mla && !run.layerwise && run.staging_bytes >= (1u << 20)) {
     uint64_t requests = 0;
     for (auto& c : pconn) requests += c->stats().transfer_requests;
     const uint64_t chunks = static_cast<uint64_t>(run.rooms) * plan->slices.size() * 2;
-    EXPECT_LE(requests, chunks * 3) << requests << " requests for " << chunks << " chunks";
+    EXPECT_LE(requests, chunks * 6) << requests << " requests for " << chunks << " chunks";
   }
 }
 
@@ -233,8 +237,8 @@ TEST_F(WrappedStagingGpuTest, GqaTp2ToTp1) { RunRooms({.ps = 2, .ds = 1}); }
 
 TEST_F(WrappedStagingGpuTest, GqaTp1ToTp2) { RunRooms({.ps = 1, .ds = 2}); }
 
-// A 64 KiB ring: each writer's chunk slices (up to 21 KiB per layer) go in runs of layers and
-// wrap the ring repeatedly.
+// A 64 KiB ring: each writer's chunk slices (up to 43 KiB, 14 KiB per layer) exceed an eighth
+// of it, so they go in runs of layers, and several rooms wrap the ring.
 TEST_F(WrappedStagingGpuTest, GqaSmallRingWraps) {
   RunRooms({.ps = 2, .ds = 1, .staging_bytes = 64 << 10, .rooms = 4});
   RunRooms({.ps = 1, .ds = 2, .staging_bytes = 64 << 10, .rooms = 4});
