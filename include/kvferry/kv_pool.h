@@ -114,8 +114,7 @@ class KvPool {
 
   // Whether buffer b starts at data() + b * buffer_bytes() for every b: pools made by Create
   // and CreateOnDevice, and wrapped buffers that happen to lie back to back. Only then do
-  // data() and size_bytes() span every buffer; the GPU staging kernels (kv_path "staging" on
-  // GPU pools) need it.
+  // data() and size_bytes() span every buffer.
   bool contiguous() const { return contiguous_; }
   // Buffer 0's first byte; with contiguous(), the whole pool's.
   uint8_t* data() { return bases_[0]; }

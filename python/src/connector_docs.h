@@ -54,7 +54,7 @@ inline constexpr const char* kDecodeDoc =
     "bootstrap_timeout=30.0, waiting_timeout=60.0, heartbeat_interval=2.0)\n\n"
     "A decode rank's connector (kvferry::DecodeConnector) over buffers the caller owns; the "
     "buffer arguments are as PrefillConnector's. kv_path chooses how unequal TP moves head "
-    "slices: 'direct', 'staging' (needs back-to-back buffers on GPUs), 'fused', 'auto'. "
+    "slices: 'direct', 'staging', 'fused', 'auto'. "
     "staging_bytes: the staging ring, allocated by kvferry when first needed. Timeouts in "
     "seconds. Raises as PrefillConnector.";
 

@@ -308,39 +308,62 @@ namespace {
 
 class GpuHeadSlicesImpl : public GpuHeadSlices {
  public:
-  explicit GpuHeadSlicesImpl(int device) : gpu_(device) {}
-
-  Status Init() { return gpu_.Init(); }
-
-  Status Gather(const PoolGeometry& g, const uint8_t* pool, std::span<const int32_t> pages,
-                int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
-                int first_layer, int num_layers, uint8_t* staging) override {
-    HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
-    std::lock_guard<std::mutex> lock(mu_);
+  GpuHeadSlicesImpl(int device, const PoolGeometry& g) : g_(g), gpu_(device) {}
+  ~GpuHeadSlicesImpl() override {
     DeviceGuard device(gpu_.device());
-    RETURN_IF_ERROR(Check(g, pages, r));
-    CUDA_RETURN_IF_ERROR(
-        LaunchGatherHeads(g, pool, gpu_.pages().data(), r, staging, gpu_.stream()));
+    if (buffers_) cudaFree(buffers_);
+  }
+
+  Status Init(std::span<uint8_t* const> buffer_bases) {
+    if (g_.num_buffers < 1 || buffer_bases.size() != static_cast<size_t>(g_.num_buffers)) {
+      return InvalidArgumentError("the pool has " + std::to_string(g_.num_buffers) + " buffers, " +
+                                  std::to_string(buffer_bases.size()) + " base addresses given");
+    }
+    for (size_t b = 0; b < buffer_bases.size(); ++b) {
+      if (buffer_bases[b] == nullptr) {
+        return InvalidArgumentError("base address of buffer " + std::to_string(b) + " is null");
+      }
+    }
+    DeviceGuard device(gpu_.device());
+    RETURN_IF_ERROR(gpu_.Init());
+    const uint64_t bytes = buffer_bases.size() * sizeof(uint8_t*);
+    CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&buffers_), bytes));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(buffers_, buffer_bases.data(), bytes,
+                                         cudaMemcpyHostToDevice, gpu_.stream()));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
 
-  Status Scatter(const PoolGeometry& g, uint8_t* pool, std::span<const int32_t> pages,
-                 int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
-                 int first_layer, int num_layers, const uint8_t* staging) override {
+  Status Gather(std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
+                int head_start, int num_heads, int first_layer, int num_layers,
+                uint8_t* staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
     std::lock_guard<std::mutex> lock(mu_);
     DeviceGuard device(gpu_.device());
-    RETURN_IF_ERROR(Check(g, pages, r));
+    RETURN_IF_ERROR(Check(pages, r));
     CUDA_RETURN_IF_ERROR(
-        LaunchScatterHeads(g, pool, gpu_.pages().data(), r, staging, gpu_.stream()));
+        LaunchGatherHeads(g_, buffers_, gpu_.pages().data(), r, staging, gpu_.stream()));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
+    return OkStatus();
+  }
+
+  Status Scatter(std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
+                 int head_start, int num_heads, int first_layer, int num_layers,
+                 const uint8_t* staging) override {
+    HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
+    std::lock_guard<std::mutex> lock(mu_);
+    DeviceGuard device(gpu_.device());
+    RETURN_IF_ERROR(Check(pages, r));
+    CUDA_RETURN_IF_ERROR(
+        LaunchScatterHeads(g_, buffers_, gpu_.pages().data(), r, staging, gpu_.stream()));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
 
  private:
   // The same checks as head_slices.cc, then the page table upload.
-  Status Check(const PoolGeometry& g, std::span<const int32_t> pages, const HeadSliceRange& r) {
+  Status Check(std::span<const int32_t> pages, const HeadSliceRange& r) {
+    const PoolGeometry& g = g_;
     if (r.first_token < 0 || r.num_tokens < 0 || r.head_start < 0 || r.num_heads < 1 ||
         r.head_start + r.num_heads > g.heads || r.first_layer < 0 || r.num_layers < 0 ||
         static_cast<int64_t>(r.first_layer) + r.num_layers > g.num_layers) {
@@ -360,15 +383,18 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
     return gpu_.pages().Upload(pages, gpu_.stream());
   }
 
+  const PoolGeometry g_;
   std::mutex mu_;  // one gather or scatter at a time (the stream and the page table)
   KernelStream gpu_;
+  uint8_t** buffers_ = nullptr;  // device memory: g_.num_buffers buffer bases
 };
 
 }  // namespace
 
-StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(int device) {
-  auto s = std::make_unique<GpuHeadSlicesImpl>(device);
-  RETURN_IF_ERROR(s->Init());
+StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(
+    int device, const PoolGeometry& g, std::span<uint8_t* const> buffer_bases) {
+  auto s = std::make_unique<GpuHeadSlicesImpl>(device, g);
+  RETURN_IF_ERROR(s->Init(buffer_bases));
   return std::unique_ptr<GpuHeadSlices>(std::move(s));
 }
 

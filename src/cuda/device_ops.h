@@ -70,23 +70,34 @@ class EventRelay {
   virtual StatusOr<std::shared_ptr<void>> Relay(void* event, std::shared_ptr<void>* lane) = 0;
 };
 
-// Heterogeneous-TP staging on the GPU: gathers a head slice of a GPU pool into a staging
-// region in GPU memory, or scatters one back (the same bytes and layout as GatherHeads /
-// ScatterHeads in head_slices.h). Each call waits for its kernel. Thread-safe: calls from
-// several threads take turns on its one stream and page-table buffer on `device` (and make
-// `device` current for the call, restoring the caller's).
+// Heterogeneous-TP staging on the GPU for one pool: gathers a head slice of the pool into a
+// staging region in GPU memory, or scatters one back (the same bytes and layout as GatherHeads
+// / ScatterHeads in head_slices.h). The pool's buffers may lie anywhere on `device` (one
+// block, or a server's separately allocated per-layer tensors, KvPool::Wrap): the kernels
+// take each buffer's first byte from a table of them in device memory, uploaded once by
+// Create. Each call waits for its kernel. Thread-safe: calls from several threads take turns
+// on its one stream and page-table buffer on `device` (and make `device` current for the
+// call, restoring the caller's).
 class GpuHeadSlices {
  public:
-  static StatusOr<std::unique_ptr<GpuHeadSlices>> Create(int device);
+  // `g`: the pool's geometry (GpuGeometry in disagg/connector_pools.h); `buffer_bases`: the
+  // first byte of each of its g.num_buffers buffers in GPU memory of `device`
+  // (KvPool::BufferBase order), each g.buffer_stride bytes long. The pool must outlive the
+  // object. Errors: kInvalidArgument (not one non-null base per buffer), kUnimplemented /
+  // kFailedPrecondition without CUDA or device, CUDA's.
+  static StatusOr<std::unique_ptr<GpuHeadSlices>> Create(int device, const PoolGeometry& g,
+                                                         std::span<uint8_t* const> buffer_bases);
   virtual ~GpuHeadSlices() = default;
   // `pages`: the request's pages in token order (host memory); `first_token`.. as in
   // head_slices.h, with attention layers [first_layer, first_layer + num_layers) (0: all).
-  virtual Status Gather(const PoolGeometry& g, const uint8_t* pool, std::span<const int32_t> pages,
-                        int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
-                        int first_layer, int num_layers, uint8_t* staging) = 0;
-  virtual Status Scatter(const PoolGeometry& g, uint8_t* pool, std::span<const int32_t> pages,
-                         int64_t first_token, int64_t num_tokens, int head_start, int num_heads,
-                         int first_layer, int num_layers, const uint8_t* staging) = 0;
+  // `staging`: GPU memory of `device` holding the region (StagingBytes). Errors: kOutOfRange
+  // (heads, layers, tokens or a page outside the pool; nothing moved), CUDA's.
+  virtual Status Gather(std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
+                        int head_start, int num_heads, int first_layer, int num_layers,
+                        uint8_t* staging) = 0;
+  virtual Status Scatter(std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
+                         int head_start, int num_heads, int first_layer, int num_layers,
+                         const uint8_t* staging) = 0;
 };
 
 // Pinned host buffers with asynchronous copies to and from one GPU, for moving GPU memory

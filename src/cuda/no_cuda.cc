@@ -28,7 +28,10 @@ StatusOr<std::unique_ptr<DeviceWordProbes>> DeviceWordProbes::Create(int, int32_
 StatusOr<bool> EventCompleted(void*) { return NoCuda(); }
 int CurrentDevice() { return 0; }
 StatusOr<std::unique_ptr<EventRelay>> EventRelay::Create(int) { return NoCuda(); }
-StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(int) { return NoCuda(); }
+StatusOr<std::unique_ptr<GpuHeadSlices>> GpuHeadSlices::Create(int, const PoolGeometry&,
+                                                               std::span<uint8_t* const>) {
+  return NoCuda();
+}
 StatusOr<std::unique_ptr<BounceBuffers>> BounceBuffers::Create(int, int, uint64_t) {
   return NoCuda();
 }

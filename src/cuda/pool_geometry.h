@@ -14,10 +14,13 @@ struct PoolGeometry {
   int page_size = 0;
   int heads = 0;  // head vectors per token per buffer
   uint64_t head_bytes = 0;
-  uint64_t token_bytes = 0;    // heads * head_bytes
-  uint64_t page_bytes = 0;     // page_size * token_bytes
-  uint64_t buffer_stride = 0;  // bytes between buffer b and b + 1 (num_pages * page_bytes)
-  int head_offset = 0;         // global KV head of local head 0 (a TP rank's share)
+  uint64_t token_bytes = 0;  // heads * head_bytes
+  uint64_t page_bytes = 0;   // page_size * token_bytes
+  // Bytes of one buffer (num_pages * page_bytes). The pattern kernels address buffer b at
+  // base + b * buffer_stride (one contiguous pool); the staging kernels take each buffer's
+  // base from a table instead (staging_kernels.h), so their buffers may lie anywhere.
+  uint64_t buffer_stride = 0;
+  int head_offset = 0;  // global KV head of local head 0 (a TP rank's share)
 };
 
 }  // namespace kvferry::cuda

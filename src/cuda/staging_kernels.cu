@@ -6,36 +6,37 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 
-// Byte offset in the pool of piece (j, i): selected buffer j, token first_token + i.
-__device__ __forceinline__ uint64_t PoolOffset(const PoolGeometry& g, const int32_t* pages,
-                                               const HeadSliceRange& r, int selected_layers, int j,
-                                               int64_t i) {
+// Address in the pool of piece (j, i): selected buffer j, token first_token + i.
+__device__ __forceinline__ uint8_t* PieceAddress(const PoolGeometry& g, uint8_t* const* buffers,
+                                                 const int32_t* pages, const HeadSliceRange& r,
+                                                 int selected_layers, int j, int64_t i) {
   const bool mla = g.num_buffers == g.num_layers;
   const int buffer = (mla || j < selected_layers)
                          ? r.first_layer + j
                          : g.num_layers + r.first_layer + (j - selected_layers);
   const int64_t t = r.first_token + i;
-  return static_cast<uint64_t>(buffer) * g.buffer_stride +
-         static_cast<uint64_t>(pages[t / g.page_size]) * g.page_bytes +
+  return buffers[buffer] + static_cast<uint64_t>(pages[t / g.page_size]) * g.page_bytes +
          static_cast<uint64_t>(t % g.page_size) * g.token_bytes +
          static_cast<uint64_t>(r.head_start) * g.head_bytes;
 }
 
 // One warp per piece (the slice's heads of one token in one buffer): 16-byte vectors when
-// both ends are aligned, bytes otherwise.
+// both ends are aligned, bytes otherwise. `buffers`: the pool's buffer bases (device memory).
 template <bool kGather>
-__global__ void HeadSliceKernel(PoolGeometry g, uint8_t* pool, const int32_t* pages,
+__global__ void HeadSliceKernel(PoolGeometry g, uint8_t* const* buffers, const int32_t* pages,
                                 HeadSliceRange r, uint8_t* staging) {
   const int selected_layers = r.num_layers == 0 ? g.num_layers : r.num_layers;
-  const int buffers = g.num_buffers == g.num_layers ? selected_layers : 2 * selected_layers;
+  const int selected_buffers =
+      g.num_buffers == g.num_layers ? selected_layers : 2 * selected_layers;
   const uint64_t piece = static_cast<uint64_t>(r.num_heads) * g.head_bytes;
-  const uint64_t pieces = static_cast<uint64_t>(buffers) * static_cast<uint64_t>(r.num_tokens);
+  const uint64_t pieces =
+      static_cast<uint64_t>(selected_buffers) * static_cast<uint64_t>(r.num_tokens);
   const int lane = threadIdx.x & 31;
   const uint64_t warps = static_cast<uint64_t>(gridDim.x) * kWarpsPerBlock;
   for (uint64_t p = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); p < pieces; p += warps) {
     const int j = static_cast<int>(p / static_cast<uint64_t>(r.num_tokens));
     const int64_t i = static_cast<int64_t>(p % static_cast<uint64_t>(r.num_tokens));
-    uint8_t* slot = pool + PoolOffset(g, pages, r, selected_layers, j, i);
+    uint8_t* slot = PieceAddress(g, buffers, pages, r, selected_layers, j, i);
     uint8_t* stage = staging + p * piece;
     uint8_t* dst = kGather ? stage : slot;
     const uint8_t* src = kGather ? slot : stage;
@@ -59,19 +60,19 @@ int Blocks(const PoolGeometry& g, const HeadSliceRange& r) {
 
 }  // namespace
 
-cudaError_t LaunchGatherHeads(const PoolGeometry& g, const uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchGatherHeads(const PoolGeometry& g, uint8_t* const* buffers, const int32_t* pages,
                               const HeadSliceRange& range, uint8_t* staging, cudaStream_t stream) {
   if (range.num_tokens <= 0 || range.num_heads <= 0) return cudaSuccess;
-  HeadSliceKernel<true><<<Blocks(g, range), kThreads, 0, stream>>>(g, const_cast<uint8_t*>(pool),
-                                                                   pages, range, staging);
+  HeadSliceKernel<true>
+      <<<Blocks(g, range), kThreads, 0, stream>>>(g, buffers, pages, range, staging);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchScatterHeads(const PoolGeometry& g, uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchScatterHeads(const PoolGeometry& g, uint8_t* const* buffers, const int32_t* pages,
                                const HeadSliceRange& range, const uint8_t* staging,
                                cudaStream_t stream) {
   if (range.num_tokens <= 0 || range.num_heads <= 0) return cudaSuccess;
-  HeadSliceKernel<false><<<Blocks(g, range), kThreads, 0, stream>>>(g, pool, pages, range,
+  HeadSliceKernel<false><<<Blocks(g, range), kThreads, 0, stream>>>(g, buffers, pages, range,
                                                                     const_cast<uint8_t*>(staging));
   return cudaGetLastError();
 }

@@ -24,12 +24,15 @@ struct HeadSliceRange {
   int num_layers = 0;
 };
 
-// Pool -> staging. Asynchronous on `stream`; REQUIRES the range fits the pool and `staging`
-// holds the region (the host side checks, as GatherHeads does).
-cudaError_t LaunchGatherHeads(const PoolGeometry& g, const uint8_t* pool, const int32_t* pages,
+// Pool -> staging. `buffers`: a device array of g.num_buffers pointers, the first byte of each
+// pool buffer (KvPool::BufferBase order: K of every layer, then V; MLA: one latent per layer),
+// so the buffers may lie anywhere (a pool that wraps a server's per-layer tensors); g's
+// buffer_stride is not used. Asynchronous on `stream`; REQUIRES the range fits the pool and
+// `staging` holds the region (the host side checks, as GatherHeads does).
+cudaError_t LaunchGatherHeads(const PoolGeometry& g, uint8_t* const* buffers, const int32_t* pages,
                               const HeadSliceRange& range, uint8_t* staging, cudaStream_t stream);
 // Staging -> pool, the inverse.
-cudaError_t LaunchScatterHeads(const PoolGeometry& g, uint8_t* pool, const int32_t* pages,
+cudaError_t LaunchScatterHeads(const PoolGeometry& g, uint8_t* const* buffers, const int32_t* pages,
                                const HeadSliceRange& range, const uint8_t* staging,
                                cudaStream_t stream);
 

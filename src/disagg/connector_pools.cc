@@ -1,6 +1,7 @@
 #include "disagg/connector_pools.h"
 
 #include <string>
+#include <vector>
 
 #include "common/checks.h"
 
@@ -51,6 +52,15 @@ cuda::PoolGeometry GpuGeometry(const KvPool& pool) {
   g.page_bytes = l.page_bytes();
   g.buffer_stride = static_cast<uint64_t>(pool.num_pages()) * l.page_bytes();
   return g;
+}
+
+StatusOr<std::unique_ptr<cuda::GpuHeadSlices>> CreateGpuHeadSlices(KvPool& pool) {
+  if (pool.location().kind != MemoryKind::kCuda) {
+    return FailedPreconditionError("GPU head-slice kernels need a KV pool in GPU memory");
+  }
+  std::vector<uint8_t*> bases;
+  for (int b = 0; b < pool.layout().num_buffers(); ++b) bases.push_back(pool.BufferBase(b));
+  return cuda::GpuHeadSlices::Create(pool.location().device_id, GpuGeometry(pool), bases);
 }
 
 Status CheckStateSlot(const StatePool* state, uint64_t room, int32_t slot) {

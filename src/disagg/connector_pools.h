@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
+#include "cuda/device_ops.h"
 #include "cuda/pool_geometry.h"
 #include "kvferry/aux_buffer.h"
 #include "kvferry/engine.h"
@@ -20,6 +22,11 @@ Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& a
 
 // The pool's geometry as the GPU kernels take it (pattern, gather and scatter); head_offset 0.
 cuda::PoolGeometry GpuGeometry(const KvPool& pool);
+
+// The staging gather and scatter of a GPU pool (contiguous or wrapping separate buffers): its
+// geometry and buffer bases, on its GPU. `pool` must outlive the result. Errors:
+// kFailedPrecondition for a pool outside GPU memory; GpuHeadSlices::Create's.
+StatusOr<std::unique_ptr<cuda::GpuHeadSlices>> CreateGpuHeadSlices(KvPool& pool);
 
 // A room's state slot: -1 without a state pool, else a slot of it. Errors (naming the room):
 // kInvalidArgument (a slot but no pool), kOutOfRange.

@@ -73,11 +73,6 @@ class DecodeConnectorImpl : public DecodeConnector {
     // unequal-TP prefill needs it.
     use_staging_ = options_.kv_path == "staging" || (options_.kv_path == "auto" && host_pool);
     use_fused_ = options_.kv_path == "fused" || (options_.kv_path == "auto" && !host_pool);
-    if (use_staging_ && !host_pool && !pool_->contiguous()) {
-      return InvalidArgumentError(
-          "kv_path staging on a GPU pool needs its buffers back to back (the scatter kernel "
-          "addresses them from one base); this pool wraps separate buffers: use fused");
-    }
     if (use_staging_ && options_.staging_bytes == 0) {
       return InvalidArgumentError("staging_bytes must be > 0");
     }

@@ -46,7 +46,7 @@ Status StagingReceiver::EnsureRing() {
     // scatter runs there as a kernel.
     ASSIGN_OR_RETURN(staging_device_,
                      cuda::DeviceAllocation::Create(where.device_id, staging_bytes_));
-    ASSIGN_OR_RETURN(head_slices_, cuda::GpuHeadSlices::Create(where.device_id));
+    ASSIGN_OR_RETURN(head_slices_, CreateGpuHeadSlices(pool_));
     staging_data_ = staging_device_->data();
   } else {
     staging_host_.assign(staging_bytes_, 0);
@@ -278,10 +278,10 @@ void StagingReceiver::Scatter(const ControlMessage& m, const std::string& from) 
       if (m.chunk.offset + m.chunk.bytes > staging_bytes_) {
         s = OutOfRangeError("staging region beyond the ring");
       } else if (head_slices_ != nullptr) {
-        s = head_slices_->Scatter(GpuGeometry(pool_), pool_.data(), *dst_pages,
-                                  m.chunk.first_page * page_size, m.chunk.num_pages * page_size,
-                                  m.chunk.dst_head_start, m.chunk.num_heads, m.chunk.first_layer,
-                                  m.chunk.num_layers, staging_data_ + m.chunk.offset);
+        s = head_slices_->Scatter(*dst_pages, m.chunk.first_page * page_size,
+                                  m.chunk.num_pages * page_size, m.chunk.dst_head_start,
+                                  m.chunk.num_heads, m.chunk.first_layer, m.chunk.num_layers,
+                                  staging_data_ + m.chunk.offset);
       } else {
         s = ScatterHeads(pool_, *dst_pages, m.chunk.first_page * page_size,
                          m.chunk.num_pages * page_size, m.chunk.dst_head_start, m.chunk.num_heads,

@@ -168,9 +168,8 @@ void StagingWriter::WriteStaged(const ControlMessage& grant, const std::string& 
       KVF_LOG_DEBUG("prefill: room {} has scratch for staging region {}", grant.room,
                     grant.chunk.region_id);
       buffer = std::move(*scratch);
-      g = gpu_slices_->Gather(GpuGeometry(*pool_), pool_->data(), pages, 0, chunk_tokens,
-                              src_head_start, grant.chunk.num_heads, grant.chunk.first_layer,
-                              grant.chunk.num_layers, buffer.get());
+      g = gpu_slices_->Gather(pages, 0, chunk_tokens, src_head_start, grant.chunk.num_heads,
+                              grant.chunk.first_layer, grant.chunk.num_layers, buffer.get());
     }
   } else {
     buffer = AcquireHostScratch(grant.chunk.bytes);
@@ -221,13 +220,7 @@ StatusOr<std::shared_ptr<uint8_t>> StagingWriter::AcquireScratch(uint64_t bytes)
   {
     std::lock_guard<std::mutex> lock(scratch_mu_);
     if (gpu_slices_ == nullptr) {
-      if (!pool_->contiguous()) {
-        return FailedPreconditionError(
-            "staging a GPU pool's head slices needs its buffers back to back (the gather "
-            "kernel addresses them from one base); this pool wraps separate buffers: decode "
-            "should use kv_path fused");
-      }
-      ASSIGN_OR_RETURN(gpu_slices_, cuda::GpuHeadSlices::Create(pool_->location().device_id));
+      ASSIGN_OR_RETURN(gpu_slices_, CreateGpuHeadSlices(*pool_));
     }
     alloc =
         TakeSmallestFitting(scratch_free_, bytes, [](const auto& a) { return a->size_bytes(); });
