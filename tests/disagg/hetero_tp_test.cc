@@ -5,6 +5,7 @@
 
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
+#include "testutil/tiny_model.h"
 #include "tools/kv_pattern.h"
 
 namespace kvferry {
@@ -36,23 +37,7 @@ void SendLayerwise(PrefillConnector& c, uint64_t room, int64_t first_page,
 }
 
 ModelGeometry Geometry(AttentionKind kind, int rank_heads) {
-  ModelGeometry g;
-  g.name = "hetero";
-  g.attention = kind;
-  g.num_layers = 2;
-  g.hidden_size = 64;
-  g.dtype = DType::kBFloat16;
-  if (kind == AttentionKind::kMla) {
-    g.num_attention_heads = 4;
-    g.kv_lora_rank = 32;
-    g.qk_rope_head_dim = 16;
-    g.num_kv_heads = 1;
-    g.head_dim = 48;
-  } else {
-    g.num_attention_heads = 8;
-    g.num_kv_heads = rank_heads;
-    g.head_dim = 16;
-  }
+  ModelGeometry g = testutil::SlicedGeometry("hetero", kind, 2, rank_heads, 8, 16);
   if (g_hybrid) {
     g.num_linear_layers = 6;
     g.full_attention_interval = 4;

@@ -17,6 +17,7 @@
 #include "disagg/device_kv_pool.h"
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
+#include "testutil/tiny_model.h"
 #include "tools/gpu/baselines.h"
 #include "tools/kv_pattern.h"
 
@@ -31,24 +32,7 @@ constexpr int64_t kTokens = 45;  // 12 pages, the last one partial
 
 // GQA: 16 query heads over 8 KV heads (a rank holds rank_heads of them); MLA: one latent.
 ModelGeometry Geometry(AttentionKind kind, int rank_heads) {
-  ModelGeometry g;
-  g.name = "wrapped-staging";
-  g.attention = kind;
-  g.num_layers = 3;
-  g.hidden_size = 64;
-  g.dtype = DType::kBFloat16;
-  if (kind == AttentionKind::kMla) {
-    g.num_attention_heads = 4;
-    g.kv_lora_rank = 32;
-    g.qk_rope_head_dim = 16;
-    g.num_kv_heads = 1;
-    g.head_dim = 48;
-  } else {
-    g.num_attention_heads = 16;
-    g.num_kv_heads = rank_heads;
-    g.head_dim = 32;
-  }
-  return g;
+  return testutil::SlicedGeometry("wrapped-staging", kind, 3, rank_heads, 16, 32);
 }
 
 // One TP rank: its GPU pool (wrapped or one block), a host mirror of it, host aux rows.

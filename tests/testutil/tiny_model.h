@@ -19,4 +19,29 @@ inline ModelGeometry TinyGeometry() {
   return g;
 }
 
+// A small model for tests of head slices across unequal TP: MLA (one 48-value latent per
+// layer: kv_lora_rank 32 + rope 16, 4 query heads), or GQA with `query_heads` query heads of
+// `head_dim` bf16 values over `rank_heads` KV heads (what one rank holds).
+inline ModelGeometry SlicedGeometry(const char* name, AttentionKind kind, int num_layers,
+                                    int rank_heads, int query_heads, int head_dim) {
+  ModelGeometry g;
+  g.name = name;
+  g.attention = kind;
+  g.num_layers = num_layers;
+  g.hidden_size = 64;
+  g.dtype = DType::kBFloat16;
+  if (kind == AttentionKind::kMla) {
+    g.num_attention_heads = 4;
+    g.kv_lora_rank = 32;
+    g.qk_rope_head_dim = 16;
+    g.num_kv_heads = 1;
+    g.head_dim = 48;
+  } else {
+    g.num_attention_heads = query_heads;
+    g.num_kv_heads = rank_heads;
+    g.head_dim = head_dim;
+  }
+  return g;
+}
+
 }  // namespace kvferry::testutil
