@@ -85,7 +85,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::vector<uint8_t> strided_wire;
   // Per request: its transport's slot in `counters` (EngineCounters::SlotOf); one entry when
   // every request has the same.
-  std::vector<uint8_t> transport_slots;
+  PerRequest<uint8_t> transport_slots;
   // The engine's counters; set once, before the batch starts.
   std::shared_ptr<EngineCounters> counters;
 

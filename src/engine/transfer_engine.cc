@@ -21,6 +21,7 @@
 #include "common/env.h"
 #include "common/host_port.h"
 #include "common/logging.h"
+#include "common/range_text.h"
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
 #include "engine/batch.h"
@@ -282,7 +283,6 @@ class EngineImpl : public TransferEngine {
     auto batch = std::make_shared<Batch>(requests);
     batch->watch = watch_;
     batch->counters = counters_;
-    batch->transport_slots.resize(requests.size());
     batch->strided_wire.assign(requests.size(), 0);
     // Per-request work stays allocation-free: error text is built only on failure, and the
     // peer and data path are looked up again only when they can differ from the request
@@ -354,19 +354,15 @@ class EngineImpl : public TransferEngine {
         if (RowsInside(*it->second, r, &region)) {
           batch->strided_wire[i] = r.op == TransferOp::kWrite && region->kind == MemoryKind::kHost;
         } else {
-          char range[80];
-          std::snprintf(range, sizeof(range), "[0x%llx, +%llu)",
-                        static_cast<unsigned long long>(r.remote_addr),
-                        static_cast<unsigned long long>(r.remote_extent()));
           return FailedPreconditionError(
-              where(i) + std::to_string(r.num_rows) + " rows spanning " + range +
+              where(i) + std::to_string(r.num_rows) + " rows spanning " +
+              RangeText(r.remote_addr, r.remote_extent()) +
               " are not inside a registered region of peer " + batch->peers[i]->address +
               " with remote " + (r.op == TransferOp::kWrite ? "write" : "read") + " access");
         }
       }
     }
     ChannelCache cache;
-    bool one_slot = true;
     for (size_t i = 0; i < requests.size(); ++i) {
       const TransferRequest& r = requests[i];
       if (cache.peer == batch->peers[i] &&
@@ -376,10 +372,8 @@ class EngineImpl : public TransferEngine {
         ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *batch->peers[i], i, &cache));
         batch->channels.Append(channel);
       }
-      batch->transport_slots[i] = cache.slot;
-      one_slot = one_slot && cache.slot == batch->transport_slots[0];
+      batch->transport_slots.Append(cache.slot);
     }
-    if (one_slot) batch->transport_slots.resize(1);
     void* wait_event = options.start_after_event;
     if (wait_event != nullptr) {
       // Checks the event now (a bad handle is the caller's error); one already passed needs

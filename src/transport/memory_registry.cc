@@ -4,16 +4,9 @@
 #include <string>
 
 #include "common/checks.h"
+#include "common/range_text.h"
 
 namespace kvferry {
-namespace {
-std::string RangeText(uint64_t addr, uint64_t length) {
-  char buf[80];
-  std::snprintf(buf, sizeof(buf), "[0x%llx, +%llu)", static_cast<unsigned long long>(addr),
-                static_cast<unsigned long long>(length));
-  return buf;
-}
-}  // namespace
 
 MemoryRegistry::Pin& MemoryRegistry::Pin::operator=(Pin&& other) noexcept {
   if (this != &other) {

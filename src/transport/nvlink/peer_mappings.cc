@@ -7,6 +7,7 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "common/range_text.h"
 #include "transport/nvlink/fd_passing.h"
 
 namespace kvferry {
@@ -50,9 +51,7 @@ StatusOr<uint8_t*> PeerMappings::Translate(uint64_t remote, uint64_t length, boo
     }
     region = FindRegion(remote, length);
   }
-  char range[80];
-  std::snprintf(range, sizeof(range), "[0x%llx, +%llu)", static_cast<unsigned long long>(remote),
-                static_cast<unsigned long long>(length));
+  const std::string range = RangeText(remote, length);
   if (region == nullptr || region->kind != MemoryKind::kCuda) {
     return FailedPreconditionError(std::string(write ? "WRITE" : "READ") + " refused: range " +
                                    range + " is not inside GPU memory " + peer_.name +

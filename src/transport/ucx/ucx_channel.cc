@@ -14,16 +14,10 @@
 #include <vector>
 
 #include "common/logging.h"
+#include "common/range_text.h"
 
 namespace kvferry::ucx {
 namespace {
-
-std::string RangeText(uint64_t addr, uint64_t length) {
-  char buf[80];
-  std::snprintf(buf, sizeof(buf), "[0x%llx, +%llu)", static_cast<unsigned long long>(addr),
-                static_cast<unsigned long long>(length));
-  return buf;
-}
 
 // Bytes of peer memory an item spans (rows at the remote stride).
 uint64_t RemoteExtent(const WorkItem& item) {
