@@ -447,7 +447,7 @@ bool Batch::ApplyLocked(size_t index, uint64_t bytes, const Status& status, bool
 
 void Batch::CountLocked() {
   EngineCounters::BatchTally tally;
-  if (num_completed_ == num_requests_ && one_op_ && transport_slots.values().size() == 1) {
+  if (num_completed_ == num_requests_ && one_op_ && transport_slots.size() == 1) {
     // All completed, one operation, one transport: the batch's own counts are the tally.
     const size_t op = static_cast<size_t>(op_);
     tally.bytes[transport_slots[0]][op] = transferred_bytes_;
@@ -456,7 +456,9 @@ void Batch::CountLocked() {
     return;
   }
   for (size_t i = 0; i < num_requests_; ++i) {
-    const size_t slot = transport_slots.empty() ? 0 : transport_slots[i];
+    const size_t slot = transport_slots.size() == num_requests_ ? transport_slots[i]
+                        : transport_slots.empty()               ? 0
+                                                                : transport_slots[0];
     const size_t op = static_cast<size_t>(one_op_ ? op_ : transfer_requests_[i].op);
     if (requests_.empty()) {  // whole_done_: every request completed
       tally.bytes[slot][op] += request_bytes_[i];

@@ -40,14 +40,13 @@ class Peer;
 template <typename T>
 class PerRequest {
  public:
-  void Append(T v) {
-    if (count_ > 0 && values_.size() == 1 && v == values_[0]) {
+  // Inline: called for every request of a batch; only a change of value leaves the fast path.
+  [[gnu::always_inline]] void Append(T v) {
+    if (same_ && count_ > 0 && v == first_) [[likely]] {
       ++count_;
       return;
     }
-    if (values_.size() == 1) values_.assign(count_, values_[0]);
-    values_.push_back(v);
-    ++count_;
+    AppendSlow(v);
   }
   T operator[](size_t i) const { return values_.size() == 1 ? values_[0] : values_[i]; }
   // The distinct runs' values (every value once when they are all the same).
@@ -55,8 +54,21 @@ class PerRequest {
   bool empty() const { return count_ == 0; }
 
  private:
+  [[gnu::noinline]] void AppendSlow(T v) {
+    if (count_ == 0) {
+      first_ = v;
+    } else if (same_) {
+      values_.assign(count_, first_);  // the first value that differs: one entry per request
+      same_ = false;
+    }
+    if (count_ == 0 || !same_) values_.push_back(v);
+    ++count_;
+  }
+
   std::vector<T> values_;
   size_t count_ = 0;
+  bool same_ = true;  // every value so far equals first_ (values_ holds it once)
+  T first_{};
 };
 
 class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
@@ -85,7 +97,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::vector<uint8_t> strided_wire;
   // Per request: its transport's slot in `counters` (EngineCounters::SlotOf); one entry when
   // every request has the same.
-  PerRequest<uint8_t> transport_slots;
+  std::vector<uint8_t> transport_slots;
   // The engine's counters; set once, before the batch starts.
   std::shared_ptr<EngineCounters> counters;
 

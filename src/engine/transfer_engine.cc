@@ -284,6 +284,7 @@ class EngineImpl : public TransferEngine {
     batch->watch = watch_;
     batch->counters = counters_;
     batch->strided_wire.assign(requests.size(), 0);
+    batch->transport_slots.resize(requests.size());
     // Per-request work stays allocation-free: error text is built only on failure, and the
     // peer and data path are looked up again only when they can differ from the request
     // before (consecutive requests of a batch usually share both).
@@ -363,6 +364,7 @@ class EngineImpl : public TransferEngine {
       }
     }
     ChannelCache cache;
+    bool one_slot = true;
     for (size_t i = 0; i < requests.size(); ++i) {
       const TransferRequest& r = requests[i];
       if (cache.peer == batch->peers[i] &&
@@ -372,8 +374,10 @@ class EngineImpl : public TransferEngine {
         ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *batch->peers[i], i, &cache));
         batch->channels.Append(channel);
       }
-      batch->transport_slots.Append(cache.slot);
+      batch->transport_slots[i] = cache.slot;
+      one_slot = one_slot && cache.slot == batch->transport_slots[0];
     }
+    if (one_slot) batch->transport_slots.resize(1);
     void* wait_event = options.start_after_event;
     if (wait_event != nullptr) {
       // Checks the event now (a bad handle is the caller's error); one already passed needs
