@@ -5,6 +5,7 @@
 
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
+#include "testutil/layerwise.h"
 #include "testutil/tiny_model.h"
 #include "tools/kv_pattern.h"
 
@@ -19,22 +20,6 @@ bool g_hybrid = false;
 // Layerwise runs send each chunk as a layerwise pass: the first chunk's layers are marked in
 // reverse order (they must still leave in layer order), the last chunk's in order.
 bool g_layerwise = false;
-
-void SendLayerwise(PrefillConnector& c, uint64_t room, int64_t first_page,
-                   std::vector<int32_t> pages, std::optional<int32_t> aux_row, int layers,
-                   bool reverse) {
-  PrefillConnector::LayerwiseChunk chunk;
-  chunk.room = room;
-  chunk.first_page = first_page;
-  chunk.src_pages = std::move(pages);
-  chunk.aux_row = aux_row;
-  auto pass = c.BeginLayerwisePass(std::span(&chunk, 1));
-  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
-  for (int k = 0; k < layers; ++k) {
-    Status s = c.MarkLayerReady(*pass, reverse ? layers - 1 - k : k);
-    ASSERT_TRUE(s.ok()) << s.ToString();
-  }
-}
 
 ModelGeometry Geometry(AttentionKind kind, int rank_heads) {
   ModelGeometry g = testutil::SlicedGeometry("hetero", kind, 2, rank_heads, 8, 16);
@@ -154,9 +139,10 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds,
       FillAuxRow(prefill[r]->aux->layout(), prefill[r]->aux->Row(row), room);
       if (g_layerwise) {
         const int layers = prefill[r]->layout.geometry().num_model_layers();
-        SendLayerwise(*pconn[r], room, 0, {src.begin(), src.begin() + 5}, std::nullopt, layers,
-                      true);
-        SendLayerwise(*pconn[r], room, 5, {src.begin() + 5, src.end()}, row, layers, false);
+        testutil::SendLayerwise(*pconn[r], room, 0, {src.begin(), src.begin() + 5}, std::nullopt,
+                                layers, true);
+        testutil::SendLayerwise(*pconn[r], room, 5, {src.begin() + 5, src.end()}, row, layers,
+                                false);
         continue;
       }
       Status first = pconn[r]->SendChunk(room, 0, std::span(src.data(), 5), std::nullopt);

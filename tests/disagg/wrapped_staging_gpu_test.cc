@@ -17,6 +17,7 @@
 #include "disagg/device_kv_pool.h"
 #include "kvferry/connector.h"
 #include "kvferry/tp_plan.h"
+#include "testutil/layerwise.h"
 #include "testutil/tiny_model.h"
 #include "tools/gpu/baselines.h"
 #include "tools/kv_pattern.h"
@@ -52,21 +53,6 @@ struct Rank {
 
 int FirstGlobalHead(int heads, int tp, int rank) {
   return tp <= heads ? rank * (heads / tp) : rank / (tp / heads);
-}
-
-void SendLayerwise(PrefillConnector& c, uint64_t room, int64_t first_page,
-                   std::vector<int32_t> pages, std::optional<int32_t> aux_row, int layers) {
-  PrefillConnector::LayerwiseChunk chunk;
-  chunk.room = room;
-  chunk.first_page = first_page;
-  chunk.src_pages = std::move(pages);
-  chunk.aux_row = aux_row;
-  auto pass = c.BeginLayerwisePass(std::span(&chunk, 1));
-  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
-  for (int l = 0; l < layers; ++l) {
-    Status s = c.MarkLayerReady(*pass, l);
-    ASSERT_TRUE(s.ok()) << s.ToString();
-  }
 }
 
 struct Run {
@@ -158,8 +144,9 @@ void RunRooms(const Run& run) {
       ASSERT_TRUE(up.ok()) << up.ToString();
       FillAuxRow(prefill[r]->aux->layout(), prefill[r]->aux->Row(row), room);
       if (run.layerwise) {
-        SendLayerwise(*pconn[r], room, 0, {src.begin(), src.begin() + 5}, std::nullopt, layers);
-        SendLayerwise(*pconn[r], room, 5, {src.begin() + 5, src.end()}, row, layers);
+        testutil::SendLayerwise(*pconn[r], room, 0, {src.begin(), src.begin() + 5}, std::nullopt,
+                                layers);
+        testutil::SendLayerwise(*pconn[r], room, 5, {src.begin() + 5, src.end()}, row, layers);
         continue;
       }
       Status first = pconn[r]->SendChunk(room, 0, std::span(src.data(), 5), std::nullopt);
