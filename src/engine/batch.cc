@@ -230,8 +230,7 @@ void Batch::OnBulkDone(const Status& status, uint32_t tag) {
     };
     if (tag == kWholeBatch && status.ok() && !abandoned_ && requests_left_ == num_requests_) {
       // Every request landed, none was touched before: the batch's counts say so at once
-      // and the per-request entries stay as they are (RequestStatus reads whole_done_).
-      whole_done_ = true;
+      // and the per-request entries are never allocated (WholeDoneLocked).
       num_completed_ = num_requests_;
       transferred_bytes_ = total_bytes_;
       requests_left_ = 0;
@@ -291,7 +290,7 @@ void Batch::Abandon(const Status& why, bool queued_only) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (final_) return;
-    if (!whole_done_) {
+    if (!WholeDoneLocked()) {
       abandoned_ = true;
       EnsureRequestsLocked();
       for (auto& r : requests_) {
@@ -341,7 +340,7 @@ StatusOr<TransferStatus> Batch::RequestStatus(size_t index) const {
                            std::to_string(num_requests_));
   }
   TransferStatus s;
-  if (whole_done_) {
+  if (WholeDoneLocked()) {
     s.state = TransferState::kCompleted;
     s.transferred_bytes = request_bytes_[index];
     return s;
@@ -460,7 +459,7 @@ void Batch::CountLocked() {
                         : transport_slots.empty()               ? 0
                                                                 : transport_slots[0];
     const size_t op = static_cast<size_t>(one_op_ ? op_ : transfer_requests_[i].op);
-    if (requests_.empty()) {  // whole_done_: every request completed
+    if (requests_.empty()) {  // WholeDoneLocked(): every request completed
       tally.bytes[slot][op] += request_bytes_[i];
       ++tally.requests[slot][op][EngineCounters::kCompleted];
       continue;

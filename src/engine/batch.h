@@ -184,6 +184,10 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   void Finish(const Status& notify_status);
   // Allocates requests_ unless it is. Holds mu_ (or nothing else can reach the batch yet).
   void EnsureRequestsLocked();
+  // Every request completed through one whole-batch bulk completion, which set the batch's
+  // counts without per-request entries (RequestStatus answers from request_bytes_): the only
+  // way requests end with requests_ never allocated. Holds mu_.
+  bool WholeDoneLocked() const { return requests_.empty() && requests_left_ == 0; }
   // Adds the final batch to `counters`. Holds mu_.
   void CountLocked();
 
@@ -228,10 +232,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   size_t requests_left_ = 0;
   uint64_t total_bytes_ = 0;  // of every request, as submitted
   bool one_op_ = true;        // every request has the same TransferOp
-  // Every request completed through one whole-batch bulk completion, which set the batch's
-  // counts and left requests_ untouched (RequestStatus answers from request_bytes_).
-  bool whole_done_ = false;
-  bool abandoned_ = false;  // Abandon marked pending requests with its reason
+  bool abandoned_ = false;    // Abandon marked pending requests with its reason
   size_t num_completed_ = 0;
   size_t num_failed_ = 0;
   uint64_t transferred_bytes_ = 0;

@@ -55,8 +55,6 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
     eligible = eligible || UsesCopyEngine(r, CopyPathChooser::kMinEngineBytes);
     if (UsesCopyEngine(r, threshold)) {
       ++engine_blocks;
-    } else if (r.num_rows <= 1 && r.length_bytes <= cuda::kCopyTileBytes) {
-      ++num_tiles;  // one tile (the common case: a page)
     } else {
       num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
     }
@@ -92,8 +90,11 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
       return Classify(requests, missing, &cache);
     }
     const uint64_t remote = reinterpret_cast<uint64_t>(mapped);
-    if (r.num_rows <= 1 && r.length_bytes <= cuda::kCopyTileBytes &&
-        !UsesCopyEngine(r, threshold)) {
+    if (UsesCopyEngine(r, threshold)) {
+      part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
+                              r.num_rows, write ? r.local_stride : r.remote_stride,
+                              write ? r.remote_stride : r.local_stride});
+    } else if (r.num_rows <= 1 && r.length_bytes <= cuda::kCopyTileBytes) {
       // One tile, written in place (ForEachTile's first case, without the call).
       *out++ = cuda::CopyTile{write ? local : remote,
                               write ? remote : local,
@@ -101,10 +102,6 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
                               0,
                               static_cast<uint32_t>(r.length_bytes),
                               1};
-    } else if (UsesCopyEngine(r, threshold)) {
-      part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
-                              r.num_rows, write ? r.local_stride : r.remote_stride,
-                              write ? r.remote_stride : r.local_stride});
     } else if (write) {
       cuda::ForEachTile(local, remote, r.length_bytes, r.num_rows, r.local_stride, r.remote_stride,
                         emit);
