@@ -57,33 +57,9 @@ done
 out="${out:-$(mktemp -d /tmp/kvferry-ucx-netns.XXXXXX)}"
 mkdir -p "$out"
 
-tag=$$
-ns_a="kvfbenchA$tag"
-ns_b="kvfbenchB$tag"
-dev=kvfeth0
-ip_a=10.77.0.1
-ip_b=10.77.0.2
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  ip netns del "$ns_a" 2>/dev/null || true
-  ip netns del "$ns_b" 2>/dev/null || true
-}
-trap cleanup EXIT
-ip netns add "$ns_a"
-ip netns add "$ns_b"
-ip link add "kvbA$tag" type veth peer name "kvbB$tag"
-ip link set "kvbA$tag" netns "$ns_a"
-ip link set "kvbB$tag" netns "$ns_b"
-ip -n "$ns_a" link set "kvbA$tag" name "$dev"
-ip -n "$ns_b" link set "kvbB$tag" name "$dev"
-ip -n "$ns_a" addr add "$ip_a/24" dev "$dev"
-ip -n "$ns_b" addr add "$ip_b/24" dev "$dev"
-for ns in "$ns_a" "$ns_b"; do
-  ip -n "$ns" link set lo up
-  ip -n "$ns" link set "$dev" up
-done
+# shellcheck source=bench/netns_pair.sh
+source "$repo/bench/netns_pair.sh"
+netns_pair_up kvfbench kvb 10.77.0 || exit 1
 in_a() { ip netns exec "$ns_a" "$@"; }
 in_b() { ip netns exec "$ns_b" "$@"; }
 
@@ -114,16 +90,6 @@ in_a iperf3 -c "$ip_b" -t "$iperf_seconds" -J >"$out/iperf3.json"
 iperf_gbps="$(jq '.end.sum_received.bits_per_second / 8 / 1e9' "$out/iperf3.json")"
 echo "iperf3: $iperf_gbps GB/s" | tee -a "$out/run.txt"
 
-to_bytes() {
-  local s="$1"
-  case "$s" in
-    *GiB) echo $(( ${s%GiB} << 30 )) ;;
-    *MiB) echo $(( ${s%MiB} << 20 )) ;;
-    *KiB) echo $(( ${s%KiB} << 10 )) ;;
-    *) echo "$s" ;;
-  esac
-}
-
 # 2. ucx_perftest ucp_put_bw, about 2 GiB per size.
 declare -A perftest
 port=13400
@@ -149,16 +115,8 @@ done
 # 3 and 4. kvferry bench, UCX then TCP, against a target serving in namespace B.
 bench() {
   local transport="$1" port="$2" bin="${3:-$binary}" tag="${4:-$1}"
-  # Not through in_b: $! must be the target itself (ip netns exec execs it), so that the kill
-  # below reaches it.
-  ip netns exec "$ns_b" "$bin" bench --serve --listen "$ip_b:$port" --transport auto \
-    --buffer-size 1GiB >"$out/serve_$tag.txt" 2>&1 &
-  local server=$!
-  pids+=("$server")
-  for _ in $(seq 100); do
-    grep -q "kvferry-bench-target" "$out/serve_$tag.txt" 2>/dev/null && break
-    sleep 0.1
-  done
+  start_bench_target "$bin" "$ip_b:$port" "$out/serve_$tag.txt"
+  local server=$target_pid
   in_a "$bin" bench --target "$ip_b:$port" --transport "$transport" --op "$op" \
     --block-size "$block_sizes" --batch-size "$batch" --threads "$threads" \
     --duration "$duration" --json "$out/kvferry_$tag.json" \

@@ -64,45 +64,14 @@ out="${out:-$(mktemp -d /tmp/kvferry-ucx-ab.XXXXXX)}"
 mkdir -p "$out"
 hz="$(getconf CLK_TCK)"
 
-tag=$$
-ns_a="kvfabA$tag"
-ns_b="kvfabB$tag"
-dev=kvfeth0
-ip_a=10.78.0.1
-ip_b=10.78.0.2
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  ip netns del "$ns_a" 2>/dev/null || true
-  ip netns del "$ns_b" 2>/dev/null || true
-}
-trap cleanup EXIT
-ip netns add "$ns_a" && ip netns add "$ns_b" || exit 1
-ip link add "kvaA$tag" type veth peer name "kvaB$tag" || exit 1
-ip link set "kvaA$tag" netns "$ns_a"
-ip link set "kvaB$tag" netns "$ns_b"
-ip -n "$ns_a" link set "kvaA$tag" name "$dev"
-ip -n "$ns_b" link set "kvaB$tag" name "$dev"
-ip -n "$ns_a" addr add "$ip_a/24" dev "$dev"
-ip -n "$ns_b" addr add "$ip_b/24" dev "$dev"
-for ns in "$ns_a" "$ns_b"; do
-  ip -n "$ns" link set lo up
-  ip -n "$ns" link set "$dev" up
-done
+# shellcheck source=bench/netns_pair.sh
+source "$repo/bench/netns_pair.sh"
+netns_pair_up kvfab kva 10.78.0 || exit 1
 
 export UCX_TLS="${UCX_TLS:-tcp}"
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-$dev}"
 export KVFERRY_AUTH_TOKEN="${KVFERRY_AUTH_TOKEN:-ucx-netns-ab-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 
-to_bytes() {
-  case "$1" in
-    *GiB) echo $(( ${1%GiB} << 30 )) ;;
-    *MiB) echo $(( ${1%MiB} << 20 )) ;;
-    *KiB) echo $(( ${1%KiB} << 10 )) ;;
-    *) echo "$1" ;;
-  esac
-}
 # CPU seconds (user + system) of a live process.
 cpu_of() { awk -v hz="$hz" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat" 2>/dev/null || echo 0; }
 
@@ -123,14 +92,8 @@ run_one() {  # round name transport envlist block
   [[ -n "$envs" ]] && IFS=',' read -r -a envargs <<<"$envs"
   port=$((port + 1))
   local log="$out/r${round}_${name}_${block}"
-  ip netns exec "$ns_b" env "${envargs[@]}" "$binary" bench --serve --listen "$ip_b:$port" \
-    --transport auto --buffer-size 1GiB >"$log.serve.txt" 2>&1 &
-  local server=$!
-  pids+=("$server")
-  for _ in $(seq 100); do
-    grep -q "kvferry-bench-target" "$log.serve.txt" 2>/dev/null && break
-    sleep 0.1
-  done
+  start_bench_target "$binary" "$ip_b:$port" "$log.serve.txt" "${envargs[@]}"
+  local server=$target_pid
   timeout 120 ip netns exec "$ns_a" env "${envargs[@]}" /usr/bin/time -f "%U %S" -o "$log.time" \
     "$binary" bench --target "$ip_b:$port" --transport "$transport" --block-size "$block" \
     --batch-size "$batch" --threads "$threads" --duration "$duration" --json "$log.json" \
