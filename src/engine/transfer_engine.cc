@@ -553,13 +553,12 @@ class EngineImpl : public TransferEngine {
   }
 
   // Picks the data path for one request: the channel of the transport its peer's route gives
-  // for the request's kind of local memory (TransportSet::Pick at OpenSegment).
+  // for the request's kind of local memory (TransportSet::Pick at OpenSegment), and remembers
+  // it in `cache` with the local region it holds for (callers reuse it while a request's
+  // local range stays in that region, to the same peer).
   StatusOr<PeerChannel*> ChooseChannel(const TransferRequest& r, Peer& peer, size_t index,
                                        ChannelCache* cache) {
     const uint64_t addr = reinterpret_cast<uint64_t>(r.local_addr);
-    if (cache->peer == &peer && cache->region.Contains(addr, r.local_extent())) {
-      return cache->channel;
-    }
     MemoryRegistry::Span local;
     const bool registered = registry_.Lookup(addr, r.local_extent(), &local);
     const bool local_device = registered && local.kind == MemoryKind::kCuda;
