@@ -60,6 +60,21 @@ struct DescribedBuffer {
 // memory (a build without CUDA, or no GPU).
 DescribedBuffer DescribeBuffer(py::handle obj);
 
+// `obj`, a Python int (PyLong_Check), as a uint64: false, with no Python error left set, when
+// it is outside [0, 2^64). PyLong_AsUnsignedLong walks the int's digits; the ...LongLong
+// variant goes through a byte array for any int above 2^30, which addresses are (several times
+// slower). Needs the GIL.
+inline bool LongToU64(PyObject* obj, uint64_t* out) {
+  static_assert(sizeof(unsigned long) == sizeof(uint64_t));
+  const unsigned long v = PyLong_AsUnsignedLong(obj);
+  if (v == static_cast<unsigned long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
 // n unsigned 64-bit integers from an array-like (numpy arrays of any integer dtype are cast in
 // C, without per-element Python work; lists and scalars are accepted too). One value stands
 // for every index (broadcast).
@@ -107,20 +122,8 @@ struct type_caster<kvferry::python::U64Values> {
       value.owned.resize(static_cast<size_t>(n));
       bool fast = true;
       for (Py_ssize_t i = 0; i < n && fast; ++i) {
-        if (!PyLong_Check(items[i])) {
-          fast = false;
-          break;
-        }
-        // PyLong_AsUnsignedLong walks the int's digits; the ...LongLong variant goes through a
-        // byte array for any int above 2^30, which addresses are (several times slower).
-        static_assert(sizeof(unsigned long) == sizeof(uint64_t));
-        const unsigned long v = PyLong_AsUnsignedLong(items[i]);
-        if (v == static_cast<unsigned long>(-1) && PyErr_Occurred()) {
-          PyErr_Clear();
-          fast = false;
-          break;
-        }
-        value.owned[static_cast<size_t>(i)] = v;
+        fast = PyLong_Check(items[i]) &&
+               kvferry::python::LongToU64(items[i], &value.owned[static_cast<size_t>(i)]);
       }
       if (fast) {
         value.data = value.owned.data();

@@ -29,22 +29,14 @@ constexpr const char* kIntRange = "an int in [0, 2^64)";
 // `item` as a uint64 when it is an int in [0, 2^64) or has __index__ (numpy integer scalars);
 // false otherwise, with no Python error left set. Needs the GIL.
 bool IndexToU64(PyObject* item, uint64_t* out) {
-  // PyLong_AsUnsignedLong walks the int's digits; the ...LongLong variant goes through a byte
-  // array for any int above 2^30, which addresses are (several times slower).
-  static_assert(sizeof(unsigned long) == sizeof(uint64_t));
   PyObject* index = PyLong_Check(item) ? Py_NewRef(item) : PyNumber_Index(item);
   if (index == nullptr) {
     PyErr_Clear();
     return false;
   }
-  const unsigned long value = PyLong_AsUnsignedLong(index);
+  const bool in_range = LongToU64(index, out);
   Py_DECREF(index);
-  if (value == std::numeric_limits<unsigned long>::max() && PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  *out = value;
-  return true;
+  return in_range;
 }
 
 // A short description of a bad value for error messages: its repr (cut) and type.
@@ -269,12 +261,7 @@ void ColumnReader::Read(size_t first, size_t count, uint64_t* out) const {
   for (size_t i = first; i < first + count; ++i) {
     PyObject* value = item[i];
     if (PyLong_Check(value)) {
-      const unsigned long v = PyLong_AsUnsignedLong(value);
-      if (v == std::numeric_limits<unsigned long>::max() && PyErr_Occurred()) {
-        PyErr_Clear();
-        BadElement(i, value);
-      }
-      out[i - first] = v;
+      if (!LongToU64(value, &out[i - first])) BadElement(i, value);
       continue;
     }
     auto held = py::reinterpret_borrow<py::object>(value);  // alive while __index__ runs
