@@ -72,6 +72,12 @@ struct EngineOptions {
   // ... used only while at least this many 16 KiB tiles of small batches are in flight on the
   // channel (2048: 32 MiB); fewer go as launches, so a lone batch keeps a launch's latency.
   int64_t nvlink_resident_min_tiles = 2048;
+  // NVLink: the channels' copy streams at the GPU's greatest stream priority (default), so
+  // that the copy kernel's thread blocks are scheduled ahead of pending blocks of other
+  // kernels (the model's compute at default priority) instead of waiting behind all of them;
+  // running blocks are never preempted. false: default priority, i.e. compute and copies share
+  // the SMs in launch order. KVFERRY_NVLINK_STREAM_PRIORITY=high|normal overrides it.
+  bool nvlink_high_priority_streams = true;
   // TCP connections (lanes) per peer. More lanes spread large requests over several
   // streams and cores; bounded to keep file descriptors in check. Default 4, range 1..64.
   int tcp_lanes_per_peer = 4;

@@ -165,6 +165,8 @@ StatusOr<EnvConfig> ReadEnvConfig() {
                               &config.nvlink_resident_blocks, " (-1: one per SM, 0: off)"));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_NVLINK_RESIDENT_MIN_TILES", 0, 1LL << 30,
                               &config.nvlink_resident_min_tiles));
+  RETURN_IF_ERROR(ReadChoice("KVFERRY_NVLINK_STREAM_PRIORITY", {"high", "normal"},
+                             &config.nvlink_stream_priority));
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {
     config.listen_host = std::string(v);
   }

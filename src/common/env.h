@@ -61,6 +61,7 @@ struct EnvConfig {
   std::optional<int64_t> done_poll_us;
   std::optional<int> nvlink_resident_blocks;
   std::optional<int64_t> nvlink_resident_min_tiles;
+  std::optional<std::string> nvlink_stream_priority;  // "high" or "normal"
   std::optional<std::string> auth_token;
   std::optional<FaultPlan> faults;
 };

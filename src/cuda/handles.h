@@ -31,8 +31,11 @@ class Stream {
     return *this;
   }
 
-  // Creates a stream on the current device (cudaStreamCreateWithFlags). REQUIRES empty.
-  cudaError_t Create(unsigned int flags) { return cudaStreamCreateWithFlags(&stream_, flags); }
+  // Creates a stream on the current device (cudaStreamCreateWithPriority; priority 0 is the
+  // default, lower numbers run first: see GreatestStreamPriority). REQUIRES empty.
+  cudaError_t Create(unsigned int flags, int priority = 0) {
+    return cudaStreamCreateWithPriority(&stream_, flags, priority);
+  }
   cudaStream_t get() const { return stream_; }
   // Gives the stream up without destroying it; the handle is empty after.
   cudaStream_t release() { return std::exchange(stream_, nullptr); }
@@ -44,6 +47,15 @@ class Stream {
   }
   cudaStream_t stream_ = nullptr;
 };
+
+// The current device's greatest (most urgent) stream priority (cudaDeviceGetStreamPriorityRange:
+// a numerically lower priority's blocks are scheduled before pending blocks of higher ones, but
+// never preempt running ones); 0 when the query fails.
+inline int GreatestStreamPriority() {
+  int least = 0, greatest = 0;
+  if (cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) return 0;
+  return greatest;
+}
 
 // A CUDA event.
 class Event {

@@ -31,13 +31,6 @@ Batch::Batch(std::span<const TransferRequest> requests) : submitted_(requests) {
   request_bytes_.reset(new uint64_t[n]);
   requests_left_ = n;
   op_ = n > 0 ? requests[0].op : TransferOp::kWrite;
-  for (size_t i = 0; i < n; ++i) {
-    const TransferRequest& r = requests[i];
-    request_bytes_[i] = r.total_bytes();
-    total_bytes_ += request_bytes_[i];
-    one_op_ = one_op_ && r.op == op_;
-  }
-  if (!one_op_) KeepRequests();  // CountLocked reads each request's op
 }
 
 void Batch::EnsureRequestsLocked() {
@@ -57,7 +50,7 @@ void Batch::BuildItems() {
   // item (or slices) each.
   auto rows_per_item = [&](size_t i) -> uint64_t {
     const TransferRequest& r = transfer_requests_[i];
-    if (!strided_wire[i] || r.num_rows <= 1) return 1;
+    if (!StridedWire(i) || r.num_rows <= 1) return 1;
     const ChannelTraits& traits = channels[i]->traits();
     if (traits.max_rows_per_item <= 1 || r.length_bytes >= traits.slice_bytes) return 1;
     return std::min<uint64_t>(traits.slice_bytes / r.length_bytes, traits.max_rows_per_item);

@@ -92,9 +92,6 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   PerRequest<Peer*> peers;                       // per request
   std::vector<std::shared_ptr<Peer>> peer_refs;  // each distinct peer once: keeps channels alive
   PerRequest<PeerChannel*> channels;             // per request: the data path chosen
-  // Per request: a strided WRITE into the peer's host memory, which a channel that takes
-  // several rows per item (TCP: strided frames) receives in groups of rows.
-  std::vector<uint8_t> strided_wire;
   // Per request: its transport's slot in `counters` (EngineCounters::SlotOf); one entry when
   // every request has the same.
   std::vector<uint8_t> transport_slots;
@@ -107,8 +104,29 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   // Enters the deadline set unless already final.
   void Watch();
 
-  // `requests` must stay valid until Start returned or KeepRequests was called.
+  // `requests` must stay valid until Start returned or KeepRequests was called. The submitter
+  // then counts each request (CountRequest, in order) and calls Counted, before Start.
   explicit Batch(std::span<const TransferRequest> requests);
+
+  // Notes request `i`'s bytes and operation (SubmitBatch's one pass over the requests).
+  void CountRequest(size_t i, const TransferRequest& r) {
+    const uint64_t bytes = r.total_bytes();
+    request_bytes_[i] = bytes;
+    total_bytes_ += bytes;
+    one_op_ = one_op_ && r.op == op_;
+  }
+  // After every request was counted.
+  void Counted() {
+    if (!one_op_) KeepRequests();  // CountLocked reads each request's op
+  }
+
+  // Request `i` is a strided WRITE into the peer's host memory, which a channel that takes
+  // several rows per item (TCP: strided frames) receives in groups of rows.
+  void SetStridedWire(size_t i) {
+    if (strided_wire_.empty()) strided_wire_.assign(num_requests_, 0);
+    strided_wire_[i] = 1;
+  }
+  bool StridedWire(size_t i) const { return !strided_wire_.empty() && strided_wire_[i] != 0; }
 
   // Copies the submitted requests into the batch (once), for a start after SubmitBatch
   // returned (a gated batch).
@@ -207,6 +225,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::span<const TransferRequest> submitted_;
   std::vector<TransferRequest> transfer_requests_;
   std::unique_ptr<uint64_t[]> request_bytes_;  // per request: TransferRequest::total_bytes()
+  std::vector<uint8_t> strided_wire_;  // per request (SetStridedWire), empty when none is
   TransferOp op_ = TransferOp::kWrite;         // the first request's operation
   // A batch spanning several channels: each channel's requests, and their indices in the
   // batch, for its bulk submission (tag = index here).

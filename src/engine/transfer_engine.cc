@@ -96,6 +96,7 @@ class EngineImpl : public TransferEngine {
     t.nvlink.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;
     t.nvlink.resident_min_tiles = options_.nvlink_resident_min_tiles;
+    t.nvlink.high_priority_streams = options_.nvlink_high_priority_streams;
     t.nvlink.auth_secret = options_.auth_secret;
     // UCX listens on every interface UCX_NET_DEVICES allows, whatever listen_host says, and
     // its tcp executes peers' puts unchecked (docs/security.md): an engine that serves only
@@ -283,21 +284,23 @@ class EngineImpl : public TransferEngine {
     auto batch = std::make_shared<Batch>(requests);
     batch->watch = watch_;
     batch->counters = counters_;
-    batch->strided_wire.assign(requests.size(), 0);
-    batch->transport_slots.resize(requests.size());
-    // Per-request work stays allocation-free: error text is built only on failure, and the
-    // peer and data path are looked up again only when they can differ from the request
-    // before (consecutive requests of a batch usually share both).
+    // One pass over the requests, allocation-free per request: error text is built only on
+    // failure, and the peer and data path are looked up again only when they can differ from
+    // the request before (consecutive requests of a batch usually share both).
     auto where = [](size_t i) { return "request " + std::to_string(i) + ": "; };
     // Strided requests are checked whole against the peer's descriptor here, so that no row
     // lands when one would leave registered memory (single blocks are checked by the
     // transport); a miss re-reads the descriptor once (the peer may have registered more).
     std::vector<size_t> rows_unresolved;
     const RegionDescriptor* rows_region = nullptr;
+    // Transport slots (for the counters) change only where the data path does: (first
+    // request, slot) for each change.
+    std::vector<std::pair<size_t, uint8_t>> slot_runs;
     {
       // peers_mu_ is taken only to look a segment up (when it changes from the request
       // before) and to check strided requests against its descriptor: batches of plain
-      // blocks to one peer take it once, however many threads submit.
+      // blocks to one peer take it once, however many threads submit. It is not held while a
+      // data path is chosen (that may open a channel).
       std::unique_lock<std::mutex> lock(peers_mu_, std::defer_lock);
       auto relock = [&] {
         if (!lock.owns_lock()) {
@@ -307,6 +310,7 @@ class EngineImpl : public TransferEngine {
       };
       Peer* peer = nullptr;  // kept alive by batch->peer_refs
       SegmentHandle peer_segment;
+      ChannelCache cache;
       for (size_t i = 0; i < requests.size(); ++i) {
         const TransferRequest& r = requests[i];
         RETURN_IF_ERROR(CheckRequestShape(r, i));
@@ -335,13 +339,34 @@ class EngineImpl : public TransferEngine {
           if (!RowsInside(CachedDescriptorLocked(*peer), r, &rows_region)) {
             rows_unresolved.push_back(i);
             rows_region = nullptr;
-          } else {
-            batch->strided_wire[i] =
-                r.op == TransferOp::kWrite && rows_region->kind == MemoryKind::kHost;
+          } else if (r.op == TransferOp::kWrite && rows_region->kind == MemoryKind::kHost) {
+            batch->SetStridedWire(i);
           }
-        } else if (lock.owns_lock()) {
-          lock.unlock();
         }
+        if (cache.peer == peer &&
+            cache.region.Contains(reinterpret_cast<uint64_t>(r.local_addr), r.local_extent())) {
+          batch->channels.Append(cache.channel);  // the request before's data path
+        } else {
+          if (lock.owns_lock()) lock.unlock();
+          ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *peer, i, &cache));
+          batch->channels.Append(channel);
+          if (slot_runs.empty() || slot_runs.back().second != cache.slot) {
+            slot_runs.emplace_back(i, cache.slot);
+          }
+        }
+        batch->CountRequest(i, r);
+        if (r.num_rows <= 1 && lock.owns_lock()) lock.unlock();
+      }
+    }
+    batch->Counted();
+    if (slot_runs.size() == 1) {
+      batch->transport_slots.assign(1, slot_runs[0].second);
+    } else {
+      batch->transport_slots.resize(requests.size());
+      for (size_t k = 0; k < slot_runs.size(); ++k) {
+        const size_t to = k + 1 < slot_runs.size() ? slot_runs[k + 1].first : requests.size();
+        std::fill(batch->transport_slots.begin() + slot_runs[k].first,
+                  batch->transport_slots.begin() + to, slot_runs[k].second);
       }
     }
     if (!rows_unresolved.empty()) {
@@ -353,7 +378,9 @@ class EngineImpl : public TransferEngine {
         const RegionDescriptor* region = nullptr;
         if (!it->second.ok()) return it->second.status().WithContext(where(i) + "checking rows");
         if (RowsInside(*it->second, r, &region)) {
-          batch->strided_wire[i] = r.op == TransferOp::kWrite && region->kind == MemoryKind::kHost;
+          if (r.op == TransferOp::kWrite && region->kind == MemoryKind::kHost) {
+            batch->SetStridedWire(i);
+          }
         } else {
           return FailedPreconditionError(
               where(i) + std::to_string(r.num_rows) + " rows spanning " +
@@ -363,21 +390,6 @@ class EngineImpl : public TransferEngine {
         }
       }
     }
-    ChannelCache cache;
-    bool one_slot = true;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const TransferRequest& r = requests[i];
-      if (cache.peer == batch->peers[i] &&
-          cache.region.Contains(reinterpret_cast<uint64_t>(r.local_addr), r.local_extent())) {
-        batch->channels.Append(cache.channel);  // the request before's data path
-      } else {
-        ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *batch->peers[i], i, &cache));
-        batch->channels.Append(channel);
-      }
-      batch->transport_slots[i] = cache.slot;
-      one_slot = one_slot && cache.slot == batch->transport_slots[0];
-    }
-    if (one_slot) batch->transport_slots.resize(1);
     void* wait_event = options.start_after_event;
     if (wait_event != nullptr) {
       // Checks the event now (a bad handle is the caller's error); one already passed needs
@@ -691,6 +703,9 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   if (env.nvlink_resident_blocks) resolved.nvlink_resident_blocks = *env.nvlink_resident_blocks;
   if (env.nvlink_resident_min_tiles) {
     resolved.nvlink_resident_min_tiles = *env.nvlink_resident_min_tiles;
+  }
+  if (env.nvlink_stream_priority) {
+    resolved.nvlink_high_priority_streams = *env.nvlink_stream_priority == "high";
   }
   if (env.listen_host && options.listen_host == EngineOptions().listen_host) {
     resolved.listen_host = *env.listen_host;

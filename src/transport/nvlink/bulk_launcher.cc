@@ -15,9 +15,9 @@ BulkLauncher::BulkLauncher(int device, TileArena& arena, BulkFlights& flights, B
                            CopyPathChooser& chooser)
     : device_(device), arena_(arena), flights_(flights), stats_(stats), chooser_(chooser) {}
 
-Status BulkLauncher::Init() {
+Status BulkLauncher::Init(int stream_priority) {
   for (cuda::Stream& st : streams_) {
-    CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking));
+    CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking, stream_priority));
   }
   return OkStatus();
 }

@@ -32,7 +32,9 @@ class BulkLauncher {
   BulkLauncher& operator=(const BulkLauncher&) = delete;
 
   // Creates the streams on the current device.
-  Status Init();
+  // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
+  // device.
+  Status Init(int stream_priority);
 
   // Launches `part` (its owner, tag and keepalive set), with any others pending; or leaves it
   // pending for the thread launching now.

@@ -14,9 +14,9 @@ namespace kvferry {
 GatedLauncher::GatedLauncher(int device, TileArena& arena, BulkFlights& flights, BulkStats& stats)
     : device_(device), arena_(arena), flights_(flights), stats_(stats) {}
 
-Status GatedLauncher::Init() {
+Status GatedLauncher::Init(int stream_priority) {
   for (cuda::Stream& st : streams_) {
-    CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking));
+    CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking, stream_priority));
   }
   ASSIGN_OR_RETURN(gates_, CopyGates::Create(kGates));
   return OkStatus();

@@ -37,7 +37,9 @@ class GatedLauncher {
   GatedLauncher& operator=(const GatedLauncher&) = delete;
 
   // Creates the gate streams and the gates on the current device.
-  Status Init();
+  // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
+  // device.
+  Status Init(int stream_priority);
 
   // Takes room for a prepared part of (owner, tag) (its arena units count against half the
   // arena) and a gate (part->gate). False when gated parts hold half the arena already or no

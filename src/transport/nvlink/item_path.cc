@@ -14,8 +14,8 @@ namespace kvferry {
 ItemPath::ItemPath(PeerMappings& mappings, uint64_t copy_engine_threshold_bytes)
     : mappings_(mappings), copy_engine_threshold_bytes_(copy_engine_threshold_bytes) {}
 
-Status ItemPath::Init() {
-  CUDA_RETURN_IF_ERROR(stream_.Create(cudaStreamNonBlocking));
+Status ItemPath::Init(int stream_priority) {
+  CUDA_RETURN_IF_ERROR(stream_.Create(cudaStreamNonBlocking, stream_priority));
   for (Slot& slot : slots_) {
     CUDA_RETURN_IF_ERROR(slot.host.Allocate(kSlotTiles));
     CUDA_RETURN_IF_ERROR(slot.device.Allocate(kSlotTiles));

@@ -32,7 +32,9 @@ class ItemPath {
   ItemPath& operator=(const ItemPath&) = delete;
 
   // Creates the stream and the table slots on the current device.
-  Status Init();
+  // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
+  // device.
+  Status Init(int stream_priority);
 
   // Translates and launches `batch`: items no longer queued (abandoned) are skipped, items
   // that cannot be copied complete at once with the reason.

@@ -17,6 +17,7 @@
 #include "common/logging.h"
 #include "common/spin.h"
 #include "cuda/device_memory.h"
+#include "cuda/handles.h"
 #include "transport/nvlink/bulk_flights.h"
 #include "transport/nvlink/bulk_launcher.h"
 #include "transport/nvlink/bulk_part.h"
@@ -42,6 +43,7 @@ class NvlinkChannel : public PeerChannel {
   explicit NvlinkChannel(const NvlinkChannelOptions& options)
       : PeerChannel(ChannelTraits{.takes_bulk = true}),
         local_device_(options.local_device),
+        high_priority_streams_(options.high_priority_streams),
         chooser_(options.copy_engine_threshold_bytes),
         gated_(options.local_device, arena_, flights_, stats_),
         bulk_launcher_(options.local_device, arena_, flights_, stats_, chooser_),
@@ -55,9 +57,10 @@ class NvlinkChannel : public PeerChannel {
   Status Init() {
     RETURN_IF_ERROR(cuda::CheckDevice(local_device_));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(local_device_));
-    RETURN_IF_ERROR(item_path_.Init());
-    RETURN_IF_ERROR(bulk_launcher_.Init());
-    RETURN_IF_ERROR(gated_.Init());
+    const int priority = high_priority_streams_ ? cuda::GreatestStreamPriority() : 0;
+    RETURN_IF_ERROR(item_path_.Init(priority));
+    RETURN_IF_ERROR(bulk_launcher_.Init(priority));
+    RETURN_IF_ERROR(gated_.Init(priority));
     RETURN_IF_ERROR(arena_.Init());
     RETURN_IF_ERROR(preparer_.Init(local_device_));
     RETURN_IF_ERROR(resident_.Init());
@@ -381,6 +384,7 @@ class NvlinkChannel : public PeerChannel {
   }
 
   const int local_device_;
+  const bool high_priority_streams_;  // copy streams at the device's greatest priority
 
   // The progress thread's wake-ups and the WorkItem queue.
   std::atomic<bool> queued_{false};       // items in queue_ or flights handed in (WakeProgress)

@@ -37,6 +37,11 @@ struct NvlinkChannelOptions {
   // kernel ran at 93% of cudaMemcpyPeer where launches reached 75-86%
   // (docs/perf/nvlink-h200.md).
   int64_t resident_min_tiles = 2048;
+  // Copy streams (kernels and copy-engine copies) at the device's greatest priority, so that
+  // the copy kernel's blocks are scheduled ahead of pending blocks of other work on the GPU
+  // (compute on its default priority); false: default priority. The engine passes
+  // EngineOptions::nvlink_high_priority_streams.
+  bool high_priority_streams = true;
   // The shared secret proved to the peer's fd socket when mapping its cuMem allocations
   // (fd_passing.h); empty: none.
   std::string auth_secret;

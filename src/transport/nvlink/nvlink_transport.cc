@@ -64,6 +64,7 @@ StatusOr<std::shared_ptr<PeerChannel>> NvlinkTransport::OpenChannel(const Channe
   o.copy_engine_threshold_bytes = options_.copy_engine_threshold_bytes;
   o.resident_blocks = options_.resident_blocks;
   o.resident_min_tiles = options_.resident_min_tiles;
+  o.high_priority_streams = options_.high_priority_streams;
   o.refresh = setup.refresh;
   o.auth_secret = options_.auth_secret;
   ASSIGN_OR_RETURN(std::unique_ptr<PeerChannel> channel, CreateNvlinkChannel(o));

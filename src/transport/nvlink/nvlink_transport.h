@@ -23,6 +23,7 @@ struct NvlinkTransportOptions {
   uint64_t copy_engine_threshold_bytes = 0;
   int resident_blocks = -1;
   int64_t resident_min_tiles = 2048;
+  bool high_priority_streams = true;
   // The shared secret a peer proves before the fd socket sends it anything, and which this side
   // proves when it asks a peer's socket (fd_passing.h); empty: none.
   std::string auth_secret;

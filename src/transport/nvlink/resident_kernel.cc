@@ -19,6 +19,7 @@ ResidentKernel::ResidentKernel(const NvlinkChannelOptions& options, TileArena& a
                                const std::atomic<bool>& progress_sleeping)
     : device_(options.local_device),
       requested_blocks_(options.resident_blocks),
+      high_priority_streams_(options.high_priority_streams),
       min_tiles_(options.resident_min_tiles),
       arena_(arena),
       stats_(stats),
@@ -53,7 +54,8 @@ Status ResidentKernel::Init() {
   // ResidentDeviceState, then a tile counter per job slot.
   const size_t device_bytes = sizeof(cuda::ResidentDeviceState) + kJobSlots * sizeof(unsigned int);
   CUDA_RETURN_IF_ERROR(device_state_.Allocate(device_bytes));
-  CUDA_RETURN_IF_ERROR(stream_.Create(cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(stream_.Create(
+      cudaStreamNonBlocking, high_priority_streams_ ? cuda::GreatestStreamPriority() : 0));
   CUDA_RETURN_IF_ERROR(event_.Create(cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(device_state_.get(), 0, device_bytes, stream_.get()));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));

@@ -91,7 +91,8 @@ class ResidentKernel {
   bool EndedLocked();
 
   const int device_;
-  const int requested_blocks_;  // NvlinkChannelOptions::resident_blocks
+  const int requested_blocks_;        // NvlinkChannelOptions::resident_blocks
+  const bool high_priority_streams_;  // NvlinkChannelOptions::high_priority_streams
   const int64_t min_tiles_;     // NvlinkChannelOptions::resident_min_tiles
   TileArena& arena_;
   BulkStats& stats_;
