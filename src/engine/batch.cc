@@ -19,7 +19,7 @@ void Batch::Watch() {
     watch_it_ = shard.deadlines.emplace(deadline, weak_from_this());
     watched_ = true;
   }
-  if (w.size.fetch_add(1) == 0) {  // the watchdog may be asleep with nothing to watch
+  if (w.size.fetch_add(1) == 0 && w.asleep.load()) {  // idle long enough to sleep
     std::lock_guard<std::mutex> lock(w.mu);
     w.cv.notify_one();
   }

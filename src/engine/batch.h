@@ -225,7 +225,7 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   std::span<const TransferRequest> submitted_;
   std::vector<TransferRequest> transfer_requests_;
   std::unique_ptr<uint64_t[]> request_bytes_;  // per request: TransferRequest::total_bytes()
-  std::vector<uint8_t> strided_wire_;  // per request (SetStridedWire), empty when none is
+  std::vector<uint8_t> strided_wire_;          // per request (SetStridedWire), empty when none is
   TransferOp op_ = TransferOp::kWrite;         // the first request's operation
   // A batch spanning several channels: each channel's requests, and their indices in the
   // batch, for its bulk submission (tag = index here).

@@ -26,11 +26,19 @@ void Watchdog::Loop() {
   DeadlineWatch& w = *watch_;
   std::vector<std::shared_ptr<Batch>> expired;
   std::unique_lock<std::mutex> lock(w.mu);
+  auto last_busy = DeadlineWatch::Clock::now();
   while (!w.stopping) {
     if (w.size.load() == 0) {
+      if (DeadlineWatch::Clock::now() - last_busy < DeadlineWatch::kIdleLinger) {
+        w.cv.wait_for(lock, DeadlineWatch::kWatchPeriod, [&] { return w.stopping; });
+        continue;
+      }
+      w.asleep.store(true);
       w.cv.wait(lock, [&] { return w.stopping || w.size.load() > 0; });
+      w.asleep.store(false);
       continue;
     }
+    last_busy = DeadlineWatch::Clock::now();
     lock.unlock();
     const auto now = DeadlineWatch::Clock::now();
     for (DeadlineWatch::Shard& shard : w.shards) {

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <span>
 #include <vector>
 
 #include "cuda/handles.h"
@@ -31,7 +32,6 @@ class BulkLauncher {
   BulkLauncher(const BulkLauncher&) = delete;
   BulkLauncher& operator=(const BulkLauncher&) = delete;
 
-  // Creates the streams on the current device.
   // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
   // device.
   Status Init(int stream_priority);
@@ -53,6 +53,9 @@ class BulkLauncher {
   // parameters when small, else uploaded to its device copy; several parts go as one kernel
   // reading their tables from host memory.
   void LaunchGroup(std::vector<BulkPart> parts);
+  // Queues copy-engine blocks on `stream`: runs of single blocks as one cudaMemcpyBatchAsync
+  // each, strided blocks as cudaMemcpy2DAsync. Holds launch_mu_.
+  cudaError_t IssueEngineCopies(std::span<const EngineBlock> blocks, cudaStream_t stream);
 
   const int device_;
   TileArena& arena_;
@@ -64,6 +67,11 @@ class BulkLauncher {
   std::mutex pending_mu_;  // guards pending_
   std::vector<BulkPart> pending_;
   std::mutex launch_mu_;  // held by the thread launching the pending parts
+  // IssueEngineCopies' arguments for cudaMemcpyBatchAsync; guarded by launch_mu_.
+  std::vector<void*> batch_dst_;
+  std::vector<const void*> batch_src_;
+  std::vector<size_t> batch_size_;
+  std::atomic<bool> batch_call_{true};  // the driver takes cudaMemcpyBatchAsync
 };
 
 }  // namespace kvferry

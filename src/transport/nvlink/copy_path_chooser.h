@@ -39,6 +39,11 @@ class CopyPathChooser {
   // difference between the arms).
   static constexpr uint64_t kExploreBytes = 4ull << 30;
   static constexpr uint64_t kExploitBytes = 128ull << 30;
+  // The kernel serves the exploitation only when its rate beats the copy engine's by this
+  // factor: its rate does not show what it took from the other kernels on the GPU (the copy
+  // engine takes no SMs), and under contention the two rates were within noise of each other
+  // while the copy engine ran the replay 13-16% faster (docs/perf/nvlink-h100.md, session 15).
+  static constexpr double kKernelMargin = 1.25;
 
   // `fixed_threshold_bytes`: 0 measures as above; any other value fixes the choice (blocks
   // at least that long use the copy engine; UINT64_MAX: never) and measures nothing.

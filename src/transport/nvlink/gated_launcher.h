@@ -36,9 +36,8 @@ class GatedLauncher {
   GatedLauncher(const GatedLauncher&) = delete;
   GatedLauncher& operator=(const GatedLauncher&) = delete;
 
-  // Creates the gate streams and the gates on the current device.
-  // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
-  // device.
+  // Creates the gate streams (at `stream_priority`: cudaStreamCreateWithPriority) and the
+  // gates on the current device.
   Status Init(int stream_priority);
 
   // Takes room for a prepared part of (owner, tag) (its arena units count against half the

@@ -31,9 +31,8 @@ class ItemPath {
   ItemPath(const ItemPath&) = delete;
   ItemPath& operator=(const ItemPath&) = delete;
 
-  // Creates the stream and the table slots on the current device.
-  // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
-  // device.
+  // Creates the stream (at `stream_priority`: cudaStreamCreateWithPriority) and the table
+  // slots on the current device.
   Status Init(int stream_priority);
 
   // Translates and launches `batch`: items no longer queued (abandoned) are skipped, items

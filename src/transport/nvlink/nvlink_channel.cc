@@ -52,7 +52,10 @@ class NvlinkChannel : public PeerChannel {
         item_path_(mappings_, options.copy_engine_threshold_bytes == 0
                                   ? UINT64_MAX
                                   : options.copy_engine_threshold_bytes),
-        resident_(options, arena_, stats_, bulk_tiles_in_flight_, sleeping_) {}
+        resident_(options, ResidentRole::Throughput(options), arena_, stats_, bulk_tiles_in_flight_,
+                  sleeping_),
+        lone_(options, ResidentRole::Lone(options), arena_, stats_, bulk_tiles_in_flight_,
+              sleeping_) {}
 
   Status Init() {
     RETURN_IF_ERROR(cuda::CheckDevice(local_device_));
@@ -64,6 +67,7 @@ class NvlinkChannel : public PeerChannel {
     RETURN_IF_ERROR(arena_.Init());
     RETURN_IF_ERROR(preparer_.Init(local_device_));
     RETURN_IF_ERROR(resident_.Init());
+    RETURN_IF_ERROR(lone_.Init());
     thread_ = std::thread([this] { ProgressLoop(); });
     return OkStatus();
   }
@@ -83,6 +87,7 @@ class NvlinkChannel : public PeerChannel {
           "their start events (2 s): keeping its GPU and pinned memory",
           mappings_.peer_name());
       resident_.ReleaseCudaResources();
+      lone_.ReleaseCudaResources();
       item_path_.ReleaseCudaResources();
       arena_.ReleaseCudaResources();
       bulk_launcher_.ReleaseCudaResources();
@@ -207,7 +212,7 @@ class NvlinkChannel : public PeerChannel {
     part.tag = bulk.tag;
     part.keepalive = std::move(bulk.keepalive);
     bulk_tiles_in_flight_.fetch_add(static_cast<int64_t>(part.num_tiles));
-    if (resident_.Publish(part)) return;
+    if (resident_.Publish(part) || lone_.Publish(part)) return;
     bulk_launcher_.Launch(std::move(part));
   }
 
@@ -295,7 +300,9 @@ class NvlinkChannel : public PeerChannel {
     }
   }
 
-  bool BulkIdle() const { return !parked_.has_parked() && flights_.idle() && resident_.idle(); }
+  bool BulkIdle() const {
+    return !parked_.has_parked() && flights_.idle() && resident_.idle() && lone_.idle();
+  }
 
   // Completes `f` if its copies finished; false (and nothing done) while they run.
   bool CompleteBulkFlight(BulkFlight& f) {
@@ -345,7 +352,7 @@ class NvlinkChannel : public PeerChannel {
           // While the resident kernel is up, stay awake: a job's flag is then seen at once,
           // and the kernel's end (its idle spell) is noticed without a wake-up.
           if (idle && !was_queued && queue_.empty() && !closed_ && !resident_.running() &&
-              !import_all_.load()) {
+              !lone_.running() && !import_all_.load()) {
             sleeping_.store(true);
             cv_.wait(lock, [&] { return closed_ || !queue_.empty() || queued_.load(); });
             sleeping_.store(false);
@@ -379,6 +386,7 @@ class NvlinkChannel : public PeerChannel {
       item_path_.Poll();
       flights_.Poll([this](BulkFlight& f) { return CompleteBulkFlight(f); });
       resident_.Poll();
+      lone_.Poll();
       if (!item_path_.idle() || !BulkIdle()) std::this_thread::yield();
     }
   }
@@ -406,7 +414,7 @@ class NvlinkChannel : public PeerChannel {
 
   // The pieces owning CUDA objects. Members are destroyed bottom-up, so once the destructor's
   // body ran (every copy finished, the thread's device set) they free in this order: the
-  // resident kernel (stopped and its stream waited for first), the item path's table slots,
+  // resident kernels (each stopped and its stream waited for first), the item path's table slots,
   // events and stream, the tile arena and the bulk launches' idle events, the peer mappings,
   // the bulk streams, the gate streams, then the gates. The launchers hold references to
   // pieces declared after them, used only once every piece is constructed.
@@ -416,7 +424,8 @@ class NvlinkChannel : public PeerChannel {
   TileArena arena_;
   BulkPreparer preparer_;
   ItemPath item_path_;
-  ResidentKernel resident_;
+  ResidentKernel resident_;  // small parts while many tiles are in flight
+  ResidentKernel lone_;      // lone small parts (ResidentRole::Lone)
 
   std::thread thread_;
 };

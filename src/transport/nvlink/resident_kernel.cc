@@ -14,13 +14,28 @@
 
 namespace kvferry {
 
-ResidentKernel::ResidentKernel(const NvlinkChannelOptions& options, TileArena& arena,
-                               BulkStats& stats, std::atomic<int64_t>& tiles_in_flight,
+ResidentRole ResidentRole::Throughput(const NvlinkChannelOptions& options) {
+  ResidentRole role;
+  role.blocks = options.resident_blocks;
+  role.min_tiles_in_flight = options.resident_min_tiles;
+  return role;
+}
+
+ResidentRole ResidentRole::Lone(const NvlinkChannelOptions& options) {
+  ResidentRole role;
+  role.blocks = options.resident_blocks == 0 ? 0 : 1;
+  role.max_tiles_in_flight = kLoneTiles;
+  role.max_part_tiles = kLoneTiles;
+  return role;
+}
+
+ResidentKernel::ResidentKernel(const NvlinkChannelOptions& options, const ResidentRole& role,
+                               TileArena& arena, BulkStats& stats,
+                               std::atomic<int64_t>& tiles_in_flight,
                                const std::atomic<bool>& progress_sleeping)
     : device_(options.local_device),
-      requested_blocks_(options.resident_blocks),
+      role_(role),
       high_priority_streams_(options.high_priority_streams),
-      min_tiles_(options.resident_min_tiles),
       arena_(arena),
       stats_(stats),
       tiles_in_flight_(tiles_in_flight),
@@ -43,7 +58,7 @@ Status ResidentKernel::Init() {
     cuda::DeviceGuard device(device_);
     const int fit = sms * cuda::ResidentBlocksPerSm();
     // More than fit would start late and keep the kernel up past its idle spell.
-    blocks_ = requested_blocks_ < 0 ? std::min(sms, fit) : std::min(requested_blocks_, fit);
+    blocks_ = role_.blocks < 0 ? std::min(sms, fit) : std::min(role_.blocks, fit);
   }
   if (blocks_ == 0) return OkStatus();
   CUDA_RETURN_IF_ERROR(ring_.Allocate(kRingTiles));
@@ -54,8 +69,8 @@ Status ResidentKernel::Init() {
   // ResidentDeviceState, then a tile counter per job slot.
   const size_t device_bytes = sizeof(cuda::ResidentDeviceState) + kJobSlots * sizeof(unsigned int);
   CUDA_RETURN_IF_ERROR(device_state_.Allocate(device_bytes));
-  CUDA_RETURN_IF_ERROR(stream_.Create(
-      cudaStreamNonBlocking, high_priority_streams_ ? cuda::GreatestStreamPriority() : 0));
+  CUDA_RETURN_IF_ERROR(stream_.Create(cudaStreamNonBlocking,
+                                      high_priority_streams_ ? cuda::GreatestStreamPriority() : 0));
   CUDA_RETURN_IF_ERROR(event_.Create(cudaEventDisableTiming));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(device_state_.get(), 0, device_bytes, stream_.get()));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
@@ -91,9 +106,12 @@ cuda::ResidentArgs ResidentKernel::ArgsFor() const {
 // Submitters append under ring_mu_, so the published count only ever covers fully written
 // slots.
 bool ResidentKernel::Publish(BulkPart& part) {
-  if (part.num_tiles > kCombineMaxTiles || !part.engine.empty() ||
-      part.arm != CopyPathChooser::kNone || !ok_.load(std::memory_order_acquire) ||
-      tiles_in_flight_.load(std::memory_order_relaxed) < min_tiles_) {
+  if (part.num_tiles > role_.max_part_tiles || !part.engine.empty() ||
+      part.arm != CopyPathChooser::kNone || !ok_.load(std::memory_order_acquire)) {
+    return false;
+  }
+  const int64_t in_flight = tiles_in_flight_.load(std::memory_order_relaxed);
+  if (in_flight < role_.min_tiles_in_flight || in_flight > role_.max_tiles_in_flight) {
     return false;
   }
   const uint64_t n = part.num_tiles;

@@ -1,7 +1,9 @@
-// The resident copy kernel of an NVLink channel: small bulk parts (at most kCombineMaxTiles
-// tiles, no copy-engine blocks) go, as jobs, into a ring of tiles in pinned host memory that
-// long-running thread blocks drain without a launch each (cuda::ResidentArgs), while at least
-// NvlinkChannelOptions::resident_min_tiles bulk tiles are in flight. The kernel leaves after
+// A resident copy kernel of an NVLink channel: small bulk parts (no copy-engine blocks) go, as
+// jobs, into a ring of tiles in pinned host memory that long-running thread blocks drain
+// without a launch each (cuda::ResidentArgs). A channel has two (ResidentRole): one per SM for
+// parts of at most kCombineMaxTiles tiles while at least
+// NvlinkChannelOptions::resident_min_tiles bulk tiles are in flight, and one block for lone
+// parts of a few tiles (latency). The kernel leaves after
 // an idle spell; submitters and the progress thread relaunch it while jobs wait. A launch or
 // kernel failure turns the ring off for good: the jobs left in it fail, later parts launch
 // their own kernels. Owns the ring, the control block, the job flags, the kernel's device
@@ -30,13 +32,34 @@
 
 namespace kvferry {
 
+// Which parts a resident kernel takes, and its size.
+struct ResidentRole {
+  int blocks = -1;  // thread blocks: -1 one per SM, 0 no kernel
+  // Parts go to it while the channel's bulk tiles in flight (the part's own included) are in
+  // [min_tiles_in_flight, max_tiles_in_flight] and the part has at most max_part_tiles tiles.
+  int64_t min_tiles_in_flight = 0;
+  int64_t max_tiles_in_flight = INT64_MAX;
+  uint64_t max_part_tiles = kCombineMaxTiles;
+
+  // The throughput kernel: NvlinkChannelOptions::resident_blocks blocks, from
+  // resident_min_tiles tiles in flight on.
+  static ResidentRole Throughput(const NvlinkChannelOptions& options);
+  // The latency kernel: one block carrying lone small parts (at most kLoneTiles tiles, with at
+  // most kLoneTiles tiles in flight) without a launch each, while they keep coming: a launch
+  // and its completion event took 10.5 us for one 4 KiB copy on H200 where a block waiting for
+  // work took 3.7 (docs/perf/nvlink-h100.md, session 15). Off when resident_blocks is 0.
+  static constexpr int64_t kLoneTiles = 4;
+  static ResidentRole Lone(const NvlinkChannelOptions& options);
+};
+
 class ResidentKernel {
  public:
   // `tiles_in_flight` counts the channel's bulk tiles not completed yet (Publish reads it,
   // Poll takes completed jobs off it); `progress_sleeping` is set while the channel's progress
   // thread sleeps (then Publish checks whether a kernel taken for running has ended).
-  ResidentKernel(const NvlinkChannelOptions& options, TileArena& arena, BulkStats& stats,
-                 std::atomic<int64_t>& tiles_in_flight, const std::atomic<bool>& progress_sleeping);
+  ResidentKernel(const NvlinkChannelOptions& options, const ResidentRole& role, TileArena& arena,
+                 BulkStats& stats, std::atomic<int64_t>& tiles_in_flight,
+                 const std::atomic<bool>& progress_sleeping);
   // Stops the kernel (idle blocks leave at once) and waits for its stream, then frees what it
   // owns. REQUIRES no job left: the progress thread completed them all.
   ~ResidentKernel();
@@ -48,8 +71,8 @@ class ResidentKernel {
   Status Init();
 
   // Appends a prepared part to the ring as one job and makes sure the kernel runs; false (the
-  // part untouched) when it is too large, the kernel is off or failed, too few bulk tiles are
-  // in flight, or the ring or the job slots are full. On success the part's arena units are
+  // part untouched) when its role does not take it (size, tiles in flight), the kernel is off
+  // or failed, or the ring or the job slots are full. On success the part's arena units are
   // given back (its tiles now live in the ring).
   bool Publish(BulkPart& part);
 
@@ -91,9 +114,8 @@ class ResidentKernel {
   bool EndedLocked();
 
   const int device_;
-  const int requested_blocks_;        // NvlinkChannelOptions::resident_blocks
+  const ResidentRole role_;
   const bool high_priority_streams_;  // NvlinkChannelOptions::high_priority_streams
-  const int64_t min_tiles_;     // NvlinkChannelOptions::resident_min_tiles
   TileArena& arena_;
   BulkStats& stats_;
   std::atomic<int64_t>& tiles_in_flight_;
