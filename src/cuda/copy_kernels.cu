@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const Res
   volatile unsigned long long* exit_generation = &a.state->exit_generation;
   while (true) {
     if (threadIdx.x == 0) {
-      unsigned int pause = 64;
+      unsigned int pause = 32;
       unsigned long long from = 0;
       int count = 0;
       while (true) {
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const Res
           break;
         }
         __nanosleep(pause);
-        if (pause < 1024) pause *= 2;
+        if (pause < a.max_pause_ns) pause *= 2;
       }
       s_from = from;
       s_count = count;

@@ -132,6 +132,9 @@ struct ResidentArgs {
   // idle spell would thin the kernel out whenever fewer tiles than warps are waiting).
   uint64_t idle_ns = 0;
   uint64_t generation = 0;  // this launch's number, from 1, growing
+  // The longest pause (ns) between a waiting block's looks for work (it doubles from 32 up to
+  // this): longer pauses poll host memory less, shorter ones see a lone job sooner.
+  uint32_t max_pause_ns = 1024;
 };
 
 // Launches `blocks` resident blocks on `stream`. Asynchronous; the kernel ends once every

@@ -102,9 +102,10 @@ TEST_F(NvlinkGpuTest, BulkSubmissionWaitsForItsRegionsToBeMapped) {
 }
 
 // With a copy-engine threshold, a bulk submission's long blocks go through the copy engine
-// (contiguous, and strided rows through cudaMemcpy2DAsync) in the same submission as its short
-// ones (the copy kernel); a submission of long blocks only, too. Every byte lands where it
-// should, and the bytes between strided rows stay untouched.
+// (contiguous ones several to a cudaMemcpyBatchAsync, strided rows of at least 16 KiB that add
+// up to the threshold through cudaMemcpy2DAsync) in the same submission as its short ones and
+// narrow rows (the copy kernel); a submission of long blocks only, too. Every byte lands where
+// it should, and the bytes between strided rows stay untouched.
 TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   auto descriptor = engine_->GetSegmentDescriptor(segment_);
   ASSERT_TRUE(descriptor.ok());
@@ -140,8 +141,14 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   add(mixed, 1 << 20, 1 << 20, 1 << 20, 1, 0, 0);                           // copy engine
   add(mixed, 2 << 20, (2 << 20) + 100, 96 << 10, 8, 128 << 10, 160 << 10);  // 2D, copy engine
   add(mixed, 200 << 10, (4 << 20) + 16, 1000, 64, 1024, 1040);              // strided, kernel
+  add(mixed, 300 << 10, 4300 << 10, 20 << 10, 4, 24 << 10, 32 << 10);      // 80 KiB of rows: 2D
+  add(mixed, 400 << 10, 5632 << 10, 8 << 10, 16, 8 << 10, 12 << 10);  // narrow rows: kernel
   add(engine_only, 5 << 20, (6 << 20) + 8, (1 << 20) + 3, 1, 0, 0);
   add(engine_only, 3 << 20, 5 << 20, 64 << 10, 4, 100 << 10, 120 << 10);
+  // Three contiguous blocks in a row: one cudaMemcpyBatchAsync.
+  add(engine_only, 100 << 10, (7424 << 10) + 4, (100 << 10) + 5, 1, 0, 0);
+  add(engine_only, 6 << 20, 7680 << 10, 70 << 10, 1, 0, 0);
+  add(engine_only, 7 << 20, 7936 << 10, 64 << 10, 1, 0, 0);
   std::vector<TransferRequest> short_only;
   add(short_only, 7 << 20, (7 << 20) + 64, 8192, 1, 0, 0);
   auto channel = CreateNvlinkChannel(options);

@@ -103,12 +103,15 @@ class BulkPreparer {
   BulkFit Classify(std::span<const TransferRequest> requests, const RegionDescriptor** missing,
                    MappedRegion* cache) const;
 
-  // Whether a request goes through the copy engine: long enough, and strided rows only with
-  // pitches cudaMemcpy2DAsync takes (a page's rows across a layer-major pool may be GiBs
-  // apart: those stay in the kernel).
+  // Whether a request goes through the copy engine: a block at least `threshold` long, or
+  // strided rows of at least kMinEngineRowBytes each, `threshold` in all, with pitches
+  // cudaMemcpy2DAsync takes (a page's rows across a layer-major pool may be GiBs apart: those
+  // stay in the kernel). One cudaMemcpy2DAsync moves all the rows of a request.
+  static constexpr uint64_t kMinEngineRowBytes = 16 << 10;
   bool UsesCopyEngine(const TransferRequest& r, uint64_t threshold) const {
-    return r.length_bytes >= threshold &&
-           (r.num_rows <= 1 || (r.local_stride <= max_pitch_ && r.remote_stride <= max_pitch_));
+    if (r.num_rows <= 1) return r.length_bytes >= threshold;
+    return r.length_bytes >= kMinEngineRowBytes && r.total_bytes() >= threshold &&
+           r.local_stride <= max_pitch_ && r.remote_stride <= max_pitch_;
   }
 
   const PeerMappings& mappings_;

@@ -26,6 +26,7 @@ ResidentRole ResidentRole::Lone(const NvlinkChannelOptions& options) {
   role.blocks = options.resident_blocks == 0 ? 0 : 1;
   role.max_tiles_in_flight = kLoneTiles;
   role.max_part_tiles = kLoneTiles;
+  role.max_pause_ns = 64;
   return role;
 }
 
@@ -100,6 +101,7 @@ cuda::ResidentArgs ResidentKernel::ArgsFor() const {
   // At least 20 us: with none, blocks would leave at their first miss and nearly every
   // batch would relaunch the kernel.
   a.idle_ns = std::max<uint64_t>(20000, static_cast<uint64_t>(IdleSpinWindow().count()) * 1000);
+  a.max_pause_ns = role_.max_pause_ns;
   return a;
 }
 

@@ -40,6 +40,7 @@ struct ResidentRole {
   int64_t min_tiles_in_flight = 0;
   int64_t max_tiles_in_flight = INT64_MAX;
   uint64_t max_part_tiles = kCombineMaxTiles;
+  uint32_t max_pause_ns = 1024;  // cuda::ResidentArgs::max_pause_ns
 
   // The throughput kernel: NvlinkChannelOptions::resident_blocks blocks, from
   // resident_min_tiles tiles in flight on.
@@ -47,7 +48,8 @@ struct ResidentRole {
   // The latency kernel: one block carrying lone small parts (at most kLoneTiles tiles, with at
   // most kLoneTiles tiles in flight) without a launch each, while they keep coming: a launch
   // and its completion event took 10.5 us for one 4 KiB copy on H200 where a block waiting for
-  // work took 3.7 (docs/perf/nvlink-h100.md, session 15). Off when resident_blocks is 0.
+  // work took 3.7 (docs/perf/nvlink-h100.md, session 15); it looks for work at least every
+  // 64 ns. Off when resident_blocks is 0.
   static constexpr int64_t kLoneTiles = 4;
   static ResidentRole Lone(const NvlinkChannelOptions& options);
 };
