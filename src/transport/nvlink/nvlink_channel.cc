@@ -385,9 +385,17 @@ class NvlinkChannel : public PeerChannel {
       if (!batch.empty()) item_path_.Dispatch(batch);
       item_path_.Poll();
       flights_.Poll([this](BulkFlight& f) { return CompleteBulkFlight(f); });
-      resident_.Poll();
       lone_.Poll();
-      if (!item_path_.idle() || !BulkIdle()) std::this_thread::yield();
+      resident_.Poll();
+      // Only lone jobs in flight: their completion is a microsecond away, and a yield (a
+      // system call) per round would add to its latency.
+      if (!item_path_.idle() || !BulkIdle()) {
+        if (flights_.idle() && resident_.idle() && !parked_.has_parked() && item_path_.idle()) {
+          CpuRelax();
+        } else {
+          std::this_thread::yield();
+        }
+      }
     }
   }
 

@@ -191,7 +191,13 @@ bool ResidentKernel::EndedLocked() {
 // for unclaimed.
 void ResidentKernel::Poll() {
   if (blocks_ == 0) return;
-  if (running_.load(std::memory_order_acquire) &&
+  // Finished jobs first (a flag in host memory), the kernel's end after: asking the driver
+  // about the event takes longer than the flags. With no job waiting, the end is asked about
+  // every 32nd round only (it matters then only to let the progress thread sleep).
+  CompleteDone(OkStatus());
+  const bool waiting = job_tail_.load(std::memory_order_relaxed) <
+                       job_published_.load(std::memory_order_acquire);
+  if (running_.load(std::memory_order_acquire) && (waiting || (++idle_polls_ & 31) == 0) &&
       cudaEventQuery(event_.get()) != cudaErrorNotReady) {
     std::lock_guard<std::mutex> lock(launch_mu_);
     // Asked again under the lock: a submitter may have relaunched the kernel (and recorded
@@ -203,6 +209,11 @@ void ResidentKernel::Poll() {
     std::lock_guard<std::mutex> lock(launch_mu_);
     failed = error_.ok() ? InternalError("resident copy kernel stopped") : error_;
   }
+  const uint64_t tail = CompleteDone(failed);
+  if (tail < job_published_.load(std::memory_order_acquire) && !running_.load()) Ensure();
+}
+
+uint64_t ResidentKernel::CompleteDone(const Status& failed) {
   const uint64_t published = job_published_.load(std::memory_order_acquire);
   uint64_t tail = job_tail_.load(std::memory_order_relaxed);
   while (tail < published) {
@@ -218,7 +229,7 @@ void ResidentKernel::Poll() {
     tiles_in_flight_.fetch_sub(static_cast<int64_t>(job.tiles));
     job.owner->OnBulkDone(done ? OkStatus() : failed, job.tag);
   }
-  if (tail < published && !running_.load()) Ensure();
+  return tail;
 }
 
 }  // namespace kvferry

@@ -114,6 +114,9 @@ class ResidentKernel {
   // Whether the kernel taken for running has ended; if so marks it stopped, and a failed
   // kernel turns the ring off with its error. REQUIRES launch_mu_.
   bool EndedLocked();
+  // Completes, in order, the jobs whose flag is set; with `failed` not OK, every published job
+  // (done ones succeed, the rest fail with it). Returns the new tail. Progress thread only.
+  uint64_t CompleteDone(const Status& failed);
 
   const int device_;
   const ResidentRole role_;
@@ -123,6 +126,7 @@ class ResidentKernel {
   std::atomic<int64_t>& tiles_in_flight_;
   const std::atomic<bool>& progress_sleeping_;
   int blocks_ = 0;               // 0: no resident kernel
+  uint32_t idle_polls_ = 0;      // Poll rounds, for asking about the end while idle
   std::atomic<bool> ok_{false};  // jobs may go to the ring (off after a failure)
 
   // CUDA objects. Members are destroyed bottom-up: the stream (after the destructor stopped
