@@ -155,12 +155,14 @@ __device__ __forceinline__ RingTile LoadRingTile(const RingTile* slot) {
 }
 
 // The published tile count, refreshed from host memory by whichever block holds the poll
-// token (the others keep `known`), so that idle blocks do not all poll over PCIe.
+// token (the others keep `known`), so that idle blocks do not all poll over PCIe. A kernel of
+// one block needs no token.
 __device__ unsigned long long RefreshPublished(const ResidentArgs& a, unsigned long long known) {
+  const bool alone = gridDim.x == 1;
   // Test before the compare-and-swap: while the holder reads host memory (~1 us over PCIe)
   // the others see it held through plain loads instead of contending on the line.
-  if (*reinterpret_cast<volatile unsigned int*>(&a.state->poll_token) != 0u ||
-      atomicCAS(&a.state->poll_token, 0u, 1u) != 0u) {
+  if (!alone && (*reinterpret_cast<volatile unsigned int*>(&a.state->poll_token) != 0u ||
+                 atomicCAS(&a.state->poll_token, 0u, 1u) != 0u)) {
     return known;
   }
   const unsigned long long host =
@@ -170,7 +172,7 @@ __device__ unsigned long long RefreshPublished(const ResidentArgs& a, unsigned l
     atomicExch(&a.state->stop, 1u);
   }
   if (host > known) atomicMax(&a.state->published, host);
-  atomicExch(&a.state->poll_token, 0u);
+  if (!alone) atomicExch(&a.state->poll_token, 0u);
   return host > known ? host : known;
 }
 
@@ -196,7 +198,10 @@ __device__ int ClaimTiles(const ResidentArgs& a, unsigned long long* from) {
       if (cur >= pub) return 0;
     }
     const unsigned long long want = cur + kResidentWarps < pub ? cur + kResidentWarps : pub;
-    if (atomicCAS(&a.state->next_tile, cur, want) == cur) {
+    if (gridDim.x == 1) {
+      *next = want;  // no other block claims
+    }
+    if (gridDim.x == 1 || atomicCAS(&a.state->next_tile, cur, want) == cur) {
       // The ring slots read next were written before the count was published.
       __threadfence_system();
       *from = cur;
@@ -253,7 +258,12 @@ __global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const Res
       // completing the job publishes its flag after them.
       __threadfence_system();
       __syncwarp();
-      if (lane == 0) {
+      if (lane == 0 && tile.job_tiles == 1) {
+        // A job of one tile: this warp's stores are out (the fence above), so its flag goes
+        // now, without the count.
+        *reinterpret_cast<volatile uint64_t*>(&a.job_done[tile.job_slot]) = tile.job_seq + 1;
+        __threadfence_system();
+      } else if (lane == 0) {
         const unsigned int done = atomicAdd(&a.job_count[tile.job_slot], 1u) + 1u;
         if (done == tile.job_tiles) {
           atomicExch(&a.job_count[tile.job_slot], 0u);

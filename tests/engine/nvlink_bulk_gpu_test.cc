@@ -141,8 +141,8 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   add(mixed, 1 << 20, 1 << 20, 1 << 20, 1, 0, 0);                           // copy engine
   add(mixed, 2 << 20, (2 << 20) + 100, 96 << 10, 8, 128 << 10, 160 << 10);  // 2D, copy engine
   add(mixed, 200 << 10, (4 << 20) + 16, 1000, 64, 1024, 1040);              // strided, kernel
-  add(mixed, 300 << 10, 4300 << 10, 20 << 10, 4, 24 << 10, 32 << 10);      // 80 KiB of rows: 2D
-  add(mixed, 400 << 10, 5632 << 10, 8 << 10, 16, 8 << 10, 12 << 10);  // narrow rows: kernel
+  add(mixed, 300 << 10, 4300 << 10, 20 << 10, 4, 24 << 10, 32 << 10);       // 80 KiB of rows: 2D
+  add(mixed, 400 << 10, 5632 << 10, 8 << 10, 16, 8 << 10, 12 << 10);        // narrow rows: kernel
   add(engine_only, 5 << 20, (6 << 20) + 8, (1 << 20) + 3, 1, 0, 0);
   add(engine_only, 3 << 20, 5 << 20, 64 << 10, 4, 100 << 10, 120 << 10);
   // Three contiguous blocks in a row: one cudaMemcpyBatchAsync.

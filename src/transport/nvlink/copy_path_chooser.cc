@@ -64,8 +64,8 @@ void CopyPathChooser::AdvanceLocked(Clock::time_point now) {
       restart(kEngine);
       return;
     }
-    current_ = meters_[kKernel].rate_gbps > kKernelMargin * meters_[kEngine].rate_gbps ? kKernel
-                                                                                     : kEngine;
+    current_ =
+        meters_[kKernel].rate_gbps > kKernelMargin * meters_[kEngine].rate_gbps ? kKernel : kEngine;
     phase_ = kExploit;
     exploit_bytes_ = 0;
     return;

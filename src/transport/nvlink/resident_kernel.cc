@@ -195,8 +195,8 @@ void ResidentKernel::Poll() {
   // about the event takes longer than the flags. With no job waiting, the end is asked about
   // every 32nd round only (it matters then only to let the progress thread sleep).
   CompleteDone(OkStatus());
-  const bool waiting = job_tail_.load(std::memory_order_relaxed) <
-                       job_published_.load(std::memory_order_acquire);
+  const bool waiting =
+      job_tail_.load(std::memory_order_relaxed) < job_published_.load(std::memory_order_acquire);
   if (running_.load(std::memory_order_acquire) && (waiting || (++idle_polls_ & 31) == 0) &&
       cudaEventQuery(event_.get()) != cudaErrorNotReady) {
     std::lock_guard<std::mutex> lock(launch_mu_);
