@@ -55,11 +55,13 @@ struct EngineOptions {
   // choice.
   std::string transport = "auto";
   // NVLink: which engine copies large blocks. 0 (default): measured per peer channel: blocks
-  // of at least 256 KiB go through the copy engine (cudaMemcpyAsync) or the copy kernel,
-  // whichever moved them faster lately (the kernel wins on idle SMs, the copy engine when
-  // kernels compete for them; docs/perf/nvlink-h100.md). Any other value fixes it: blocks at
-  // least that long use the copy engine, smaller ones the kernel (UINT64_MAX: kernel only).
-  // Copies queued behind a start event (layerwise) always use the kernel.
+  // of at least 1 MiB (and strided requests whose rows of at least 16 KiB add up to it) go
+  // through the copy engine (cudaMemcpyBatchAsync, cudaMemcpy2DAsync) unless the copy kernel
+  // moved them 25% faster lately (it may on idle SMs; the copy engine wins when kernels
+  // compete for them; docs/perf/nvlink-h100.md). Any other value fixes it: blocks (or rows
+  // adding up to) at least that long use the copy engine, smaller ones the kernel
+  // (UINT64_MAX: kernel only). Copies queued behind a start event (layerwise) always use the
+  // kernel.
   uint64_t nvlink_copy_engine_threshold_bytes = 0;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small
   // batches (up to 512 tiles of 16 KiB) keep coming, so that each costs no kernel launch, and

@@ -1,14 +1,17 @@
 // Which engine copies a bulk submission's large blocks: the copy kernel (SMs) or the copy
-// engine (cudaMemcpyAsync per block), chosen from what each achieved on this channel.
+// engine (one cudaMemcpyBatchAsync per run of blocks, cudaMemcpy2DAsync per strided request),
+// chosen from what each achieved on this channel.
 //
 // Neither wins everywhere: on an idle GPU the kernel moves 64 KiB..16 MiB blocks at the link's
-// rate and the copy engine pays a host call per block (a 1 MiB block per call reached 205 of
-// 397 GB/s on H200, docs/perf/nvlink-h100.md), while on a GPU whose SMs are busy (prefill's
-// model, a replay's fill kernels) the kernel gets what the other kernels leave and the copy
-// engine does not compete for SMs (87% against 66% of the link in a 500-request replay). So
-// the chooser measures: blocks of at least kMinEngineBytes are eligible; submissions with such
-// blocks run on one path (an arm) for a window of kExploreBytes, then on the other, and the
-// one with the higher rate serves the next kExploitBytes, after which both are measured again.
+// rate while the copy engine pays host calls (a call per 1 MiB block reached 205 of 397 GB/s
+// on H200, a batch call 390; below 512 KiB the kernel stays ahead: docs/perf/nvlink-h100.md),
+// while on a GPU whose SMs are busy (prefill's model, a replay's fill kernels) the kernel gets
+// what the other kernels leave and the copy engine does not compete for SMs (87% against 66%
+// of the link in a 500-request replay). So the chooser measures: blocks of at least
+// kMinEngineBytes are eligible; submissions with such blocks run on one path (an arm) for a
+// window of kExploreBytes, then on the other, and the copy engine serves the next
+// kExploitBytes unless the kernel was kKernelMargin times faster, after which both are
+// measured again.
 // A rate is bytes over the time at least one launch of that arm was in flight (launch call
 // to completion seen by the progress thread), so host call costs and contention both count.
 // Launches issued while the other arm still has launches in flight are not measured: they
