@@ -69,6 +69,24 @@ TEST(EnvTest, ResidentMinTilesAreParsedAndBadValuesNamed) {
   EXPECT_FALSE(ReadEnvConfig()->nvlink_resident_min_tiles.has_value());
 }
 
+TEST(EnvTest, NvlinkStreamPriorityIsParsedAndBadValuesNamed) {
+  ::setenv("KVFERRY_NVLINK_STREAM_PRIORITY", "normal", 1);
+  auto env = ReadEnvConfig();
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->nvlink_stream_priority, "normal");
+  ::setenv("KVFERRY_NVLINK_STREAM_PRIORITY", "urgent", 1);
+  env = ReadEnvConfig();
+  ASSERT_FALSE(env.ok());
+  EXPECT_NE(
+      env.status().message().find("KVFERRY_NVLINK_STREAM_PRIORITY='urgent' must be high or normal"),
+      std::string::npos)
+      << env.status().ToString();
+  ::unsetenv("KVFERRY_NVLINK_STREAM_PRIORITY");
+  env = ReadEnvConfig();
+  ASSERT_TRUE(env.ok());
+  EXPECT_FALSE(env->nvlink_stream_priority.has_value());
+}
+
 TEST(EnvTest, UcxSettingsAndCudaAllocAreParsedAndBadValuesNamed) {
   ::setenv("KVFERRY_UCX_GPU", "bounce", 1);
   ::setenv("KVFERRY_CUDA_ALLOC", "cudamalloc", 1);

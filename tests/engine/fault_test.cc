@@ -182,6 +182,23 @@ TEST_F(FaultTest, DroppedRequestEndsAtItsDeadline) {
   EXPECT_EQ(Differences(region_.data(), std::vector<uint8_t>(65536).data(), 65536), 0u);
 }
 
+// The deadline watchdog keeps its period for a second after the last batch and then sleeps
+// until a batch wakes it: a batch submitted right after another and one submitted after the
+// watchdog fell asleep both end at their deadlines.
+TEST_F(FaultTest, DeadlinesHoldWhileTheWatchdogLingersAndAfterItSlept) {
+  Start("drop=1,ops=write");
+  for (int round = 0; round < 3; ++round) {
+    if (round == 2) std::this_thread::sleep_for(milliseconds(1500));  // past kIdleLinger
+    const auto t0 = Clock::now();
+    Status s = Write(0, 4096, milliseconds(200));
+    const int64_t ms = MsSince(t0);
+    EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << "round " << round << ": " << s.ToString();
+    EXPECT_GE(ms, 190) << "round " << round;
+    EXPECT_LT(ms, 1000) << "round " << round;
+  }
+  EXPECT_EQ(stats_->dropped.load(), 3u);
+}
+
 TEST_F(FaultTest, StalledPeerHoldsRequestsUntilTheirDeadline) {
   Start("stall_after=2");
   EXPECT_TRUE(Write(0, 4096).ok());
