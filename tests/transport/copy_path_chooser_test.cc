@@ -96,9 +96,25 @@ TEST(CopyPathChooserTest, IdleTimeBetweenLaunchesDoesNotCount) {
     chooser.OnDone(c.arm, true, 64 << 20, t);
     t += std::chrono::milliseconds(50);  // idle
   }
-  // The copy engine at 280 GB/s, back to back: slower, so the kernel is kept.
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 280);
+  // The copy engine at 200 GB/s, back to back: the kernel is more than kKernelMargin times
+  // faster, so it is kept.
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 200);
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel) << chooser.Describe();
+}
+
+// The kernel's rate does not show what it takes from other kernels: it must beat the copy
+// engine's by kKernelMargin to serve the exploitation.
+TEST(CopyPathChooserTest, TheKernelNeedsItsMarginOverTheCopyEngine) {
+  for (double kernel : {300.0, 340.0}) {
+    CopyPathChooser chooser(0);
+    Clock::time_point t = Clock::now();
+    Drive(chooser, &t, 64 << 20, 2 * CopyPathChooser::kExploreBytes, kernel, 260);
+    const bool kernel_wins = kernel > CopyPathChooser::kKernelMargin * 260;
+    EXPECT_EQ(kernel_wins, kernel == 340.0);
+    EXPECT_EQ(chooser.Choose(t).arm,
+              kernel_wins ? CopyPathChooser::kKernel : CopyPathChooser::kEngine)
+        << "kernel " << kernel << " GB/s: " << chooser.Describe();
+  }
 }
 
 TEST(CopyPathChooserTest, OverlappingLaunchesCountTheirUnionOnce) {
