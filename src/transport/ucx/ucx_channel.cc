@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <future>
 #include <map>
@@ -15,6 +16,7 @@
 
 #include "common/logging.h"
 #include "common/range_text.h"
+#include "transport/ucx/ucx_am.h"
 
 namespace kvferry::ucx {
 namespace {
@@ -40,7 +42,8 @@ struct Flight {
   std::shared_ptr<WorkItem> item;
   std::shared_ptr<Endpoint> ep;
   bool write = false;
-  int outstanding = 0;  // puts or gets UCX has not called back for
+  bool am = false;      // rows as active messages (ucx_am.h), not put / get
+  int outstanding = 0;  // operations UCX has not called back for, and replies awaited
   bool flush_pending = false;
   bool flushed = false;
   Status error;      // first failed operation
@@ -54,13 +57,26 @@ struct FlushContext {
   std::vector<std::shared_ptr<Flight>> writes;
 };
 
+// One row of an active-message flight; the header stays valid until UCX completed the send.
+struct AmOp {
+  Flight* flight = nullptr;
+  uint64_t id = 0;
+  AmRequest header;
+  uint8_t* local = nullptr;
+  bool sending = false;   // the send of the request (and a WRITE's bytes)
+  bool awaiting = false;  // a READ's reply
+  bool receiving = false;  // a READ's bytes
+};
+
 struct CloseContext {
   UcxChannel* channel = nullptr;
   std::shared_ptr<Endpoint> ep;
 };
 
 // One lane: an endpoint from one local worker to one of the peer's.
-class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxChannel> {
+class UcxChannel : public PeerChannel,
+                   public AmClient,
+                   public std::enable_shared_from_this<UcxChannel> {
  public:
   UcxChannel(const UcxChannelOptions& options, size_t lane)
       : PeerChannel(options.traits), o_(options), lane_(lane), worker_(options.workers[lane]) {
@@ -185,6 +201,48 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     delete ctx;
     MaybeClosed();
   }
+  // AmClient (progress thread).
+  void OnAmDone(uint64_t id, ucs_status_t status) override {
+    AmOp* op = FindAmOp(id);
+    if (op == nullptr || !op->awaiting) return;
+    op->awaiting = false;
+    worker_->RemoveAmOp(id);
+    AmOpDone(op, status == UCS_OK ? UCS_ERR_NO_MESSAGE : status);
+  }
+  ucs_status_t OnAmReadData(uint64_t id, void* desc, size_t length_bytes, bool rndv) override {
+    AmOp* op = FindAmOp(id);
+    if (op == nullptr || !op->awaiting) return UCS_ERR_CANCELED;
+    op->awaiting = false;
+    worker_->RemoveAmOp(id);
+    if (length_bytes != op->header.length) {
+      AmOpDone(op, UCS_ERR_MESSAGE_TRUNCATED);
+      return UCS_ERR_MESSAGE_TRUNCATED;
+    }
+    if (!rndv) {
+      std::memcpy(op->local, desc, length_bytes);
+      AmOpDone(op, UCS_OK);
+      return UCS_OK;
+    }
+    ucp_request_param_t p = {};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p.memory_type = UCS_MEMORY_TYPE_HOST;
+    p.user_data = op;
+    p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+      auto* o = static_cast<AmOp*>(user_data);
+      o->receiving = false;
+      o->flight->channel->AmOpDone(o, status);
+      ucp_request_free(request);
+    };
+    op->receiving = true;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_->worker(), desc, op->local, length_bytes, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      op->receiving = false;
+      AmOpDone(op, r == nullptr ? UCS_OK : UCS_PTR_STATUS(r));
+    }
+    return UCS_OK;
+  }
+
   void EpFailed(ucp_ep_h ep, ucs_status_t status) {
     // Not from inside UCX's callback: the endpoint is closed on the next turn of the loop.
     worker_->Post([self = shared_from_this(), ep, status] {
@@ -202,6 +260,17 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
 
   Status OpError(const Flight& f, ucs_status_t status) const {
     if (!f.ep->reset.ok()) return f.ep->reset;
+    if (f.am && status == kAmRangeRefused) {
+      return FailedPreconditionError(
+          "peer " + o_.peer.Address() + " refused range " +
+          RangeText(f.item->remote_addr, RemoteExtent(*f.item)) +
+          ": not inside a region it registered with remote " + (f.write ? "write" : "read") +
+          " access (nothing was " + (f.write ? "written" : "read") + ")");
+    }
+    if (f.am) {
+      return UnavailableError(Name() + ": " + (f.write ? "write" : "read") +
+                              " as active message failed (" + UcxStatusText(status) + ")");
+    }
     return UnavailableError(Name() + ": " + (f.write ? "put" : "get") + " failed (" +
                             UcxStatusText(status) + ")");
   }
@@ -282,12 +351,19 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
       f->item = std::move(item);
       f->ep = ep_;
       f->write = f->item->kind == WorkItem::Kind::kWrite;
+      const uint64_t row_bytes = f->item->rows <= 1 ? f->item->length : f->item->row_bytes;
+      f->am = o_.am_threshold_bytes > 0 && row_bytes >= o_.am_threshold_bytes &&
+              o_.local_kind == MemoryKind::kHost && region->kind == MemoryKind::kHost;
       flights_[f->item.get()] = f;
-      Issue(f.get(), *rkey);
-      if (f->write && f->error.ok()) writes.push_back(f);
+      if (f->am) {
+        IssueAm(f.get());
+      } else {
+        Issue(f.get(), *rkey);
+        if (f->write && f->error.ok()) writes.push_back(f);
+      }
       started.push_back(std::move(f));
     }
-    if (!writes.empty()) Flush(std::move(writes));
+    if (!writes.empty()) Flush(ep_, std::move(writes));
     for (auto& f : started) Settle(f.get());
   }
 
@@ -320,10 +396,76 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     }
   }
 
-  // One flush of the endpoint after the puts of `writes`: their bytes are in the peer's
-  // memory once it completes.
-  void Flush(std::vector<std::shared_ptr<Flight>> writes) {
-    auto* ctx = new FlushContext{this, ep_, std::move(writes)};
+  // Active messages, one per row, with AmOpDone as the end of each; failures to start go to
+  // f->error. A READ also waits for the target's reply (kAmReadData, or kAmDone refusing).
+  void IssueAm(Flight* f) {
+    const WorkItem& item = *f->item;
+    const uint32_t rows = item.rows <= 1 ? 1 : item.rows;
+    const uint64_t row_bytes = item.rows <= 1 ? item.length : item.row_bytes;
+    for (uint32_t i = 0; i < rows && f->error.ok(); ++i) {
+      auto owned = std::make_unique<AmOp>();
+      AmOp* op = owned.get();
+      op->flight = f;
+      op->id = worker_->AddAmOp(this);
+      op->local = item.local + static_cast<uint64_t>(i) * item.local_stride;
+      op->header = {op->id, item.remote_addr + static_cast<uint64_t>(i) * item.remote_stride,
+                    row_bytes};
+      am_ops_[op->id] = std::move(owned);
+      ucp_request_param_t p = {};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+      p.flags = f->write ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+      p.memory_type = UCS_MEMORY_TYPE_HOST;
+      p.user_data = op;
+      p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+        auto* o = static_cast<AmOp*>(user_data);
+        o->sending = false;
+        o->flight->channel->AmOpDone(o, status);
+        ucp_request_free(request);
+      };
+      op->awaiting = !f->write;
+      f->outstanding += op->awaiting ? 1 : 0;
+      ucs_status_ptr_t r =
+          ucp_am_send_nbx(f->ep->ep, f->write ? kAmWrite : kAmRead, &op->header,
+                          sizeof(op->header), f->write ? op->local : nullptr,
+                          f->write ? row_bytes : 0, &p);
+      if (UCS_PTR_IS_ERR(r)) {
+        if (f->error.ok()) f->error = OpError(*f, UCS_PTR_STATUS(r));
+        if (op->awaiting) {
+          op->awaiting = false;
+          --f->outstanding;
+        }
+      } else if (r != nullptr) {
+        op->sending = true;
+        ++f->outstanding;
+      }
+      MaybeDropAmOp(op);
+    }
+  }
+
+  // One operation of an AM flight ended (a send, a READ's reply or its bytes).
+  void AmOpDone(AmOp* op, ucs_status_t status) {
+    Flight* f = op->flight;
+    MaybeDropAmOp(op);
+    OpDone(f, status);
+  }
+
+  AmOp* FindAmOp(uint64_t id) const {
+    auto it = am_ops_.find(id);
+    return it == am_ops_.end() ? nullptr : it->second.get();
+  }
+
+  // Frees an AmOp once UCX holds none of its operations and no reply is awaited.
+  void MaybeDropAmOp(AmOp* op) {
+    if (op->sending || op->awaiting || op->receiving) return;
+    worker_->RemoveAmOp(op->id);
+    am_ops_.erase(op->id);
+  }
+
+  // One flush of `ep` after the puts of `writes` (or after an AM write's sends completed):
+  // their bytes are in the peer's memory once it completes.
+  void Flush(const std::shared_ptr<Endpoint>& ep, std::vector<std::shared_ptr<Flight>> writes) {
+    auto* ctx = new FlushContext{this, ep, std::move(writes)};
     for (auto& f : ctx->writes) f->flush_pending = true;
     ucp_request_param_t p = {};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -349,6 +491,15 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
       return;
     }
     if (f->outstanding > 0) return;
+    if (f->am && f->write && f->error.ok() && f->abandoned.ok() && !f->flushed &&
+        !f->flush_pending) {
+      // The sends completed: the bytes left; the flush says when they are in the peer's memory.
+      auto it = flights_.find(f->item.get());
+      if (it != flights_.end() && f->ep == ep_) {
+        Flush(f->ep, {it->second});
+        return;
+      }
+    }
     Status status;
     if (!f->abandoned.ok()) {
       status = f->abandoned;
@@ -450,6 +601,18 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     p.user_data = ctx;
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep->ep, &p);
     if (r == nullptr || UCS_PTR_IS_ERR(r)) EpClosed(ctx);
+    // Replies awaited on it never come: those READs fail with `why` (the close cancelled
+    // their sends and any bytes being received).
+    std::vector<uint64_t> waiting;
+    for (const auto& [id, op] : am_ops_) {
+      if (op->awaiting && op->flight->ep == ep) waiting.push_back(id);
+    }
+    for (uint64_t id : waiting) {
+      AmOp* op = FindAmOp(id);
+      if (op == nullptr || !op->awaiting) continue;
+      op->awaiting = false;
+      AmOpDone(op, UCS_ERR_CANCELED);
+    }
   }
 
   void MaybeClosed() {
@@ -514,6 +677,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   std::map<uint64_t, size_t> by_base_;  // peer_.regions by base
   std::shared_ptr<Endpoint> ep_;        // null: none open
   std::unordered_map<WorkItem*, std::shared_ptr<Flight>> flights_;
+  std::unordered_map<uint64_t, std::unique_ptr<AmOp>> am_ops_;  // by op id
   int closing_ = 0;  // endpoints whose close UCX has not finished
   bool logged_tcp_fallback_ = false;
   std::promise<void>* closing_done_ = nullptr;

@@ -98,6 +98,7 @@ class UcxTransport : public Transport, public RegionObserver {
     o.control = setup.control;
     o.refresh = setup.refresh;
     o.local_kind = setup.local_kind;
+    o.am_threshold_bytes = options_.am_threshold_bytes;
     // A strided request: a put or get per row, up to a slice of rows per item.
     o.traits.max_rows_per_item = 4096;
     o.traits.slice_bytes = options_.slice_bytes;

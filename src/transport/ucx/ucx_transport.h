@@ -50,6 +50,11 @@ struct UcxTransportOptions {
   // UCX's event fd (KVFERRY_UCX_SPIN_US). Default 0: on a loaded machine the polling threads
   // (one per lane, on both sides) took the cores the transfer needed (docs/perf/ucx.md).
   std::chrono::microseconds idle_spin{0};
+  // Rows of at least this many bytes between host memory go as UCX active messages with
+  // rendezvous instead of put / get (KVFERRY_UCX_AM_THRESHOLD; 0: never). Where UCX emulates
+  // put and get in software (tcp) that saves a copy in user space on each side, and the target
+  // checks each request against its registered memory (docs/perf/ucx.md).
+  uint64_t am_threshold_bytes = 64ull << 10;
 };
 
 // Whether this build has the UCX transport.
