@@ -54,11 +54,19 @@ void LogRefused(const char* op, const AmRequest& req) {
       op, RangeText(req.addr, req.length), op);
 }
 
-// Target: a peer's WRITE. The bytes go straight into the registered memory, or nowhere.
+// A WRITE being received: its initiator hears kAmDone once the bytes are in place.
+struct WriteReceive {
+  ucp_ep_h reply_ep = nullptr;
+  uint64_t op = 0;
+};
+
+// Target: a peer's WRITE. The bytes go into the registered memory, or nowhere.
 ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* data,
                      size_t length_bytes, const ucp_am_recv_param_t* param) {
   auto* w = static_cast<UcxWorker*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  ucp_ep_h reply_ep =
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
   AmRequest req;
   ucp_mem_h memh = nullptr;
   ucs_memory_type_t type = UCS_MEMORY_TYPE_HOST;
@@ -66,28 +74,46 @@ ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* 
       !w->context().FindMapped(req.addr, req.length, kAccessRemoteWrite, &memh, &type)) {
     LogRefused("write", req);
     // Rendezvous: the initiator's send completes with this status, nothing was received.
-    return rndv ? kAmRangeRefused : UCS_OK;
+    if (rndv) return kAmRangeRefused;
+    if (reply_ep != nullptr) {
+      SendReply(reply_ep, kAmDone, AmReply{req.op, kAmRangeRefused}, nullptr, 0, type);
+    }
+    return UCS_OK;
   }
   if (!rndv) {
     // Only a rendezvous is ever sent; a short message that arrives whole is copied.
-    if (type != UCS_MEMORY_TYPE_HOST) return UCS_OK;
-    std::memcpy(reinterpret_cast<void*>(req.addr), data, length_bytes);
+    const ucs_status_t s = type == UCS_MEMORY_TYPE_HOST ? UCS_OK : UCS_ERR_UNSUPPORTED;
+    if (s == UCS_OK) std::memcpy(reinterpret_cast<void*>(req.addr), data, length_bytes);
+    if (reply_ep != nullptr) SendReply(reply_ep, kAmDone, AmReply{req.op, s}, nullptr, 0, type);
     return UCS_OK;
   }
+  auto* ctx = new WriteReceive{reply_ep, req.op};
   ucp_request_param_t p = {};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   p.memory_type = type;
-  p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void*) {
-    if (status != UCS_OK) {
+  p.user_data = ctx;
+  // Received: the bytes are in place, so the initiator may report the WRITE complete. A
+  // failed receive is not answered: UCX fails it when the endpoint fails, and the endpoint
+  // (and reply_ep with it) may be gone; the initiator's request then fails with its endpoint
+  // or at its deadline.
+  p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+    auto* c = static_cast<WriteReceive*>(user_data);
+    if (status == UCS_OK && c->reply_ep != nullptr) {
+      SendReply(c->reply_ep, kAmDone, AmReply{c->op, UCS_OK}, nullptr, 0, UCS_MEMORY_TYPE_HOST);
+    } else if (status != UCS_OK) {
       KVF_LOG_DEBUG("ucx: a peer's WRITE was not received: {}", UcxStatusText(status));
     }
+    delete c;
     ucp_request_free(request);
   };
   ucs_status_ptr_t r =
       ucp_am_recv_data_nbx(w->worker(), data, reinterpret_cast<void*>(req.addr), req.length, &p);
-  if (UCS_PTR_IS_ERR(r)) {
-    KVF_LOG_DEBUG("ucx: a peer's WRITE could not be received: {}",
-                  UcxStatusText(UCS_PTR_STATUS(r)));
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+    // Done (or failed) at once, inside this callback: reply_ep is valid here.
+    const ucs_status_t s = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
+    if (reply_ep != nullptr) SendReply(reply_ep, kAmDone, AmReply{req.op, s}, nullptr, 0, type);
+    delete ctx;
   }
   return UCS_OK;
 }
@@ -114,7 +140,7 @@ ucs_status_t OnRead(void* arg, const void* header, size_t header_length, void*, 
   return UCS_OK;
 }
 
-// Initiator: a target's refusal of a READ.
+// Initiator: a WRITE landed or failed, or a READ was refused.
 ucs_status_t OnDone(void* arg, const void* header, size_t header_length, void*, size_t,
                     const ucp_am_recv_param_t*) {
   auto* w = static_cast<UcxWorker*>(arg);

@@ -1,15 +1,19 @@
 // Active messages between kvferry's UCX workers: WRITE and READ of large rows as UCX
-// rendezvous, which lands the bytes with no copy in user space where UCX's put and get are
-// emulated in software (tcp: UCX moves rendezvous data with the transport's zero-copy put,
-// socket to memory) and, unlike one-sided put and get, lets the target check every request.
+// rendezvous. Where UCX emulates put and get in software (tcp) each byte is copied in user
+// space on both sides (into a send segment, out of a receive segment); a rendezvous is sent
+// from the source memory itself (UCX 1.13 over tcp with PEER error handling still copies out of
+// the receive segment on the receiving side), and, unlike one-sided put and get, the target
+// checks every request against its registered memory.
 //
 // Protocol (ids below; headers little-endian host structs, both ends kvferry):
 //   WRITE  initiator -> target  kAmWrite, header AmRequest{op, addr, length}, the row's bytes
-//          as rendezvous (UCP_AM_SEND_FLAG_RNDV). The target receives them straight into
-//          [addr, addr + length) if that lies inside one region it mapped with remote write
-//          access, else refuses: the initiator's send completes with UCS_ERR_OUT_OF_RANGE and
-//          nothing is written. The send completing says the data left; a flush of the
-//          endpoint afterwards says it is in the target's memory (tcp acknowledges puts).
+//          as rendezvous (UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY). The target receives
+//          them into [addr, addr + length) if that lies inside one region it mapped with remote
+//          write access, else refuses: the initiator's send completes with
+//          UCS_ERR_OUT_OF_RANGE and nothing is written. Once received, the target answers
+//          kAmDone, AmReply{op, UCS_OK}: the bytes are in its memory (the send completing only
+//          says they left; with PEER error handling UCX 1.13 carries rendezvous data over tcp
+//          as active-message fragments, which no flush waits for).
 //   READ   initiator -> target  kAmRead, header AmRequest, no data (UCP_AM_SEND_FLAG_REPLY);
 //          target -> initiator  kAmReadData, header AmReply{op, UCS_OK}, the bytes of
 //          [addr, addr + length) as rendezvous on the reply endpoint (the endpoint the request

@@ -207,7 +207,8 @@ class UcxChannel : public PeerChannel,
     if (op == nullptr || !op->awaiting) return;
     op->awaiting = false;
     worker_->RemoveAmOp(id);
-    AmOpDone(op, status == UCS_OK ? UCS_ERR_NO_MESSAGE : status);
+    // A WRITE's bytes are in the peer's memory; a READ's come as kAmReadData, never with this.
+    AmOpDone(op, status == UCS_OK && !op->flight->write ? UCS_ERR_NO_MESSAGE : status);
   }
   ucs_status_t OnAmReadData(uint64_t id, void* desc, size_t length_bytes, bool rndv) override {
     AmOp* op = FindAmOp(id);
@@ -397,7 +398,8 @@ class UcxChannel : public PeerChannel,
   }
 
   // Active messages, one per row, with AmOpDone as the end of each; failures to start go to
-  // f->error. A READ also waits for the target's reply (kAmReadData, or kAmDone refusing).
+  // f->error. Each also waits for the target's reply: a WRITE's kAmDone (its bytes are in the
+  // peer's memory), a READ's kAmReadData (or kAmDone refusing).
   void IssueAm(Flight* f) {
     const WorkItem& item = *f->item;
     const uint32_t rows = item.rows <= 1 ? 1 : item.rows;
@@ -414,27 +416,25 @@ class UcxChannel : public PeerChannel,
       ucp_request_param_t p = {};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-      p.flags = f->write ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+      p.flags = UCP_AM_SEND_FLAG_REPLY | (f->write ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
       p.memory_type = UCS_MEMORY_TYPE_HOST;
       p.user_data = op;
       p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
         auto* o = static_cast<AmOp*>(user_data);
         o->sending = false;
-        o->flight->channel->AmOpDone(o, status);
+        o->flight->channel->AmSendDone(o, status);
         ucp_request_free(request);
       };
-      op->awaiting = !f->write;
-      f->outstanding += op->awaiting ? 1 : 0;
+      op->awaiting = true;
+      ++f->outstanding;
       ucs_status_ptr_t r =
           ucp_am_send_nbx(f->ep->ep, f->write ? kAmWrite : kAmRead, &op->header,
                           sizeof(op->header), f->write ? op->local : nullptr,
                           f->write ? row_bytes : 0, &p);
       if (UCS_PTR_IS_ERR(r)) {
         if (f->error.ok()) f->error = OpError(*f, UCS_PTR_STATUS(r));
-        if (op->awaiting) {
-          op->awaiting = false;
-          --f->outstanding;
-        }
+        op->awaiting = false;
+        --f->outstanding;
       } else if (r != nullptr) {
         op->sending = true;
         ++f->outstanding;
@@ -443,7 +443,17 @@ class UcxChannel : public PeerChannel,
     }
   }
 
-  // One operation of an AM flight ended (a send, a READ's reply or its bytes).
+  // An AM send ended. A failed one gets no reply (a refused WRITE, a cancelled send).
+  void AmSendDone(AmOp* op, ucs_status_t status) {
+    if (status != UCS_OK && op->awaiting) {
+      op->awaiting = false;
+      worker_->RemoveAmOp(op->id);
+      OpDone(op->flight, status);
+    }
+    AmOpDone(op, status);
+  }
+
+  // One operation of an AM flight ended (a send, a reply, or a READ's bytes).
   void AmOpDone(AmOp* op, ucs_status_t status) {
     Flight* f = op->flight;
     MaybeDropAmOp(op);
@@ -462,8 +472,8 @@ class UcxChannel : public PeerChannel,
     am_ops_.erase(op->id);
   }
 
-  // One flush of `ep` after the puts of `writes` (or after an AM write's sends completed):
-  // their bytes are in the peer's memory once it completes.
+  // One flush of `ep` after the puts of `writes`: their bytes are in the peer's memory once it
+  // completes.
   void Flush(const std::shared_ptr<Endpoint>& ep, std::vector<std::shared_ptr<Flight>> writes) {
     auto* ctx = new FlushContext{this, ep, std::move(writes)};
     for (auto& f : ctx->writes) f->flush_pending = true;
@@ -491,21 +501,12 @@ class UcxChannel : public PeerChannel,
       return;
     }
     if (f->outstanding > 0) return;
-    if (f->am && f->write && f->error.ok() && f->abandoned.ok() && !f->flushed &&
-        !f->flush_pending) {
-      // The sends completed: the bytes left; the flush says when they are in the peer's memory.
-      auto it = flights_.find(f->item.get());
-      if (it != flights_.end() && f->ep == ep_) {
-        Flush(f->ep, {it->second});
-        return;
-      }
-    }
     Status status;
     if (!f->abandoned.ok()) {
       status = f->abandoned;
     } else if (!f->error.ok()) {
       status = f->error;
-    } else if (f->write && !f->flushed) {
+    } else if (f->write && !f->am && !f->flushed) {
       if (f->flush_pending) return;
       status = UnavailableError(Name() + ": write not flushed");
     }
@@ -601,8 +602,8 @@ class UcxChannel : public PeerChannel,
     p.user_data = ctx;
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep->ep, &p);
     if (r == nullptr || UCS_PTR_IS_ERR(r)) EpClosed(ctx);
-    // Replies awaited on it never come: those READs fail with `why` (the close cancelled
-    // their sends and any bytes being received).
+    // Replies awaited on it never come: those rows fail with `why` (the close cancelled their
+    // sends and any bytes being received).
     std::vector<uint64_t> waiting;
     for (const auto& [id, op] : am_ops_) {
       if (op->awaiting && op->flight->ep == ep) waiting.push_back(id);

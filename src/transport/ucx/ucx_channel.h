@@ -16,8 +16,9 @@
 // the peer's TCP control channel instead, for host memory on this side.
 //
 // Completion: an item completes once every put or get of it completed (a WRITE also once a
-// flush of the endpoint issued after its puts, or after its active messages completed: its
-// bytes are in the peer's memory; a READ by active message once its bytes were received),
+// flush of the endpoint issued after its puts completed: its bytes are in the peer's memory);
+// by active messages, once the peer answered each row of a WRITE (its bytes are in the peer's
+// memory) and each row of a READ was received here,
 // with the first failure of any of them: a flush alone never makes an item succeed. Notifications
 // and descriptor queries go over the control channel.
 //

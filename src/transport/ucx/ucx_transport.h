@@ -54,7 +54,7 @@ struct UcxTransportOptions {
   // rendezvous instead of put / get (KVFERRY_UCX_AM_THRESHOLD; 0: never). Where UCX emulates
   // put and get in software (tcp) that saves a copy in user space on each side, and the target
   // checks each request against its registered memory (docs/perf/ucx.md).
-  uint64_t am_threshold_bytes = 64ull << 10;
+  uint64_t am_threshold_bytes = 128ull << 10;
 };
 
 // Whether this build has the UCX transport.
