@@ -23,6 +23,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "transport/memory_registry.h"
@@ -31,6 +32,8 @@
 namespace kvferry {
 
 struct UcxTransportOptions {
+  static constexpr uint64_t kAmThresholdWithoutRdma = 128ull << 10;
+
   // Reach peers on this engine's node too (the transport was forced); otherwise only peers on
   // other nodes, where UCX is preferred over TCP.
   bool same_node = false;
@@ -52,9 +55,11 @@ struct UcxTransportOptions {
   std::chrono::microseconds idle_spin{0};
   // Rows of at least this many bytes between host memory go as UCX active messages with
   // rendezvous instead of put / get (KVFERRY_UCX_AM_THRESHOLD; 0: never). Where UCX emulates
-  // put and get in software (tcp) that saves a copy in user space on each side, and the target
-  // checks each request against its registered memory (docs/perf/ucx.md).
-  uint64_t am_threshold_bytes = 128ull << 10;
+  // put and get in software (tcp) that saves the sender's copy in user space, and the target
+  // checks each request against its registered memory (docs/perf/ucx.md); with RDMA one-sided
+  // put and get leave the target's CPU out. Unset: 128 KiB on hosts without RDMA devices
+  // (/sys/class/infiniband empty or absent: UCX reaches other nodes over tcp only), else 0.
+  std::optional<uint64_t> am_threshold_bytes;
 };
 
 // Whether this build has the UCX transport.
