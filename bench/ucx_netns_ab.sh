@@ -132,13 +132,13 @@ ceilings_round() {
     iters=$(( (1 << 30) / bytes ))
     (( iters < 100 )) && iters=100
     port=$((port + 1))
-    UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-1M} \
+    UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-512K} \
       UCX_TCP_SNDBUF=${UCX_TCP_SNDBUF:-4M} UCX_TCP_RCVBUF=${UCX_TCP_RCVBUF:-4M} \
       ip netns exec "$ns_b" ucx_perftest -p "$port" >/dev/null 2>&1 &
     server=$!
     pids+=("$server")
     sleep 0.5
-    UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-1M} \
+    UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-512K} \
       UCX_TCP_SNDBUF=${UCX_TCP_SNDBUF:-4M} UCX_TCP_RCVBUF=${UCX_TCP_RCVBUF:-4M} \
       timeout 60 ip netns exec "$ns_a" ucx_perftest "$ip_b" -p "$port" -t ucp_put_bw -s "$bytes" \
       -n "$iters" -w 10 -f >"$out/r${round}_perftest_$block.txt" 2>&1

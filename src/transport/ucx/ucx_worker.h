@@ -44,7 +44,7 @@ struct UcxDefault {
   const char* value;
 };
 inline constexpr UcxDefault kUcxDefaults[] = {{"TCP_TX_SEG_SIZE", "256K"},
-                                              {"TCP_RX_SEG_SIZE", "1M"},
+                                              {"TCP_RX_SEG_SIZE", "512K"},
                                               {"TCP_SNDBUF", "4M"},
                                               {"TCP_RCVBUF", "4M"}};
 
