@@ -342,16 +342,17 @@ TEST_P(UcxNetnsTest, RowsAroundTheThresholdByteForByte) {
     writes.push_back({TransferOp::kWrite, src.data() + offset, segment_, rw(offset), len});
     offset += len + 1 + rng() % 512;
   };
-  for (uint64_t len : std::initializer_list<uint64_t>{kAmThreshold - 1, kAmThreshold, kAmThreshold + 1, 3 * kAmThreshold + 7,
-                       (1ull << 20) - 1, (1ull << 20) + 1}) {
+  for (uint64_t len :
+       std::initializer_list<uint64_t>{kAmThreshold - 1, kAmThreshold, kAmThreshold + 1,
+                                       3 * kAmThreshold + 7, (1ull << 20) - 1, (1ull << 20) + 1}) {
     add(len);
   }
   for (int i = 0; i < 8; ++i) add(1 + rng() % (1ull << 20));
   ASSERT_LT(offset, (13ull << 20));
   // Rows of 70000 bytes (above the threshold) at strides 80000 here and 90000 there.
   const uint64_t row = 70000, rows = 20;
-  TransferRequest strided{TransferOp::kWrite, src.data() + offset, segment_, rw(offset), row,
-                          rows,               80000,               90000};
+  TransferRequest strided{
+      TransferOp::kWrite, src.data() + offset, segment_, rw(offset), row, rows, 80000, 90000};
   writes.push_back(strided);
   for (size_t i = 0; i < writes.size(); i += 8) {
     Status s = Run(std::span(writes).subspan(i, std::min<size_t>(8, writes.size() - i)));
@@ -411,8 +412,8 @@ TEST_P(UcxNetnsTest, KilledPeerFailsInFlightReadsAtOnce) {
   std::vector<uint8_t> dst(16 * len);
   std::vector<TransferRequest> reqs;
   for (int i = 0; i < 256; ++i) {
-    reqs.push_back({TransferOp::kRead, dst.data() + (i % 16) * len, segment_,
-                    rw((i % 16) * len), len});
+    reqs.push_back(
+        {TransferOp::kRead, dst.data() + (i % 16) * len, segment_, rw((i % 16) * len), len});
   }
   BatchOptions o;
   o.deadline = milliseconds(20000);
@@ -489,7 +490,7 @@ TEST_P(UcxNetnsTest, PeerFrozenMidBatchFailsAtTheDeadlineAndWhatCompletedLanded)
 INSTANTIATE_TEST_SUITE_P(Rows, UcxNetnsTest, ::testing::Values(0, kAmThreshold),
                          [](const ::testing::TestParamInfo<uint64_t>& param) {
                            return param.param == 0 ? std::string("PutGet")
-                                                  : std::string("ActiveMessages");
+                                                   : std::string("ActiveMessages");
                          });
 
 TEST(UcxNetnsPeerTest, ForcedUcxToAPeerWithoutItFailsClearly) {

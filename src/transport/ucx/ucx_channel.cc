@@ -63,8 +63,8 @@ struct AmOp {
   uint64_t id = 0;
   AmRequest header;
   uint8_t* local = nullptr;
-  bool sending = false;   // the send of the request (and a WRITE's bytes)
-  bool awaiting = false;  // a READ's reply
+  bool sending = false;    // the send of the request (and a WRITE's bytes)
+  bool awaiting = false;   // the target's answer (kAmDone, or a READ's kAmReadData)
   bool receiving = false;  // a READ's bytes
 };
 
@@ -217,7 +217,7 @@ class UcxChannel : public PeerChannel,
     worker_->RemoveAmOp(id);
     if (length_bytes != op->header.length) {
       AmOpDone(op, UCS_ERR_MESSAGE_TRUNCATED);
-      return UCS_ERR_MESSAGE_TRUNCATED;
+      return rndv ? UCS_ERR_MESSAGE_TRUNCATED : UCS_OK;  // an error only refuses a rendezvous
     }
     if (!rndv) {
       std::memcpy(op->local, desc, length_bytes);
@@ -262,11 +262,11 @@ class UcxChannel : public PeerChannel,
   Status OpError(const Flight& f, ucs_status_t status) const {
     if (!f.ep->reset.ok()) return f.ep->reset;
     if (f.am && status == kAmRangeRefused) {
-      return FailedPreconditionError(
-          "peer " + o_.peer.Address() + " refused range " +
-          RangeText(f.item->remote_addr, RemoteExtent(*f.item)) +
-          ": not inside a region it registered with remote " + (f.write ? "write" : "read") +
-          " access (nothing was " + (f.write ? "written" : "read") + ")");
+      return FailedPreconditionError("peer " + o_.peer.Address() + " refused range " +
+                                     RangeText(f.item->remote_addr, RemoteExtent(*f.item)) +
+                                     ": not inside a region it registered with remote " +
+                                     (f.write ? "write" : "read") + " access (nothing was " +
+                                     (f.write ? "written" : "read") + ")");
     }
     if (f.am) {
       return UnavailableError(Name() + ": " + (f.write ? "write" : "read") +
@@ -416,7 +416,8 @@ class UcxChannel : public PeerChannel,
       ucp_request_param_t p = {};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-      p.flags = UCP_AM_SEND_FLAG_REPLY | (f->write ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
+      p.flags =
+          UCP_AM_SEND_FLAG_REPLY | (f->write ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
       p.memory_type = UCS_MEMORY_TYPE_HOST;
       p.user_data = op;
       p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
@@ -428,9 +429,8 @@ class UcxChannel : public PeerChannel,
       op->awaiting = true;
       ++f->outstanding;
       ucs_status_ptr_t r =
-          ucp_am_send_nbx(f->ep->ep, f->write ? kAmWrite : kAmRead, &op->header,
-                          sizeof(op->header), f->write ? op->local : nullptr,
-                          f->write ? row_bytes : 0, &p);
+          ucp_am_send_nbx(f->ep->ep, f->write ? kAmWrite : kAmRead, &op->header, sizeof(op->header),
+                          f->write ? op->local : nullptr, f->write ? row_bytes : 0, &p);
       if (UCS_PTR_IS_ERR(r)) {
         if (f->error.ok()) f->error = OpError(*f, UCS_PTR_STATUS(r));
         op->awaiting = false;

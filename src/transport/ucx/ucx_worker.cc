@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <future>
 
-#include "common/logging.h"
 #include "common/checks.h"
+#include "common/logging.h"
 #include "common/spin.h"
 #include "transport/ucx/ucx_am.h"
 
