@@ -8,7 +8,7 @@
 # 1. iperf3 (one stream) from namespace A to B: the plain TCP ceiling of the veth pair.
 # 2. ucx_perftest -t ucp_put_bw (ucx-utils) A -> B at each block size, with the same UCX
 #    settings kvferry uses: UCX_TLS=tcp, UCX_NET_DEVICES=<the veth end>, and kvferry's UCX
-#    defaults (UCX_TCP_TX_SEG_SIZE=256K UCX_TCP_RX_SEG_SIZE=1M UCX_TCP_SNDBUF=4M
+#    defaults (UCX_TCP_TX_SEG_SIZE=256K UCX_TCP_RX_SEG_SIZE=512K UCX_TCP_SNDBUF=4M
 #    UCX_TCP_RCVBUF=4M) unless the caller exported its own.
 # 3. `kvferry bench --transport ucx` (initiator in A, `kvferry bench --serve` in B).
 # 4. `kvferry bench --transport tcp` between the same two namespaces.
@@ -68,7 +68,7 @@ in_b() { ip netns exec "$ns_b" "$@"; }
 export UCX_TLS="${UCX_TLS:-tcp}"
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-$dev}"
 export UCX_TCP_TX_SEG_SIZE="${UCX_TCP_TX_SEG_SIZE:-256K}"
-export UCX_TCP_RX_SEG_SIZE="${UCX_TCP_RX_SEG_SIZE:-1M}"
+export UCX_TCP_RX_SEG_SIZE="${UCX_TCP_RX_SEG_SIZE:-512K}"
 export UCX_TCP_SNDBUF="${UCX_TCP_SNDBUF:-4M}"
 export UCX_TCP_RCVBUF="${UCX_TCP_RCVBUF:-4M}"
 export KVFERRY_AUTH_TOKEN="${KVFERRY_AUTH_TOKEN:-ucx-netns-bench-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"

@@ -3,7 +3,8 @@
 # joined by a veth pair), with the CPU time each configuration costs:
 #
 #   bench/ucx_netns_ab.sh [--binary PATH] [--out DIR] [--rounds N] [--block-sizes LIST]
-#                         [--duration S] [--threads N] [--batch N] [--ceilings]
+#                         [--duration S] [--threads N] [--batch N] [--op write|read]
+#                         [--ceilings]
 #                         CONFIG...
 #
 # CONFIG is NAME=TRANSPORT[:VAR=VALUE[,VAR=VALUE...]], for example
@@ -11,9 +12,9 @@
 # The variables apply to both sides (target and initiator). Every round runs every
 # configuration once per block size, in turn (A B C A B C ...), so that the load of a shared
 # machine falls on all of them alike. Each measurement is one `kvferry bench` initiator in
-# namespace A against its own `kvferry bench --serve` target in B; the CPU time of both
-# processes (user + system, whole lifetime: setup and the 0.2 s warm-up included) is read from
-# /proc and divided by the bytes moved. With --ceilings each round also runs iperf3 (one
+# namespace A against its own `kvferry bench --serve` target in B (WRITE, or READ with --op
+# read); the CPU time of both processes (user + system, whole lifetime: setup and the 0.2 s
+# warm-up included) is read from /proc and divided by the bytes moved. With --ceilings each round also runs iperf3 (one
 # stream) and `ucx_perftest -t ucp_put_bw` at each block size (kvferry's UCX defaults).
 #
 # UCX settings not given in a CONFIG: UCX_TLS=tcp, UCX_NET_DEVICES=<the veth end> (and
@@ -29,6 +30,7 @@ block_sizes="256KiB,1MiB,4MiB"
 duration=2
 threads=2
 batch=8
+op=write
 ceilings=0
 configs=()
 while [[ $# -gt 0 ]]; do
@@ -40,8 +42,9 @@ while [[ $# -gt 0 ]]; do
     --duration) duration="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
     --batch) batch="$2"; shift 2 ;;
+    --op) op="$2"; shift 2 ;;
     --ceilings) ceilings=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     -*) echo "ucx_netns_ab.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
@@ -96,7 +99,7 @@ run_one() {  # round name transport envlist block
   local server=$target_pid
   timeout 120 ip netns exec "$ns_a" env "${envargs[@]}" /usr/bin/time -f "%U %S" -o "$log.time" \
     "$binary" bench --target "$ip_b:$port" --transport "$transport" --block-size "$block" \
-    --batch-size "$batch" --threads "$threads" --duration "$duration" --json "$log.json" \
+    --batch-size "$batch" --threads "$threads" --duration "$duration" --op "$op" --json "$log.json" \
     >"$log.txt" 2>&1
   local target_cpu
   target_cpu="$(cpu_of "$server")"
@@ -129,13 +132,13 @@ ceilings_round() {
     iters=$(( (1 << 30) / bytes ))
     (( iters < 100 )) && iters=100
     port=$((port + 1))
-    UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-1M} \
+    UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-512K} \
       UCX_TCP_SNDBUF=${UCX_TCP_SNDBUF:-4M} UCX_TCP_RCVBUF=${UCX_TCP_RCVBUF:-4M} \
       ip netns exec "$ns_b" ucx_perftest -p "$port" >/dev/null 2>&1 &
     server=$!
     pids+=("$server")
     sleep 0.5
-    UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-1M} \
+    UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-512K} \
       UCX_TCP_SNDBUF=${UCX_TCP_SNDBUF:-4M} UCX_TCP_RCVBUF=${UCX_TCP_RCVBUF:-4M} \
       timeout 60 ip netns exec "$ns_a" ucx_perftest "$ip_b" -p "$port" -t ucp_put_bw -s "$bytes" \
       -n "$iters" -w 10 -f >"$out/r${round}_perftest_$block.txt" 2>&1

@@ -92,6 +92,7 @@ class EngineImpl : public TransferEngine {
     if (StatusOr<EnvConfig> env = ReadEnvConfig(); env.ok()) {  // validated in Create
       t.ucx.gpu_bounce = env->ucx_gpu == "bounce";
       if (env->ucx_spin_us) t.ucx.idle_spin = std::chrono::microseconds(*env->ucx_spin_us);
+      if (env->ucx_am_threshold_bytes) t.ucx.am_threshold_bytes = *env->ucx_am_threshold_bytes;
     }
     t.nvlink.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;

@@ -120,5 +120,16 @@ TEST(EnvTest, UcxSettingsAndCudaAllocAreParsedAndBadValuesNamed) {
   EXPECT_FALSE(ReadEnvConfig()->ucx_spin_us.has_value());
 }
 
+TEST(EnvTest, UcxActiveMessageThresholdIsAByteSize) {
+  ::setenv("KVFERRY_UCX_AM_THRESHOLD", "256KiB", 1);
+  auto env = ReadEnvConfig();
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->ucx_am_threshold_bytes, 256u << 10);
+  ::setenv("KVFERRY_UCX_AM_THRESHOLD", "0", 1);
+  EXPECT_EQ(ReadEnvConfig()->ucx_am_threshold_bytes, 0u);
+  ExpectEachRefusedByName("KVFERRY_UCX_AM_THRESHOLD", {"-1", "big", "12XB"});
+  EXPECT_FALSE(ReadEnvConfig()->ucx_am_threshold_bytes.has_value());
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -1,13 +1,16 @@
 // The UCX transport between two "nodes": this test's engine in this process's network
 // namespace, a peer process in a namespace of its own, joined by a veth pair; UCX pinned to
 // tcp (namespaces do not isolate shared memory) on the veth ends. Needs root; skips where
-// namespaces cannot be made or UCX is not built.
+// namespaces cannot be made or UCX is not built. UcxNetnsTest runs twice: with every row as
+// put / get (KVFERRY_UCX_AM_THRESHOLD=0) and with rows of at least 64 KiB as active messages
+// (transport/ucx/ucx_am.h).
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -51,13 +54,16 @@ StatusOr<std::unique_ptr<TransferEngine>> UcxEngine(
   return TransferEngine::Create(options);
 }
 
-class UcxNetnsTest : public ::testing::Test {
+constexpr uint64_t kAmThreshold = 64ull << 10;
+
+class UcxNetnsTest : public ::testing::TestWithParam<uint64_t> {
  protected:
   void SetUp() override {
     if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";
     netns_ = std::make_unique<testutil::VethNamespace>("u");
     if (!netns_->ok()) GTEST_SKIP() << netns_->why();
     PinUcx(*netns_);
+    ::setenv("KVFERRY_UCX_AM_THRESHOLD", std::to_string(GetParam()).c_str(), 1);
     peer_ = std::make_unique<testutil::PeerProcess>(kRegionBytes, PeerIn(*netns_));
     ASSERT_TRUE(peer_->ok());
     auto engine = UcxEngine(*netns_);
@@ -71,6 +77,22 @@ class UcxNetnsTest : public ::testing::Test {
     engine_.reset();
     peer_.reset();
     netns_.reset();
+    ::unsetenv("KVFERRY_UCX_AM_THRESHOLD");
+  }
+
+  bool ActiveMessages() const { return GetParam() > 0; }
+
+  // Sends `message` to the peer and waits up to 10 s for its reply `expect`.
+  bool Ask(const std::string& message, const std::string& expect) {
+    if (!engine_->SendNotification(segment_, message, std::chrono::seconds(5)).ok()) return false;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < until) {
+      for (const Notification& n : engine_->PollNotifications()) {
+        if (n.message == expect) return true;
+      }
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    return false;
   }
 
   uint64_t rw(uint64_t offset) const { return peer_->info().rw_base + offset; }
@@ -87,7 +109,7 @@ class UcxNetnsTest : public ::testing::Test {
   SegmentHandle segment_;
 };
 
-TEST_F(UcxNetnsTest, RandomSizesWrittenAndReadBackByteForByte) {
+TEST_P(UcxNetnsTest, RandomSizesWrittenAndReadBackByteForByte) {
   auto route = engine_->DescribeRoute(segment_, MemoryKind::kHost);
   ASSERT_TRUE(route.ok()) << route.status().ToString();
   EXPECT_EQ(*route, "ucx");
@@ -158,7 +180,7 @@ std::vector<uint64_t> WriteReadVerify(TransferEngine& engine, SegmentHandle segm
   return moved;
 }
 
-TEST_F(UcxNetnsTest, ABatchSpreadsEvenlyOverTheLanes) {
+TEST_P(UcxNetnsTest, ABatchSpreadsEvenlyOverTheLanes) {
   // 8 blocks of 4 MiB: 32 slices of 1 MiB each way, 8 per lane.
   const std::vector<uint64_t> moved = WriteReadVerify(*engine_, segment_, rw(0), 8, 4ull << 20);
   ASSERT_EQ(moved.size(), 4u);
@@ -204,7 +226,7 @@ TEST(UcxNetnsLanesTest, LaneCountOutOfRangeIsRefused) {
   }
 }
 
-TEST_F(UcxNetnsTest, StridedRowsLandAtTheirStrides) {
+TEST_P(UcxNetnsTest, StridedRowsLandAtTheirStrides) {
   const uint32_t rows = 64;
   const uint64_t row = 3000, local_stride = 4096, remote_stride = 8192;
   std::vector<uint8_t> src(rows * local_stride), back(rows * local_stride, 0);
@@ -230,7 +252,7 @@ TEST_F(UcxNetnsTest, StridedRowsLandAtTheirStrides) {
   }
 }
 
-TEST_F(UcxNetnsTest, OutsideRegisteredMemoryFailsAndTouchesNothing) {
+TEST_P(UcxNetnsTest, OutsideRegisteredMemoryFailsAndTouchesNothing) {
   std::vector<uint8_t> src(8192, 0xEE);
   // Past the end of the read-write region, and into the read-only region.
   TransferRequest past{TransferOp::kWrite, src.data(), segment_, rw(kRegionBytes - 4096), 8192};
@@ -250,7 +272,7 @@ TEST_F(UcxNetnsTest, OutsideRegisteredMemoryFailsAndTouchesNothing) {
   for (uint64_t i = 0; i < back.size(); ++i) ASSERT_EQ(back[i], PeerPatternByte(i)) << i;
 }
 
-TEST_F(UcxNetnsTest, KilledPeerFailsInFlightRequestsAtOnce) {
+TEST_P(UcxNetnsTest, KilledPeerFailsInFlightRequestsAtOnce) {
   const uint64_t len = 4ull << 20;
   std::vector<uint8_t> src(len, 1);
   std::vector<TransferRequest> reqs;
@@ -273,7 +295,7 @@ TEST_F(UcxNetnsTest, KilledPeerFailsInFlightRequestsAtOnce) {
   EXPECT_LT(st->num_completed, reqs.size());
 }
 
-TEST_F(UcxNetnsTest, FrozenPeerFailsAtTheDeadlineAndNothingCancelledCounts) {
+TEST_P(UcxNetnsTest, FrozenPeerFailsAtTheDeadlineAndNothingCancelledCounts) {
   const uint64_t len = 16ull << 20;
   std::vector<uint8_t> src(len, 2), dst(len, 0);
   peer_->Stop();
@@ -306,6 +328,170 @@ TEST_F(UcxNetnsTest, FrozenPeerFailsAtTheDeadlineAndNothingCancelledCounts) {
   ASSERT_TRUE(Run(std::span(&r, 1), milliseconds(10000)).ok());
   EXPECT_EQ(back, small);
 }
+
+TEST_P(UcxNetnsTest, RowsAroundTheThresholdByteForByte) {
+  // Contiguous blocks just below, at and above the threshold, and strided rows on both sides.
+  std::vector<uint8_t> src(16 << 20), back(src.size(), 0);
+  ASSERT_TRUE(engine_->RegisterMemory(src.data(), src.size(), {}, kAccessNone).ok());
+  ASSERT_TRUE(engine_->RegisterMemory(back.data(), back.size(), {}, kAccessNone).ok());
+  std::mt19937_64 rng(GetParam() + 3);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<TransferRequest> writes;
+  uint64_t offset = 0;
+  auto add = [&](uint64_t len) {
+    writes.push_back({TransferOp::kWrite, src.data() + offset, segment_, rw(offset), len});
+    offset += len + 1 + rng() % 512;
+  };
+  for (uint64_t len :
+       std::initializer_list<uint64_t>{kAmThreshold - 1, kAmThreshold, kAmThreshold + 1,
+                                       3 * kAmThreshold + 7, (1ull << 20) - 1, (1ull << 20) + 1}) {
+    add(len);
+  }
+  for (int i = 0; i < 8; ++i) add(1 + rng() % (1ull << 20));
+  ASSERT_LT(offset, (13ull << 20));
+  // Rows of 70000 bytes (above the threshold) at strides 80000 here and 90000 there.
+  const uint64_t row = 70000, rows = 20;
+  TransferRequest strided{
+      TransferOp::kWrite, src.data() + offset, segment_, rw(offset), row, rows, 80000, 90000};
+  writes.push_back(strided);
+  for (size_t i = 0; i < writes.size(); i += 8) {
+    Status s = Run(std::span(writes).subspan(i, std::min<size_t>(8, writes.size() - i)));
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  std::vector<TransferRequest> reads = writes;
+  for (TransferRequest& r : reads) {
+    r.op = TransferOp::kRead;
+    r.local_addr = back.data() + (static_cast<const uint8_t*>(r.local_addr) - src.data());
+  }
+  Status s = Run(reads);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  for (size_t i = 0; i + 1 < writes.size(); ++i) {
+    const uint64_t off = static_cast<const uint8_t*>(writes[i].local_addr) - src.data();
+    EXPECT_EQ(std::memcmp(src.data() + off, back.data() + off, writes[i].length_bytes), 0)
+        << "block " << i << " of " << writes[i].length_bytes << " bytes";
+  }
+  for (uint64_t i = 0; i < rows; ++i) {
+    const uint64_t off = offset + i * 80000;
+    ASSERT_EQ(std::memcmp(src.data() + off, back.data() + off, row), 0) << "row " << i;
+  }
+  // The peer's bytes between the rows kept their pattern.
+  std::vector<uint8_t> gap(90000 - row);
+  TransferRequest g{TransferOp::kRead, gap.data(), segment_, rw(offset + row), gap.size()};
+  ASSERT_TRUE(Run(std::span(&g, 1)).ok());
+  for (uint64_t i = 0; i < gap.size(); ++i) {
+    ASSERT_EQ(gap[i], PeerPatternByte(offset + row + i)) << i;
+  }
+  EXPECT_TRUE(engine_->UnregisterMemory(src.data()).ok());
+  EXPECT_TRUE(engine_->UnregisterMemory(back.data()).ok());
+}
+
+TEST_P(UcxNetnsTest, TheTargetRefusesARangeItNoLongerRegistered) {
+  if (!ActiveMessages()) GTEST_SKIP() << "one-sided put / get: the target sees no request";
+  // This engine's descriptor of the peer still lists the read-write region: only the
+  // target's own check can refuse.
+  ASSERT_TRUE(Ask("unregister-rw", "unregistered"));
+  std::vector<uint8_t> src(1 << 20, 0xEE), dst(1 << 20, 0);
+  TransferRequest w{TransferOp::kWrite, src.data(), segment_, rw(0), src.size()};
+  Status s = Run(std::span(&w, 1));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("refused range"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("remote write access"), std::string::npos) << s.ToString();
+  TransferRequest r{TransferOp::kRead, dst.data(), segment_, rw(0), dst.size()};
+  s = Run(std::span(&r, 1));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("remote read access"), std::string::npos) << s.ToString();
+  for (uint8_t b : dst) ASSERT_EQ(b, 0);
+  // Registered again, the region still holds its pattern: nothing was written.
+  ASSERT_TRUE(Ask("register-rw", "registered"));
+  ASSERT_TRUE(Run(std::span(&r, 1)).ok());
+  for (uint64_t i = 0; i < dst.size(); ++i) ASSERT_EQ(dst[i], PeerPatternByte(i)) << i;
+}
+
+TEST_P(UcxNetnsTest, KilledPeerFailsInFlightReadsAtOnce) {
+  const uint64_t len = 4ull << 20;
+  std::vector<uint8_t> dst(16 * len);
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < 256; ++i) {
+    reqs.push_back(
+        {TransferOp::kRead, dst.data() + (i % 16) * len, segment_, rw((i % 16) * len), len});
+  }
+  BatchOptions o;
+  o.deadline = milliseconds(20000);
+  auto start = std::chrono::steady_clock::now();
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  std::this_thread::sleep_for(milliseconds(30));
+  peer_->Kill();
+  auto st = engine_->WaitBatch(*id, milliseconds(30000));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+  EXPECT_LT(elapsed, milliseconds(5000)) << "well before the 20 s deadline";
+  EXPECT_LT(st->num_completed, reqs.size());
+}
+
+TEST_P(UcxNetnsTest, PeerFrozenMidBatchFailsAtTheDeadlineAndWhatCompletedLanded) {
+  const uint64_t len = 1ull << 20;
+  const int blocks = 48;
+  std::vector<uint8_t> src(blocks * len), dst(blocks * len, 0);
+  std::mt19937_64 rng(GetParam() + 11);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  // WRITEs to the first half of the region, READs of its second half.
+  auto Remote = [&](int i) { return (i % 2 == 0 ? 0 : 32ull << 20) + (i / 2) * len; };
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < blocks; ++i) {
+    if (i % 2 == 0) {
+      reqs.push_back({TransferOp::kWrite, src.data() + i * len, segment_, rw(Remote(i)), len});
+    } else {
+      reqs.push_back({TransferOp::kRead, dst.data() + i * len, segment_, rw(Remote(i)), len});
+    }
+  }
+  BatchOptions o;
+  o.deadline = milliseconds(1500);
+  auto start = std::chrono::steady_clock::now();
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok());
+  std::this_thread::sleep_for(milliseconds(15));
+  peer_->Stop();
+  auto st = engine_->WaitBatch(*id, milliseconds(10000));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(st.ok());
+  peer_->Continue();
+  if (st->state == TransferState::kCompleted) GTEST_SKIP() << "the batch finished before the stop";
+  EXPECT_EQ(st->state, TransferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded) << st->error.ToString();
+  EXPECT_LT(elapsed, milliseconds(4000));
+  // Every request reported complete moved its bytes: WRITEs are in the peer, READs here.
+  std::vector<size_t> done_writes;
+  for (int i = 0; i < blocks; ++i) {
+    auto r = engine_->GetTransferStatus(*id, i);
+    ASSERT_TRUE(r.ok());
+    ASSERT_TRUE(r->state == TransferState::kCompleted || r->state == TransferState::kFailed) << i;
+    if (r->state != TransferState::kCompleted) continue;
+    if (i % 2 == 0) {
+      done_writes.push_back(i);
+    } else {
+      for (uint64_t k = 0; k < len; k += 4093) {
+        ASSERT_EQ(dst[i * len + k], PeerPatternByte(Remote(i) + k)) << i << " " << k;
+      }
+    }
+  }
+  ASSERT_TRUE(engine_->ReleaseBatch(*id).ok());
+  std::vector<uint8_t> back(len);
+  for (size_t i : done_writes) {
+    TransferRequest r{TransferOp::kRead, back.data(), segment_, rw(Remote(i)), len};
+    Status s = Run(std::span(&r, 1), milliseconds(10000));
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(std::memcmp(back.data(), src.data() + i * len, len), 0) << "write " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Rows, UcxNetnsTest, ::testing::Values(0, kAmThreshold),
+                         [](const ::testing::TestParamInfo<uint64_t>& param) {
+                           return param.param == 0 ? std::string("PutGet")
+                                                   : std::string("ActiveMessages");
+                         });
 
 TEST(UcxNetnsPeerTest, ForcedUcxToAPeerWithoutItFailsClearly) {
   if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";

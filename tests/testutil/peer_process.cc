@@ -66,11 +66,19 @@ namespace {
     } else if (std::sscanf(n.message.c_str(), "hash:%llu:%llu", &off, &len) == 2) {
       reply = "echo:";
       if (off + len <= region_bytes) reply += std::to_string(Hash64(rw + off, len));
+    } else if (n.message == "unregister-rw" || n.message == "register-rw") {
+      reply = n.message == "unregister-rw" ? "unregistered" : "registered";
     } else {
       return;
     }
     // Reply from another thread: the handler runs on the connection's serving thread.
-    std::thread([e, reply, addr = n.peer_address] {
+    std::thread([e, rw, region_bytes, reply, addr = n.peer_address] {
+      // The memory stays mapped either way: only the engine's registration changes.
+      Status s = reply == "unregistered" ? e->UnregisterMemory(rw)
+                 : reply == "registered"
+                     ? e->RegisterMemory(rw, region_bytes, {}, kAccessRemoteReadWrite)
+                     : OkStatus();
+      if (!s.ok()) return;
       auto seg = e->OpenSegment(addr);
       if (seg.ok()) e->SendNotification(*seg, reply, std::chrono::seconds(5)).IgnoreError();
     }).detach();

@@ -6,6 +6,8 @@
 // when the message is "hash:<offset>:<length>" (offset into the read-write region), so a
 // test can check what had landed when the notification arrived. Every notification it receives
 // is counted; "count" is answered "count:<notifications received before>".
+// "unregister-rw" and "register-rw" unregister and register the read-write region again (its
+// memory and bytes stay) and are answered "unregistered" / "registered" once done.
 #pragma once
 
 #include <sys/types.h>

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <future>
 #include <map>
@@ -15,6 +16,7 @@
 
 #include "common/logging.h"
 #include "common/range_text.h"
+#include "transport/ucx/ucx_am.h"
 
 namespace kvferry::ucx {
 namespace {
@@ -40,7 +42,8 @@ struct Flight {
   std::shared_ptr<WorkItem> item;
   std::shared_ptr<Endpoint> ep;
   bool write = false;
-  int outstanding = 0;  // puts or gets UCX has not called back for
+  bool am = false;      // rows as active messages (ucx_am.h), not put / get
+  int outstanding = 0;  // operations UCX has not called back for, and replies awaited
   bool flush_pending = false;
   bool flushed = false;
   Status error;      // first failed operation
@@ -54,13 +57,26 @@ struct FlushContext {
   std::vector<std::shared_ptr<Flight>> writes;
 };
 
+// One row of an active-message flight; the header stays valid until UCX completed the send.
+struct AmOp {
+  Flight* flight = nullptr;
+  uint64_t id = 0;
+  AmRequest header;
+  uint8_t* local = nullptr;
+  bool sending = false;    // the send of the request (and a WRITE's bytes)
+  bool awaiting = false;   // the target's answer (kAmDone, or a READ's kAmReadData)
+  bool receiving = false;  // a READ's bytes
+};
+
 struct CloseContext {
   UcxChannel* channel = nullptr;
   std::shared_ptr<Endpoint> ep;
 };
 
 // One lane: an endpoint from one local worker to one of the peer's.
-class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxChannel> {
+class UcxChannel : public PeerChannel,
+                   public AmClient,
+                   public std::enable_shared_from_this<UcxChannel> {
  public:
   UcxChannel(const UcxChannelOptions& options, size_t lane)
       : PeerChannel(options.traits), o_(options), lane_(lane), worker_(options.workers[lane]) {
@@ -185,6 +201,49 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     delete ctx;
     MaybeClosed();
   }
+  // AmClient (progress thread).
+  void OnAmDone(uint64_t id, ucs_status_t status) override {
+    AmOp* op = FindAmOp(id);
+    if (op == nullptr || !op->awaiting) return;
+    op->awaiting = false;
+    worker_->RemoveAmOp(id);
+    // A WRITE's bytes are in the peer's memory; a READ's come as kAmReadData, never with this.
+    AmOpDone(op, status == UCS_OK && !op->flight->write ? UCS_ERR_NO_MESSAGE : status);
+  }
+  ucs_status_t OnAmReadData(uint64_t id, void* desc, size_t length_bytes, bool rndv) override {
+    AmOp* op = FindAmOp(id);
+    if (op == nullptr || !op->awaiting) return UCS_ERR_CANCELED;
+    op->awaiting = false;
+    worker_->RemoveAmOp(id);
+    if (length_bytes != op->header.length) {
+      AmOpDone(op, UCS_ERR_MESSAGE_TRUNCATED);
+      return rndv ? UCS_ERR_MESSAGE_TRUNCATED : UCS_OK;  // an error only refuses a rendezvous
+    }
+    if (!rndv) {
+      std::memcpy(op->local, desc, length_bytes);
+      AmOpDone(op, UCS_OK);
+      return UCS_OK;
+    }
+    ucp_request_param_t p = {};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p.memory_type = UCS_MEMORY_TYPE_HOST;
+    p.user_data = op;
+    p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+      auto* o = static_cast<AmOp*>(user_data);
+      o->receiving = false;
+      o->flight->channel->AmOpDone(o, status);
+      ucp_request_free(request);
+    };
+    op->receiving = true;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_->worker(), desc, op->local, length_bytes, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      op->receiving = false;
+      AmOpDone(op, r == nullptr ? UCS_OK : UCS_PTR_STATUS(r));
+    }
+    return UCS_OK;
+  }
+
   void EpFailed(ucp_ep_h ep, ucs_status_t status) {
     // Not from inside UCX's callback: the endpoint is closed on the next turn of the loop.
     worker_->Post([self = shared_from_this(), ep, status] {
@@ -202,6 +261,17 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
 
   Status OpError(const Flight& f, ucs_status_t status) const {
     if (!f.ep->reset.ok()) return f.ep->reset;
+    if (f.am && status == kAmRangeRefused) {
+      return FailedPreconditionError("peer " + o_.peer.Address() + " refused range " +
+                                     RangeText(f.item->remote_addr, RemoteExtent(*f.item)) +
+                                     ": not inside a region it registered with remote " +
+                                     (f.write ? "write" : "read") + " access (nothing was " +
+                                     (f.write ? "written" : "read") + ")");
+    }
+    if (f.am) {
+      return UnavailableError(Name() + ": " + (f.write ? "write" : "read") +
+                              " as active message failed (" + UcxStatusText(status) + ")");
+    }
     return UnavailableError(Name() + ": " + (f.write ? "put" : "get") + " failed (" +
                             UcxStatusText(status) + ")");
   }
@@ -282,12 +352,19 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
       f->item = std::move(item);
       f->ep = ep_;
       f->write = f->item->kind == WorkItem::Kind::kWrite;
+      const uint64_t row_bytes = f->item->rows <= 1 ? f->item->length : f->item->row_bytes;
+      f->am = o_.am_threshold_bytes > 0 && row_bytes >= o_.am_threshold_bytes &&
+              o_.local_kind == MemoryKind::kHost && region->kind == MemoryKind::kHost;
       flights_[f->item.get()] = f;
-      Issue(f.get(), *rkey);
-      if (f->write && f->error.ok()) writes.push_back(f);
+      if (f->am) {
+        IssueAm(f.get());
+      } else {
+        Issue(f.get(), *rkey);
+        if (f->write && f->error.ok()) writes.push_back(f);
+      }
       started.push_back(std::move(f));
     }
-    if (!writes.empty()) Flush(std::move(writes));
+    if (!writes.empty()) Flush(ep_, std::move(writes));
     for (auto& f : started) Settle(f.get());
   }
 
@@ -320,10 +397,85 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     }
   }
 
-  // One flush of the endpoint after the puts of `writes`: their bytes are in the peer's
-  // memory once it completes.
-  void Flush(std::vector<std::shared_ptr<Flight>> writes) {
-    auto* ctx = new FlushContext{this, ep_, std::move(writes)};
+  // Active messages, one per row, with AmOpDone as the end of each; failures to start go to
+  // f->error. Each also waits for the target's reply: a WRITE's kAmDone (its bytes are in the
+  // peer's memory), a READ's kAmReadData (or kAmDone refusing).
+  void IssueAm(Flight* f) {
+    const WorkItem& item = *f->item;
+    const uint32_t rows = item.rows <= 1 ? 1 : item.rows;
+    const uint64_t row_bytes = item.rows <= 1 ? item.length : item.row_bytes;
+    for (uint32_t i = 0; i < rows && f->error.ok(); ++i) {
+      auto owned = std::make_unique<AmOp>();
+      AmOp* op = owned.get();
+      op->flight = f;
+      op->id = worker_->AddAmOp(this);
+      op->local = item.local + static_cast<uint64_t>(i) * item.local_stride;
+      op->header = {op->id, item.remote_addr + static_cast<uint64_t>(i) * item.remote_stride,
+                    row_bytes};
+      am_ops_[op->id] = std::move(owned);
+      ucp_request_param_t p = {};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+      p.flags =
+          UCP_AM_SEND_FLAG_REPLY | (f->write ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
+      p.memory_type = UCS_MEMORY_TYPE_HOST;
+      p.user_data = op;
+      p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+        auto* o = static_cast<AmOp*>(user_data);
+        o->sending = false;
+        o->flight->channel->AmSendDone(o, status);
+        ucp_request_free(request);
+      };
+      op->awaiting = true;
+      ++f->outstanding;
+      ucs_status_ptr_t r =
+          ucp_am_send_nbx(f->ep->ep, f->write ? kAmWrite : kAmRead, &op->header, sizeof(op->header),
+                          f->write ? op->local : nullptr, f->write ? row_bytes : 0, &p);
+      if (UCS_PTR_IS_ERR(r)) {
+        if (f->error.ok()) f->error = OpError(*f, UCS_PTR_STATUS(r));
+        op->awaiting = false;
+        --f->outstanding;
+      } else if (r != nullptr) {
+        op->sending = true;
+        ++f->outstanding;
+      }
+      MaybeDropAmOp(op);
+    }
+  }
+
+  // An AM send ended. A failed one gets no reply (a refused WRITE, a cancelled send).
+  void AmSendDone(AmOp* op, ucs_status_t status) {
+    if (status != UCS_OK && op->awaiting) {
+      op->awaiting = false;
+      worker_->RemoveAmOp(op->id);
+      OpDone(op->flight, status);
+    }
+    AmOpDone(op, status);
+  }
+
+  // One operation of an AM flight ended (a send, a reply, or a READ's bytes).
+  void AmOpDone(AmOp* op, ucs_status_t status) {
+    Flight* f = op->flight;
+    MaybeDropAmOp(op);
+    OpDone(f, status);
+  }
+
+  AmOp* FindAmOp(uint64_t id) const {
+    auto it = am_ops_.find(id);
+    return it == am_ops_.end() ? nullptr : it->second.get();
+  }
+
+  // Frees an AmOp once UCX holds none of its operations and no reply is awaited.
+  void MaybeDropAmOp(AmOp* op) {
+    if (op->sending || op->awaiting || op->receiving) return;
+    worker_->RemoveAmOp(op->id);
+    am_ops_.erase(op->id);
+  }
+
+  // One flush of `ep` after the puts of `writes`: their bytes are in the peer's memory once it
+  // completes.
+  void Flush(const std::shared_ptr<Endpoint>& ep, std::vector<std::shared_ptr<Flight>> writes) {
+    auto* ctx = new FlushContext{this, ep, std::move(writes)};
     for (auto& f : ctx->writes) f->flush_pending = true;
     ucp_request_param_t p = {};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -354,7 +506,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
       status = f->abandoned;
     } else if (!f->error.ok()) {
       status = f->error;
-    } else if (f->write && !f->flushed) {
+    } else if (f->write && !f->am && !f->flushed) {
       if (f->flush_pending) return;
       status = UnavailableError(Name() + ": write not flushed");
     }
@@ -450,6 +602,18 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
     p.user_data = ctx;
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep->ep, &p);
     if (r == nullptr || UCS_PTR_IS_ERR(r)) EpClosed(ctx);
+    // Replies awaited on it never come: those rows fail with `why` (the close cancelled their
+    // sends and any bytes being received).
+    std::vector<uint64_t> waiting;
+    for (const auto& [id, op] : am_ops_) {
+      if (op->awaiting && op->flight->ep == ep) waiting.push_back(id);
+    }
+    for (uint64_t id : waiting) {
+      AmOp* op = FindAmOp(id);
+      if (op == nullptr || !op->awaiting) continue;
+      op->awaiting = false;
+      AmOpDone(op, UCS_ERR_CANCELED);
+    }
   }
 
   void MaybeClosed() {
@@ -514,6 +678,7 @@ class UcxChannel : public PeerChannel, public std::enable_shared_from_this<UcxCh
   std::map<uint64_t, size_t> by_base_;  // peer_.regions by base
   std::shared_ptr<Endpoint> ep_;        // null: none open
   std::unordered_map<WorkItem*, std::shared_ptr<Flight>> flights_;
+  std::unordered_map<uint64_t, std::unique_ptr<AmOp>> am_ops_;  // by op id
   int closing_ = 0;  // endpoints whose close UCX has not finished
   bool logged_tcp_fallback_ = false;
   std::promise<void>* closing_done_ = nullptr;

@@ -1,6 +1,8 @@
 // One peer's UCX channel: WRITE and READ items as ucp_put_nbx / ucp_get_nbx, a put or get per
 // row (strided items carry several rows), the peer's regions reached through the packed rkeys
-// of its descriptor.
+// of its descriptor; rows of at least UcxChannelOptions::am_threshold_bytes of host memory as
+// active messages with rendezvous instead (ucx_am.h: no copy in user space where UCX emulates
+// put and get, and the target checks the range itself).
 //
 // Lanes: one per local worker, each an endpoint (UCP_ERR_HANDLING_MODE_PEER) from worker i to
 // the peer's worker i (modulo the peer's count), driven by worker i's progress thread. A
@@ -14,14 +16,17 @@
 // the peer's TCP control channel instead, for host memory on this side.
 //
 // Completion: an item completes once every put or get of it completed (a WRITE also once a
-// flush of the endpoint issued after its puts completed: its bytes are in the peer's memory),
+// flush of the endpoint issued after its puts completed: its bytes are in the peer's memory);
+// by active messages, once the peer answered each row of a WRITE (its bytes are in the peer's
+// memory) and each row of a READ was received here,
 // with the first failure of any of them: a flush alone never makes an item succeed. Notifications
 // and descriptor queries go over the control channel.
 //
-// Failures: the endpoint's error callback (a peer that died) and Abandon of an item whose puts
-// or gets are moving (a deadline: a frozen peer is never reported by UCX) close the endpoint
-// with UCP_EP_CLOSE_FLAG_FORCE, which cancels every operation on it; each item completes once
-// UCX called back for all of its operations (kUnavailable, or the abandon's reason). The next
+// Failures: the endpoint's error callback (a peer that died) and Abandon of an item whose
+// operations are moving (a deadline: a frozen peer is never reported by UCX) close the endpoint
+// with UCP_EP_CLOSE_FLAG_FORCE, which cancels every operation on it (and fails every row still
+// awaiting the target's answer); each item completes once UCX called back for all of its
+// operations (kUnavailable, or the abandon's reason). The next
 // submission opens a new endpoint.
 //
 // Thread-safety: the PeerChannel methods from any thread; everything else on the worker's
@@ -49,6 +54,9 @@ struct UcxChannelOptions {
   std::shared_ptr<PeerChannel> control;  // the peer's TCP channel
   std::function<StatusOr<SegmentDescriptor>()> refresh;
   MemoryKind local_kind = MemoryKind::kHost;
+  // Rows of at least this many bytes between host memory on both sides go as active
+  // messages with rendezvous (ucx_am.h) instead of put / get; 0: never.
+  uint64_t am_threshold_bytes = 0;
   ChannelTraits traits;
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -42,8 +43,9 @@ class UcxTransport : public Transport, public RegionObserver {
  public:
   UcxTransport(const UcxTransportOptions& options, MemoryRegistry* registry,
                std::unique_ptr<ucx::UcxContext> context,
-               std::vector<std::unique_ptr<ucx::UcxWorker>> workers)
+               std::vector<std::unique_ptr<ucx::UcxWorker>> workers, uint64_t am_threshold_bytes)
       : options_(options),
+        am_threshold_bytes_(am_threshold_bytes),
         registry_(registry),
         context_(std::move(context)),
         workers_(std::move(workers)),
@@ -98,6 +100,7 @@ class UcxTransport : public Transport, public RegionObserver {
     o.control = setup.control;
     o.refresh = setup.refresh;
     o.local_kind = setup.local_kind;
+    o.am_threshold_bytes = am_threshold_bytes_;
     // A strided request: a put or get per row, up to a slice of rows per item.
     o.traits.max_rows_per_item = 4096;
     o.traits.slice_bytes = options_.slice_bytes;
@@ -163,6 +166,7 @@ class UcxTransport : public Transport, public RegionObserver {
 
  private:
   UcxTransportOptions options_;
+  uint64_t am_threshold_bytes_;  // options_.am_threshold_bytes resolved
   MemoryRegistry* registry_;
   std::unique_ptr<ucx::UcxContext> context_;
   std::vector<std::unique_ptr<ucx::UcxWorker>> workers_;  // one per lane
@@ -170,6 +174,13 @@ class UcxTransport : public Transport, public RegionObserver {
   TransportCapabilities capabilities_;
   std::atomic<bool> logged_cumem_{false};
 };
+
+// Whether this host has RDMA devices (InfiniBand, RoCE, iWARP) UCX may reach peers with.
+bool RdmaDevicesPresent() {
+  std::error_code ec;
+  std::filesystem::directory_iterator it("/sys/class/infiniband", ec);
+  return !ec && it != std::filesystem::directory_iterator();
+}
 
 }  // namespace
 
@@ -196,13 +207,18 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
                      ucx::UcxWorker::Create(context.get(), idle_spin));
     workers.push_back(std::move(worker));
   }
+  const uint64_t am_threshold_bytes = options.am_threshold_bytes.value_or(
+      RdmaDevicesPresent() ? 0 : UcxTransportOptions::kAmThresholdWithoutRdma);
   KVF_LOG_INFO(
-      "ucx: UCX {} started ({} CUDA memory support{}), {} lanes", context->version(),
+      "ucx: UCX {} started ({} CUDA memory support{}), {} lanes, host rows {}", context->version(),
       context->cuda_memory() ? "with" : "without",
       context->cuda_memory() && options.gpu_bounce ? ", GPU requests through bounce buffers" : "",
-      options.lanes);
-  return std::unique_ptr<Transport>(
-      new UcxTransport(options, registry, std::move(context), std::move(workers)));
+      options.lanes,
+      am_threshold_bytes == 0
+          ? std::string("as put / get")
+          : "of at least " + std::to_string(am_threshold_bytes) + " bytes as active messages");
+  return std::unique_ptr<Transport>(new UcxTransport(options, registry, std::move(context),
+                                                     std::move(workers), am_threshold_bytes));
 }
 
 }  // namespace kvferry

@@ -23,6 +23,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "transport/memory_registry.h"
@@ -31,6 +32,8 @@
 namespace kvferry {
 
 struct UcxTransportOptions {
+  static constexpr uint64_t kAmThresholdWithoutRdma = 128ull << 10;
+
   // Reach peers on this engine's node too (the transport was forced); otherwise only peers on
   // other nodes, where UCX is preferred over TCP.
   bool same_node = false;
@@ -50,6 +53,13 @@ struct UcxTransportOptions {
   // UCX's event fd (KVFERRY_UCX_SPIN_US). Default 0: on a loaded machine the polling threads
   // (one per lane, on both sides) took the cores the transfer needed (docs/perf/ucx.md).
   std::chrono::microseconds idle_spin{0};
+  // Rows of at least this many bytes between host memory go as UCX active messages with
+  // rendezvous instead of put / get (KVFERRY_UCX_AM_THRESHOLD; 0: never). Where UCX emulates
+  // put and get in software (tcp) that saves the sender's copy in user space, and the target
+  // checks each request against its registered memory (docs/perf/ucx.md); with RDMA one-sided
+  // put and get leave the target's CPU out. Unset: 128 KiB on hosts without RDMA devices
+  // (/sys/class/infiniband empty or absent: UCX reaches other nodes over tcp only), else 0.
+  std::optional<uint64_t> am_threshold_bytes;
 };
 
 // Whether this build has the UCX transport.

@@ -7,8 +7,10 @@
 #include <cstdlib>
 #include <future>
 
+#include "common/checks.h"
 #include "common/logging.h"
 #include "common/spin.h"
+#include "transport/ucx/ucx_am.h"
 
 namespace kvferry::ucx {
 
@@ -38,7 +40,7 @@ StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
   ucp_params_t params = {};
   params.field_mask =
       UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   // Regions are mapped from the registering thread while the workers' progress threads use
   // the context: UCX then guards the context's shared state with its own lock.
   params.mt_workers_shared = 1;
@@ -58,7 +60,7 @@ StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
 UcxContext::~UcxContext() {
   {
     std::lock_guard<std::mutex> lock(map_mu_);
-    for (auto& [base, memh] : mapped_) ucp_mem_unmap(context_, memh);
+    for (auto& [base, m] : mapped_) ucp_mem_unmap(context_, m.memh);
     mapped_.clear();
   }
   if (context_ != nullptr) ucp_cleanup(context_);
@@ -97,6 +99,7 @@ StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(UcxContext* context,
       return UnavailableError("UCX progress: epoll_ctl failed");
     }
   }
+  RETURN_IF_ERROR(SetAmHandlers(w.get()));
   w->thread_ = std::thread([p = w.get()] { p->Loop(); });
   return w;
 }
@@ -212,11 +215,12 @@ StatusOr<std::vector<uint8_t>> UcxContext::MapRegion(const RegionDescriptor& reg
   const auto* bytes = static_cast<const uint8_t*>(packed);
   std::vector<uint8_t> rkey(bytes, bytes + packed_bytes);
   ucp_rkey_buffer_release(packed);
+  Mapping m{memh, region.length_bytes, region.access, p.memory_type};
   std::lock_guard<std::mutex> lock(map_mu_);
-  auto [it, inserted] = mapped_.emplace(region.base, memh);
+  auto [it, inserted] = mapped_.emplace(region.base, m);
   if (!inserted) {
-    ucp_mem_unmap(context_, it->second);
-    it->second = memh;
+    ucp_mem_unmap(context_, it->second.memh);
+    it->second = m;
   }
   return rkey;
 }
@@ -227,10 +231,31 @@ void UcxContext::UnmapRegion(uint64_t base) {
     std::lock_guard<std::mutex> lock(map_mu_);
     auto it = mapped_.find(base);
     if (it == mapped_.end()) return;
-    memh = it->second;
+    memh = it->second.memh;
     mapped_.erase(it);
   }
   ucp_mem_unmap(context_, memh);
+}
+
+bool UcxContext::FindMapped(uint64_t addr, uint64_t length, uint32_t need, ucp_mem_h* memh,
+                            ucs_memory_type_t* type) {
+  std::lock_guard<std::mutex> lock(map_mu_);
+  auto it = mapped_.upper_bound(addr);
+  if (it == mapped_.begin()) return false;
+  --it;
+  const uint64_t base = it->first;
+  const Mapping& m = it->second;
+  if (addr - base > m.length_bytes || length > m.length_bytes - (addr - base)) return false;
+  if ((m.access & need) != need) return false;
+  *memh = m.memh;
+  *type = m.type;
+  return true;
+}
+
+uint64_t UcxWorker::AddAmOp(AmClient* client) {
+  const uint64_t op = next_am_op_++;
+  am_ops_[op] = client;
+  return op;
 }
 
 }  // namespace kvferry::ucx

@@ -9,7 +9,12 @@
 //
 // Only the .cc files of src/transport/ucx/ include this header (it includes UCX's).
 //
-// Thread-safety: Post, Run, the accessors and MapRegion / UnmapRegion from any thread.
+// Active messages (ucx_am.h): every worker serves peers' WRITE and READ requests sent as UCX
+// active messages (the range checked against this context's mapped regions) and routes the
+// replies to its own requests to the channel that sent them (AmClient, by operation id).
+//
+// Thread-safety: Post, Run, the accessors, MapRegion / UnmapRegion and FindMapped from any
+// thread; AddAmOp / RemoveAmOp / FindAmOp on the progress thread only.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -24,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "kvferry/memory.h"
@@ -38,7 +44,7 @@ struct UcxDefault {
   const char* value;
 };
 inline constexpr UcxDefault kUcxDefaults[] = {{"TCP_TX_SEG_SIZE", "256K"},
-                                              {"TCP_RX_SEG_SIZE", "1M"},
+                                              {"TCP_RX_SEG_SIZE", "512K"},
                                               {"TCP_SNDBUF", "4M"},
                                               {"TCP_RCVBUF", "4M"}};
 
@@ -62,6 +68,11 @@ class UcxContext {
   // Unmaps the region mapped at `base`; nothing when none is.
   void UnmapRegion(uint64_t base);
 
+  // A mapped region holding [addr, addr + length) whose access includes `need`
+  // (kAccessRemote*): true and its memory handle and type; false when there is none.
+  bool FindMapped(uint64_t addr, uint64_t length, uint32_t need, ucp_mem_h* memh,
+                  ucs_memory_type_t* type);
+
  private:
   UcxContext() = default;
 
@@ -69,8 +80,26 @@ class UcxContext {
   bool cuda_memory_ = false;
   std::string version_;
 
+  struct Mapping {
+    ucp_mem_h memh = nullptr;
+    uint64_t length_bytes = 0;
+    uint32_t access = 0;
+    ucs_memory_type_t type = UCS_MEMORY_TYPE_HOST;
+  };
   std::mutex map_mu_;
-  std::map<uint64_t, ucp_mem_h> mapped_;  // by region base
+  std::map<uint64_t, Mapping> mapped_;  // by region base
+};
+
+// What a channel implements to hear the replies to its active-message requests (ucx_am.h);
+// called on the worker's progress thread from inside UCX's callbacks.
+class AmClient {
+ public:
+  virtual ~AmClient() = default;
+  // The target refused or failed operation `op` (or, with UCS_OK, finished it).
+  virtual void OnAmDone(uint64_t op, ucs_status_t status) = 0;
+  // The data of READ `op`: `desc` is UCX's rendezvous descriptor (`rndv`) or the bytes
+  // themselves, `length_bytes` long. Returns what UCX's AM callback returns.
+  virtual ucs_status_t OnAmReadData(uint64_t op, void* desc, size_t length_bytes, bool rndv) = 0;
 };
 
 class UcxWorker {
@@ -93,6 +122,15 @@ class UcxWorker {
   void Run(const std::function<void()>& fn);
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
+  // Operation ids of active-message requests in flight from this worker, with the channel
+  // their replies go to (progress thread only). Ids are never reused.
+  uint64_t AddAmOp(AmClient* client);
+  void RemoveAmOp(uint64_t op) { am_ops_.erase(op); }
+  AmClient* FindAmOp(uint64_t op) const {
+    auto it = am_ops_.find(op);
+    return it == am_ops_.end() ? nullptr : it->second;
+  }
+
  private:
   UcxWorker() = default;
   void Loop();
@@ -105,6 +143,9 @@ class UcxWorker {
   int ucx_fd_ = -1;    // ucp_worker_get_efd
   int event_fd_ = -1;  // Wake
   int epoll_fd_ = -1;
+
+  uint64_t next_am_op_ = 1;
+  std::unordered_map<uint64_t, AmClient*> am_ops_;  // progress thread only
 
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;

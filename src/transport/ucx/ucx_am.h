@@ -1,0 +1,62 @@
+// Active messages between kvferry's UCX workers: WRITE and READ of large rows as UCX
+// rendezvous. Where UCX emulates put and get in software (tcp) each byte is copied in user
+// space on both sides (into a send segment, out of a receive segment); a rendezvous is sent
+// from the source memory itself (UCX 1.13 over tcp with PEER error handling still copies out of
+// the receive segment on the receiving side), and, unlike one-sided put and get, the target
+// checks every request against its registered memory.
+//
+// Protocol (ids below; headers little-endian host structs, both ends kvferry):
+//   WRITE  initiator -> target  kAmWrite, header AmRequest{op, addr, length}, the row's bytes
+//          as rendezvous (UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY). The target receives
+//          them into [addr, addr + length) if that lies inside one region it mapped with remote
+//          write access, else refuses: the initiator's send completes with
+//          UCS_ERR_OUT_OF_RANGE and nothing is written. Once received, the target answers
+//          kAmDone, AmReply{op, UCS_OK}: the bytes are in its memory (the send completing only
+//          says they left; with PEER error handling UCX 1.13 carries rendezvous data over tcp
+//          as active-message fragments, which no flush waits for).
+//   READ   initiator -> target  kAmRead, header AmRequest, no data (UCP_AM_SEND_FLAG_REPLY);
+//          target -> initiator  kAmReadData, header AmReply{op, UCS_OK}, the bytes of
+//          [addr, addr + length) as rendezvous on the reply endpoint (the endpoint the request
+//          came on), received straight into the initiator's memory; or, when the range is not
+//          inside a region mapped with remote read access, kAmDone, AmReply{op,
+//          UCS_ERR_OUT_OF_RANGE}.
+// The initiator matches replies by op (UcxWorker::AddAmOp); a reply to an op it no longer
+// waits for is dropped (its data refused).
+//
+// Only the .cc files of src/transport/ucx/ include this header.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <cstdint>
+
+#include "kvferry/status.h"
+#include "transport/ucx/ucx_worker.h"
+
+namespace kvferry::ucx {
+
+enum AmId : unsigned {
+  kAmWrite = 0x4b01,
+  kAmRead = 0x4b02,
+  kAmReadData = 0x4b03,
+  kAmDone = 0x4b04,
+};
+
+struct AmRequest {
+  uint64_t op = 0;
+  uint64_t addr = 0;  // in the target's memory
+  uint64_t length = 0;
+};
+
+struct AmReply {
+  uint64_t op = 0;
+  int64_t status = 0;  // ucs_status_t
+};
+
+// The status a target answers a request outside its registered memory with.
+inline constexpr ucs_status_t kAmRangeRefused = UCS_ERR_OUT_OF_RANGE;
+
+// Sets the worker's handlers for the four ids. Errors: kUnavailable with UCX's reason.
+Status SetAmHandlers(UcxWorker* worker);
+
+}  // namespace kvferry::ucx
