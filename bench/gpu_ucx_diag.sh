@@ -37,9 +37,10 @@ mkdir -p "$OUT"
 UCX_CUDA_DIR=${UCX_CUDA_DIR:-$B/ucx-cuda}
 KVF=$B/kvferry
 step() { echo "=== $* ($(date -u +%T))"; }
-# Runs "$@" with the CUDA UCX (lib/ and lib/ucx/ from scripts/ucx_bundle.sh).
+# Runs "$@" with the CUDA UCX (lib/ and lib/ucx/ from scripts/ucx_bundle.sh), first on the
+# library path: .devbuild/lib also holds Debian's UCX (scripts/device_bundle.sh).
 with_ucx() {
-  LD_LIBRARY_PATH="$B/lib:$UCX_CUDA_DIR/lib" UCX_MODULE_DIR="$UCX_CUDA_DIR/lib/ucx" "$@"
+  LD_LIBRARY_PATH="$UCX_CUDA_DIR/lib:$B/lib" UCX_MODULE_DIR="$UCX_CUDA_DIR/lib/ucx" "$@"
 }
 # Keeps a protocol table's rows that name a transport, deduplicated, at most $2 lines.
 proto_rows() { grep -E '\|.*(/|ep_cfg|rkey_cfg)' "$1" | sed -E 's/^\[[^]]*\] \[[^]]*\] *//' |

@@ -28,11 +28,12 @@ dur=${SECONDS_PER_CONFIG:-1}
 date -u
 nvidia-smi --query-gpu=name --format=csv,noheader | head -2
 
-# Runs "$@" with UCX from folder $1 (lib/ and lib/ucx/ from scripts/ucx_bundle.sh).
+# Runs "$@" with UCX from folder $1 (lib/ and lib/ucx/ from scripts/ucx_bundle.sh), first on
+# the library path: .devbuild/lib also holds Debian's UCX (scripts/device_bundle.sh).
 with_ucx() {
   local dir="$1"
   shift
-  LD_LIBRARY_PATH="$B/lib:$dir/lib" UCX_MODULE_DIR="$dir/lib/ucx" "$@"
+  LD_LIBRARY_PATH="$dir/lib:$B/lib" UCX_MODULE_DIR="$dir/lib/ucx" "$@"
 }
 
 replay_args=(--model llama-3.1-8b --page-size 64 --pool-size 16GiB --concurrency 8)
@@ -72,7 +73,7 @@ run_set() {
 UCX_TLS=tcp run_set debian "$B/ucx-debian"
 if [[ -d "$UCX_CUDA_DIR" ]]; then
   echo "=== libraries the CUDA UCX cannot resolve here (should be none):"
-  LD_LIBRARY_PATH="$B/lib:$UCX_CUDA_DIR/lib" ldd "$UCX_CUDA_DIR"/lib/ucx/*.so.0 | grep "not found" || true
+  LD_LIBRARY_PATH="$UCX_CUDA_DIR/lib:$B/lib" ldd "$UCX_CUDA_DIR"/lib/ucx/*.so.0 | grep "not found" || true
   UCX_TLS=${UCX_CUDA_TLS:-tcp,cuda_copy,cuda_ipc} run_set cuda "$UCX_CUDA_DIR"
 else
   echo "=== no $UCX_CUDA_DIR: direct GPU registration not measured (scripts/ucx_bundle.sh WHEEL)"
