@@ -112,6 +112,21 @@ Status ReadChoice(const char* name, std::initializer_list<const char*> choices,
   return InvalidArgumentError(std::string(name) + "='" + v + "' must be " + accepted);
 }
 
+// Reads the byte size (ParseByteSize) in the variable `name` into `*out` when it is set and not
+// empty. Errors: kInvalidArgument naming the variable and its value when it is not a byte size
+// or is below `min_bytes`; the message ends "must be a byte size" + `rule`.
+Status ReadByteSize(const char* name, uint64_t min_bytes, const char* rule,
+                    std::optional<uint64_t>* out) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return OkStatus();
+  auto size = ParseByteSize(v);
+  if (!size.ok() || *size < min_bytes) {
+    return InvalidArgumentError(std::string(name) + "='" + v + "' must be a byte size" + rule);
+  }
+  *out = *size;
+  return OkStatus();
+}
+
 }  // namespace
 
 bool MallocArenaMaxSet() { return std::getenv("MALLOC_ARENA_MAX") != nullptr; }
@@ -130,42 +145,18 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     config.log_level = level;
   }
   RETURN_IF_ERROR(ReadInteger("KVFERRY_TCP_LANES", 1, 64, &config.tcp_lanes));
-  if (const char* v = std::getenv("KVFERRY_TCP_SLICE"); v != nullptr && *v != '\0') {
-    auto size = ParseByteSize(v);
-    if (!size.ok() || *size < 4096) {
-      return InvalidArgumentError(std::string("KVFERRY_TCP_SLICE='") + v +
-                                  "' must be a byte size of at least 4KiB");
-    }
-    config.tcp_slice_bytes = *size;
-  }
+  RETURN_IF_ERROR(
+      ReadByteSize("KVFERRY_TCP_SLICE", 4096, " of at least 4KiB", &config.tcp_slice_bytes));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_UCX_LANES", 1, 64, &config.ucx_lanes));
-  if (const char* v = std::getenv("KVFERRY_UCX_SLICE"); v != nullptr && *v != '\0') {
-    auto size = ParseByteSize(v);
-    if (!size.ok() || *size < 4096) {
-      return InvalidArgumentError(std::string("KVFERRY_UCX_SLICE='") + v +
-                                  "' must be a byte size of at least 4KiB");
-    }
-    config.ucx_slice_bytes = *size;
-  }
+  RETURN_IF_ERROR(
+      ReadByteSize("KVFERRY_UCX_SLICE", 4096, " of at least 4KiB", &config.ucx_slice_bytes));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_UCX_SPIN_US", 0, 100000, &config.ucx_spin_us));
-  if (const char* v = std::getenv("KVFERRY_UCX_AM_THRESHOLD"); v != nullptr && *v != '\0') {
-    auto size = ParseByteSize(v);
-    if (!size.ok()) {
-      return InvalidArgumentError(std::string("KVFERRY_UCX_AM_THRESHOLD='") + v +
-                                  "' must be a byte size (0: never)");
-    }
-    config.ucx_am_threshold_bytes = *size;
-  }
+  RETURN_IF_ERROR(
+      ReadByteSize("KVFERRY_UCX_AM_THRESHOLD", 0, " (0: never)", &config.ucx_am_threshold_bytes));
   RETURN_IF_ERROR(ReadChoice("KVFERRY_UCX_GPU", {"direct", "bounce"}, &config.ucx_gpu));
   RETURN_IF_ERROR(ReadChoice("KVFERRY_CUDA_ALLOC", {"cumem", "cudamalloc"}, &config.cuda_alloc));
-  if (const char* v = std::getenv("KVFERRY_NVLINK_CE_THRESHOLD"); v != nullptr && *v != '\0') {
-    auto size = ParseByteSize(v);
-    if (!size.ok()) {
-      return InvalidArgumentError(std::string("KVFERRY_NVLINK_CE_THRESHOLD='") + v +
-                                  "' must be a byte size (0: chosen by measurement)");
-    }
-    config.nvlink_ce_threshold_bytes = *size;
-  }
+  RETURN_IF_ERROR(ReadByteSize("KVFERRY_NVLINK_CE_THRESHOLD", 0, " (0: chosen by measurement)",
+                               &config.nvlink_ce_threshold_bytes));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_SPIN_US", 0, 100000, &config.spin_us));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_IDLE_SPIN_US", 0, 100000, &config.idle_spin_us));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_DONE_POLL_US", 0, 100000, &config.done_poll_us));
