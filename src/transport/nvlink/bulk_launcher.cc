@@ -73,20 +73,27 @@ cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
                                             cudaStream_t stream) {
   // Runs of single blocks go to the driver in one cudaMemcpyBatchAsync each (one call for many
   // copies: a call per 1 MiB block held the copy engine to about half the link on H200);
-  // strided blocks one cudaMemcpy2DAsync each. Where the driver lacks the batch call, every
-  // block is its own cudaMemcpyAsync from then on.
+  // strided blocks one cudaMemcpy2DAsync each. Where the driver (or a toolkit before CUDA
+  // 12.8) lacks the batch call, every block is its own cudaMemcpyAsync.
   batch_dst_.clear();
   batch_src_.clear();
   batch_size_.clear();
   auto flush = [&]() -> cudaError_t {
     const size_t n = batch_dst_.size();
     cudaError_t e = cudaSuccess;
+#if CUDART_VERSION >= 12080  // cudaMemcpyBatchAsync came with CUDA 12.8
     if (n > 1 && batch_call_.load(std::memory_order_relaxed)) {
       cudaMemcpyAttributes attr{};
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
       e = cudaMemcpyBatchAsync(batch_dst_.data(), batch_src_.data(), batch_size_.data(), n, &attr,
                                &attr_index, 1, stream);
+#else  // CUDA 12.8 and 12.9 also report the index of a failed copy
+      size_t fail_index = 0;
+      e = cudaMemcpyBatchAsync(batch_dst_.data(), const_cast<void**>(batch_src_.data()),
+                               batch_size_.data(), n, &attr, &attr_index, 1, &fail_index, stream);
+#endif
       if (e == cudaErrorNotSupported || e == cudaErrorCallRequiresNewerDriver) {
         (void)cudaGetLastError();
         batch_call_.store(false, std::memory_order_relaxed);
@@ -98,6 +105,7 @@ cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
         return e;
       }
     }
+#endif
     for (size_t i = 0; i < n && e == cudaSuccess; ++i) {
       e = cudaMemcpyAsync(batch_dst_[i], batch_src_[i], batch_size_[i], cudaMemcpyDefault, stream);
     }
