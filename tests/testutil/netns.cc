@@ -14,14 +14,29 @@ VethNamespace::VethNamespace(const std::string& tag) {
   ns_ = "kvf" + tag + std::to_string(pid);
   local_device_ = "kva" + std::to_string(pid % 1000000);  // at most 15 characters
   ns_device_ = "kvb" + std::to_string(pid % 1000000);
-  const std::string subnet =
-      "10." + std::to_string(200 + pid % 50) + "." + std::to_string((pid / 50) % 250) + ".";
-  local_ip_ = subnet + "1";
-  ns_ip_ = subnet + "2";
   if (::geteuid() != 0) {
     why_ = "network namespaces need root";
     return;
   }
+  // A /24 no route of this host uses yet (a namespace left by a killed run keeps its route, and
+  // a second route to the same subnet would send this pair's packets to the other), starting
+  // from one derived from the pid.
+  std::string subnet;
+  for (int i = 0; i < 250 && subnet.empty(); ++i) {
+    const int n = pid + i * 50;
+    const std::string candidate =
+        "10." + std::to_string(200 + n % 50) + "." + std::to_string((n / 50) % 250) + ".";
+    const CommandResult routes = RunCommand("ip route show to match " + candidate + "1 2>&1");
+    if (routes.exit_code == 0 && routes.output.find(candidate) == std::string::npos) {
+      subnet = candidate;
+    }
+  }
+  if (subnet.empty()) {
+    why_ = "no free 10.x.y.0/24 subnet for a veth pair";
+    return;
+  }
+  local_ip_ = subnet + "1";
+  ns_ip_ = subnet + "2";
   const std::string script =
       "set -e; ip netns add " + ns_ + "; ip link add " + local_device_ + " type veth peer name " +
       ns_device_ + "; ip link set " + ns_device_ + " netns " + ns_ + "; ip addr add " + local_ip_ +

@@ -14,7 +14,7 @@ namespace kvferry::testutil {
 class VethNamespace {
  public:
   // Creates namespace "kvf<tag><pid>" and the pair "kva<pid>" (here, 10.<x>.<y>.1/24) and
-  // "kvb<pid>" (in the namespace, .2/24).
+  // "kvb<pid>" (in the namespace, .2/24), on a /24 no route of this host uses yet.
   explicit VethNamespace(const std::string& tag);
   ~VethNamespace();  // deletes the namespace (and with it the veth pair)
   VethNamespace(const VethNamespace&) = delete;
