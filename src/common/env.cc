@@ -156,6 +156,14 @@ StatusOr<EnvConfig> ReadEnvConfig() {
     }
     config.ucx_am_threshold_bytes = *size;
   }
+  if (const char* v = std::getenv("KVFERRY_UCX_AM_EAGER"); v != nullptr && *v != '\0') {
+    auto size = ParseByteSize(v);
+    if (!size.ok()) {
+      return InvalidArgumentError(std::string("KVFERRY_UCX_AM_EAGER='") + v +
+                                  "' must be a byte size (0: never)");
+    }
+    config.ucx_am_eager_bytes = *size;
+  }
   RETURN_IF_ERROR(ReadChoice("KVFERRY_UCX_GPU", {"direct", "bounce"}, &config.ucx_gpu));
   RETURN_IF_ERROR(ReadChoice("KVFERRY_CUDA_ALLOC", {"cumem", "cudamalloc"}, &config.cuda_alloc));
   if (const char* v = std::getenv("KVFERRY_NVLINK_CE_THRESHOLD"); v != nullptr && *v != '\0') {

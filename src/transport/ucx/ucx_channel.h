@@ -57,6 +57,9 @@ struct UcxChannelOptions {
   // Rows of at least this many bytes between host memory on both sides go as active
   // messages with rendezvous (ucx_am.h) instead of put / get; 0: never.
   uint64_t am_threshold_bytes = 0;
+  // WRITE rows of such active messages up to this many bytes go eager (the bytes with the
+  // request, no rendezvous handshake); 0: always rendezvous.
+  uint64_t am_eager_max_bytes = 0;
   ChannelTraits traits;
 };
 
