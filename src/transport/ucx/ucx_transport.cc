@@ -212,11 +212,12 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
     workers.push_back(std::move(worker));
   }
   const bool rdma = RdmaDevicesPresent();
-  const uint64_t am_threshold_bytes = options.am_threshold_bytes.value_or(
-      rdma ? 0 : UcxTransportOptions::kAmThresholdWithoutRdma);
-  const uint64_t am_eager_bytes = am_threshold_bytes == 0 ? 0
-                                  : options.am_eager_bytes.value_or(
-                                        rdma ? 0 : UcxTransportOptions::kAmEagerWithoutRdma);
+  const uint64_t am_threshold_bytes =
+      options.am_threshold_bytes.value_or(rdma ? 0 : UcxTransportOptions::kAmThresholdWithoutRdma);
+  const uint64_t am_eager_bytes =
+      am_threshold_bytes == 0
+          ? 0
+          : options.am_eager_bytes.value_or(rdma ? 0 : UcxTransportOptions::kAmEagerWithoutRdma);
   std::string rows = "as put / get";
   if (am_threshold_bytes > 0) {
     rows = "of at least " + std::to_string(am_threshold_bytes) + " bytes as active messages";
