@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -62,6 +63,7 @@ struct Rows {
   uint64_t am_eager = 0;      // KVFERRY_UCX_AM_EAGER
   const char* name = "";
 };
+void PrintTo(const Rows& rows, std::ostream* os) { *os << rows.name; }
 
 class UcxNetnsTest : public ::testing::TestWithParam<Rows> {
  protected:
