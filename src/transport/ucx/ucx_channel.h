@@ -2,7 +2,8 @@
 // row (strided items carry several rows), the peer's regions reached through the packed rkeys
 // of its descriptor; rows of at least UcxChannelOptions::am_threshold_bytes of host memory as
 // active messages with rendezvous instead (ucx_am.h: no copy in user space where UCX emulates
-// put and get, and the target checks the range itself).
+// put and get, and the target checks the range itself); WRITE rows among them of at most
+// UcxChannelOptions::am_eager_max_bytes as eager active messages (no rendezvous handshake).
 //
 // Lanes: one per local worker, each an endpoint (UCP_ERR_HANDLING_MODE_PEER) from worker i to
 // the peer's worker i (modulo the peer's count), driven by worker i's progress thread. A
