@@ -153,6 +153,8 @@ StatusOr<EnvConfig> ReadEnvConfig() {
   RETURN_IF_ERROR(ReadInteger("KVFERRY_UCX_SPIN_US", 0, 100000, &config.ucx_spin_us));
   RETURN_IF_ERROR(
       ReadByteSize("KVFERRY_UCX_AM_THRESHOLD", 0, " (0: never)", &config.ucx_am_threshold_bytes));
+  RETURN_IF_ERROR(
+      ReadByteSize("KVFERRY_UCX_AM_EAGER", 0, " (0: never)", &config.ucx_am_eager_bytes));
   RETURN_IF_ERROR(ReadChoice("KVFERRY_UCX_GPU", {"direct", "bounce"}, &config.ucx_gpu));
   RETURN_IF_ERROR(ReadChoice("KVFERRY_CUDA_ALLOC", {"cumem", "cudamalloc"}, &config.cuda_alloc));
   RETURN_IF_ERROR(ReadByteSize("KVFERRY_NVLINK_CE_THRESHOLD", 0, " (0: chosen by measurement)",

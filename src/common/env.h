@@ -11,6 +11,9 @@
 //   KVFERRY_UCX_AM_THRESHOLD  rows of host memory of at least this many bytes go over UCX as
 //                          active messages with rendezvous, not put / get (bytes, KiB/MiB
 //                          suffix; 0: never)                     default UcxTransportOptions
+//   KVFERRY_UCX_AM_EAGER   WRITE rows of such active messages up to this many bytes go eager
+//                          (bytes with the request, no rendezvous; KiB/MiB suffix; 0: never)
+//                                                                default UcxTransportOptions
 //   KVFERRY_UCX_GPU        direct|bounce: GPU memory this engine sends or fetches over UCX goes
 //                          to UCX as GPU memory (when UCX has CUDA) or through pinned host
 //                          bounce buffers                                      default direct
@@ -56,6 +59,7 @@ struct EnvConfig {
   std::optional<uint64_t> ucx_slice_bytes;
   std::optional<int64_t> ucx_spin_us;
   std::optional<uint64_t> ucx_am_threshold_bytes;
+  std::optional<uint64_t> ucx_am_eager_bytes;
   std::optional<std::string> ucx_gpu;     // "direct" or "bounce"
   std::optional<std::string> cuda_alloc;  // "cumem" or "cudamalloc"
   std::optional<std::string> listen_host;

@@ -93,6 +93,7 @@ class EngineImpl : public TransferEngine {
       t.ucx.gpu_bounce = env->ucx_gpu == "bounce";
       if (env->ucx_spin_us) t.ucx.idle_spin = std::chrono::microseconds(*env->ucx_spin_us);
       if (env->ucx_am_threshold_bytes) t.ucx.am_threshold_bytes = *env->ucx_am_threshold_bytes;
+      if (env->ucx_am_eager_bytes) t.ucx.am_eager_bytes = *env->ucx_am_eager_bytes;
     }
     t.nvlink.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;

@@ -131,5 +131,16 @@ TEST(EnvTest, UcxActiveMessageThresholdIsAByteSize) {
   EXPECT_FALSE(ReadEnvConfig()->ucx_am_threshold_bytes.has_value());
 }
 
+TEST(EnvTest, UcxEagerLimitIsAByteSize) {
+  ::setenv("KVFERRY_UCX_AM_EAGER", "512KiB", 1);
+  auto env = ReadEnvConfig();
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->ucx_am_eager_bytes, 512u << 10);
+  ::setenv("KVFERRY_UCX_AM_EAGER", "0", 1);
+  EXPECT_EQ(ReadEnvConfig()->ucx_am_eager_bytes, 0u);
+  ExpectEachRefusedByName("KVFERRY_UCX_AM_EAGER", {"-1", "lots", "3QB"});
+  EXPECT_FALSE(ReadEnvConfig()->ucx_am_eager_bytes.has_value());
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -1,14 +1,16 @@
 // The UCX transport between two "nodes": this test's engine in this process's network
 // namespace, a peer process in a namespace of its own, joined by a veth pair; UCX pinned to
 // tcp (namespaces do not isolate shared memory) on the veth ends. Needs root; skips where
-// namespaces cannot be made or UCX is not built. UcxNetnsTest runs twice: with every row as
-// put / get (KVFERRY_UCX_AM_THRESHOLD=0) and with rows of at least 64 KiB as active messages
-// (transport/ucx/ucx_am.h).
+// namespaces cannot be made or UCX is not built. UcxNetnsTest runs four times: with every row
+// as put / get (KVFERRY_UCX_AM_THRESHOLD=0), and with rows of at least 64 KiB as active
+// messages (transport/ucx/ucx_am.h) whose WRITE rows go as rendezvous (KVFERRY_UCX_AM_EAGER=0),
+// eager (up to 2 MiB: every row, slices being 1 MiB) or either (up to 256 KiB eager).
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <chrono>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -56,14 +58,22 @@ StatusOr<std::unique_ptr<TransferEngine>> UcxEngine(
 
 constexpr uint64_t kAmThreshold = 64ull << 10;
 
-class UcxNetnsTest : public ::testing::TestWithParam<uint64_t> {
+struct Rows {
+  uint64_t am_threshold = 0;  // KVFERRY_UCX_AM_THRESHOLD
+  uint64_t am_eager = 0;      // KVFERRY_UCX_AM_EAGER
+  const char* name = "";
+};
+void PrintTo(const Rows& rows, std::ostream* os) { *os << rows.name; }
+
+class UcxNetnsTest : public ::testing::TestWithParam<Rows> {
  protected:
   void SetUp() override {
     if (!UcxBuilt()) GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)";
     netns_ = std::make_unique<testutil::VethNamespace>("u");
     if (!netns_->ok()) GTEST_SKIP() << netns_->why();
     PinUcx(*netns_);
-    ::setenv("KVFERRY_UCX_AM_THRESHOLD", std::to_string(GetParam()).c_str(), 1);
+    ::setenv("KVFERRY_UCX_AM_THRESHOLD", std::to_string(GetParam().am_threshold).c_str(), 1);
+    ::setenv("KVFERRY_UCX_AM_EAGER", std::to_string(GetParam().am_eager).c_str(), 1);
     peer_ = std::make_unique<testutil::PeerProcess>(kRegionBytes, PeerIn(*netns_));
     ASSERT_TRUE(peer_->ok());
     auto engine = UcxEngine(*netns_);
@@ -78,9 +88,10 @@ class UcxNetnsTest : public ::testing::TestWithParam<uint64_t> {
     peer_.reset();
     netns_.reset();
     ::unsetenv("KVFERRY_UCX_AM_THRESHOLD");
+    ::unsetenv("KVFERRY_UCX_AM_EAGER");
   }
 
-  bool ActiveMessages() const { return GetParam() > 0; }
+  bool ActiveMessages() const { return GetParam().am_threshold > 0; }
 
   // Sends `message` to the peer and waits up to 10 s for its reply `expect`.
   bool Ask(const std::string& message, const std::string& expect) {
@@ -334,7 +345,7 @@ TEST_P(UcxNetnsTest, RowsAroundTheThresholdByteForByte) {
   std::vector<uint8_t> src(16 << 20), back(src.size(), 0);
   ASSERT_TRUE(engine_->RegisterMemory(src.data(), src.size(), {}, kAccessNone).ok());
   ASSERT_TRUE(engine_->RegisterMemory(back.data(), back.size(), {}, kAccessNone).ok());
-  std::mt19937_64 rng(GetParam() + 3);
+  std::mt19937_64 rng(GetParam().am_threshold + GetParam().am_eager + 3);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
   std::vector<TransferRequest> writes;
   uint64_t offset = 0;
@@ -391,13 +402,16 @@ TEST_P(UcxNetnsTest, TheTargetRefusesARangeItNoLongerRegistered) {
   // target's own check can refuse.
   ASSERT_TRUE(Ask("unregister-rw", "unregistered"));
   std::vector<uint8_t> src(1 << 20, 0xEE), dst(1 << 20, 0);
-  TransferRequest w{TransferOp::kWrite, src.data(), segment_, rw(0), src.size()};
-  Status s = Run(std::span(&w, 1));
-  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
-  EXPECT_NE(s.message().find("refused range"), std::string::npos) << s.ToString();
-  EXPECT_NE(s.message().find("remote write access"), std::string::npos) << s.ToString();
+  // A row of 1 MiB and one of 100000 bytes (eager where the limit is 256 KiB).
+  for (uint64_t len : {uint64_t{1} << 20, uint64_t{100000}}) {
+    TransferRequest w{TransferOp::kWrite, src.data(), segment_, rw(0), len};
+    Status s = Run(std::span(&w, 1));
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << len << ": " << s.ToString();
+    EXPECT_NE(s.message().find("refused range"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("remote write access"), std::string::npos) << s.ToString();
+  }
   TransferRequest r{TransferOp::kRead, dst.data(), segment_, rw(0), dst.size()};
-  s = Run(std::span(&r, 1));
+  Status s = Run(std::span(&r, 1));
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_NE(s.message().find("remote read access"), std::string::npos) << s.ToString();
   for (uint8_t b : dst) ASSERT_EQ(b, 0);
@@ -435,7 +449,7 @@ TEST_P(UcxNetnsTest, PeerFrozenMidBatchFailsAtTheDeadlineAndWhatCompletedLanded)
   const uint64_t len = 1ull << 20;
   const int blocks = 48;
   std::vector<uint8_t> src(blocks * len), dst(blocks * len, 0);
-  std::mt19937_64 rng(GetParam() + 11);
+  std::mt19937_64 rng(GetParam().am_threshold + GetParam().am_eager + 11);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
   // WRITEs to the first half of the region, READs of its second half.
   auto Remote = [&](int i) { return (i % 2 == 0 ? 0 : 32ull << 20) + (i / 2) * len; };
@@ -487,10 +501,13 @@ TEST_P(UcxNetnsTest, PeerFrozenMidBatchFailsAtTheDeadlineAndWhatCompletedLanded)
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Rows, UcxNetnsTest, ::testing::Values(0, kAmThreshold),
-                         [](const ::testing::TestParamInfo<uint64_t>& param) {
-                           return param.param == 0 ? std::string("PutGet")
-                                                   : std::string("ActiveMessages");
+INSTANTIATE_TEST_SUITE_P(Rows, UcxNetnsTest,
+                         ::testing::Values(Rows{0, 0, "PutGet"},
+                                           Rows{kAmThreshold, 0, "Rendezvous"},
+                                           Rows{kAmThreshold, 2ull << 20, "Eager"},
+                                           Rows{kAmThreshold, 256ull << 10, "EagerAndRendezvous"}),
+                         [](const ::testing::TestParamInfo<Rows>& param) {
+                           return std::string(param.param.name);
                          });
 
 TEST(UcxNetnsPeerTest, ForcedUcxToAPeerWithoutItFailsClearly) {

@@ -81,7 +81,7 @@ ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* 
     return UCS_OK;
   }
   if (!rndv) {
-    // Only a rendezvous is ever sent; a short message that arrives whole is copied.
+    // Eager: the bytes arrived with the request, in UCX's receive buffer.
     const ucs_status_t s = type == UCS_MEMORY_TYPE_HOST ? UCS_OK : UCS_ERR_UNSUPPORTED;
     if (s == UCS_OK) std::memcpy(reinterpret_cast<void*>(req.addr), data, length_bytes);
     if (reply_ep != nullptr) SendReply(reply_ep, kAmDone, AmReply{req.op, s}, nullptr, 0, type);

@@ -7,10 +7,13 @@
 //
 // Protocol (ids below; headers little-endian host structs, both ends kvferry):
 //   WRITE  initiator -> target  kAmWrite, header AmRequest{op, addr, length}, the row's bytes
-//          as rendezvous (UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY). The target receives
-//          them into [addr, addr + length) if that lies inside one region it mapped with remote
-//          write access, else refuses: the initiator's send completes with
-//          UCS_ERR_OUT_OF_RANGE and nothing is written. Once received, the target answers
+//          as rendezvous (UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY), or, for rows up to
+//          UcxChannelOptions::am_eager_max_bytes, eager (UCP_AM_SEND_FLAG_EAGER: the bytes come
+//          with the request). The target receives them into [addr, addr + length) if that lies
+//          inside one region it mapped with remote write access (an eager row is copied there
+//          from UCX's receive buffer), else refuses: a rendezvous's send completes with
+//          UCS_ERR_OUT_OF_RANGE, an eager row is answered kAmDone, AmReply{op,
+//          UCS_ERR_OUT_OF_RANGE}; nothing is written. Once received, the target answers
 //          kAmDone, AmReply{op, UCS_OK}: the bytes are in its memory (the send completing only
 //          says they left; with PEER error handling UCX 1.13 carries rendezvous data over tcp
 //          as active-message fragments, which no flush waits for).

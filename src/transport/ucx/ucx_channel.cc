@@ -416,8 +416,8 @@ class UcxChannel : public PeerChannel,
       ucp_request_param_t p = {};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-      p.flags =
-          UCP_AM_SEND_FLAG_REPLY | (f->write ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
+      const bool rndv = f->write && row_bytes > o_.am_eager_max_bytes;
+      p.flags = UCP_AM_SEND_FLAG_REPLY | (rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
       p.memory_type = UCS_MEMORY_TYPE_HOST;
       p.user_data = op;
       p.cb.send = [](void* request, ucs_status_t status, void* user_data) {

@@ -43,9 +43,11 @@ class UcxTransport : public Transport, public RegionObserver {
  public:
   UcxTransport(const UcxTransportOptions& options, MemoryRegistry* registry,
                std::unique_ptr<ucx::UcxContext> context,
-               std::vector<std::unique_ptr<ucx::UcxWorker>> workers, uint64_t am_threshold_bytes)
+               std::vector<std::unique_ptr<ucx::UcxWorker>> workers, uint64_t am_threshold_bytes,
+               uint64_t am_eager_bytes)
       : options_(options),
         am_threshold_bytes_(am_threshold_bytes),
+        am_eager_bytes_(am_eager_bytes),
         registry_(registry),
         context_(std::move(context)),
         workers_(std::move(workers)),
@@ -101,6 +103,7 @@ class UcxTransport : public Transport, public RegionObserver {
     o.refresh = setup.refresh;
     o.local_kind = setup.local_kind;
     o.am_threshold_bytes = am_threshold_bytes_;
+    o.am_eager_max_bytes = am_eager_bytes_;
     // A strided request: a put or get per row, up to a slice of rows per item.
     o.traits.max_rows_per_item = 4096;
     o.traits.slice_bytes = options_.slice_bytes;
@@ -167,6 +170,7 @@ class UcxTransport : public Transport, public RegionObserver {
  private:
   UcxTransportOptions options_;
   uint64_t am_threshold_bytes_;  // options_.am_threshold_bytes resolved
+  uint64_t am_eager_bytes_;      // options_.am_eager_bytes resolved
   MemoryRegistry* registry_;
   std::unique_ptr<ucx::UcxContext> context_;
   std::vector<std::unique_ptr<ucx::UcxWorker>> workers_;  // one per lane
@@ -207,18 +211,28 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
                      ucx::UcxWorker::Create(context.get(), idle_spin));
     workers.push_back(std::move(worker));
   }
-  const uint64_t am_threshold_bytes = options.am_threshold_bytes.value_or(
-      RdmaDevicesPresent() ? 0 : UcxTransportOptions::kAmThresholdWithoutRdma);
+  const bool rdma = RdmaDevicesPresent();
+  const uint64_t am_threshold_bytes =
+      options.am_threshold_bytes.value_or(rdma ? 0 : UcxTransportOptions::kAmThresholdWithoutRdma);
+  const uint64_t am_eager_bytes =
+      am_threshold_bytes == 0
+          ? 0
+          : options.am_eager_bytes.value_or(rdma ? 0 : UcxTransportOptions::kAmEagerWithoutRdma);
+  std::string rows = "as put / get";
+  if (am_threshold_bytes > 0) {
+    rows = "of at least " + std::to_string(am_threshold_bytes) + " bytes as active messages";
+    if (am_eager_bytes >= am_threshold_bytes) {
+      rows += " (WRITE rows up to " + std::to_string(am_eager_bytes) + " bytes eager)";
+    }
+  }
   KVF_LOG_INFO(
       "ucx: UCX {} started ({} CUDA memory support{}), {} lanes, host rows {}", context->version(),
       context->cuda_memory() ? "with" : "without",
       context->cuda_memory() && options.gpu_bounce ? ", GPU requests through bounce buffers" : "",
-      options.lanes,
-      am_threshold_bytes == 0
-          ? std::string("as put / get")
-          : "of at least " + std::to_string(am_threshold_bytes) + " bytes as active messages");
+      options.lanes, rows);
   return std::unique_ptr<Transport>(new UcxTransport(options, registry, std::move(context),
-                                                     std::move(workers), am_threshold_bytes));
+                                                     std::move(workers), am_threshold_bytes,
+                                                     am_eager_bytes));
 }
 
 }  // namespace kvferry

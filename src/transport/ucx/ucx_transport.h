@@ -33,6 +33,7 @@ namespace kvferry {
 
 struct UcxTransportOptions {
   static constexpr uint64_t kAmThresholdWithoutRdma = 128ull << 10;
+  static constexpr uint64_t kAmEagerWithoutRdma = 256ull << 10;
 
   // Reach peers on this engine's node too (the transport was forced); otherwise only peers on
   // other nodes, where UCX is preferred over TCP.
@@ -60,6 +61,13 @@ struct UcxTransportOptions {
   // put and get leave the target's CPU out. Unset: 128 KiB on hosts without RDMA devices
   // (/sys/class/infiniband empty or absent: UCX reaches other nodes over tcp only), else 0.
   std::optional<uint64_t> am_threshold_bytes;
+  // WRITE rows of such active messages up to this many bytes go eager: the bytes with the
+  // request, no rendezvous handshake (KVFERRY_UCX_AM_EAGER; 0: never). Over tcp a row that fits
+  // one receive segment (kvferry's UCX_TCP_RX_SEG_SIZE default, 512K) then costs two messages
+  // instead of four, and the target copies it out of the segment as it does a rendezvous's
+  // fragments; with RDMA eager would copy where a rendezvous does not. Unset: 256 KiB on hosts
+  // without RDMA devices, else 0.
+  std::optional<uint64_t> am_eager_bytes;
 };
 
 // Whether this build has the UCX transport.
