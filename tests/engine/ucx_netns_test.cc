@@ -83,6 +83,24 @@ class UcxNetnsTest : public ::testing::TestWithParam<Rows> {
     ASSERT_TRUE(seg.ok()) << seg.status().ToString();
     segment_ = *seg;
   }
+  // Submits `reqs` (deadline 20 s) and kills the peer 30 ms later: the batch fails with
+  // kUnavailable well before its deadline, with not every request completed.
+  void ExpectKillFailsTheBatchAtOnce(const std::vector<TransferRequest>& reqs) {
+    BatchOptions o;
+    o.deadline = milliseconds(20000);
+    auto start = std::chrono::steady_clock::now();
+    auto id = engine_->SubmitBatch(reqs, o);
+    ASSERT_TRUE(id.ok());
+    std::this_thread::sleep_for(milliseconds(30));
+    peer_->Kill();
+    auto st = engine_->WaitBatch(*id, milliseconds(30000));
+    auto elapsed = std::chrono::steady_clock::now() - start;
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->state, TransferState::kFailed);
+    EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+    EXPECT_LT(elapsed, milliseconds(5000)) << "well before the 20 s deadline";
+    EXPECT_LT(st->num_completed, reqs.size());
+  }
   void TearDown() override {
     engine_.reset();
     peer_.reset();
@@ -290,20 +308,7 @@ TEST_P(UcxNetnsTest, KilledPeerFailsInFlightRequestsAtOnce) {
   for (int i = 0; i < 256; ++i) {
     reqs.push_back({TransferOp::kWrite, src.data(), segment_, rw((i % 16) * len), len});
   }
-  BatchOptions o;
-  o.deadline = milliseconds(20000);
-  auto start = std::chrono::steady_clock::now();
-  auto id = engine_->SubmitBatch(reqs, o);
-  ASSERT_TRUE(id.ok());
-  std::this_thread::sleep_for(milliseconds(30));
-  peer_->Kill();
-  auto st = engine_->WaitBatch(*id, milliseconds(30000));
-  auto elapsed = std::chrono::steady_clock::now() - start;
-  ASSERT_TRUE(st.ok());
-  EXPECT_EQ(st->state, TransferState::kFailed);
-  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
-  EXPECT_LT(elapsed, milliseconds(5000)) << "well before the 20 s deadline";
-  EXPECT_LT(st->num_completed, reqs.size());
+  ExpectKillFailsTheBatchAtOnce(reqs);
 }
 
 TEST_P(UcxNetnsTest, FrozenPeerFailsAtTheDeadlineAndNothingCancelledCounts) {
@@ -429,20 +434,7 @@ TEST_P(UcxNetnsTest, KilledPeerFailsInFlightReadsAtOnce) {
     reqs.push_back(
         {TransferOp::kRead, dst.data() + (i % 16) * len, segment_, rw((i % 16) * len), len});
   }
-  BatchOptions o;
-  o.deadline = milliseconds(20000);
-  auto start = std::chrono::steady_clock::now();
-  auto id = engine_->SubmitBatch(reqs, o);
-  ASSERT_TRUE(id.ok());
-  std::this_thread::sleep_for(milliseconds(30));
-  peer_->Kill();
-  auto st = engine_->WaitBatch(*id, milliseconds(30000));
-  auto elapsed = std::chrono::steady_clock::now() - start;
-  ASSERT_TRUE(st.ok());
-  EXPECT_EQ(st->state, TransferState::kFailed);
-  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
-  EXPECT_LT(elapsed, milliseconds(5000)) << "well before the 20 s deadline";
-  EXPECT_LT(st->num_completed, reqs.size());
+  ExpectKillFailsTheBatchAtOnce(reqs);
 }
 
 TEST_P(UcxNetnsTest, PeerFrozenMidBatchFailsAtTheDeadlineAndWhatCompletedLanded) {
