@@ -426,6 +426,44 @@ TEST_P(UcxNetnsTest, TheTargetRefusesARangeItNoLongerRegistered) {
   for (uint64_t i = 0; i < dst.size(); ++i) ASSERT_EQ(dst[i], PeerPatternByte(i)) << i;
 }
 
+// An Unregister on the target while it receives rows into the region waits for those rows
+// (the target pins their ranges), and rows arriving after it began are refused: once the
+// peer's Unregister returned and it zeroed the region, nothing lands there any more.
+TEST_P(UcxNetnsTest, UnregisterWaitsForRowsBeingReceived) {
+  if (!ActiveMessages()) GTEST_SKIP() << "one-sided put / get: the target sees no request";
+  const uint64_t len = 4ull << 20;
+  const int rows = 16;
+  std::vector<uint8_t> src(len, 0xA5);
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < rows; ++i) {
+    reqs.push_back({TransferOp::kWrite, src.data(), segment_, rw(i * len), len});
+  }
+  BatchOptions o;
+  o.deadline = milliseconds(20000);
+  auto id = engine_->SubmitBatch(reqs, o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  std::this_thread::sleep_for(milliseconds(5));
+  ASSERT_TRUE(Ask("unregister-scribble-rw", "scribbled"));
+  auto st = engine_->WaitBatch(*id, milliseconds(30000));
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  for (int i = 0; i < rows; ++i) {
+    auto t = engine_->GetTransferStatus(*id, static_cast<size_t>(i));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    if (t->state != TransferState::kCompleted) {
+      EXPECT_EQ(t->error.code(), StatusCode::kFailedPrecondition)
+          << i << ": " << t->error.ToString();
+    }
+  }
+  engine_->ReleaseBatch(*id).IgnoreError();
+  ASSERT_TRUE(Ask("register-rw", "registered"));
+  std::vector<uint8_t> dst(rows * len, 0xFF);
+  TransferRequest r{TransferOp::kRead, dst.data(), segment_, rw(0), dst.size()};
+  ASSERT_TRUE(Run(std::span(&r, 1)).ok());
+  for (uint64_t b = 0; b < dst.size(); ++b) {
+    ASSERT_EQ(dst[b], 0) << "byte " << b << " (row " << b / len << ") landed after the Unregister";
+  }
+}
+
 TEST_P(UcxNetnsTest, KilledPeerFailsInFlightReadsAtOnce) {
   const uint64_t len = 4ull << 20;
   std::vector<uint8_t> dst(16 * len);

@@ -68,17 +68,21 @@ namespace {
       if (off + len <= region_bytes) reply += std::to_string(Hash64(rw + off, len));
     } else if (n.message == "unregister-rw" || n.message == "register-rw") {
       reply = n.message == "unregister-rw" ? "unregistered" : "registered";
+    } else if (n.message == "unregister-scribble-rw") {
+      reply = "scribbled";
     } else {
       return;
     }
     // Reply from another thread: the handler runs on the connection's serving thread.
     std::thread([e, rw, region_bytes, reply, addr = n.peer_address] {
       // The memory stays mapped either way: only the engine's registration changes.
-      Status s = reply == "unregistered" ? e->UnregisterMemory(rw)
+      Status s = reply == "unregistered" || reply == "scribbled" ? e->UnregisterMemory(rw)
                  : reply == "registered"
                      ? e->RegisterMemory(rw, region_bytes, {}, kAccessRemoteReadWrite)
                      : OkStatus();
       if (!s.ok()) return;
+      // As an application reusing the memory would: zeroes once the Unregister returned.
+      if (reply == "scribbled") std::memset(rw, 0, region_bytes);
       auto seg = e->OpenSegment(addr);
       if (seg.ok()) e->SendNotification(*seg, reply, std::chrono::seconds(5)).IgnoreError();
     }).detach();

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "common/checks.h"
+#include "common/logging.h"
 #include "cuda/copy_kernels.h"
 #include "cuda/device_guard.h"
 #include "transport/nvlink/cuda_error.h"
@@ -73,8 +74,8 @@ cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
                                             cudaStream_t stream) {
   // Runs of single blocks go to the driver in one cudaMemcpyBatchAsync each (one call for many
   // copies: a call per 1 MiB block held the copy engine to about half the link on H200);
-  // strided blocks one cudaMemcpy2DAsync each. Where the driver (or a toolkit before CUDA
-  // 12.8) lacks the batch call, every block is its own cudaMemcpyAsync.
+  // strided blocks one cudaMemcpy2DAsync each. Where the toolkit (before CUDA 12.8) lacks the
+  // batch call, or the driver refuses it once, every block is its own cudaMemcpyAsync.
   batch_dst_.clear();
   batch_src_.clear();
   batch_size_.clear();
@@ -94,16 +95,19 @@ cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
       e = cudaMemcpyBatchAsync(batch_dst_.data(), const_cast<void**>(batch_src_.data()),
                                batch_size_.data(), n, &attr, &attr_index, 1, &fail_index, stream);
 #endif
-      if (e == cudaErrorNotSupported || e == cudaErrorCallRequiresNewerDriver) {
-        (void)cudaGetLastError();
-        batch_call_.store(false, std::memory_order_relaxed);
-        e = cudaSuccess;
-      } else {
+      if (e == cudaSuccess) {
         batch_dst_.clear();
         batch_src_.clear();
         batch_size_.clear();
         return e;
       }
+      // Refused (a driver without it, or memory it does not take): the copies one call each
+      // below, and from then on when those go through.
+      KVF_LOG_WARN("nvlink: cudaMemcpyBatchAsync refused {} copies ({}): one call per copy", n,
+                   cudaGetErrorString(e));
+      (void)cudaGetLastError();
+      batch_call_.store(false, std::memory_order_relaxed);
+      e = cudaSuccess;
     }
 #endif
     for (size_t i = 0; i < n && e == cudaSuccess; ++i) {

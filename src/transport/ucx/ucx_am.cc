@@ -17,14 +17,16 @@ bool ReadHeader(const void* header, size_t header_length, T* out) {
   return true;
 }
 
-// A reply's header stays valid until UCX completes its send (UCX 1.13 does not copy it).
+// A reply's header stays valid until UCX completes its send (UCX 1.13 does not copy it); a
+// READ's range stays pinned until then.
 struct ReplySend {
   AmReply header;
+  MemoryRegistry::Pin pin;
 };
 
 void SendReply(ucp_ep_h ep, unsigned id, const AmReply& reply, const void* data,
-               size_t length_bytes, ucs_memory_type_t type) {
-  auto* s = new ReplySend{reply};
+               size_t length_bytes, ucs_memory_type_t type, MemoryRegistry::Pin pin = {}) {
+  auto* s = new ReplySend{reply, std::move(pin)};
   ucp_request_param_t p = {};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                    UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
@@ -54,11 +56,25 @@ void LogRefused(const char* op, const AmRequest& req) {
       op, RangeText(req.addr, req.length), op);
 }
 
-// A WRITE being received: its initiator hears kAmDone once the bytes are in place.
+// A WRITE being received: its initiator hears kAmDone once the bytes are in place; its range
+// stays pinned until then.
 struct WriteReceive {
   ucp_ep_h reply_ep = nullptr;
   uint64_t op = 0;
+  MemoryRegistry::Pin pin;
 };
+
+// Pins [req.addr, + req.length) in the engine's registry for `access`: an Unregister of the
+// region waits until the pin goes, so UCX never writes or reads it after it was freed. False
+// when the range is no longer registered with that access (an Unregister began).
+bool PinRange(UcxWorker* w, const AmRequest& req, uint32_t access, MemoryRegistry::Pin* pin) {
+  MemoryRegistry* registry = w->context().registry();
+  if (registry == nullptr) return true;
+  StatusOr<MemoryRegistry::Pin> p = registry->PinRange(req.addr, req.length, access);
+  if (!p.ok()) return false;
+  *pin = std::move(*p);
+  return true;
+}
 
 // Target: a peer's WRITE. The bytes go into the registered memory, or nowhere.
 ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* data,
@@ -70,8 +86,10 @@ ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* 
   AmRequest req;
   ucp_mem_h memh = nullptr;
   ucs_memory_type_t type = UCS_MEMORY_TYPE_HOST;
+  MemoryRegistry::Pin pin;
   if (!ReadHeader(header, header_length, &req) || req.length != length_bytes ||
-      !w->context().FindMapped(req.addr, req.length, kAccessRemoteWrite, &memh, &type)) {
+      !w->context().FindMapped(req.addr, req.length, kAccessRemoteWrite, &memh, &type) ||
+      !PinRange(w, req, kAccessRemoteWrite, &pin)) {
     LogRefused("write", req);
     // Rendezvous: the initiator's send completes with this status, nothing was received.
     if (rndv) return kAmRangeRefused;
@@ -87,7 +105,7 @@ ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* 
     if (reply_ep != nullptr) SendReply(reply_ep, kAmDone, AmReply{req.op, s}, nullptr, 0, type);
     return UCS_OK;
   }
-  auto* ctx = new WriteReceive{reply_ep, req.op};
+  auto* ctx = new WriteReceive{reply_ep, req.op, std::move(pin)};
   ucp_request_param_t p = {};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
@@ -130,13 +148,15 @@ ucs_status_t OnRead(void* arg, const void* header, size_t header_length, void*, 
   }
   ucp_mem_h memh = nullptr;
   ucs_memory_type_t type = UCS_MEMORY_TYPE_HOST;
-  if (!w->context().FindMapped(req.addr, req.length, kAccessRemoteRead, &memh, &type)) {
+  MemoryRegistry::Pin pin;
+  if (!w->context().FindMapped(req.addr, req.length, kAccessRemoteRead, &memh, &type) ||
+      !PinRange(w, req, kAccessRemoteRead, &pin)) {
     LogRefused("read", req);
     SendReply(param->reply_ep, kAmDone, AmReply{req.op, kAmRangeRefused}, nullptr, 0, type);
     return UCS_OK;
   }
   SendReply(param->reply_ep, kAmReadData, AmReply{req.op, UCS_OK},
-            reinterpret_cast<const void*>(req.addr), req.length, type);
+            reinterpret_cast<const void*>(req.addr), req.length, type, std::move(pin));
   return UCS_OK;
 }
 

@@ -201,6 +201,7 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
                                 std::to_string(options.slice_bytes));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ucx::UcxContext> context, ucx::UcxContext::Create());
+  context->set_registry(registry);
   if (options.idle_spin.count() < 0) {
     return InvalidArgumentError("UCX idle_spin must not be negative");
   }

@@ -34,6 +34,7 @@
 
 #include "kvferry/memory.h"
 #include "kvferry/status.h"
+#include "transport/memory_registry.h"
 
 namespace kvferry::ucx {
 
@@ -73,10 +74,17 @@ class UcxContext {
   bool FindMapped(uint64_t addr, uint64_t length, uint32_t need, ucp_mem_h* memh,
                   ucs_memory_type_t* type);
 
+  // The engine's registry (not owned; it outlives the context), which the active-message
+  // target pins a range in for as long as UCX writes or reads it, so that an Unregister waits
+  // for those. Set once, before any worker exists; null: nothing pinned.
+  void set_registry(MemoryRegistry* registry) { registry_ = registry; }
+  MemoryRegistry* registry() const { return registry_; }
+
  private:
   UcxContext() = default;
 
   ucp_context_h context_ = nullptr;
+  MemoryRegistry* registry_ = nullptr;
   bool cuda_memory_ = false;
   std::string version_;
 
