@@ -64,14 +64,19 @@ struct WriteReceive {
   MemoryRegistry::Pin pin;
 };
 
-// Pins [req.addr, + req.length) in the engine's registry for `access`: an Unregister of the
-// region waits until the pin goes, so UCX never writes or reads it after it was freed. False
-// when the range is no longer registered with that access (an Unregister began).
-bool PinRange(UcxWorker* w, const AmRequest& req, uint32_t access, MemoryRegistry::Pin* pin) {
+// Pins [req.addr, + req.length) in the engine's registry for `access` and sets its memory
+// type. The registry is the one check: a region registered with remote access is mapped with
+// UCX (ucx_rkey set) from its registration until every pin on it is gone, and an Unregister
+// waits for the pins, so UCX never writes or reads the range after it was freed. False when
+// the range is not inside one region registered with that access and mapped with UCX (or an
+// Unregister began), or the context has no registry.
+bool PinMapped(UcxWorker* w, const AmRequest& req, uint32_t access, MemoryRegistry::Pin* pin,
+               ucs_memory_type_t* type) {
   MemoryRegistry* registry = w->context().registry();
-  if (registry == nullptr) return true;
+  if (registry == nullptr) return false;
   StatusOr<MemoryRegistry::Pin> p = registry->PinRange(req.addr, req.length, access);
-  if (!p.ok()) return false;
+  if (!p.ok() || p->region().ucx_rkey.empty()) return false;
+  *type = p->region().kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   *pin = std::move(*p);
   return true;
 }
@@ -84,12 +89,10 @@ ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* 
   ucp_ep_h reply_ep =
       (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
   AmRequest req;
-  ucp_mem_h memh = nullptr;
   ucs_memory_type_t type = UCS_MEMORY_TYPE_HOST;
   MemoryRegistry::Pin pin;
   if (!ReadHeader(header, header_length, &req) || req.length != length_bytes ||
-      !w->context().FindMapped(req.addr, req.length, kAccessRemoteWrite, &memh, &type) ||
-      !PinRange(w, req, kAccessRemoteWrite, &pin)) {
+      !PinMapped(w, req, kAccessRemoteWrite, &pin, &type)) {
     LogRefused("write", req);
     // Rendezvous: the initiator's send completes with this status, nothing was received.
     if (rndv) return kAmRangeRefused;
@@ -106,25 +109,21 @@ ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* 
     return UCS_OK;
   }
   auto* ctx = new WriteReceive{reply_ep, req.op, std::move(pin)};
-  ucp_request_param_t p = {};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-  p.memory_type = type;
-  p.user_data = ctx;
   // Received: the bytes are in place, so the initiator may report the WRITE complete. A
   // failed receive is not answered: UCX fails it when the endpoint fails, and the endpoint
   // (and reply_ep with it) may be gone; the initiator's request then fails with its endpoint
   // or at its deadline.
-  p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
-    auto* c = static_cast<WriteReceive*>(user_data);
-    if (status == UCS_OK && c->reply_ep != nullptr) {
-      SendReply(c->reply_ep, kAmDone, AmReply{c->op, UCS_OK}, nullptr, 0, UCS_MEMORY_TYPE_HOST);
-    } else if (status != UCS_OK) {
-      KVF_LOG_DEBUG("ucx: a peer's WRITE was not received: {}", UcxStatusText(status));
-    }
-    delete c;
-    ucp_request_free(request);
-  };
+  const ucp_request_param_t p =
+      AmReceiveParams(type, ctx, [](void* request, ucs_status_t status, size_t, void* user_data) {
+        auto* c = static_cast<WriteReceive*>(user_data);
+        if (status == UCS_OK && c->reply_ep != nullptr) {
+          SendReply(c->reply_ep, kAmDone, AmReply{c->op, UCS_OK}, nullptr, 0, UCS_MEMORY_TYPE_HOST);
+        } else if (status != UCS_OK) {
+          KVF_LOG_DEBUG("ucx: a peer's WRITE was not received: {}", UcxStatusText(status));
+        }
+        delete c;
+        ucp_request_free(request);
+      });
   ucs_status_ptr_t r =
       ucp_am_recv_data_nbx(w->worker(), data, reinterpret_cast<void*>(req.addr), req.length, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
@@ -146,11 +145,9 @@ ucs_status_t OnRead(void* arg, const void* header, size_t header_length, void*, 
     KVF_LOG_WARN("ucx: dropped a malformed READ request");
     return UCS_OK;
   }
-  ucp_mem_h memh = nullptr;
   ucs_memory_type_t type = UCS_MEMORY_TYPE_HOST;
   MemoryRegistry::Pin pin;
-  if (!w->context().FindMapped(req.addr, req.length, kAccessRemoteRead, &memh, &type) ||
-      !PinRange(w, req, kAccessRemoteRead, &pin)) {
+  if (!PinMapped(w, req, kAccessRemoteRead, &pin, &type)) {
     LogRefused("read", req);
     SendReply(param->reply_ep, kAmDone, AmReply{req.op, kAmRangeRefused}, nullptr, 0, type);
     return UCS_OK;

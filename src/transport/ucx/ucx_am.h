@@ -59,6 +59,19 @@ struct AmReply {
 // The status a target answers a request outside its registered memory with.
 inline constexpr ucs_status_t kAmRangeRefused = UCS_ERR_OUT_OF_RANGE;
 
+// Parameters of ucp_am_recv_data_nbx receiving into memory of `type`, calling `done` with
+// `user_data` when the receive completes (or fails) later.
+inline ucp_request_param_t AmReceiveParams(ucs_memory_type_t type, void* user_data,
+                                           ucp_am_recv_data_nbx_callback_t done) {
+  ucp_request_param_t p = {};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  p.memory_type = type;
+  p.user_data = user_data;
+  p.cb.recv_am = done;
+  return p;
+}
+
 // Sets the worker's handlers for the four ids. Errors: kUnavailable with UCX's reason.
 Status SetAmHandlers(UcxWorker* worker);
 

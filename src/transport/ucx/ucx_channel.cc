@@ -224,17 +224,13 @@ class UcxChannel : public PeerChannel,
       AmOpDone(op, UCS_OK);
       return UCS_OK;
     }
-    ucp_request_param_t p = {};
-    p.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-    p.memory_type = UCS_MEMORY_TYPE_HOST;
-    p.user_data = op;
-    p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
-      auto* o = static_cast<AmOp*>(user_data);
-      o->receiving = false;
-      o->flight->channel->AmOpDone(o, status);
-      ucp_request_free(request);
-    };
+    const ucp_request_param_t p = AmReceiveParams(
+        UCS_MEMORY_TYPE_HOST, op, [](void* request, ucs_status_t status, size_t, void* user_data) {
+          auto* o = static_cast<AmOp*>(user_data);
+          o->receiving = false;
+          o->flight->channel->AmOpDone(o, status);
+          ucp_request_free(request);
+        });
     op->receiving = true;
     ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_->worker(), desc, op->local, length_bytes, &p);
     if (r == nullptr || UCS_PTR_IS_ERR(r)) {

@@ -60,7 +60,7 @@ StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
 UcxContext::~UcxContext() {
   {
     std::lock_guard<std::mutex> lock(map_mu_);
-    for (auto& [base, m] : mapped_) ucp_mem_unmap(context_, m.memh);
+    for (auto& [base, memh] : mapped_) ucp_mem_unmap(context_, memh);
     mapped_.clear();
   }
   if (context_ != nullptr) ucp_cleanup(context_);
@@ -215,12 +215,11 @@ StatusOr<std::vector<uint8_t>> UcxContext::MapRegion(const RegionDescriptor& reg
   const auto* bytes = static_cast<const uint8_t*>(packed);
   std::vector<uint8_t> rkey(bytes, bytes + packed_bytes);
   ucp_rkey_buffer_release(packed);
-  Mapping m{memh, region.length_bytes, region.access, p.memory_type};
   std::lock_guard<std::mutex> lock(map_mu_);
-  auto [it, inserted] = mapped_.emplace(region.base, m);
+  auto [it, inserted] = mapped_.emplace(region.base, memh);
   if (!inserted) {
-    ucp_mem_unmap(context_, it->second.memh);
-    it->second = m;
+    ucp_mem_unmap(context_, it->second);
+    it->second = memh;
   }
   return rkey;
 }
@@ -231,25 +230,10 @@ void UcxContext::UnmapRegion(uint64_t base) {
     std::lock_guard<std::mutex> lock(map_mu_);
     auto it = mapped_.find(base);
     if (it == mapped_.end()) return;
-    memh = it->second.memh;
+    memh = it->second;
     mapped_.erase(it);
   }
   ucp_mem_unmap(context_, memh);
-}
-
-bool UcxContext::FindMapped(uint64_t addr, uint64_t length, uint32_t need, ucp_mem_h* memh,
-                            ucs_memory_type_t* type) {
-  std::lock_guard<std::mutex> lock(map_mu_);
-  auto it = mapped_.upper_bound(addr);
-  if (it == mapped_.begin()) return false;
-  --it;
-  const uint64_t base = it->first;
-  const Mapping& m = it->second;
-  if (addr - base > m.length_bytes || length > m.length_bytes - (addr - base)) return false;
-  if ((m.access & need) != need) return false;
-  *memh = m.memh;
-  *type = m.type;
-  return true;
 }
 
 uint64_t UcxWorker::AddAmOp(AmClient* client) {

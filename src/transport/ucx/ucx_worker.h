@@ -10,11 +10,11 @@
 // Only the .cc files of src/transport/ucx/ include this header (it includes UCX's).
 //
 // Active messages (ucx_am.h): every worker serves peers' WRITE and READ requests sent as UCX
-// active messages (the range checked against this context's mapped regions) and routes the
+// active messages (the range checked against, and pinned in, the engine's registry) and routes the
 // replies to its own requests to the channel that sent them (AmClient, by operation id).
 //
-// Thread-safety: Post, Run, the accessors, MapRegion / UnmapRegion and FindMapped from any
-// thread; AddAmOp / RemoveAmOp / FindAmOp on the progress thread only.
+// Thread-safety: Post, Run, the accessors, MapRegion / UnmapRegion from any thread; AddAmOp /
+// RemoveAmOp / FindAmOp on the progress thread only.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -69,11 +69,6 @@ class UcxContext {
   // Unmaps the region mapped at `base`; nothing when none is.
   void UnmapRegion(uint64_t base);
 
-  // A mapped region holding [addr, addr + length) whose access includes `need`
-  // (kAccessRemote*): true and its memory handle and type; false when there is none.
-  bool FindMapped(uint64_t addr, uint64_t length, uint32_t need, ucp_mem_h* memh,
-                  ucs_memory_type_t* type);
-
   // The engine's registry (not owned; it outlives the context), which the active-message
   // target pins a range in for as long as UCX writes or reads it, so that an Unregister waits
   // for those. Set once, before any worker exists; null: nothing pinned.
@@ -88,14 +83,8 @@ class UcxContext {
   bool cuda_memory_ = false;
   std::string version_;
 
-  struct Mapping {
-    ucp_mem_h memh = nullptr;
-    uint64_t length_bytes = 0;
-    uint32_t access = 0;
-    ucs_memory_type_t type = UCS_MEMORY_TYPE_HOST;
-  };
   std::mutex map_mu_;
-  std::map<uint64_t, Mapping> mapped_;  // by region base
+  std::map<uint64_t, ucp_mem_h> mapped_;  // by region base
 };
 
 // What a channel implements to hear the replies to its active-message requests (ucx_am.h);
