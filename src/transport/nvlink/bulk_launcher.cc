@@ -81,6 +81,7 @@ cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
   batch_size_.clear();
   auto flush = [&]() -> cudaError_t {
     const size_t n = batch_dst_.size();
+    size_t first = 0;  // the copies from here on go one call each
     cudaError_t e = cudaSuccess;
 #if CUDART_VERSION >= 12080  // cudaMemcpyBatchAsync came with CUDA 12.8
     if (n > 1 && batch_call_.load(std::memory_order_relaxed)) {
@@ -96,21 +97,19 @@ cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
                                batch_size_.data(), n, &attr, &attr_index, 1, &fail_index, stream);
 #endif
       if (e == cudaSuccess) {
-        batch_dst_.clear();
-        batch_src_.clear();
-        batch_size_.clear();
-        return e;
+        first = n;
+      } else {
+        // Refused (a driver without it, or memory it does not take): the copies one call each
+        // below, and from then on.
+        KVF_LOG_WARN("nvlink: cudaMemcpyBatchAsync refused {} copies ({}): one call per copy", n,
+                     cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        batch_call_.store(false, std::memory_order_relaxed);
+        e = cudaSuccess;
       }
-      // Refused (a driver without it, or memory it does not take): the copies one call each
-      // below, and from then on when those go through.
-      KVF_LOG_WARN("nvlink: cudaMemcpyBatchAsync refused {} copies ({}): one call per copy", n,
-                   cudaGetErrorString(e));
-      (void)cudaGetLastError();
-      batch_call_.store(false, std::memory_order_relaxed);
-      e = cudaSuccess;
     }
 #endif
-    for (size_t i = 0; i < n && e == cudaSuccess; ++i) {
+    for (size_t i = first; i < n && e == cudaSuccess; ++i) {
       e = cudaMemcpyAsync(batch_dst_[i], batch_src_[i], batch_size_[i], cudaMemcpyDefault, stream);
     }
     batch_dst_.clear();

@@ -300,9 +300,10 @@ class NvlinkChannel : public PeerChannel {
     }
   }
 
-  bool BulkIdle() const {
-    return !parked_.has_parked() && flights_.idle() && resident_.idle() && lone_.idle();
+  bool BulkIdleBesidesLone() const {
+    return !parked_.has_parked() && flights_.idle() && resident_.idle();
   }
+  bool BulkIdle() const { return BulkIdleBesidesLone() && lone_.idle(); }
 
   // Completes `f` if its copies finished; false (and nothing done) while they run.
   bool CompleteBulkFlight(BulkFlight& f) {
@@ -387,14 +388,12 @@ class NvlinkChannel : public PeerChannel {
       flights_.Poll([this](BulkFlight& f) { return CompleteBulkFlight(f); });
       lone_.Poll();
       resident_.Poll();
-      // Only lone jobs in flight: their completion is a microsecond away, and a yield (a
-      // system call) per round would add to its latency.
-      if (!item_path_.idle() || !BulkIdle()) {
-        if (flights_.idle() && resident_.idle() && !parked_.has_parked() && item_path_.idle()) {
-          CpuRelax();
-        } else {
-          std::this_thread::yield();
-        }
+      // Work in flight: yield the core between rounds, unless only lone jobs are (their
+      // completion is a microsecond away, and a yield, a system call, would add to it).
+      if (!item_path_.idle() || !BulkIdleBesidesLone()) {
+        std::this_thread::yield();
+      } else if (!lone_.idle()) {
+        CpuRelax();
       }
     }
   }
