@@ -159,6 +159,8 @@ StatusOr<EnvConfig> ReadEnvConfig() {
   RETURN_IF_ERROR(ReadChoice("KVFERRY_CUDA_ALLOC", {"cumem", "cudamalloc"}, &config.cuda_alloc));
   RETURN_IF_ERROR(ReadByteSize("KVFERRY_NVLINK_CE_THRESHOLD", 0, " (0: chosen by measurement)",
                                &config.nvlink_ce_threshold_bytes));
+  RETURN_IF_ERROR(ReadByteSize("KVFERRY_NVLINK_CE_MIN_ROW", 1, " of at least 1 byte",
+                               &config.nvlink_ce_min_row_bytes));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_SPIN_US", 0, 100000, &config.spin_us));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_IDLE_SPIN_US", 0, 100000, &config.idle_spin_us));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_DONE_POLL_US", 0, 100000, &config.done_poll_us));

@@ -23,6 +23,8 @@
 //   KVFERRY_LISTEN_HOST    address engines listen on              default 127.0.0.1
 //   KVFERRY_NVLINK_CE_THRESHOLD  NVLink blocks of at least this size use the copy engine
 //                                (bytes, KiB/MiB suffix; 0: measured)  default EngineOptions value
+//   KVFERRY_NVLINK_CE_MIN_ROW  the shortest row of a strided NVLink request the copy engine
+//                                takes (bytes, KiB/MiB suffix, >= 1)  default EngineOptions value
 //   KVFERRY_SPIN_US        microseconds a waiter polls before blocking, 0..100000   default 50
 //   KVFERRY_IDLE_SPIN_US   microseconds an NVLink progress thread polls for new work after
 //                          its last before sleeping (and the resident NVLink copy kernel
@@ -64,6 +66,7 @@ struct EnvConfig {
   std::optional<std::string> cuda_alloc;  // "cumem" or "cudamalloc"
   std::optional<std::string> listen_host;
   std::optional<uint64_t> nvlink_ce_threshold_bytes;
+  std::optional<uint64_t> nvlink_ce_min_row_bytes;
   std::optional<int64_t> spin_us;
   std::optional<int64_t> idle_spin_us;
   std::optional<int64_t> done_poll_us;

@@ -96,6 +96,7 @@ class EngineImpl : public TransferEngine {
       if (env->ucx_am_eager_bytes) t.ucx.am_eager_bytes = *env->ucx_am_eager_bytes;
     }
     t.nvlink.copy_engine_threshold_bytes = options_.nvlink_copy_engine_threshold_bytes;
+    t.nvlink.copy_engine_min_row_bytes = options_.nvlink_copy_engine_min_row_bytes;
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;
     t.nvlink.resident_min_tiles = options_.nvlink_resident_min_tiles;
     t.nvlink.high_priority_streams = options_.nvlink_high_priority_streams;
@@ -701,6 +702,9 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   if (env.ucx_slice_bytes) resolved.ucx_slice_bytes = *env.ucx_slice_bytes;
   if (env.nvlink_ce_threshold_bytes) {
     resolved.nvlink_copy_engine_threshold_bytes = *env.nvlink_ce_threshold_bytes;
+  }
+  if (env.nvlink_ce_min_row_bytes) {
+    resolved.nvlink_copy_engine_min_row_bytes = *env.nvlink_ce_min_row_bytes;
   }
   if (env.nvlink_resident_blocks) resolved.nvlink_resident_blocks = *env.nvlink_resident_blocks;
   if (env.nvlink_resident_min_tiles) {

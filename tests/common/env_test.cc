@@ -142,5 +142,14 @@ TEST(EnvTest, UcxEagerLimitIsAByteSize) {
   EXPECT_FALSE(ReadEnvConfig()->ucx_am_eager_bytes.has_value());
 }
 
+TEST(EnvTest, NvlinkCopyEngineMinRowIsAPositiveByteSize) {
+  ::setenv("KVFERRY_NVLINK_CE_MIN_ROW", "2KiB", 1);
+  auto env = ReadEnvConfig();
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->nvlink_ce_min_row_bytes, 2u << 10);
+  ExpectEachRefusedByName("KVFERRY_NVLINK_CE_MIN_ROW", {"0", "-1", "wide"});
+  EXPECT_FALSE(ReadEnvConfig()->nvlink_ce_min_row_bytes.has_value());
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -199,6 +199,56 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   ASSERT_EQ(std::memcmp(got.data() + (4 << 20), mirror.data(), 4096), 0);
 }
 
+// With copy_engine_min_row_bytes lowered to 1 KiB, strided requests of 1 KiB rows (a head
+// slice per token, as unequal TP's fused path writes them) go to the copy engine, all of a
+// submission's in one cudaMemcpy3DBatchAsync: every row lands at its pitch and the bytes
+// between rows keep the peer's pattern.
+TEST_F(NvlinkGpuTest, NarrowStridedRowsGoToTheCopyEngineInOneBatch) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  NvlinkChannelOptions options;
+  options.peer = *descriptor;
+  options.copy_engine_threshold_bytes = 32 << 10;
+  options.copy_engine_min_row_bytes = 1 << 10;
+  constexpr uint64_t kSpan = 4 << 20;
+  constexpr uint32_t kRows = 64;
+  std::vector<uint8_t> src(kSpan);
+  std::mt19937_64 rng(43);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  ASSERT_EQ(cudaMemcpy(local_, src.data(), kSpan, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint8_t> mirror(kSpan);
+  for (uint64_t i = 0; i < kSpan; ++i) mirror[i] = Pattern(i);
+  std::vector<TransferRequest> reqs;
+  for (uint64_t i = 0; i < 24; ++i) {
+    // Source rows packed (1 KiB apart), destination rows 2 KiB apart at an odd half of each
+    // slot, requests out of order in the peer's region.
+    const uint64_t src_off = i * kRows * 1024, dst_off = ((i * 7) % 24) * kRows * 2048 + 1024;
+    TransferRequest r{TransferOp::kWrite, static_cast<uint8_t*>(local_) + src_off, segment_,
+                      peer_.vmm_base + dst_off, 1024};
+    r.num_rows = kRows;
+    r.local_stride = 1024;
+    r.remote_stride = 2048;
+    reqs.push_back(r);
+    for (uint32_t row = 0; row < kRows; ++row) {
+      std::memcpy(mirror.data() + dst_off + row * 2048, src.data() + src_off + row * 1024, 1024);
+    }
+  }
+  auto channel = CreateNvlinkChannel(options);
+  ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+  BulkRecorder owner;
+  BulkSubmission bulk{reqs, &owner, nullptr, 11};
+  ASSERT_TRUE((*channel)->TrySubmitBulk(bulk));
+  uint32_t tag = 0;
+  Status s = owner.Wait(&tag);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  (*channel)->Close();
+  std::vector<uint8_t> got(kSpan);
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, kSpan).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), back_, kSpan, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint64_t i = 0; i < kSpan; ++i) ASSERT_EQ(got[i], mirror[i]) << "byte " << i;
+}
+
 // A channel whose peer's file-descriptor server answers after 300 ms, refusing: submissions
 // parked for the region it shares fail together with that error (one attempt), one withdrawn
 // meanwhile (AbandonBulk, as a batch deadline does) completes at once with its reason, one

@@ -72,68 +72,112 @@ void BulkLauncher::LaunchPending() {
 
 cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
                                             cudaStream_t stream) {
-  // Runs of single blocks go to the driver in one cudaMemcpyBatchAsync each (one call for many
-  // copies: a call per 1 MiB block held the copy engine to about half the link on H200);
-  // strided blocks one cudaMemcpy2DAsync each. Where the toolkit (before CUDA 12.8) lacks the
-  // batch call, or the driver refuses it once, every block is its own cudaMemcpyAsync.
+  // A part's single blocks go to the driver in one cudaMemcpyBatchAsync and its strided blocks
+  // in one cudaMemcpy3DBatchAsync (one call for many copies: a call per 1 MiB block held the
+  // copy engine to about half the link on H200, and a page run's rows across the layers are
+  // one strided block each). The copies of a part are independent, so their order within it
+  // does not matter. Where the toolkit (before CUDA 12.8) lacks the batch calls, or the driver
+  // refuses one once, every block is its own cudaMemcpyAsync or cudaMemcpy2DAsync from then on.
+  for (const EngineBlock& b : blocks) {
+    if (b.rows <= 1) {
+      batch_dst_.push_back(reinterpret_cast<void*>(b.dst));
+      batch_src_.push_back(reinterpret_cast<const void*>(b.src));
+      batch_size_.push_back(b.width);
+    } else {
+      strided_.push_back(&b);
+    }
+  }
+  cudaError_t e = IssueSingleBlocks(stream);
+  if (e == cudaSuccess) e = IssueStridedBlocks(stream);
   batch_dst_.clear();
   batch_src_.clear();
   batch_size_.clear();
-  auto flush = [&]() -> cudaError_t {
-    const size_t n = batch_dst_.size();
-    size_t first = 0;  // the copies from here on go one call each
-    cudaError_t e = cudaSuccess;
+  strided_.clear();
+  return e;
+}
+
+cudaError_t BulkLauncher::IssueSingleBlocks(cudaStream_t stream) {
+  const size_t n = batch_dst_.size();
+  size_t first = 0;  // the copies from here on go one call each
 #if CUDART_VERSION >= 12080  // cudaMemcpyBatchAsync came with CUDA 12.8
-    if (n > 1 && batch_call_.load(std::memory_order_relaxed)) {
-      cudaMemcpyAttributes attr{};
-      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-      size_t attr_index = 0;
+  if (n > 1 && batch_call_.load(std::memory_order_relaxed)) {
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attr_index = 0;
 #if CUDART_VERSION >= 13000
-      e = cudaMemcpyBatchAsync(batch_dst_.data(), batch_src_.data(), batch_size_.data(), n, &attr,
-                               &attr_index, 1, stream);
+    cudaError_t e = cudaMemcpyBatchAsync(batch_dst_.data(), batch_src_.data(), batch_size_.data(),
+                                         n, &attr, &attr_index, 1, stream);
 #else  // CUDA 12.8 and 12.9 also report the index of a failed copy
-      size_t fail_index = 0;
-      e = cudaMemcpyBatchAsync(batch_dst_.data(), const_cast<void**>(batch_src_.data()),
-                               batch_size_.data(), n, &attr, &attr_index, 1, &fail_index, stream);
+    size_t fail_index = 0;
+    cudaError_t e =
+        cudaMemcpyBatchAsync(batch_dst_.data(), const_cast<void**>(batch_src_.data()),
+                             batch_size_.data(), n, &attr, &attr_index, 1, &fail_index, stream);
 #endif
-      if (e == cudaSuccess) {
-        first = n;
-      } else {
-        // Refused (a driver without it, or memory it does not take): the copies one call each
-        // below, and from then on.
-        KVF_LOG_WARN("nvlink: cudaMemcpyBatchAsync refused {} copies ({}): one call per copy", n,
-                     cudaGetErrorString(e));
-        (void)cudaGetLastError();
-        batch_call_.store(false, std::memory_order_relaxed);
-        e = cudaSuccess;
-      }
-    }
-#endif
-    for (size_t i = first; i < n && e == cudaSuccess; ++i) {
-      e = cudaMemcpyAsync(batch_dst_[i], batch_src_[i], batch_size_[i], cudaMemcpyDefault, stream);
-    }
-    batch_dst_.clear();
-    batch_src_.clear();
-    batch_size_.clear();
-    return e;
-  };
-  for (const EngineBlock& b : blocks) {
-    void* dst = reinterpret_cast<void*>(b.dst);
-    const void* src = reinterpret_cast<const void*>(b.src);
-    if (b.rows <= 1) {
-      batch_dst_.push_back(dst);
-      batch_src_.push_back(src);
-      batch_size_.push_back(b.width);
-      continue;
-    }
-    cudaError_t e = flush();
     if (e == cudaSuccess) {
-      e = cudaMemcpy2DAsync(dst, b.dst_pitch, src, b.src_pitch, b.width, b.rows, cudaMemcpyDefault,
-                            stream);
+      first = n;
+    } else {
+      // Refused (a driver without it, or memory it does not take): the copies one call each
+      // below, and from then on.
+      KVF_LOG_WARN("nvlink: cudaMemcpyBatchAsync refused {} copies ({}): one call per copy", n,
+                   cudaGetErrorString(e));
+      (void)cudaGetLastError();
+      batch_call_.store(false, std::memory_order_relaxed);
     }
-    if (e != cudaSuccess) return e;
   }
-  return flush();
+#endif
+  cudaError_t e = cudaSuccess;
+  for (size_t i = first; i < n && e == cudaSuccess; ++i) {
+    e = cudaMemcpyAsync(batch_dst_[i], batch_src_[i], batch_size_[i], cudaMemcpyDefault, stream);
+  }
+  return e;
+}
+
+cudaError_t BulkLauncher::IssueStridedBlocks(cudaStream_t stream) {
+  const size_t n = strided_.size();
+  size_t first = 0;  // the blocks from here on go one call each
+#if CUDART_VERSION >= 12080  // cudaMemcpy3DBatchAsync came with CUDA 12.8
+  if (n > 1 && batch_3d_call_.load(std::memory_order_relaxed)) {
+    // A strided block is a 3D copy of depth 1: `rows` rows of `width` bytes, each operand's
+    // row length (in bytes, the element of a pointer-to-pointer copy) its pitch.
+    batch_ops_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const EngineBlock& b = *strided_[i];
+      cudaMemcpy3DBatchOp& op = batch_ops_[i];
+      op = cudaMemcpy3DBatchOp{};
+      op.src.type = cudaMemcpyOperandTypePointer;
+      op.src.op.ptr.ptr = reinterpret_cast<void*>(b.src);
+      op.src.op.ptr.rowLength = b.src_pitch;
+      op.dst.type = cudaMemcpyOperandTypePointer;
+      op.dst.op.ptr.ptr = reinterpret_cast<void*>(b.dst);
+      op.dst.op.ptr.rowLength = b.dst_pitch;
+      op.extent = make_cudaExtent(b.width, b.rows, 1);
+      op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    }
+#if CUDART_VERSION >= 13000
+    cudaError_t e = cudaMemcpy3DBatchAsync(n, batch_ops_.data(), 0, stream);
+#else  // CUDA 12.8 and 12.9 also report the index of a failed copy
+    size_t fail_index = 0;
+    cudaError_t e = cudaMemcpy3DBatchAsync(n, batch_ops_.data(), &fail_index, 0, stream);
+#endif
+    if (e == cudaSuccess) {
+      first = n;
+    } else {
+      KVF_LOG_WARN("nvlink: cudaMemcpy3DBatchAsync refused {} strided copies ({}): one call per "
+                   "copy",
+                   n, cudaGetErrorString(e));
+      (void)cudaGetLastError();
+      batch_3d_call_.store(false, std::memory_order_relaxed);
+    }
+  }
+#endif
+  cudaError_t e = cudaSuccess;
+  for (size_t i = first; i < n && e == cudaSuccess; ++i) {
+    const EngineBlock& b = *strided_[i];
+    e = cudaMemcpy2DAsync(reinterpret_cast<void*>(b.dst), b.dst_pitch,
+                          reinterpret_cast<const void*>(b.src), b.src_pitch, b.width, b.rows,
+                          cudaMemcpyDefault, stream);
+  }
+  return e;
 }
 
 void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {

@@ -53,9 +53,13 @@ class BulkLauncher {
   // parameters when small, else uploaded to its device copy; several parts go as one kernel
   // reading their tables from host memory.
   void LaunchGroup(std::vector<BulkPart> parts);
-  // Queues copy-engine blocks on `stream`: runs of single blocks as one cudaMemcpyBatchAsync
-  // each, strided blocks as cudaMemcpy2DAsync. Holds launch_mu_.
+  // Queues copy-engine blocks on `stream`: the single blocks as one cudaMemcpyBatchAsync, the
+  // strided ones as one cudaMemcpy3DBatchAsync (one call per block where the batch calls are
+  // missing or refused). Holds launch_mu_.
   cudaError_t IssueEngineCopies(std::span<const EngineBlock> blocks, cudaStream_t stream);
+  // IssueEngineCopies' two halves, over batch_* and strided_.
+  cudaError_t IssueSingleBlocks(cudaStream_t stream);
+  cudaError_t IssueStridedBlocks(cudaStream_t stream);
 
   const int device_;
   TileArena& arena_;
@@ -67,11 +71,17 @@ class BulkLauncher {
   std::mutex pending_mu_;  // guards pending_
   std::vector<BulkPart> pending_;
   std::mutex launch_mu_;  // held by the thread launching the pending parts
-  // IssueEngineCopies' arguments for cudaMemcpyBatchAsync; guarded by launch_mu_.
+  // IssueEngineCopies' arguments for cudaMemcpyBatchAsync and cudaMemcpy3DBatchAsync; guarded
+  // by launch_mu_.
   std::vector<void*> batch_dst_;
   std::vector<const void*> batch_src_;
   std::vector<size_t> batch_size_;
-  std::atomic<bool> batch_call_{true};  // the driver takes cudaMemcpyBatchAsync
+  std::vector<const EngineBlock*> strided_;
+#if CUDART_VERSION >= 12080
+  std::vector<cudaMemcpy3DBatchOp> batch_ops_;
+#endif
+  std::atomic<bool> batch_call_{true};     // the driver takes cudaMemcpyBatchAsync
+  std::atomic<bool> batch_3d_call_{true};  // the driver takes cudaMemcpy3DBatchAsync
 };
 
 }  // namespace kvferry

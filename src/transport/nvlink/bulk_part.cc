@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -11,8 +12,12 @@
 
 namespace kvferry {
 
-BulkPreparer::BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser)
-    : mappings_(mappings), arena_(arena), chooser_(chooser) {}
+BulkPreparer::BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser,
+                           uint64_t min_engine_row_bytes)
+    : mappings_(mappings),
+      arena_(arena),
+      chooser_(chooser),
+      min_engine_row_bytes_(std::max<uint64_t>(min_engine_row_bytes, 1)) {}
 
 Status BulkPreparer::Init(int device) {
   int max_pitch = 0;

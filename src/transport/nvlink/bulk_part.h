@@ -81,8 +81,10 @@ struct BulkStats {
 
 class BulkPreparer {
  public:
-  // `chooser` says which blocks go to the copy engine, per submission.
-  BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser);
+  // `chooser` says which blocks go to the copy engine, per submission; strided requests with
+  // rows shorter than `min_engine_row_bytes` never do.
+  BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser,
+               uint64_t min_engine_row_bytes);
   BulkPreparer(const BulkPreparer&) = delete;
   BulkPreparer& operator=(const BulkPreparer&) = delete;
 
@@ -104,19 +106,19 @@ class BulkPreparer {
                    MappedRegion* cache) const;
 
   // Whether a request goes through the copy engine: a block at least `threshold` long, or
-  // strided rows of at least kMinEngineRowBytes each, `threshold` in all, with pitches
+  // strided rows of at least min_engine_row_bytes_ each, `threshold` in all, with pitches
   // cudaMemcpy2DAsync takes (a page's rows across a layer-major pool may be GiBs apart: those
-  // stay in the kernel). One cudaMemcpy2DAsync moves all the rows of a request.
-  static constexpr uint64_t kMinEngineRowBytes = 16 << 10;
+  // stay in the kernel). One 2D copy moves all the rows of a request.
   bool UsesCopyEngine(const TransferRequest& r, uint64_t threshold) const {
     if (r.num_rows <= 1) return r.length_bytes >= threshold;
-    return r.length_bytes >= kMinEngineRowBytes && r.total_bytes() >= threshold &&
+    return r.length_bytes >= min_engine_row_bytes_ && r.total_bytes() >= threshold &&
            r.local_stride <= max_pitch_ && r.remote_stride <= max_pitch_;
   }
 
   const PeerMappings& mappings_;
   TileArena& arena_;
   CopyPathChooser& chooser_;
+  const uint64_t min_engine_row_bytes_;
   uint64_t max_pitch_ = 0;  // cudaDevAttrMaxPitch: the longest stride cudaMemcpy2DAsync takes
 };
 

@@ -62,6 +62,7 @@ StatusOr<std::shared_ptr<PeerChannel>> NvlinkTransport::OpenChannel(const Channe
   o.peer = *setup.peer;
   o.local_device = setup.local_device;
   o.copy_engine_threshold_bytes = options_.copy_engine_threshold_bytes;
+  o.copy_engine_min_row_bytes = options_.copy_engine_min_row_bytes;
   o.resident_blocks = options_.resident_blocks;
   o.resident_min_tiles = options_.resident_min_tiles;
   o.high_priority_streams = options_.high_priority_streams;
