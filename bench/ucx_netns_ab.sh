@@ -4,7 +4,7 @@
 #
 #   bench/ucx_netns_ab.sh [--binary PATH] [--out DIR] [--rounds N] [--block-sizes LIST]
 #                         [--duration S] [--threads N] [--batch N] [--op write|read]
-#                         [--ceilings]
+#                         [--ceilings] [--loopback]
 #                         CONFIG...
 #
 # CONFIG is NAME=TRANSPORT[:VAR=VALUE[,VAR=VALUE...]], for example
@@ -14,13 +14,19 @@
 # machine falls on all of them alike. Each measurement is one `kvferry bench` initiator in
 # namespace A against its own `kvferry bench --serve` target in B (WRITE, or READ with --op
 # read); the CPU time of both processes (user + system, whole lifetime: setup and the 0.2 s
-# warm-up included) is read from /proc and divided by the bytes moved. With --ceilings each round also runs iperf3 (one
-# stream) and `ucx_perftest -t ucp_put_bw` at each block size (kvferry's UCX defaults).
+# warm-up included) is read from /proc and divided by the bytes moved. With --ceilings each
+# round also runs iperf3 (one stream) and `ucx_perftest` at each block size (kvferry's UCX
+# defaults): `-t ucp_put_bw` for WRITE; for READ `-t ucp_get -O <threads x batch>`, as many
+# gets in flight as kvferry's initiator has rows (without -O it has one at a time). With
+# --loopback both sides run in this namespace over 127.0.0.1 (`lo`) instead, for hosts that
+# cannot make namespaces.
 #
-# UCX settings not given in a CONFIG: UCX_TLS=tcp, UCX_NET_DEVICES=<the veth end> (and
+# UCX settings not given in a CONFIG: UCX_TLS=tcp, UCX_NET_DEVICES=<the veth end, or lo> (and
 # kvferry's own defaults, which it applies where unset). Output: one line per measurement in
-# DIR/ab.tsv, and a summary (median GB/s and CPU s/GB per configuration and block) on stdout.
-# Needs root (ip netns), iproute2, jq; iperf3 and ucx-utils with --ceilings.
+# DIR/ab.tsv, and a summary (median GB/s and CPU s/GB per configuration and block) on stdout;
+# DIR/run.txt names the machine, the settings and where each tool was found (first on PATH).
+# Needs jq and GNU time; root and iproute2 unless --loopback; iperf3 and ucx-utils with
+# --ceilings.
 set -uo pipefail
 
 binary=""
@@ -32,6 +38,7 @@ threads=2
 batch=8
 op=write
 ceilings=0
+loopback=0
 configs=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,7 +51,8 @@ while [[ $# -gt 0 ]]; do
     --batch) batch="$2"; shift 2 ;;
     --op) op="$2"; shift 2 ;;
     --ceilings) ceilings=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --loopback) loopback=1; shift ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
     -*) echo "ucx_netns_ab.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
@@ -62,14 +70,30 @@ if [[ -z "$binary" ]]; then
   done
 fi
 [[ -x "$binary" ]] || { echo "ucx_netns_ab.sh: no kvferry binary (use --binary)" >&2; exit 2; }
-[[ "$(id -u)" -eq 0 ]] || { echo "ucx_netns_ab.sh: needs root (ip netns)" >&2; exit 2; }
+[[ "$op" == write || "$op" == read ]] ||
+  { echo "ucx_netns_ab.sh: --op is write or read, not '$op'" >&2; exit 2; }
+(( loopback )) || [[ "$(id -u)" -eq 0 ]] ||
+  { echo "ucx_netns_ab.sh: needs root (ip netns; --loopback does not)" >&2; exit 2; }
+needed=(jq time)
+(( loopback )) || needed+=(ip)
+(( ceilings )) && needed+=(iperf3 ucx_perftest)
+for tool in "${needed[@]}"; do
+  type -P "$tool" >/dev/null || { echo "ucx_netns_ab.sh: '$tool' not found on PATH" >&2; exit 2; }
+done
+time_bin="$(type -P time)"  # GNU time, not the shell's keyword
+perftest_args=(-t ucp_put_bw)
+[[ "$op" == read ]] && perftest_args=(-t ucp_get -O $((threads * batch)))
 out="${out:-$(mktemp -d /tmp/kvferry-ucx-ab.XXXXXX)}"
 mkdir -p "$out"
 hz="$(getconf CLK_TCK)"
 
 # shellcheck source=bench/netns_pair.sh
 source "$repo/bench/netns_pair.sh"
-netns_pair_up kvfab kva 10.78.0 || exit 1
+if (( loopback )); then
+  loopback_pair_up
+else
+  netns_pair_up kvfab kva 10.78.0 || exit 1
+fi
 
 export UCX_TLS="${UCX_TLS:-tcp}"
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-$dev}"
@@ -83,6 +107,17 @@ cpu_of() { awk -v hz="$hz" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "machine: $(hostname), $(nproc) cores, $(uname -r); load at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "ucx: $(ucx_info -v 2>/dev/null | head -1)"
+  if (( loopback )); then
+    echo "link: loopback (both processes in one namespace, lo)"
+  else
+    echo "link: veth pair between namespaces $ns_a and $ns_b"
+  fi
+  echo "op: $op; threads $threads, batch $batch, ${duration} s, rounds $rounds, blocks $block_sizes"
+  (( ceilings )) && echo "ceilings: iperf3 (one stream, 3 s), ucx_perftest ${perftest_args[*]}"
+  echo "tools: $(for t in kvferry ucx_perftest ucx_info iperf3 jq time ip; do
+    [[ $t == kvferry ]] && printf '%s=%s ' "$t" "$binary" || printf '%s=%s ' "$t" "$(type -P "$t")"
+  done)"
+  echo "LD_LIBRARY_PATH: ${LD_LIBRARY_PATH:-}; UCX_MODULE_DIR: ${UCX_MODULE_DIR:-}"
   echo "settings: $(env | grep '^UCX_' | sort | tr '\n' ' ')"
   echo "configs: ${configs[*]}"
 } | tee "$out/run.txt"
@@ -95,9 +130,10 @@ run_one() {  # round name transport envlist block
   [[ -n "$envs" ]] && IFS=',' read -r -a envargs <<<"$envs"
   port=$((port + 1))
   local log="$out/r${round}_${name}_${block}"
+  (( loopback )) && target_transport="$transport"
   start_bench_target "$binary" "$ip_b:$port" "$log.serve.txt" "${envargs[@]}"
   local server=$target_pid
-  timeout 120 ip netns exec "$ns_a" env "${envargs[@]}" /usr/bin/time -f "%U %S" -o "$log.time" \
+  timeout 120 "${on_a[@]}" env "${envargs[@]}" "$time_bin" -f "%U %S" -o "$log.time" \
     "$binary" bench --target "$ip_b:$port" --transport "$transport" --block-size "$block" \
     --batch-size "$batch" --threads "$threads" --duration "$duration" --op "$op" --json "$log.json" \
     >"$log.txt" 2>&1
@@ -119,10 +155,10 @@ run_one() {  # round name transport envlist block
 
 ceilings_round() {
   local round="$1"
-  ip netns exec "$ns_b" iperf3 -s -B "$ip_b" -1 >/dev/null 2>&1 &
+  "${on_b[@]}" iperf3 -s -B "$ip_b" -1 >/dev/null 2>&1 &
   pids+=($!)
   sleep 0.5
-  timeout 30 ip netns exec "$ns_a" iperf3 -c "$ip_b" -t 3 -J >"$out/r${round}_iperf3.json" 2>&1
+  timeout 30 "${on_a[@]}" iperf3 -c "$ip_b" -t 3 -J >"$out/r${round}_iperf3.json" 2>&1
   printf '%s\tiperf3\t-\t%.3f\t-\t-\t-\t-\t%s\n' "$round" \
     "$(jq '.end.sum_received.bits_per_second / 8 / 1e9' "$out/r${round}_iperf3.json" 2>/dev/null || echo 0)" \
     "$(cut -d' ' -f1 /proc/loadavg)" | tee -a "$out/ab.tsv"
@@ -134,13 +170,13 @@ ceilings_round() {
     port=$((port + 1))
     UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-512K} \
       UCX_TCP_SNDBUF=${UCX_TCP_SNDBUF:-4M} UCX_TCP_RCVBUF=${UCX_TCP_RCVBUF:-4M} \
-      ip netns exec "$ns_b" ucx_perftest -p "$port" >/dev/null 2>&1 &
+      "${on_b[@]}" ucx_perftest -p "$port" >/dev/null 2>&1 &
     server=$!
     pids+=("$server")
     sleep 0.5
     UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-256K} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-512K} \
       UCX_TCP_SNDBUF=${UCX_TCP_SNDBUF:-4M} UCX_TCP_RCVBUF=${UCX_TCP_RCVBUF:-4M} \
-      timeout 60 ip netns exec "$ns_a" ucx_perftest "$ip_b" -p "$port" -t ucp_put_bw -s "$bytes" \
+      timeout 60 "${on_a[@]}" ucx_perftest "$ip_b" -p "$port" "${perftest_args[@]}" -s "$bytes" \
       -n "$iters" -w 10 -f >"$out/r${round}_perftest_$block.txt" 2>&1
     kill "$server" 2>/dev/null
     wait "$server" 2>/dev/null
