@@ -24,13 +24,16 @@ struct ReplySend {
   MemoryRegistry::Pin pin;
 };
 
+// Sends `reply` with `data` (null: none) as rendezvous, or eager (the bytes with the message)
+// when `eager`.
 void SendReply(ucp_ep_h ep, unsigned id, const AmReply& reply, const void* data,
-               size_t length_bytes, ucs_memory_type_t type, MemoryRegistry::Pin pin = {}) {
+               size_t length_bytes, ucs_memory_type_t type, MemoryRegistry::Pin pin = {},
+               bool eager = false) {
   auto* s = new ReplySend{reply, std::move(pin)};
   ucp_request_param_t p = {};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                    UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-  p.flags = data != nullptr ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+  p.flags = data != nullptr && !eager ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
   p.memory_type = type;
   p.user_data = s;
   p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
@@ -135,7 +138,9 @@ ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* 
   return UCS_OK;
 }
 
-// Target: a peer's READ. The bytes go back as a rendezvous on the endpoint it came on.
+// Target: a peer's READ. The bytes go back on the endpoint it came on: eager (the initiator
+// copies them out of its receive buffer) for host memory up to the context's eager limit,
+// else as a rendezvous.
 ucs_status_t OnRead(void* arg, const void* header, size_t header_length, void*, size_t,
                     const ucp_am_recv_param_t* param) {
   auto* w = static_cast<UcxWorker*>(arg);
@@ -152,8 +157,10 @@ ucs_status_t OnRead(void* arg, const void* header, size_t header_length, void*, 
     SendReply(param->reply_ep, kAmDone, AmReply{req.op, kAmRangeRefused}, nullptr, 0, type);
     return UCS_OK;
   }
+  const bool eager =
+      type == UCS_MEMORY_TYPE_HOST && req.length <= w->context().am_eager_max_bytes();
   SendReply(param->reply_ep, kAmReadData, AmReply{req.op, UCS_OK},
-            reinterpret_cast<const void*>(req.addr), req.length, type, std::move(pin));
+            reinterpret_cast<const void*>(req.addr), req.length, type, std::move(pin), eager);
   return UCS_OK;
 }
 

@@ -19,8 +19,10 @@
 //          as active-message fragments, which no flush waits for).
 //   READ   initiator -> target  kAmRead, header AmRequest, no data (UCP_AM_SEND_FLAG_REPLY);
 //          target -> initiator  kAmReadData, header AmReply{op, UCS_OK}, the bytes of
-//          [addr, addr + length) as rendezvous on the reply endpoint (the endpoint the request
-//          came on), received straight into the initiator's memory; or, when the range is not
+//          [addr, addr + length) on the reply endpoint (the endpoint the request came on): as
+//          rendezvous, received straight into the initiator's memory, or, for host memory up to
+//          the target's UcxContext::am_eager_max_bytes, eager (copied there out of UCX's
+//          receive buffer); or, when the range is not
 //          inside a region mapped with remote read access, kAmDone, AmReply{op,
 //          UCS_ERR_OUT_OF_RANGE}.
 // The initiator matches replies by op (UcxWorker::AddAmOp); a reply to an op it no longer

@@ -202,6 +202,14 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ucx::UcxContext> context, ucx::UcxContext::Create());
   context->set_registry(registry);
+  const bool rdma = RdmaDevicesPresent();
+  const uint64_t am_threshold_bytes =
+      options.am_threshold_bytes.value_or(rdma ? 0 : UcxTransportOptions::kAmThresholdWithoutRdma);
+  const uint64_t am_eager_bytes =
+      am_threshold_bytes == 0
+          ? 0
+          : options.am_eager_bytes.value_or(rdma ? 0 : UcxTransportOptions::kAmEagerWithoutRdma);
+  context->set_am_eager_max_bytes(am_eager_bytes);
   if (options.idle_spin.count() < 0) {
     return InvalidArgumentError("UCX idle_spin must not be negative");
   }
@@ -212,18 +220,12 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
                      ucx::UcxWorker::Create(context.get(), idle_spin));
     workers.push_back(std::move(worker));
   }
-  const bool rdma = RdmaDevicesPresent();
-  const uint64_t am_threshold_bytes =
-      options.am_threshold_bytes.value_or(rdma ? 0 : UcxTransportOptions::kAmThresholdWithoutRdma);
-  const uint64_t am_eager_bytes =
-      am_threshold_bytes == 0
-          ? 0
-          : options.am_eager_bytes.value_or(rdma ? 0 : UcxTransportOptions::kAmEagerWithoutRdma);
   std::string rows = "as put / get";
   if (am_threshold_bytes > 0) {
     rows = "of at least " + std::to_string(am_threshold_bytes) + " bytes as active messages";
     if (am_eager_bytes >= am_threshold_bytes) {
-      rows += " (WRITE rows up to " + std::to_string(am_eager_bytes) + " bytes eager)";
+      rows += " (WRITE rows and READ answers up to " + std::to_string(am_eager_bytes) +
+              " bytes eager)";
     }
   }
   KVF_LOG_INFO(

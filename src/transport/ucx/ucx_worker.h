@@ -74,12 +74,18 @@ class UcxContext {
   // for those. Set once, before any worker exists; null: nothing pinned.
   void set_registry(MemoryRegistry* registry) { registry_ = registry; }
   MemoryRegistry* registry() const { return registry_; }
+  // READ rows of host memory up to this many bytes are answered eager (the bytes with the
+  // reply) by this context's workers, larger ones as rendezvous (ucx_am.h). Set once, before
+  // any worker exists; 0: every READ row as rendezvous.
+  void set_am_eager_max_bytes(uint64_t bytes) { am_eager_max_bytes_ = bytes; }
+  uint64_t am_eager_max_bytes() const { return am_eager_max_bytes_; }
 
  private:
   UcxContext() = default;
 
   ucp_context_h context_ = nullptr;
   MemoryRegistry* registry_ = nullptr;
+  uint64_t am_eager_max_bytes_ = 0;
   bool cuda_memory_ = false;
   std::string version_;
 
