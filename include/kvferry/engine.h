@@ -56,7 +56,7 @@ struct EngineOptions {
   std::string transport = "auto";
   // NVLink: which engine copies large blocks. 0 (default): measured per peer channel: blocks
   // of at least 1 MiB (and strided requests whose rows of at least 16 KiB add up to it) go
-  // through the copy engine (cudaMemcpyBatchAsync, cudaMemcpy2DAsync) unless the copy kernel
+  // through the copy engine (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync) unless the copy kernel
   // moved them 25% faster lately (it may on idle SMs; the copy engine wins when kernels
   // compete for them; docs/perf/nvlink-h100.md). Any other value fixes it: blocks (or rows
   // adding up to) at least that long use the copy engine, smaller ones the kernel

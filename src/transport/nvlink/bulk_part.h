@@ -34,7 +34,7 @@ namespace kvferry {
 constexpr size_t kCombineMaxTiles = 512;
 
 // A block of a bulk submission at least NvlinkChannelOptions::copy_engine_threshold_bytes long,
-// copied by the copy engine (rows > 1: a strided block, cudaMemcpy2DAsync).
+// copied by the copy engine (rows > 1: a strided block, a 2D copy).
 struct EngineBlock {
   uint64_t src = 0, dst = 0, width = 0, rows = 1, src_pitch = 0, dst_pitch = 0;
 };

@@ -1,6 +1,6 @@
 // Which engine copies a bulk submission's large blocks: the copy kernel (SMs) or the copy
-// engine (one cudaMemcpyBatchAsync per run of blocks, cudaMemcpy2DAsync per strided request),
-// chosen from what each achieved on this channel.
+// engine (a submission's blocks in one cudaMemcpyBatchAsync, its strided requests in one
+// cudaMemcpy3DBatchAsync), chosen from what each achieved on this channel.
 //
 // Neither wins everywhere: on an idle GPU the kernel moves 64 KiB..16 MiB blocks at the link's
 // rate while the copy engine pays host calls (a call per 1 MiB block reached 205 of 397 GB/s

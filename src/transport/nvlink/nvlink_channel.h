@@ -19,10 +19,10 @@ struct NvlinkChannelOptions {
   // Re-reads the peer's descriptor when a range is not found (it may have registered more).
   std::function<StatusOr<SegmentDescriptor>()> refresh;
   int local_device = 0;
-  // Blocks at least this long go through the copy engine (cudaMemcpyAsync, cudaMemcpy2DAsync
-  // for strided rows), smaller ones through one batched copy kernel per submission; a bulk
-  // submission with both launches alone, its copy-engine blocks after its kernel on its
-  // stream.
+  // Blocks at least this long go through the copy engine (a submission's single blocks in one
+  // cudaMemcpyBatchAsync, its strided ones in one cudaMemcpy3DBatchAsync), smaller ones
+  // through one batched copy kernel per submission; a bulk submission with both launches
+  // alone, its copy-engine blocks after its kernel on its stream.
   // 0: chosen by measurement (CopyPathChooser); else fixed (UINT64_MAX: kernel only).
   uint64_t copy_engine_threshold_bytes = 0;
   // The shortest row of a strided request the copy engine takes (all the request's rows in one
