@@ -98,7 +98,7 @@ cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
 
 cudaError_t BulkLauncher::IssueSingleBlocks(cudaStream_t stream) {
   const size_t n = batch_dst_.size();
-  size_t first = 0;  // the copies from here on go one call each
+  size_t first = 0;          // the copies from here on go one call each
 #if CUDART_VERSION >= 12080  // cudaMemcpyBatchAsync came with CUDA 12.8
   if (n > 1 && batch_call_.load(std::memory_order_relaxed)) {
     cudaMemcpyAttributes attr{};
@@ -134,7 +134,7 @@ cudaError_t BulkLauncher::IssueSingleBlocks(cudaStream_t stream) {
 
 cudaError_t BulkLauncher::IssueStridedBlocks(cudaStream_t stream) {
   const size_t n = strided_.size();
-  size_t first = 0;  // the blocks from here on go one call each
+  size_t first = 0;          // the blocks from here on go one call each
 #if CUDART_VERSION >= 12080  // cudaMemcpy3DBatchAsync came with CUDA 12.8
   if (n > 1 && batch_3d_call_.load(std::memory_order_relaxed)) {
     // A strided block is a 3D copy of depth 1: `rows` rows of `width` bytes, each operand's
@@ -162,9 +162,10 @@ cudaError_t BulkLauncher::IssueStridedBlocks(cudaStream_t stream) {
     if (e == cudaSuccess) {
       first = n;
     } else {
-      KVF_LOG_WARN("nvlink: cudaMemcpy3DBatchAsync refused {} strided copies ({}): one call per "
-                   "copy",
-                   n, cudaGetErrorString(e));
+      KVF_LOG_WARN(
+          "nvlink: cudaMemcpy3DBatchAsync refused {} strided copies ({}): one call per "
+          "copy",
+          n, cudaGetErrorString(e));
       (void)cudaGetLastError();
       batch_3d_call_.store(false, std::memory_order_relaxed);
     }

@@ -224,8 +224,8 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
   if (am_threshold_bytes > 0) {
     rows = "of at least " + std::to_string(am_threshold_bytes) + " bytes as active messages";
     if (am_eager_bytes >= am_threshold_bytes) {
-      rows += " (WRITE rows and READ answers up to " + std::to_string(am_eager_bytes) +
-              " bytes eager)";
+      rows +=
+          " (WRITE rows and READ answers up to " + std::to_string(am_eager_bytes) + " bytes eager)";
     }
   }
   KVF_LOG_INFO(
