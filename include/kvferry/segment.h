@@ -18,8 +18,10 @@ namespace kvferry {
 
 // Version of the handshake and frame protocol. Peers with a different version are refused.
 // 2: strided WRITE frames; 3: the handshake authenticates both sides (challenge and response);
-// 4: descriptors carry the UCX worker addresses (one per lane) and each region's packed UCX rkey.
-inline constexpr uint16_t kProtocolVersion = 4;
+// 4: descriptors carry the UCX worker addresses (one per lane) and each region's packed UCX rkey;
+// 5: large UCX rows travel as active messages (transport/ucx/ucx_am.h), which an engine of
+// version 4 cannot serve.
+inline constexpr uint16_t kProtocolVersion = 5;
 
 struct SegmentDescriptor {
   std::string name;  // engine name, unique per process group (e.g. "prefill-0")

@@ -1,7 +1,7 @@
-// Active messages between kvferry's UCX workers: WRITE and READ of large rows as UCX
-// rendezvous. Where UCX emulates put and get in software (tcp) each byte is copied in user
-// space on both sides (into a send segment, out of a receive segment); a rendezvous is sent
-// from the source memory itself (UCX 1.13 over tcp with PEER error handling still copies out of
+// Active messages between kvferry's UCX workers: WRITE and READ of large rows as UCX active
+// messages (eager or rendezvous). Where UCX emulates put and get in software (tcp) each byte
+// is copied in user space on both sides (into a send segment, out of a receive segment); a
+// rendezvous is sent from the source memory itself (UCX 1.13 over tcp with PEER error handling still copies out of
 // the receive segment on the receiving side), and, unlike one-sided put and get, the target
 // checks every request against its registered memory.
 //
@@ -26,7 +26,8 @@
 //          inside a region mapped with remote read access, kAmDone, AmReply{op,
 //          UCS_ERR_OUT_OF_RANGE}.
 // The initiator matches replies by op (UcxWorker::AddAmOp); a reply to an op it no longer
-// waits for is dropped (its data refused).
+// waits for is dropped (its data refused). Engines of kProtocolVersion 5 and later speak this;
+// the handshake refuses older ones.
 //
 // Only the .cc files of src/transport/ucx/ include this header.
 #pragma once
