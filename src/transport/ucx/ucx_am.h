@@ -1,9 +1,9 @@
 // Active messages between kvferry's UCX workers: WRITE and READ of large rows as UCX active
 // messages (eager or rendezvous). Where UCX emulates put and get in software (tcp) each byte
 // is copied in user space on both sides (into a send segment, out of a receive segment); a
-// rendezvous is sent from the source memory itself (UCX 1.13 over tcp with PEER error handling still copies out of
-// the receive segment on the receiving side), and, unlike one-sided put and get, the target
-// checks every request against its registered memory.
+// rendezvous is sent from the source memory itself (UCX 1.13 over tcp with PEER error handling
+// still copies out of the receive segment on the receiving side), and, unlike one-sided put and
+// get, the target checks every request against its registered memory.
 //
 // Protocol (ids below; headers little-endian host structs, both ends kvferry):
 //   WRITE  initiator -> target  kAmWrite, header AmRequest{op, addr, length}, the row's bytes
