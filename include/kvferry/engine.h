@@ -65,7 +65,8 @@ struct EngineOptions {
   uint64_t nvlink_copy_engine_threshold_bytes = 0;
   // NVLink: the shortest row of a strided request that the copy engine takes (with all its
   // rows in one 2D copy); requests with shorter rows go to the copy kernel. 16 KiB (default)
-  // keeps page size 1's short page runs in the kernel; KVFERRY_NVLINK_CE_MIN_ROW overrides it.
+  // keeps page size 1's short page runs in the kernel; 0 counts as 1. KVFERRY_NVLINK_CE_MIN_ROW
+  // overrides it.
   uint64_t nvlink_copy_engine_min_row_bytes = 16 << 10;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small
   // batches (up to 512 tiles of 16 KiB) keep coming, so that each costs no kernel launch, and

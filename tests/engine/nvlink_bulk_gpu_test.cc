@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #ifdef KVFERRY_WITH_CUDA
+#include <span>
+
 #include "engine/nvlink_gpu_fixture.h"
 
 namespace kvferry {
@@ -55,6 +57,32 @@ std::vector<TransferRequest> ScatteredWrites(void* local, SegmentHandle segment,
   return reqs;
 }
 
+// Fills `span` bytes of device memory at `local` with random bytes from `seed`; returns them.
+std::vector<uint8_t> FillRandom(void* local, uint64_t span, uint64_t seed) {
+  std::vector<uint8_t> bytes(span);
+  std::mt19937_64 rng(seed);
+  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+  EXPECT_EQ(cudaMemcpy(local, bytes.data(), span, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return bytes;
+}
+
+// What the peer's region holds over [0, span) before any WRITE: its pattern.
+std::vector<uint8_t> PatternMirror(uint64_t span) {
+  std::vector<uint8_t> mirror(span);
+  for (uint64_t i = 0; i < span; ++i) mirror[i] = Pattern(i);
+  return mirror;
+}
+
+// Submits `reqs` as one bulk submission on `channel` and waits for its completion.
+Status SubmitAndWait(PeerChannel& channel, std::span<const TransferRequest> reqs, uint32_t tag) {
+  BulkRecorder owner;
+  BulkSubmission bulk{reqs, &owner, nullptr, tag};
+  if (!channel.TrySubmitBulk(bulk)) return FailedPreconditionError("bulk submission declined");
+  uint32_t got = 0;
+  return owner.Wait(&got);
+}
+
 // A bulk submission into peer regions its channel has not mapped yet (the IPC and the file-
 // descriptor shared one) is taken at once and waits in the channel for the mappings instead
 // of being declined to the item path; it lands exactly. One reaching outside the peer's GPU
@@ -103,8 +131,8 @@ TEST_F(NvlinkGpuTest, BulkSubmissionWaitsForItsRegionsToBeMapped) {
 
 // With a copy-engine threshold, a bulk submission's long blocks go through the copy engine
 // (contiguous ones several to a cudaMemcpyBatchAsync, strided rows of at least 16 KiB that add
-// up to the threshold through cudaMemcpy2DAsync) in the same submission as its short ones and
-// narrow rows (the copy kernel); a submission of long blocks only, too. Every byte lands where
+// up to the threshold several to a cudaMemcpy3DBatchAsync) in the same submission as its short ones
+// and narrow rows (the copy kernel); a submission of long blocks only, too. Every byte lands where
 // it should, and the bytes between strided rows stay untouched.
 TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   auto descriptor = engine_->GetSegmentDescriptor(segment_);
@@ -114,14 +142,9 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   options.copy_engine_threshold_bytes = 64 << 10;
   options.resident_min_tiles = 0;      // short-only submissions may take the resident kernel
   constexpr uint64_t kSpan = 8 << 20;  // bytes of local_ and of the peer's region used
-  std::vector<uint8_t> src(kSpan);
-  std::mt19937_64 rng(41);
-  for (auto& b : src) b = static_cast<uint8_t>(rng());
-  ASSERT_EQ(cudaMemcpy(local_, src.data(), kSpan, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> src = FillRandom(local_, kSpan, 41);
   // A host mirror of the peer's region [vmm_base, + kSpan): its pattern, then each WRITE.
-  std::vector<uint8_t> mirror(kSpan);
-  for (uint64_t i = 0; i < kSpan; ++i) mirror[i] = Pattern(i);
+  std::vector<uint8_t> mirror = PatternMirror(kSpan);
   auto* local = static_cast<uint8_t*>(local_);
   std::vector<TransferRequest> mixed, engine_only;
   auto add = [&](std::vector<TransferRequest>& to, uint64_t src_off, uint64_t dst_off, uint64_t len,
@@ -154,11 +177,7 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   auto channel = CreateNvlinkChannel(options);
   ASSERT_TRUE(channel.ok()) << channel.status().ToString();
   for (auto* reqs : {&mixed, &engine_only, &short_only}) {
-    BulkRecorder owner;
-    BulkSubmission bulk{*reqs, &owner, nullptr, 9};
-    ASSERT_TRUE((*channel)->TrySubmitBulk(bulk));
-    uint32_t tag = 0;
-    Status s = owner.Wait(&tag);
+    Status s = SubmitAndWait(**channel, *reqs, 9);
     ASSERT_TRUE(s.ok()) << s.ToString();
   }
   (*channel)->Close();
@@ -212,13 +231,8 @@ TEST_F(NvlinkGpuTest, NarrowStridedRowsGoToTheCopyEngineInOneBatch) {
   options.copy_engine_min_row_bytes = 1 << 10;
   constexpr uint64_t kSpan = 4 << 20;
   constexpr uint32_t kRows = 64;
-  std::vector<uint8_t> src(kSpan);
-  std::mt19937_64 rng(43);
-  for (auto& b : src) b = static_cast<uint8_t>(rng());
-  ASSERT_EQ(cudaMemcpy(local_, src.data(), kSpan, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<uint8_t> mirror(kSpan);
-  for (uint64_t i = 0; i < kSpan; ++i) mirror[i] = Pattern(i);
+  const std::vector<uint8_t> src = FillRandom(local_, kSpan, 43);
+  std::vector<uint8_t> mirror = PatternMirror(kSpan);
   std::vector<TransferRequest> reqs;
   for (uint64_t i = 0; i < 24; ++i) {
     // Source rows packed (1 KiB apart), destination rows 2 KiB apart at an odd half of each
@@ -236,11 +250,7 @@ TEST_F(NvlinkGpuTest, NarrowStridedRowsGoToTheCopyEngineInOneBatch) {
   }
   auto channel = CreateNvlinkChannel(options);
   ASSERT_TRUE(channel.ok()) << channel.status().ToString();
-  BulkRecorder owner;
-  BulkSubmission bulk{reqs, &owner, nullptr, 11};
-  ASSERT_TRUE((*channel)->TrySubmitBulk(bulk));
-  uint32_t tag = 0;
-  Status s = owner.Wait(&tag);
+  Status s = SubmitAndWait(**channel, reqs, 11);
   ASSERT_TRUE(s.ok()) << s.ToString();
   (*channel)->Close();
   std::vector<uint8_t> got(kSpan);

@@ -70,14 +70,35 @@ void BulkLauncher::LaunchPending() {
   }
 }
 
+#if CUDART_VERSION >= 12080  // the batch calls came with CUDA 12.8
+namespace {
+
+// Whether the driver took a batch call of `n` copies (`call` names it). Refused (a driver
+// without it, or memory it does not take): logged, and `enabled` cleared, so that the caller
+// issues these copies one call each and, from then on, every copy of this kind.
+bool BatchTaken(cudaError_t e, const char* call, size_t n, std::atomic<bool>& enabled) {
+  if (e == cudaSuccess) return true;
+  KVF_LOG_WARN("nvlink: {} refused {} copies ({}): one call per copy", call, n,
+               cudaGetErrorString(e));
+  (void)cudaGetLastError();
+  enabled.store(false, std::memory_order_relaxed);
+  return false;
+}
+
+}  // namespace
+#endif
+
 cudaError_t BulkLauncher::IssueEngineCopies(std::span<const EngineBlock> blocks,
                                             cudaStream_t stream) {
   // A part's single blocks go to the driver in one cudaMemcpyBatchAsync and its strided blocks
   // in one cudaMemcpy3DBatchAsync (one call for many copies: a call per 1 MiB block held the
   // copy engine to about half the link on H200, and a page run's rows across the layers are
   // one strided block each). The copies of a part are independent, so their order within it
-  // does not matter. Where the toolkit (before CUDA 12.8) lacks the batch calls, or the driver
-  // refuses one once, every block is its own cudaMemcpyAsync or cudaMemcpy2DAsync from then on.
+  // does not matter. Where the toolkit (before CUDA 12.8) lacks the batch calls, every block is
+  // its own cudaMemcpyAsync or cudaMemcpy2DAsync; where the driver refuses one of the two batch
+  // calls once, that kind of block goes one call each from then on. Issuing a refused batch's
+  // copies again is safe even if the driver had queued some of them: a part's sources and
+  // destinations do not overlap, so those bytes are written twice with the same values.
   for (const EngineBlock& b : blocks) {
     if (b.rows <= 1) {
       batch_dst_.push_back(reinterpret_cast<void*>(b.dst));
@@ -113,16 +134,7 @@ cudaError_t BulkLauncher::IssueSingleBlocks(cudaStream_t stream) {
         cudaMemcpyBatchAsync(batch_dst_.data(), const_cast<void**>(batch_src_.data()),
                              batch_size_.data(), n, &attr, &attr_index, 1, &fail_index, stream);
 #endif
-    if (e == cudaSuccess) {
-      first = n;
-    } else {
-      // Refused (a driver without it, or memory it does not take): the copies one call each
-      // below, and from then on.
-      KVF_LOG_WARN("nvlink: cudaMemcpyBatchAsync refused {} copies ({}): one call per copy", n,
-                   cudaGetErrorString(e));
-      (void)cudaGetLastError();
-      batch_call_.store(false, std::memory_order_relaxed);
-    }
+    if (BatchTaken(e, "cudaMemcpyBatchAsync", n, batch_call_)) first = n;
   }
 #endif
   cudaError_t e = cudaSuccess;
@@ -159,16 +171,7 @@ cudaError_t BulkLauncher::IssueStridedBlocks(cudaStream_t stream) {
     size_t fail_index = 0;
     cudaError_t e = cudaMemcpy3DBatchAsync(n, batch_ops_.data(), &fail_index, 0, stream);
 #endif
-    if (e == cudaSuccess) {
-      first = n;
-    } else {
-      KVF_LOG_WARN(
-          "nvlink: cudaMemcpy3DBatchAsync refused {} strided copies ({}): one call per "
-          "copy",
-          n, cudaGetErrorString(e));
-      (void)cudaGetLastError();
-      batch_3d_call_.store(false, std::memory_order_relaxed);
-    }
+    if (BatchTaken(e, "cudaMemcpy3DBatchAsync", n, batch_3d_call_)) first = n;
   }
 #endif
   cudaError_t e = cudaSuccess;

@@ -9,6 +9,8 @@
 // Thread-safety: Launch from any thread; Init before, ReleaseCudaResources after any Launch.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <array>
 #include <atomic>
 #include <cstdint>

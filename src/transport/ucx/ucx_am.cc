@@ -180,12 +180,14 @@ ucs_status_t OnDone(void* arg, const void* header, size_t header_length, void*, 
 ucs_status_t OnReadData(void* arg, const void* header, size_t header_length, void* data,
                         size_t length_bytes, const ucp_am_recv_param_t* param) {
   auto* w = static_cast<UcxWorker*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   AmReply reply;
   AmClient* client = ReadHeader(header, header_length, &reply) ? w->FindAmOp(reply.op) : nullptr;
-  // No longer waited for (abandoned): the target's send completes cancelled, nothing lands.
-  if (client == nullptr) return UCS_ERR_CANCELED;
-  return client->OnAmReadData(reply.op, data, length_bytes,
-                              (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
+  // No longer waited for (abandoned): nothing lands. A rendezvous is refused (the target's
+  // send completes cancelled); eager bytes are dropped with UCX's buffer, and the callback
+  // must answer UCS_OK (UCX allows an error only for a rendezvous, and asserts it).
+  if (client == nullptr) return rndv ? UCS_ERR_CANCELED : UCS_OK;
+  return client->OnAmReadData(reply.op, data, length_bytes, rndv);
 }
 
 }  // namespace

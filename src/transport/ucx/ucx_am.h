@@ -26,8 +26,8 @@
 //          inside a region mapped with remote read access, kAmDone, AmReply{op,
 //          UCS_ERR_OUT_OF_RANGE}.
 // The initiator matches replies by op (UcxWorker::AddAmOp); a reply to an op it no longer
-// waits for is dropped (its data refused). Engines of kProtocolVersion 5 and later speak this;
-// the handshake refuses older ones.
+// waits for is dropped (rendezvous data refused, eager data discarded). Engines of kProtocolVersion
+// 5 and later speak this; the handshake refuses older ones.
 //
 // Only the .cc files of src/transport/ucx/ include this header.
 #pragma once

@@ -212,7 +212,8 @@ class UcxChannel : public PeerChannel,
   }
   ucs_status_t OnAmReadData(uint64_t id, void* desc, size_t length_bytes, bool rndv) override {
     AmOp* op = FindAmOp(id);
-    if (op == nullptr || !op->awaiting) return UCS_ERR_CANCELED;
+    // An error refuses a rendezvous; UCX allows none for eager bytes (ucx_am.cc).
+    if (op == nullptr || !op->awaiting) return rndv ? UCS_ERR_CANCELED : UCS_OK;
     op->awaiting = false;
     worker_->RemoveAmOp(id);
     if (length_bytes != op->header.length) {

@@ -1,0 +1,148 @@
+// kvferry's active-message handlers (transport/ucx/ucx_am.h) on two real UCX workers of one
+// process: replies the initiator no longer waits for. UCX allows an active-message callback
+// to answer an error only for a rendezvous (it asserts so in assertion-enabled builds such as
+// Debian's 1.13), so an eager READ answer for an operation that was abandoned, or never
+// existed, must be dropped with UCS_OK: the process survives and the worker keeps serving.
+#include <gtest/gtest.h>
+
+#ifdef KVFERRY_WITH_UCX
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "transport/ucx/ucx_am.h"
+#include "transport/ucx/ucx_worker.h"
+
+namespace kvferry::ucx {
+namespace {
+
+// Records the replies routed to it.
+class RecordingClient : public AmClient {
+ public:
+  void OnAmDone(uint64_t op, ucs_status_t status) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_.push_back({op, status});
+    cv_.notify_all();
+  }
+  ucs_status_t OnAmReadData(uint64_t, void*, size_t, bool) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++read_data_;
+    return UCS_OK;
+  }
+  // Waits up to 10 s for a kAmDone of `op`; its status, or UCS_ERR_TIMED_OUT.
+  ucs_status_t WaitDone(uint64_t op) {
+    std::unique_lock<std::mutex> lock(mu_);
+    ucs_status_t status = UCS_ERR_TIMED_OUT;
+    cv_.wait_for(lock, std::chrono::seconds(10), [&] {
+      for (const auto& [o, s] : done_) {
+        if (o == op) status = s;
+      }
+      return status != UCS_ERR_TIMED_OUT;
+    });
+    return status;
+  }
+  int read_data() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return read_data_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<uint64_t, ucs_status_t>> done_;
+  int read_data_ = 0;
+};
+
+// Sends active message `id` with `header` and `data` eager on `ep` from `w`'s progress thread
+// and progresses until it completed; its status.
+ucs_status_t SendEager(UcxWorker& w, ucp_ep_h ep, unsigned id, const AmReply& header,
+                       const std::vector<uint8_t>& data) {
+  ucs_status_t result = UCS_INPROGRESS;
+  w.Run([&] {
+    ucp_request_param_t p = {};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(ep, id, &header, sizeof(header), data.data(), data.size(), &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      result = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
+      return;
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (ucp_request_check_status(r) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < until) {
+      ucp_worker_progress(w.worker());
+    }
+    result = ucp_request_check_status(r);
+    ucp_request_free(r);
+  });
+  return result;
+}
+
+TEST(UcxAmTest, EagerReadDataForAnOperationNoLongerAwaitedIsDropped) {
+  auto context = UcxContext::Create();
+  ASSERT_TRUE(context.ok()) << context.status().ToString();
+  auto initiator = UcxWorker::Create(context->get(), std::chrono::nanoseconds(0));
+  ASSERT_TRUE(initiator.ok()) << initiator.status().ToString();
+  auto target = UcxWorker::Create(context->get(), std::chrono::nanoseconds(0));
+  ASSERT_TRUE(target.ok()) << target.status().ToString();
+  UcxWorker& from = **target;  // the side that answers READs
+  UcxWorker& to = **initiator;
+
+  RecordingClient client;
+  uint64_t live_op = 0;
+  to.Run([&] { live_op = to.AddAmOp(&client); });
+
+  ucp_ep_h ep = nullptr;
+  from.Run([&] {
+    ucp_ep_params_t p = {};
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.address = reinterpret_cast<const ucp_address_t*>(to.address().data());
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
+    ASSERT_EQ(ucp_ep_create(from.worker(), &p, &ep), UCS_OK);
+  });
+  ASSERT_NE(ep, nullptr);
+
+  // READ data, eager, for an operation the initiator never had, then for one it dropped
+  // (AddAmOp then RemoveAmOp, as an abandoned batch does), 4 KiB and 200 KiB.
+  uint64_t dropped_op = 0;
+  to.Run([&] {
+    dropped_op = to.AddAmOp(&client);
+    to.RemoveAmOp(dropped_op);
+  });
+  const std::vector<uint8_t> small(4096, 0x5a), large(200 << 10, 0xa5);
+  EXPECT_EQ(SendEager(from, ep, kAmReadData, AmReply{live_op + 1000, UCS_OK}, small), UCS_OK);
+  EXPECT_EQ(SendEager(from, ep, kAmReadData, AmReply{dropped_op, UCS_OK}, small), UCS_OK);
+  EXPECT_EQ(SendEager(from, ep, kAmReadData, AmReply{dropped_op, UCS_OK}, large), UCS_OK);
+  // Then an answer for the operation still awaited, on the same endpoint (delivered in order):
+  // the initiator's worker survived the three and still routes replies.
+  EXPECT_EQ(SendEager(from, ep, kAmDone, AmReply{live_op, UCS_ERR_OUT_OF_RANGE}, {}), UCS_OK);
+  EXPECT_EQ(client.WaitDone(live_op), UCS_ERR_OUT_OF_RANGE);
+  EXPECT_EQ(client.read_data(), 0);
+
+  from.Run([&] {
+    ucp_request_param_t p = {};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(from.worker());
+      ucp_request_free(r);
+    }
+  });
+  to.Run([&] { to.RemoveAmOp(live_op); });
+}
+
+}  // namespace
+}  // namespace kvferry::ucx
+
+#else
+TEST(UcxAmTest, NeedsUcxBuild) { GTEST_SKIP() << "built without UCX (KVFERRY_WITH_UCX)"; }
+#endif
