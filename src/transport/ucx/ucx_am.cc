@@ -183,10 +183,8 @@ ucs_status_t OnReadData(void* arg, const void* header, size_t header_length, voi
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   AmReply reply;
   AmClient* client = ReadHeader(header, header_length, &reply) ? w->FindAmOp(reply.op) : nullptr;
-  // No longer waited for (abandoned): nothing lands. A rendezvous is refused (the target's
-  // send completes cancelled); eager bytes are dropped with UCX's buffer, and the callback
-  // must answer UCS_OK (UCX allows an error only for a rendezvous, and asserts it).
-  if (client == nullptr) return rndv ? UCS_ERR_CANCELED : UCS_OK;
+  // No longer waited for (abandoned): nothing lands.
+  if (client == nullptr) return RefuseAmData(rndv, UCS_ERR_CANCELED);
   return client->OnAmReadData(reply.op, data, length_bytes, rndv);
 }
 

@@ -8,7 +8,7 @@
 // Protocol (ids below; headers little-endian host structs, both ends kvferry):
 //   WRITE  initiator -> target  kAmWrite, header AmRequest{op, addr, length}, the row's bytes
 //          as rendezvous (UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY), or, for rows up to
-//          UcxChannelOptions::am_eager_max_bytes, eager (UCP_AM_SEND_FLAG_EAGER: the bytes come
+//          UcxContext::am_eager_max_bytes, eager (UCP_AM_SEND_FLAG_EAGER: the bytes come
 //          with the request). The target receives them into [addr, addr + length) if that lies
 //          inside one region it mapped with remote write access (an eager row is copied there
 //          from UCX's receive buffer), else refuses: a rendezvous's send completes with
@@ -74,6 +74,12 @@ inline ucp_request_param_t AmReceiveParams(ucs_memory_type_t type, void* user_da
   p.cb.recv_am = done;
   return p;
 }
+
+// What an active-message callback answers to refuse data it does not receive: `why` for a
+// rendezvous (the sender's send completes with it), UCS_OK for eager data, which UCX then
+// drops with its buffer (UCX allows an error only for a rendezvous; its assertion-enabled
+// builds, Debian's among them, abort on one).
+inline ucs_status_t RefuseAmData(bool rndv, ucs_status_t why) { return rndv ? why : UCS_OK; }
 
 // Sets the worker's handlers for the four ids. Errors: kUnavailable with UCX's reason.
 Status SetAmHandlers(UcxWorker* worker);

@@ -212,13 +212,12 @@ class UcxChannel : public PeerChannel,
   }
   ucs_status_t OnAmReadData(uint64_t id, void* desc, size_t length_bytes, bool rndv) override {
     AmOp* op = FindAmOp(id);
-    // An error refuses a rendezvous; UCX allows none for eager bytes (ucx_am.cc).
-    if (op == nullptr || !op->awaiting) return rndv ? UCS_ERR_CANCELED : UCS_OK;
+    if (op == nullptr || !op->awaiting) return RefuseAmData(rndv, UCS_ERR_CANCELED);
     op->awaiting = false;
     worker_->RemoveAmOp(id);
     if (length_bytes != op->header.length) {
       AmOpDone(op, UCS_ERR_MESSAGE_TRUNCATED);
-      return rndv ? UCS_ERR_MESSAGE_TRUNCATED : UCS_OK;  // an error only refuses a rendezvous
+      return RefuseAmData(rndv, UCS_ERR_MESSAGE_TRUNCATED);
     }
     if (!rndv) {
       std::memcpy(op->local, desc, length_bytes);
@@ -413,7 +412,7 @@ class UcxChannel : public PeerChannel,
       ucp_request_param_t p = {};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-      const bool rndv = f->write && row_bytes > o_.am_eager_max_bytes;
+      const bool rndv = f->write && row_bytes > worker_->context().am_eager_max_bytes();
       p.flags = UCP_AM_SEND_FLAG_REPLY | (rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
       p.memory_type = UCS_MEMORY_TYPE_HOST;
       p.user_data = op;

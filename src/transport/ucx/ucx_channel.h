@@ -3,7 +3,7 @@
 // of its descriptor; rows of at least UcxChannelOptions::am_threshold_bytes of host memory as
 // active messages with rendezvous instead (ucx_am.h: no copy in user space where UCX emulates
 // put and get, and the target checks the range itself); WRITE rows among them of at most
-// UcxChannelOptions::am_eager_max_bytes as eager active messages (no rendezvous handshake).
+// UcxContext::am_eager_max_bytes as eager active messages (no rendezvous handshake).
 //
 // Lanes: one per local worker, each an endpoint (UCP_ERR_HANDLING_MODE_PEER) from worker i to
 // the peer's worker i (modulo the peer's count), driven by worker i's progress thread. A
@@ -58,9 +58,6 @@ struct UcxChannelOptions {
   // Rows of at least this many bytes between host memory on both sides go as active
   // messages with rendezvous (ucx_am.h) instead of put / get; 0: never.
   uint64_t am_threshold_bytes = 0;
-  // WRITE rows of such active messages up to this many bytes go eager (the bytes with the
-  // request, no rendezvous handshake); 0: always rendezvous.
-  uint64_t am_eager_max_bytes = 0;
   ChannelTraits traits;
 };
 

@@ -43,11 +43,9 @@ class UcxTransport : public Transport, public RegionObserver {
  public:
   UcxTransport(const UcxTransportOptions& options, MemoryRegistry* registry,
                std::unique_ptr<ucx::UcxContext> context,
-               std::vector<std::unique_ptr<ucx::UcxWorker>> workers, uint64_t am_threshold_bytes,
-               uint64_t am_eager_bytes)
+               std::vector<std::unique_ptr<ucx::UcxWorker>> workers, uint64_t am_threshold_bytes)
       : options_(options),
         am_threshold_bytes_(am_threshold_bytes),
-        am_eager_bytes_(am_eager_bytes),
         registry_(registry),
         context_(std::move(context)),
         workers_(std::move(workers)),
@@ -103,7 +101,6 @@ class UcxTransport : public Transport, public RegionObserver {
     o.refresh = setup.refresh;
     o.local_kind = setup.local_kind;
     o.am_threshold_bytes = am_threshold_bytes_;
-    o.am_eager_max_bytes = am_eager_bytes_;
     // A strided request: a put or get per row, up to a slice of rows per item.
     o.traits.max_rows_per_item = 4096;
     o.traits.slice_bytes = options_.slice_bytes;
@@ -170,7 +167,6 @@ class UcxTransport : public Transport, public RegionObserver {
  private:
   UcxTransportOptions options_;
   uint64_t am_threshold_bytes_;  // options_.am_threshold_bytes resolved
-  uint64_t am_eager_bytes_;      // options_.am_eager_bytes resolved
   MemoryRegistry* registry_;
   std::unique_ptr<ucx::UcxContext> context_;
   std::vector<std::unique_ptr<ucx::UcxWorker>> workers_;  // one per lane
@@ -234,8 +230,7 @@ StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOption
       context->cuda_memory() && options.gpu_bounce ? ", GPU requests through bounce buffers" : "",
       options.lanes, rows);
   return std::unique_ptr<Transport>(new UcxTransport(options, registry, std::move(context),
-                                                     std::move(workers), am_threshold_bytes,
-                                                     am_eager_bytes));
+                                                     std::move(workers), am_threshold_bytes));
 }
 
 }  // namespace kvferry

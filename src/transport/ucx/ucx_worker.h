@@ -74,9 +74,10 @@ class UcxContext {
   // for those. Set once, before any worker exists; null: nothing pinned.
   void set_registry(MemoryRegistry* registry) { registry_ = registry; }
   MemoryRegistry* registry() const { return registry_; }
-  // READ rows of host memory up to this many bytes are answered eager (the bytes with the
-  // reply) by this context's workers, larger ones as rendezvous (ucx_am.h). Set once, before
-  // any worker exists; 0: every READ row as rendezvous.
+  // Active-message rows of host memory up to this many bytes go eager (the bytes with the
+  // message, ucx_am.h): the WRITE rows this context's workers send and the READ rows they
+  // answer; larger ones as rendezvous. Set once, before any worker exists; 0: always
+  // rendezvous.
   void set_am_eager_max_bytes(uint64_t bytes) { am_eager_max_bytes_ = bytes; }
   uint64_t am_eager_max_bytes() const { return am_eager_max_bytes_; }
 
