@@ -60,8 +60,6 @@ mkdir -p "$out"
 # shellcheck source=bench/netns_pair.sh
 source "$repo/bench/netns_pair.sh"
 netns_pair_up kvfbench kvb 10.77.0 || exit 1
-in_a() { ip netns exec "$ns_a" "$@"; }
-in_b() { ip netns exec "$ns_b" "$@"; }
 
 # The same UCX settings for ucx_perftest and kvferry (kvferry applies these defaults itself
 # where unset; exported here so that ucx_perftest runs with them too).
@@ -83,10 +81,10 @@ ucx_settings="$(env | grep '^UCX_' | sort | tr '\n' ' ')"
 } | tee "$out/run.txt"
 
 # 1. iperf3
-in_b iperf3 -s -B "$ip_b" -1 >/dev/null 2>&1 &
+"${on_b[@]}" iperf3 -s -B "$ip_b" -1 >/dev/null 2>&1 &
 pids+=($!)
 sleep 0.5
-in_a iperf3 -c "$ip_b" -t "$iperf_seconds" -J >"$out/iperf3.json"
+"${on_a[@]}" iperf3 -c "$ip_b" -t "$iperf_seconds" -J >"$out/iperf3.json"
 iperf_gbps="$(jq '.end.sum_received.bits_per_second / 8 / 1e9' "$out/iperf3.json")"
 echo "iperf3: $iperf_gbps GB/s" | tee -a "$out/run.txt"
 
@@ -98,11 +96,11 @@ for size in ${block_sizes//,/ }; do
   iters=$(( (2 << 30) / bytes ))
   (( iters < 100 )) && iters=100
   port=$((port + 1))
-  in_b ucx_perftest -p "$port" >"$out/perftest_server_$size.txt" 2>&1 &
+  "${on_b[@]}" ucx_perftest -p "$port" >"$out/perftest_server_$size.txt" 2>&1 &
   server=$!
   pids+=("$server")
   sleep 0.5
-  in_a ucx_perftest "$ip_b" -p "$port" -t ucp_put_bw -s "$bytes" -n "$iters" -w 10 -f \
+  "${on_a[@]}" ucx_perftest "$ip_b" -p "$port" -t ucp_put_bw -s "$bytes" -n "$iters" -w 10 -f \
     >"$out/perftest_$size.txt" 2>&1 || true
   wait "$server" 2>/dev/null || true
   # With -f the one result row: iterations, latency 50%ile / average / overall, bandwidth
@@ -117,7 +115,7 @@ bench() {
   local transport="$1" port="$2" bin="${3:-$binary}" tag="${4:-$1}"
   start_bench_target "$bin" "$ip_b:$port" "$out/serve_$tag.txt"
   local server=$target_pid
-  in_a "$bin" bench --target "$ip_b:$port" --transport "$transport" --op "$op" \
+  "${on_a[@]}" "$bin" bench --target "$ip_b:$port" --transport "$transport" --op "$op" \
     --block-size "$block_sizes" --batch-size "$batch" --threads "$threads" \
     --duration "$duration" --json "$out/kvferry_$tag.json" \
     2>&1 | tee "$out/kvferry_$tag.txt"
