@@ -566,10 +566,12 @@ void TcpPeer::Abandon(WorkItem* item, const Status& why) {
   }
   if (s == WorkItem::kDone || s == kAcked) return;  // completes in a moment
   // Bytes are moving: interrupt the lane; its threads complete the item once they stopped.
+  // An item no lane of ours carried (another transport's) is not ours to stop.
   auto* lane = static_cast<TcpLane*>(item->carrier.load());
+  if (lane == nullptr) return;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& l : lanes_) {
-    if (l.get() == lane) l->Fail(why);
+    if (l != nullptr && l.get() == lane) l->Fail(why);
   }
 }
 

@@ -146,9 +146,13 @@ class UcxChannel : public PeerChannel,
       if (it != live_.end()) keep = it->second.lock();
     }
     if (keep == nullptr) {
-      // Never on a lane of ours (notifications and queries go to the control channel) or
-      // completed already: the control channel's Abandon is synchronous and thread-safe.
-      o_.control->Abandon(item, why);
+      // A WRITE or READ of this lane that is not live any more was completed by the worker
+      // thread or is being completed now (Forget runs just before Complete): nothing to stop.
+      // Notifications and queries belong to the control channel, whose Abandon is synchronous
+      // and thread-safe.
+      if (item->kind != WorkItem::Kind::kWrite && item->kind != WorkItem::Kind::kRead) {
+        o_.control->Abandon(item, why);
+      }
       return;
     }
     worker_->Post([self = shared_from_this(), keep = std::move(keep), why] {
