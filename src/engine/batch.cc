@@ -283,6 +283,7 @@ void Batch::Abandon(const Status& why, bool queued_only) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (final_) return;
+    if (abandon_why_.ok()) abandon_why_ = why;
     if (!WholeDoneLocked()) {
       abandoned_ = true;
       EnsureRequestsLocked();
@@ -381,9 +382,16 @@ void Batch::AfterRequestsDone() {
   item->message = notification;
   item->owner = this;
   item->owner_keepalive = shared_from_this();
+  Status abandoned;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    notify_item_ = item;
+    // An Abandon either finds the item here or left its reason for us: never neither.
+    abandoned = abandon_why_;
+    if (abandoned.ok()) notify_item_ = item;
+  }
+  if (!abandoned.ok()) {
+    Finish(abandoned);  // the data landed, but the batch ended before it could tell the peer
+    return;
   }
   notify_peer->notify->Submit(std::move(item));
 }

@@ -252,6 +252,9 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   uint64_t total_bytes_ = 0;  // of every request, as submitted
   bool one_op_ = true;        // every request has the same TransferOp
   bool abandoned_ = false;    // Abandon marked pending requests with its reason
+  // The first Abandon's reason, whatever it found: AfterRequestsDone sends no notification
+  // after it (nothing would abandon one sent later) and finishes with it instead.
+  Status abandon_why_;
   size_t num_completed_ = 0;
   size_t num_failed_ = 0;
   uint64_t transferred_bytes_ = 0;

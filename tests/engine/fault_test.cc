@@ -307,6 +307,30 @@ TEST_F(FaultTest, NotificationsCanBeDroppedOrCorrupted) {
   EXPECT_TRUE(Received().empty());
 }
 
+// The deadline passes while the last request's completion runs on_landed, before the
+// notification is sent: the batch still fails at its deadline (the notification it would send
+// afterwards would otherwise be abandoned by nobody and the batch stay pending), and the peer
+// is not notified.
+TEST_F(FaultTest, DeadlineWhileOnLandedRunsFailsTheBatch) {
+  Start("drop=1,ops=notify");
+  TransferRequest r{TransferOp::kWrite, source_.data(), segment_, remote(0), 4096};
+  BatchOptions o;
+  o.deadline = milliseconds(100);
+  o.notification = "room 45 done";
+  o.on_landed = [] { std::this_thread::sleep_for(milliseconds(300)); };
+  const auto t0 = Clock::now();
+  auto id = client_->SubmitBatch(std::span(&r, 1), o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  auto status = client_->WaitBatch(*id, milliseconds(3000));
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  EXPECT_EQ(status->state, TransferState::kFailed);
+  EXPECT_EQ(status->error.code(), StatusCode::kDeadlineExceeded) << status->error.ToString();
+  EXPECT_LT(MsSince(t0), 2000);
+  EXPECT_EQ(std::memcmp(region_.data(), source_.data(), 4096), 0);
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_TRUE(Received().empty());
+}
+
 TEST_F(FaultTest, ClosingTheEngineCompletesHeldRequests) {
   Start("drop=1,ops=write");
   TransferRequest r{TransferOp::kWrite, source_.data(), segment_, remote(0), 4096};

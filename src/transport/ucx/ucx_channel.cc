@@ -618,8 +618,8 @@ class UcxChannel : public PeerChannel,
 
   void MaybeClosed() {
     if (closing_done_ != nullptr && closing_ == 0 && flights_.empty()) {
-      closing_done_->set_value();
-      closing_done_ = nullptr;
+      // Cleared first: once woken, Close may return and this channel be destroyed.
+      std::exchange(closing_done_, nullptr)->set_value();
     }
   }
 
