@@ -156,7 +156,7 @@ class NvlinkChannel : public PeerChannel {
           [[fallthrough]];
         case BulkFit::kFits:
           bulk.Own();
-          parked_.Push(std::move(bulk), /*front=*/false);
+          parked_.Push(std::move(bulk));
           taken = true;
           break;
         case BulkFit::kNoSpace:
@@ -240,9 +240,10 @@ class NvlinkChannel : public PeerChannel {
 
   // Progress thread: launches parked submissions in the order they came, mapping at most one
   // missing peer region per call (100-200 ms for a large pool; returns whether it mapped one).
-  // A submission waiting for a mapping or for arena space stays parked, first in line, where
-  // AbandonBulk can still withdraw it. A mapping that fails fails every parked submission
-  // that needs the region.
+  // A submission waiting for a mapping or for arena space goes back to the front of the queue;
+  // one AbandonBulk (or closing) withdrew while it was out being tried is completed here with
+  // that reason instead. A mapping that fails fails every parked submission that needs the
+  // region.
   bool ServiceParked() {
     if (!parked_.has_parked()) return false;
     bool mapped_one = false;
@@ -251,41 +252,44 @@ class NvlinkChannel : public PeerChannel {
       if (!parked_.PopFront(&bulk)) return mapped_one;
       BulkPart part;
       const RegionDescriptor* missing = nullptr;
-      switch (preparer_.Prepare(bulk.requests, &part, &missing, /*take_space=*/true)) {
-        case BulkFit::kPrepared:
-          LaunchPart(std::move(part), bulk);
-          queued_.store(true);  // its flight is handed in: the loop takes it next round
-          break;
-        case BulkFit::kNoSpace:  // copies in flight give space back: next round
-          parked_.Push(std::move(bulk), /*front=*/true);
-          return mapped_one;
-        case BulkFit::kUnmapped: {
-          parked_.Push(std::move(bulk), /*front=*/true);
-          if (mapped_one) return true;
-          mapped_one = true;
-          StatusOr<uint8_t*> imported = mappings_.Import(*missing);
-          if (!imported.ok()) {
-            const RegionDescriptor& region = *missing;
-            parked_.FailWhere(
-                [&](const BulkSubmission& b) {
-                  return std::any_of(
-                      b.requests.begin(), b.requests.end(),
-                      [&](const TransferRequest& r) { return region.Contains(r.remote_addr, 1); });
-                },
-                imported.status());
-          }
-          break;
+      const BulkFit fit = preparer_.Prepare(bulk.requests, &part, &missing, /*take_space=*/true);
+      if (fit == BulkFit::kNoSpace || fit == BulkFit::kUnmapped) {
+        // Nothing was taken for it: back to the front, unless withdrawn meanwhile.
+        if (Status withdrawn = parked_.Repark(bulk); !withdrawn.ok()) {
+          bulk.owner->OnBulkDone(withdrawn, bulk.tag);
+          continue;
         }
-        case BulkFit::kFits:
-        case BulkFit::kItemPath:
-          // Only when the peer's descriptor changed (a refresh) after the submission parked.
-          bulk.owner->OnBulkDone(
-              FailedPreconditionError("NVLink bulk submission to " + mappings_.peer_name() +
-                                      ": a range is no longer inside GPU memory the peer "
-                                      "registered"),
-              bulk.tag);
-          break;
+        if (fit == BulkFit::kNoSpace) return mapped_one;  // copies in flight give space back
+        if (mapped_one) return true;
+        mapped_one = true;
+        StatusOr<uint8_t*> imported = mappings_.Import(*missing);
+        if (!imported.ok()) {
+          const RegionDescriptor& region = *missing;
+          parked_.FailWhere(
+              [&](const BulkSubmission& b) {
+                return std::any_of(
+                    b.requests.begin(), b.requests.end(),
+                    [&](const TransferRequest& r) { return region.Contains(r.remote_addr, 1); });
+              },
+              imported.status());
+        }
+        continue;
       }
+      // Prepared (its arena space taken) it is launched even if withdrawn just now: like any
+      // launched submission it completes with its real outcome, shortly.
+      (void)parked_.EndService();
+      if (fit == BulkFit::kPrepared) {
+        LaunchPart(std::move(part), bulk);
+        queued_.store(true);  // its flight is handed in: the loop takes it next round
+        continue;
+      }
+      // kFits or kItemPath: only when the peer's descriptor changed (a refresh) after the
+      // submission parked.
+      bulk.owner->OnBulkDone(
+          FailedPreconditionError("NVLink bulk submission to " + mappings_.peer_name() +
+                                  ": a range is no longer inside GPU memory the peer "
+                                  "registered"),
+          bulk.tag);
     }
   }
 

@@ -4,13 +4,9 @@
 
 namespace kvferry {
 
-void ParkedQueue::Push(BulkSubmission&& bulk, bool front) {
+void ParkedQueue::Push(BulkSubmission&& bulk) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (front) {
-    parked_.push_front(std::move(bulk));
-  } else {
-    parked_.push_back(std::move(bulk));
-  }
+  parked_.push_back(std::move(bulk));
   has_parked_.store(true);
 }
 
@@ -22,7 +18,24 @@ bool ParkedQueue::PopFront(BulkSubmission* out) {
   }
   *out = std::move(parked_.front());
   parked_.pop_front();
+  in_service_ = out;
+  service_failed_ = OkStatus();
   return true;
+}
+
+Status ParkedQueue::Repark(BulkSubmission& bulk) {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_service_ = nullptr;
+  if (!service_failed_.ok()) return std::exchange(service_failed_, OkStatus());
+  parked_.push_front(std::move(bulk));
+  has_parked_.store(true);
+  return OkStatus();
+}
+
+Status ParkedQueue::EndService() {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_service_ = nullptr;
+  return std::exchange(service_failed_, OkStatus());
 }
 
 }  // namespace kvferry
