@@ -5,6 +5,7 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "common/checks.h"
@@ -41,7 +42,6 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   }
 
   void Abandon(WorkItem* item, const Status& why) override {
-    std::vector<std::shared_ptr<WorkItem>> subs;
     std::shared_ptr<Job> unstarted;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -52,23 +52,18 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
           break;
         }
       }
-    }
-    if (unstarted != nullptr) {
-      unstarted->item->Complete(why);  // outside the lock: the owner takes its own
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      abandons_.push_back({item, why});
-      // Chunks on the wire only touch bounce buffers, but they hold them: interrupt them.
-      for (const Buffer& b : buffers_) {
-        if (b.state == Buffer::kTcp && b.job != nullptr && b.job->item.get() == item) {
-          subs.push_back(b.sub);
+      if (unstarted == nullptr) {
+        // Taken by the loop: it stops the job's chunks (it submitted them, so they are on the
+        // host channel by then). One not among them has completed: nothing to do.
+        auto it = taken_.find(item);
+        if (it != taken_.end()) {
+          abandons_.push_back({it->second, why});
+          cv_.notify_one();
         }
+        return;
       }
-      cv_.notify_one();
     }
-    for (auto& sub : subs) options_.host->Abandon(sub.get(), why);
+    unstarted->item->Complete(why);  // outside the lock: the owner takes its own
   }
 
   // Fails what is queued; chunks in flight finish or fail through the host channel (close it
@@ -110,7 +105,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
 
   void Loop() {
     std::vector<std::pair<int, Status>> finished;
-    std::vector<std::pair<WorkItem*, Status>> abandons;
+    std::vector<std::pair<std::shared_ptr<Job>, Status>> abandons;
     bool close_seen = false;  // after the round that saw Close, only chunk results wake us
     while (true) {
       bool closing = false;
@@ -132,6 +127,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
           // completes queued items itself). One it already completed is dropped.
           uint8_t expected = WorkItem::kQueued;
           if (queued_.front()->item->state.compare_exchange_strong(expected, WorkItem::kTaken)) {
+            taken_[queued_.front()->item.get()] = queued_.front();
             active_.push_back(std::move(queued_.front()));
           }
           queued_.pop_front();
@@ -139,11 +135,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
         finished.swap(finished_);
         abandons.swap(abandons_);
       }
-      for (auto& [item, why] : abandons) {
-        for (auto& job : active_) {
-          if (job->item.get() == item && job->abandoned.ok()) job->abandoned = why;
-        }
-      }
+      for (auto& [job, why] : abandons) StopJob(*job, why);
       abandons.clear();
       if (closing) {
         for (auto& job : active_) {
@@ -170,6 +162,21 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
     --b.job->outstanding;
     std::lock_guard<std::mutex> lock(mu_);
     b = Buffer{};
+  }
+
+  // Abandons a job (loop thread): no chunk of it starts any more, and its chunks on the host
+  // channel, which only touch bounce buffers but hold them, are interrupted.
+  void StopJob(Job& job, const Status& why) {
+    if (!job.abandoned.ok() || job.completed) return;
+    job.abandoned = why;
+    std::vector<std::shared_ptr<WorkItem>> subs;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const Buffer& b : buffers_) {
+        if (b.state == Buffer::kTcp && b.job.get() == &job) subs.push_back(b.sub);
+      }
+    }
+    for (auto& sub : subs) options_.host->Abandon(sub.get(), why);
   }
 
   void Fail(Job& job, const Status& s) {
@@ -298,6 +305,10 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
         job.item->Complete(!job.abandoned.ok() ? job.abandoned : job.error);
       }
       if (job.completed && job.outstanding == 0) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          taken_.erase(job.item.get());
+        }
         it = active_.erase(it);
       } else {
         ++it;
@@ -314,7 +325,9 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   bool closed_ = false;
   std::deque<std::shared_ptr<Job>> queued_;
   std::vector<std::pair<int, Status>> finished_;  // (buffer, status) of chunks' host-channel items
-  std::vector<std::pair<WorkItem*, Status>> abandons_;
+  // Jobs the loop took, by item, until it drops them (Abandon finds them here).
+  std::unordered_map<WorkItem*, std::shared_ptr<Job>> taken_;
+  std::vector<std::pair<std::shared_ptr<Job>, Status>> abandons_;
   // Written by the loop thread under mu_ (Abandon reads them); the loop reads them freely.
   std::vector<Buffer> buffers_;
   int copies_running_ = 0;
