@@ -652,7 +652,8 @@ class EngineImpl : public TransferEngine {
   std::string node_id_;
   MemoryRegistry registry_;  // outlives transports_, whose serving sides check it
   std::unique_ptr<TransportSet> transports_;
-  uint16_t listen_port_ = 0;  // readable while transports_ is being destroyed
+  // Atomic: the TCP server's threads read it (LocalDescriptor) from the moment it listens.
+  std::atomic<uint16_t> listen_port_{0};  // readable while transports_ is being destroyed
   // What the transports add to this engine's descriptor (TransportSet::Describe).
   mutable std::mutex describe_mu_;
   SegmentDescriptor self_transports_;

@@ -33,8 +33,13 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
 
   // Starts the lane on an already connected socket, or connects first (in the sender thread).
   void Start(std::unique_ptr<asio::io_context> io, std::unique_ptr<asio::ip::tcp::socket> socket) {
-    io_ = std::move(io);
-    socket_ = std::move(socket);
+    connect_first_ = socket == nullptr;
+    io_ = connect_first_ ? std::make_unique<asio::io_context>() : std::move(io);
+    socket_ = connect_first_ ? std::make_unique<asio::ip::tcp::socket>(*io_) : std::move(socket);
+    if (!connect_first_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      fd_ = socket_->native_handle();
+    }
     auto self = shared_from_this();
     sender_ = std::thread([self] { self->SenderMain(); });
   }
@@ -84,9 +89,10 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       broken_ = true;
       reason_ = why;
       cv_.notify_all();
-    }
-    if (socket_ != nullptr && socket_->is_open()) {
-      ::shutdown(socket_->native_handle(), SHUT_RDWR);
+      // Under the lock: ThreadExit closes the socket only after clearing fd_, so the number
+      // cannot belong to another socket by now. Stopping io_ ends a connect in progress.
+      if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+      io_->stop();
     }
   }
 
@@ -118,12 +124,13 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
 
  private:
   void SenderMain() {
-    if (socket_ == nullptr) {
-      io_ = std::make_unique<asio::io_context>();
-      socket_ = std::make_unique<asio::ip::tcp::socket>(*io_);
+    if (connect_first_) {
+      Status s = broken_reason();  // failed before it began
       SegmentDescriptor ignored;
-      Status s = ConnectAndHello(*socket_, options_.address, options_.self, options_.auth_secret,
-                                 options_.connect_timeout, options_.max_body_bytes, &ignored);
+      if (s.ok()) {
+        s = ConnectAndHello(*socket_, options_.address, options_.self, options_.auth_secret,
+                            options_.connect_timeout, options_.max_body_bytes, &ignored);
+      }
       if (!s.ok()) {
         Fail(s);
         {
@@ -140,6 +147,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         threads_alive_ = 1;
       } else {
         auto self = shared_from_this();
+        fd_ = socket_->native_handle();
         receiver_ = std::thread([self] { self->ReceiverMain(); });
         socklen_t len = sizeof(send_capacity_);
         if (::getsockopt(socket_->native_handle(), SOL_SOCKET, SO_SNDBUF, &send_capacity_, &len) !=
@@ -439,18 +447,19 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       for (auto& item : inflight_) leftover.push_back(std::move(item));
       inflight_.clear();
       outstanding_bytes_ = 0;
+      fd_ = -1;  // closed below: Fail must not shut the number down any more
       why = reason_.ok() ? UnavailableError("lane to " + options_.address + " closed") : reason_;
     }
     for (auto& item : answered) item->Complete(item->acked_status);
     for (auto& item : leftover) item->Complete(why);
-    if (socket_ != nullptr) {
-      asio::error_code ignored;
-      socket_->close(ignored);
-    }
+    asio::error_code ignored;
+    socket_->close(ignored);
   }
 
   const TcpPeerOptions& options_;
   const int index_;
+  // Set by Start, before the lane's threads run; not reassigned after.
+  bool connect_first_ = false;
   std::unique_ptr<asio::io_context> io_;
   std::unique_ptr<asio::ip::tcp::socket> socket_;
   std::thread sender_;
@@ -468,6 +477,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   std::deque<std::shared_ptr<WorkItem>> inflight_;
   uint64_t outstanding_bytes_ = 0;
   bool connected_ = false;  // the sender thread connected the socket
+  int fd_ = -1;             // the connected socket's descriptor until ThreadExit closes it
   int send_capacity_ = 0;   // SO_SNDBUF, read once connected
   bool sending_ = false;    // a thread (the sender, or an inline Enqueue) is writing frames
   // Items an inline sender saw answered before its write returned, for the sender thread.

@@ -61,10 +61,12 @@ TcpServer::~TcpServer() {
     }
   }
   watchdog_cv_.notify_all();
+  // Shutting the listening socket down wakes the accept thread; it is closed once that thread
+  // stopped using it.
   ::shutdown(acceptor_.native_handle(), SHUT_RDWR);
+  if (accept_thread_.joinable()) accept_thread_.join();
   asio::error_code ec;
   acceptor_.close(ec);
-  if (accept_thread_.joinable()) accept_thread_.join();
   if (watchdog_thread_.joinable()) watchdog_thread_.join();
   for (auto& c : connections_) {
     if (c.thread.joinable()) c.thread.join();
