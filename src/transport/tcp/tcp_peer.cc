@@ -36,10 +36,6 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     connect_first_ = socket == nullptr;
     io_ = connect_first_ ? std::make_unique<asio::io_context>() : std::move(io);
     socket_ = connect_first_ ? std::make_unique<asio::ip::tcp::socket>(*io_) : std::move(socket);
-    if (!connect_first_) {
-      std::lock_guard<std::mutex> lock(mu_);
-      fd_ = socket_->native_handle();
-    }
     auto self = shared_from_this();
     sender_ = std::thread([self] { self->SenderMain(); });
   }
@@ -89,10 +85,10 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       broken_ = true;
       reason_ = why;
       cv_.notify_all();
-      // Under the lock: ThreadExit closes the socket only after clearing fd_, so the number
-      // cannot belong to another socket by now. Stopping io_ ends a connect in progress.
-      if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
-      io_->stop();
+      // Under the lock: ThreadExit marks the socket closed before closing it, so the number
+      // cannot belong to another socket by now. This also ends a connect or handshake in
+      // progress (a descriptor of -1 before the socket opened: shutdown refuses it).
+      if (!socket_closed_) ::shutdown(socket_->native_handle(), SHUT_RDWR);
     }
   }
 
@@ -147,7 +143,6 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         threads_alive_ = 1;
       } else {
         auto self = shared_from_this();
-        fd_ = socket_->native_handle();
         receiver_ = std::thread([self] { self->ReceiverMain(); });
         socklen_t len = sizeof(send_capacity_);
         if (::getsockopt(socket_->native_handle(), SOL_SOCKET, SO_SNDBUF, &send_capacity_, &len) !=
@@ -447,7 +442,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       for (auto& item : inflight_) leftover.push_back(std::move(item));
       inflight_.clear();
       outstanding_bytes_ = 0;
-      fd_ = -1;  // closed below: Fail must not shut the number down any more
+      socket_closed_ = true;  // closed below: Fail must not shut the number down any more
       why = reason_.ok() ? UnavailableError("lane to " + options_.address + " closed") : reason_;
     }
     for (auto& item : answered) item->Complete(item->acked_status);
@@ -476,10 +471,10 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   std::deque<std::shared_ptr<WorkItem>> queue_;
   std::deque<std::shared_ptr<WorkItem>> inflight_;
   uint64_t outstanding_bytes_ = 0;
-  bool connected_ = false;  // the sender thread connected the socket
-  int fd_ = -1;             // the connected socket's descriptor until ThreadExit closes it
-  int send_capacity_ = 0;   // SO_SNDBUF, read once connected
-  bool sending_ = false;    // a thread (the sender, or an inline Enqueue) is writing frames
+  bool connected_ = false;      // the sender thread connected the socket
+  bool socket_closed_ = false;  // ThreadExit is closing the socket
+  int send_capacity_ = 0;       // SO_SNDBUF, read once connected
+  bool sending_ = false;        // a thread (the sender, or an inline Enqueue) is writing frames
   // Items an inline sender saw answered before its write returned, for the sender thread.
   std::vector<std::shared_ptr<WorkItem>> acked_early_;
   bool broken_ = false;
