@@ -151,7 +151,6 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
     }
   }
 
-  // REQUIRES mu_ or the loop thread: buffers_ is written only by the loop.
   bool Idle() const {
     return std::all_of(buffers_.begin(), buffers_.end(),
                        [](const Buffer& b) { return b.state == Buffer::kFree; });
@@ -160,7 +159,6 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   void Free(int i) {
     Buffer& b = buffers_[static_cast<size_t>(i)];
     --b.job->outstanding;
-    std::lock_guard<std::mutex> lock(mu_);
     b = Buffer{};
   }
 
@@ -169,14 +167,10 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   void StopJob(Job& job, const Status& why) {
     if (!job.abandoned.ok() || job.completed) return;
     job.abandoned = why;
-    std::vector<std::shared_ptr<WorkItem>> subs;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const Buffer& b : buffers_) {
-        if (b.state == Buffer::kTcp && b.job.get() == &job) subs.push_back(b.sub);
-      }
+    for (const Buffer& b : buffers_) {
+      // Abandon may complete the chunk at once (OnWorkDone only queues its result).
+      if (b.state == Buffer::kTcp && b.job.get() == &job) options_.host->Abandon(b.sub.get(), why);
     }
-    for (auto& sub : subs) options_.host->Abandon(sub.get(), why);
   }
 
   void Fail(Job& job, const Status& s) {
@@ -187,10 +181,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   void OnChunkSent(int i, const Status& status) {
     Buffer& b = buffers_[static_cast<size_t>(i)];
     Job& job = *b.job;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      b.sub.reset();
-    }
+    b.sub.reset();
     if (!status.ok()) Fail(job, status);
     if (job.write() || !status.ok() || !job.error.ok() || !job.abandoned.ok()) {
       Free(i);
@@ -207,7 +198,6 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   }
 
   void SetState(int i, Buffer::State state) {
-    std::lock_guard<std::mutex> lock(mu_);
     Buffer& b = buffers_[static_cast<size_t>(i)];
     if (b.state == Buffer::kFromDevice || b.state == Buffer::kToDevice) --copies_running_;
     b.state = state;
@@ -243,10 +233,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
     sub->length = b.length;
     sub->owner = this;
     sub->request_index = static_cast<uint32_t>(i);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      b.sub = sub;
-    }
+    b.sub = sub;
     SetState(i, Buffer::kTcp);
     options_.host->Submit(std::move(sub));
   }
@@ -267,12 +254,9 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
         if (i < 0) return;
         Buffer& b = buffers_[static_cast<size_t>(i)];
         const uint64_t n = std::min(bounce_->bytes(), job->item->length - job->next);
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          b.job = job;
-          b.offset = job->next;
-          b.length = n;
-        }
+        b.job = job;
+        b.offset = job->next;
+        b.length = n;
         job->next += n;
         ++job->outstanding;
         if (!job->write()) {
@@ -328,7 +312,7 @@ class GpuBounceChannel : public PeerChannel, public WorkOwner {
   // Jobs the loop took, by item, until it drops them (Abandon finds them here).
   std::unordered_map<WorkItem*, std::shared_ptr<Job>> taken_;
   std::vector<std::pair<std::shared_ptr<Job>, Status>> abandons_;
-  // Written by the loop thread under mu_ (Abandon reads them); the loop reads them freely.
+  // Loop thread only (also the wait predicate's Idle, which runs on it).
   std::vector<Buffer> buffers_;
   int copies_running_ = 0;
 
