@@ -1,8 +1,8 @@
 // The TCP serving side's bounds, against a real engine over real sockets: connections beyond
 // the cap are closed at once, a connection that never says HELLO is closed after the handshake
 // timeout, a frame that stalls or trickles in is closed after the frame timeout, a greeted
-// connection may stay idle between frames, and a frame body costs memory only as its bytes
-// arrive.
+// connection may stay idle between frames, a frame body costs memory only as its bytes
+// arrive, and large WRITEs are acknowledged while more requests are still arriving.
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -12,6 +12,7 @@
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -86,6 +87,26 @@ class RawConnection {
   asio::io_context io_;
   asio::ip::tcp::socket socket_;
 };
+
+// Reads one frame header, waiting at most `limit`; nullopt on timeout, close or a bad header.
+std::optional<wire::FrameHeader> ReadHeaderWithin(RawConnection& c, milliseconds limit) {
+  wire::HeaderBytes bytes{};
+  size_t got = 0;
+  const auto until = Clock::now() + limit;
+  while (got < bytes.size() && Clock::now() < until) {
+    pollfd p{c.fd(), POLLIN, 0};
+    const int left =
+        static_cast<int>(std::chrono::duration_cast<milliseconds>(until - Clock::now()).count());
+    if (::poll(&p, 1, std::max(left, 1)) <= 0) continue;
+    const ssize_t n = ::recv(c.fd(), bytes.data() + got, bytes.size() - got, MSG_DONTWAIT);
+    if (n <= 0) return std::nullopt;
+    got += static_cast<size_t>(n);
+  }
+  if (got < bytes.size()) return std::nullopt;
+  auto h = wire::DecodeFrameHeader(bytes, 1u << 20);
+  if (!h.ok()) return std::nullopt;
+  return *h;
+}
 
 int64_t ResidentBytes() {
   std::ifstream in("/proc/self/statm");
@@ -184,6 +205,49 @@ TEST(TcpBoundsTest, AnnouncedBodyCostsMemoryOnlyAsItArrives) {
   // Allocated up front, 40 bodies of 1 MiB would take 40 MiB.
   EXPECT_LT(grown, 16ll << 20) << "resident memory grew by " << (grown >> 20) << " MiB";
   for (auto& c : conns) EXPECT_TRUE(c->ClosedWithin(milliseconds(3000)));
+}
+
+// A client with a bounded number of bytes in flight (the GPU bounce channel) sends its next
+// WRITE before the previous one is acknowledged; the acknowledgement of a large WRITE must not
+// wait until the socket has nothing more to read.
+TEST(TcpBoundsTest, LargeWriteIsAcknowledgedWhileTheNextOneArrives) {
+  auto engine = MakeEngine();
+  ASSERT_NE(engine, nullptr);
+  constexpr uint64_t kWrite = 1 << 20;
+  std::vector<uint8_t> region(2 * kWrite, 0);
+  ASSERT_TRUE(engine->RegisterMemory(region.data(), region.size(), {}).ok());
+  RawConnection c(engine->LocalDescriptor().port, /*authenticate=*/true);
+  ASSERT_FALSE(HasFailure());
+  std::vector<uint8_t> payload(2 * kWrite);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 7 + 1);
+  wire::FrameHeader a;
+  a.type = wire::FrameType::kWrite;
+  a.request_id = 10;
+  a.addr = reinterpret_cast<uint64_t>(region.data());
+  a.length = kWrite;
+  wire::FrameHeader b = a;
+  b.request_id = 11;
+  b.addr += kWrite;
+  const wire::HeaderBytes ha = wire::EncodeFrameHeader(a);
+  const wire::HeaderBytes hb = wire::EncodeFrameHeader(b);
+  // A whole, then B's header and half its payload, in one write: B's bytes are queued in the
+  // server's socket when it finishes A.
+  std::vector<asio::const_buffer> first = {asio::buffer(ha), asio::buffer(payload.data(), kWrite),
+                                           asio::buffer(hb),
+                                           asio::buffer(payload.data() + kWrite, kWrite / 2)};
+  asio::write(c.socket(), first);
+  std::optional<wire::FrameHeader> ack = ReadHeaderWithin(c, milliseconds(300));
+  ASSERT_TRUE(ack.has_value()) << "no acknowledgement of the first 1 MiB WRITE while the second "
+                                  "was still arriving";
+  EXPECT_EQ(ack->type, wire::FrameType::kWriteAck);
+  EXPECT_EQ(ack->request_id, 10u);
+  EXPECT_EQ(ack->status, 0u);
+  asio::write(c.socket(), asio::buffer(payload.data() + kWrite + kWrite / 2, kWrite / 2));
+  ack = ReadHeaderWithin(c, milliseconds(2000));
+  ASSERT_TRUE(ack.has_value());
+  EXPECT_EQ(ack->request_id, 11u);
+  EXPECT_EQ(ack->status, 0u);
+  EXPECT_EQ(region, payload);
 }
 
 }  // namespace

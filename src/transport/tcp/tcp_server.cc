@@ -335,11 +335,15 @@ void TcpServer::Serve(Connection* connection) {
     return b.get();
   };
   // Acknowledgements of WRITEs wait here while more requests are already queued in the socket,
-  // then leave in one send: small WRITEs otherwise cost one send() each. A WRITE into GPU
+  // then leave in one send: small WRITEs otherwise cost one send() each. They wait for at most
+  // kMaxQueuedAcks WRITEs or kAckFlushBytes of payload: a client with a bounded number of bytes
+  // in flight (the GPU bounce channel: 16 buffers of 1 MiB) otherwise keeps the socket busy
+  // until it runs out, and then waits idle for the acknowledgements. A WRITE into GPU
   // memory is acknowledged only after its last chunk's copy to the device finished (its pin
   // keeps the region registered until then). Replies keep their order: everything queued goes
   // out before any other reply.
   constexpr size_t kMaxQueuedAcks = 64;
+  constexpr uint64_t kAckFlushBytes = 1ull << 20;
   struct QueuedAck {
     uint64_t request_id = 0;
     Status error;                           // set when the WRITE failed
@@ -348,6 +352,11 @@ void TcpServer::Serve(Connection* connection) {
     MemoryRegistry::Pin pin;  // GPU WRITE: the region, until the copy finished
   };
   std::deque<QueuedAck> queued_acks;
+  uint64_t queued_ack_bytes = 0;  // payload bytes of the WRITEs in queued_acks
+  auto queue_ack = [&](QueuedAck q, uint64_t payload_bytes) {
+    queued_acks.push_back(std::move(q));
+    queued_ack_bytes += payload_bytes;
+  };
   auto flush_acks = [&]() -> bool {
     if (queued_acks.empty()) return true;
     std::vector<wire::HeaderBytes> headers(queued_acks.size());
@@ -377,6 +386,7 @@ void TcpServer::Serve(Connection* connection) {
     asio::error_code wec;
     asio::write(socket, out, wec);
     queued_acks.clear();  // drops the pins: every copy above finished
+    queued_ack_bytes = 0;
     return !wec;
   };
   const int64_t frame_timeout_ns = std::chrono::nanoseconds(options_.frame_timeout).count();
@@ -389,7 +399,8 @@ void TcpServer::Serve(Connection* connection) {
   while (authenticated && close_reason.empty()) {
     asio::error_code ec;
     if (!queued_acks.empty() &&
-        (queued_acks.size() >= kMaxQueuedAcks || socket.available(ec) == 0 || ec)) {
+        (queued_acks.size() >= kMaxQueuedAcks || queued_ack_bytes >= kAckFlushBytes ||
+         socket.available(ec) == 0 || ec)) {
       if (!flush_acks()) break;
     }
     // Idle between frames: no deadline. Once a header's first bytes arrived, the rest must
@@ -457,7 +468,7 @@ void TcpServer::Serve(Connection* connection) {
           if (ec) break;
           QueuedAck q;
           q.request_id = h.request_id;
-          queued_acks.push_back(std::move(q));
+          queue_ack(std::move(q), h.length);
           break;
         }
         if (pin->region().kind == MemoryKind::kCuda) {
@@ -485,14 +496,14 @@ void TcpServer::Serve(Connection* connection) {
           }
           if (ec) break;
           q.pin = std::move(*pin);
-          queued_acks.push_back(std::move(q));
+          queue_ack(std::move(q), h.length);
           break;
         }
         asio::read(socket, asio::buffer(reinterpret_cast<void*>(h.addr), h.length), ec);
         if (ec) break;
         QueuedAck q;
         q.request_id = h.request_id;
-        queued_acks.push_back(std::move(q));
+        queue_ack(std::move(q), h.length);
         break;
       }
       case wire::FrameType::kRead: {
