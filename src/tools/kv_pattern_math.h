@@ -1,5 +1,5 @@
 // The replay's deterministic KV content, shared by the CPU fill/verify (kv_pattern.cc) and
-// the GPU kernels (src/cuda/pattern_kernels.cu), so both produce the same bytes.
+// the GPU kernels (src/tools/gpu/pattern_kernels.cu), so both produce the same bytes.
 //
 // Head vector (room, layer, K/V, token, head) holds words PatternWord(HeadSeed(...), i),
 // stored little-endian; a trailing partial word keeps its low bytes.

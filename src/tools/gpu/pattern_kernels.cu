@@ -8,55 +8,106 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One thread per 8-byte word of a head vector; (buffer, token, head, word) from a flat index.
-struct Element {
+// One thread per chunk of up to kChunkWords 8-byte words of one head vector: the head's seed
+// (one Mix64) is computed once per chunk, the buffer's (two) once per buffer a thread meets,
+// so the kernels cost a multiply and a few shifts per word and run near memory speed rather
+// than being bound by integer arithmetic beside the transfer's copy kernels.
+constexpr uint64_t kChunkWords = 8;
+
+// (buffer, token, head, first word) of chunk `index`.
+struct Chunk {
   int buffer;
   int64_t token;
   int head;
-  uint64_t word;
+  uint64_t first_word;
 };
 
-__device__ __forceinline__ Element Decompose(uint64_t index, uint64_t words_per_head, int heads,
-                                             int64_t num_tokens) {
-  Element e;
-  e.word = index % words_per_head;
-  index /= words_per_head;
-  e.head = static_cast<int>(index % heads);
+__device__ __forceinline__ Chunk Decompose(uint64_t index, uint64_t chunks_per_head, int heads,
+                                           int64_t num_tokens) {
+  Chunk c;
+  c.first_word = (index % chunks_per_head) * kChunkWords;
+  index /= chunks_per_head;
+  c.head = static_cast<int>(index % heads);
   index /= heads;
-  e.token = static_cast<int64_t>(index % static_cast<uint64_t>(num_tokens));
-  e.buffer = static_cast<int>(index / static_cast<uint64_t>(num_tokens));
-  return e;
+  c.token = static_cast<int64_t>(index % static_cast<uint64_t>(num_tokens));
+  c.buffer = static_cast<int>(index / static_cast<uint64_t>(num_tokens));
+  return c;
 }
 
-__device__ __forceinline__ uint64_t SeedOf(const PoolGeometry& g, uint64_t room, int buffer,
-                                           int64_t token, int head) {
-  const bool mla = g.num_buffers == g.num_layers;
-  const int layer = mla ? buffer : (buffer < g.num_layers ? buffer : buffer - g.num_layers);
-  const int is_value = mla ? 0 : (buffer >= g.num_layers ? 1 : 0);
-  return pattern::HeadSeed(pattern::BufferSeed(room, layer, is_value), token, g.head_offset + head);
+__host__ __device__ __forceinline__ uint64_t ChunksPerHead(uint64_t head_bytes) {
+  return ((head_bytes + 7) / 8 + kChunkWords - 1) / kChunkWords;
+}
+
+// The buffer seed of `buffer`, cached across a thread's chunks.
+struct BufferSeedCache {
+  int buffer = -1;
+  uint64_t seed = 0;
+  __device__ __forceinline__ uint64_t Get(const PoolGeometry& g, uint64_t room, int b) {
+    if (b != buffer) {
+      const bool mla = g.num_buffers == g.num_layers;
+      const int layer = mla ? b : (b < g.num_layers ? b : b - g.num_layers);
+      const int is_value = mla ? 0 : (b >= g.num_layers ? 1 : 0);
+      seed = pattern::BufferSeed(room, layer, is_value);
+      buffer = b;
+    }
+    return seed;
+  }
+};
+
+// Calls emit(offset, bytes, w0, w1) for the chunk's words of a head vector of `head_bytes`
+// starting at `head`: pairs of words as one 16-byte access where aligned (bytes 16), else one
+// word (bytes 8, or fewer for the head's trailing partial word) at a time.
+template <typename Emit>
+__device__ __forceinline__ void ForChunkWords(const uint8_t* head, uint64_t head_bytes,
+                                              uint64_t seed, uint64_t first_word, Emit&& emit) {
+  const uint64_t words = (head_bytes + 7) / 8;
+  const uint64_t end = first_word + kChunkWords < words ? first_word + kChunkWords : words;
+  for (uint64_t word = first_word; word < end;) {
+    const uint64_t off = word * 8;
+    const uint64_t w0 = pattern::PatternWord(seed, word);
+    if (word + 1 < end && off + 16 <= head_bytes &&
+        (reinterpret_cast<uint64_t>(head + off) & 15) == 0) {
+      emit(off, 16, w0, pattern::PatternWord(seed, word + 1));
+      word += 2;
+    } else {
+      emit(off, off + 8 <= head_bytes ? 8 : head_bytes - off, w0, 0);
+      word += 1;
+    }
+  }
+}
+
+__device__ __forceinline__ uint64_t HeadOffset(const PoolGeometry& g, const int32_t* pages,
+                                               int buffer, int64_t token, int head) {
+  return buffer * g.buffer_stride +
+         static_cast<uint64_t>(pages[token / g.page_size]) * g.page_bytes +
+         static_cast<uint64_t>(token % g.page_size) * g.token_bytes + head * g.head_bytes;
 }
 
 __global__ void FillKernel(PoolGeometry g, uint8_t* pool, const int32_t* pages, uint64_t room,
                            int64_t first_token, int64_t num_tokens) {
-  const uint64_t words_per_head = (g.head_bytes + 7) / 8;
+  const uint64_t chunks_per_head = ChunksPerHead(g.head_bytes);
   const uint64_t total =
-      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * words_per_head;
+      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * chunks_per_head;
+  BufferSeedCache buffer_seed;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    Element e = Decompose(i, words_per_head, g.heads, num_tokens);
-    const int64_t t = first_token + e.token;
-    uint8_t* head = pool + e.buffer * g.buffer_stride +
-                    static_cast<uint64_t>(pages[t / g.page_size]) * g.page_bytes +
-                    static_cast<uint64_t>(t % g.page_size) * g.token_bytes + e.head * g.head_bytes;
-    const uint64_t w = pattern::PatternWord(SeedOf(g, room, e.buffer, t, e.head), e.word);
-    const uint64_t off = e.word * 8;
-    if (off + 8 <= g.head_bytes && (reinterpret_cast<uint64_t>(head + off) & 7) == 0) {
-      *reinterpret_cast<uint64_t*>(head + off) = w;
-    } else {
-      for (uint64_t b = 0; b < 8 && off + b < g.head_bytes; ++b) {
-        head[off + b] = static_cast<uint8_t>(w >> (8 * b));
-      }
-    }
+    const Chunk c = Decompose(i, chunks_per_head, g.heads, num_tokens);
+    const int64_t t = first_token + c.token;
+    uint8_t* head = pool + HeadOffset(g, pages, c.buffer, t, c.head);
+    const uint64_t seed =
+        pattern::HeadSeed(buffer_seed.Get(g, room, c.buffer), t, g.head_offset + c.head);
+    ForChunkWords(head, g.head_bytes, seed, c.first_word,
+                  [&](uint64_t off, uint64_t bytes, uint64_t w0, uint64_t w1) {
+                    if (bytes == 16) {
+                      *reinterpret_cast<ulonglong2*>(head + off) = make_ulonglong2(w0, w1);
+                    } else if (bytes == 8 && (reinterpret_cast<uint64_t>(head + off) & 7) == 0) {
+                      *reinterpret_cast<uint64_t*>(head + off) = w0;
+                    } else {
+                      for (uint64_t b = 0; b < bytes; ++b) {
+                        head[off + b] = static_cast<uint8_t>(w0 >> (8 * b));
+                      }
+                    }
+                  });
   }
 }
 
@@ -80,28 +131,31 @@ __global__ void FillRowsKernel(uint8_t* dst, uint64_t row_bytes, int rows, const
 
 __global__ void VerifyKernel(PoolGeometry g, const uint8_t* pool, const int32_t* pages,
                              int64_t num_pages, uint64_t room, int64_t num_tokens, uint8_t* flags) {
-  const uint64_t words_per_head = (g.head_bytes + 7) / 8;
+  const uint64_t chunks_per_head = ChunksPerHead(g.head_bytes);
   const uint64_t total =
-      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * words_per_head;
+      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * chunks_per_head;
+  BufferSeedCache buffer_seed;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    Element e = Decompose(i, words_per_head, g.heads, num_tokens);
-    const int64_t page_index = e.token / g.page_size;
-    const uint8_t* head = pool + e.buffer * g.buffer_stride +
-                          static_cast<uint64_t>(pages[page_index]) * g.page_bytes +
-                          static_cast<uint64_t>(e.token % g.page_size) * g.token_bytes +
-                          e.head * g.head_bytes;
-    const uint64_t w = pattern::PatternWord(SeedOf(g, room, e.buffer, e.token, e.head), e.word);
-    const uint64_t off = e.word * 8;
+    const Chunk c = Decompose(i, chunks_per_head, g.heads, num_tokens);
+    const uint8_t* head = pool + HeadOffset(g, pages, c.buffer, c.token, c.head);
+    const uint64_t seed =
+        pattern::HeadSeed(buffer_seed.Get(g, room, c.buffer), c.token, g.head_offset + c.head);
     bool bad = false;
-    if (off + 8 <= g.head_bytes && (reinterpret_cast<uint64_t>(head + off) & 7) == 0) {
-      bad = *reinterpret_cast<const uint64_t*>(head + off) != w;
-    } else {
-      for (uint64_t b = 0; b < 8 && off + b < g.head_bytes; ++b) {
-        bad |= head[off + b] != static_cast<uint8_t>(w >> (8 * b));
-      }
-    }
-    if (bad) flags[e.buffer * num_pages + page_index] = 1;
+    ForChunkWords(head, g.head_bytes, seed, c.first_word,
+                  [&](uint64_t off, uint64_t bytes, uint64_t w0, uint64_t w1) {
+                    if (bytes == 16) {
+                      const ulonglong2 v = *reinterpret_cast<const ulonglong2*>(head + off);
+                      bad |= v.x != w0 || v.y != w1;
+                    } else if (bytes == 8 && (reinterpret_cast<uint64_t>(head + off) & 7) == 0) {
+                      bad |= *reinterpret_cast<const uint64_t*>(head + off) != w0;
+                    } else {
+                      for (uint64_t b = 0; b < bytes; ++b) {
+                        bad |= head[off + b] != static_cast<uint8_t>(w0 >> (8 * b));
+                      }
+                    }
+                  });
+    if (bad) flags[c.buffer * num_pages + c.token / g.page_size] = 1;
   }
 }
 
@@ -116,8 +170,8 @@ cudaError_t LaunchFillTokens(const PoolGeometry& g, uint8_t* pool, const int32_t
                              uint64_t room, int64_t first_token, int64_t num_tokens,
                              cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
-  uint64_t total =
-      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ((g.head_bytes + 7) / 8);
+  const uint64_t total =
+      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ChunksPerHead(g.head_bytes);
   FillKernel<<<Blocks(total), kThreads, 0, stream>>>(g, pool, pages, room, first_token, num_tokens);
   return cudaGetLastError();
 }
@@ -126,8 +180,8 @@ cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool, const
                                int64_t num_pages, uint64_t room, int64_t num_tokens, uint8_t* flags,
                                cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
-  uint64_t total =
-      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ((g.head_bytes + 7) / 8);
+  const uint64_t total =
+      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ChunksPerHead(g.head_bytes);
   VerifyKernel<<<Blocks(total), kThreads, 0, stream>>>(g, pool, pages, num_pages, room, num_tokens,
                                                        flags);
   return cudaGetLastError();

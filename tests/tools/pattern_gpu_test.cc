@@ -1,0 +1,136 @@
+// The replay's GPU content kernels against the CPU reference (kv_pattern.cc): a pool filled
+// by GpuPattern holds exactly the bytes FillTokens writes on the host (head sizes with and
+// without whole 8- and 16-byte words, page sizes 1 and 16, MLA, a TP rank's head offset, a
+// fill in pieces), GpuPattern::Verify passes it, and one flipped byte fails exactly one
+// (buffer, page). Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cuda/device_ops.h"
+#include "disagg/connector_pools.h"
+#include "kvferry/kv_pool.h"
+#include "tools/gpu/baselines.h"
+#include "tools/gpu/gpu_pattern.h"
+#include "tools/kv_pattern.h"
+
+namespace kvferry {
+namespace {
+
+constexpr int32_t kPoolPages = 48;
+
+ModelGeometry Mha(int head_dim) {
+  ModelGeometry g;
+  g.name = "gqa";
+  g.attention = AttentionKind::kMha;
+  g.num_layers = 3;
+  g.num_attention_heads = 8;
+  g.num_kv_heads = 2;
+  g.head_dim = head_dim;
+  g.hidden_size = 128;
+  g.dtype = DType::kBFloat16;
+  return g;
+}
+
+ModelGeometry Mla() {
+  ModelGeometry g;
+  g.name = "mla";
+  g.attention = AttentionKind::kMla;
+  g.num_layers = 4;
+  g.num_attention_heads = 8;
+  g.num_kv_heads = 1;
+  g.kv_lora_rank = 32;
+  g.qk_rope_head_dim = 8;
+  g.head_dim = 40;
+  g.hidden_size = 128;
+  return g;
+}
+
+struct Case {
+  const char* name;
+  ModelGeometry model;
+  int page_size;
+  int64_t num_tokens;
+  int head_offset;
+};
+
+class PatternGpuTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PatternGpuTest, KernelsWriteAndCheckTheCpuReferenceBytes) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  const Case& c = GetParam();
+  auto layout = KvLayout::Create(c.model, c.page_size);
+  ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+  auto host = KvPool::Create(*layout, kPoolPages);
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  auto device = KvPool::CreateOnDevice(*layout, kPoolPages, 0);
+  ASSERT_TRUE(device.ok()) << device.status().ToString();
+  ASSERT_TRUE((*host)->contiguous() && (*device)->contiguous());
+  const uint64_t bytes = (*host)->size_bytes();
+  std::memset((*host)->data(), 0, bytes);
+  std::vector<uint8_t> back(bytes, 0);
+  ASSERT_TRUE(cuda::CopyToDevice((*device)->data(), back.data(), bytes).ok());
+
+  PageAllocator alloc(kPoolPages, /*shuffle_seed=*/11);
+  std::vector<int32_t> pages =
+      *alloc.Allocate(static_cast<int32_t>(layout->NumPages(c.num_tokens)));
+  const uint64_t room = 0x5eed'0000'1234ULL;
+  const int64_t first_piece = c.num_tokens / 3;
+  FillTokens(*layout, **host, room, pages, 0, c.num_tokens, c.head_offset);
+
+  cuda::PoolGeometry g = GpuGeometry(**device);
+  g.head_offset = c.head_offset;
+  auto pattern = cuda::GpuPattern::Create(0);
+  ASSERT_TRUE(pattern.ok()) << pattern.status().ToString();
+  Status s = (*pattern)->Fill(g, (*device)->data(), room, pages, 0, first_piece);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  s = (*pattern)->Fill(g, (*device)->data(), room, pages, first_piece, c.num_tokens - first_piece);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+
+  ASSERT_TRUE(cuda::CopyToHost(back.data(), (*device)->data(), bytes).ok());
+  const uint8_t* want = (*host)->data();
+  size_t first_diff = bytes;
+  for (size_t i = 0; i < bytes && first_diff == bytes; ++i) {
+    if (back[i] != want[i]) first_diff = i;
+  }
+  EXPECT_EQ(first_diff, bytes) << c.name << ": first differing byte at pool offset " << first_diff
+                               << " of " << bytes;
+
+  auto clean = (*pattern)->Verify(g, (*device)->data(), room, pages, c.num_tokens);
+  ASSERT_TRUE(clean.ok()) << clean.status().ToString();
+  EXPECT_EQ(*clean, 0);
+  auto other_room = (*pattern)->Verify(g, (*device)->data(), room + 1, pages, c.num_tokens);
+  ASSERT_TRUE(other_room.ok());
+  EXPECT_EQ(*other_room, layout->num_buffers() * static_cast<int64_t>(pages.size()));
+
+  // One byte of the last token's last head in the last buffer.
+  const int buffer = layout->num_buffers() - 1;
+  const int64_t token = c.num_tokens - 1;
+  const uint64_t offset =
+      static_cast<uint64_t>((*device)->PageAddress(buffer, pages[token / c.page_size]) -
+                            (*device)->data()) +
+      (token % c.page_size) * layout->token_bytes() +
+      (layout->heads_per_token() - 1) * layout->head_bytes() + layout->head_bytes() - 1;
+  const uint8_t flipped = back[offset] ^ 0x40;
+  ASSERT_TRUE(cuda::CopyToDevice((*device)->data() + offset, &flipped, 1).ok());
+  auto bad = (*pattern)->Verify(g, (*device)->data(), room, pages, c.num_tokens);
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ(*bad, 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, PatternGpuTest,
+    ::testing::Values(Case{"head 256 B, page 1", Mha(128), 1, 37, 0},
+                      Case{"head 256 B, page 16, rank's heads from 2", Mha(128), 16, 45, 2},
+                      Case{"head 32 B, page 16", Mha(16), 16, 37, 0},
+                      Case{"head 24 B (a pair and a word)", Mha(12), 16, 29, 0},
+                      Case{"head 6 B (a partial word)", Mha(3), 4, 11, 1},
+                      Case{"head 10 B, page 1", Mha(5), 1, 19, 0},
+                      Case{"MLA latent 80 B, page 16", Mla(), 16, 37, 0},
+                      Case{"MLA latent 80 B, page 1", Mla(), 1, 5, 0}),
+    [](const ::testing::TestParamInfo<Case>& p) { return "Case" + std::to_string(p.index); });
+
+}  // namespace
+}  // namespace kvferry
