@@ -436,6 +436,39 @@ TEST_F(EngineTest, StalledPeerHitsDeadlineAndSurvivorsStayUsable) {
   EXPECT_EQ(back, small);
 }
 
+// Lanes past the first connect when work first needs them. To a stopped peer such a lane
+// connects (the peer's kernel accepts) and then waits in the handshake for an answer that
+// never comes: closing the engine must end that wait at once, not after connect_timeout.
+TEST_F(EngineTest, CloseEndsLanesHandshakingWithAStoppedPeer) {
+  EngineOptions options;
+  options.name = "lazy-lanes";
+  options.tcp_lanes_per_peer = 4;
+  options.connect_timeout = milliseconds(30000);
+  auto made = TransferEngine::Create(options);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  std::unique_ptr<TransferEngine> engine = std::move(*made);
+  auto seg = engine->OpenSegment(peer_->info().address);  // the first lane, handshaken
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  peer_->Stop();
+  const uint64_t len = 32ull << 20;  // slices for every lane: the other three open now
+  std::vector<uint8_t> src(len, 5);
+  TransferRequest r{TransferOp::kWrite, src.data(), *seg, rw(0), len};
+  BatchOptions o;
+  o.deadline = milliseconds(60000);
+  auto id = engine->SubmitBatch(std::span(&r, 1), o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  std::this_thread::sleep_for(milliseconds(300));  // the new lanes are in their handshake
+  auto closed = std::async(std::launch::async, [&] {
+    const auto start = std::chrono::steady_clock::now();
+    engine.reset();
+    return std::chrono::steady_clock::now() - start;
+  });
+  const bool done = closed.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  peer_->Continue();  // lets a close stuck in a handshake finish before the test ends
+  ASSERT_TRUE(done) << "closing the engine waited more than 10 s for lanes in a handshake";
+  EXPECT_LT(closed.get(), milliseconds(3000));
+}
+
 TEST_F(EngineTest, CancelStopsQueuedRequests) {
   std::vector<uint8_t> src(1 << 20, 3);
   peer_->Stop();

@@ -42,8 +42,6 @@ Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address
   const std::string& host = endpoint.host;
   const uint16_t port = endpoint.port;
   auto fail = [&](const std::string& why) {
-    asio::error_code ignored;
-    socket.close(ignored);
     return UnavailableError("cannot reach peer " + address + ": " + why);
   };
   asio::error_code ec;
@@ -67,18 +65,14 @@ Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address
   io.restart();
   io.run_for(timeout);
   if (!io.stopped()) {
-    socket.close(ec);
+    socket.cancel(ec);
     io.run();  // let the cancelled handler run
     return fail("connect timed out after " + std::to_string(timeout.count()) + " ms");
   }
   if (connect_ec) return fail("connect: " + connect_ec.message());
   TuneSocket(socket);
   SetReceiveTimeout(socket, timeout);
-  Status handshake = ClientHandshake(socket, address, self, auth_secret, max_body_bytes, peer);
-  if (!handshake.ok()) {
-    socket.close(ec);
-    return handshake;
-  }
+  RETURN_IF_ERROR(ClientHandshake(socket, address, self, auth_secret, max_body_bytes, peer));
   SetReceiveTimeout(socket, std::chrono::milliseconds(0));  // 0 = block without limit
   return OkStatus();
 }

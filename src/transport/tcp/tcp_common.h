@@ -16,7 +16,9 @@ namespace kvferry::tcp {
 
 // Connects and performs the handshake (ClientHandshake). Blocks at most `timeout` (connect, and
 // each read and write of the handshake). Errors: those of ClientHandshake, kUnavailable when
-// the address cannot be reached; the socket is closed on any error.
+// the address cannot be reached. The socket is never closed here, also not on an error: its
+// owner closes it (a lane, under the lock that orders the close against another thread's
+// shutdown of the same socket).
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
                        const SegmentDescriptor& self, const std::string& auth_secret,
                        std::chrono::milliseconds timeout, uint32_t max_body_bytes,
