@@ -6,9 +6,13 @@
 #include <asio.hpp>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <random>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -439,7 +443,28 @@ TEST_F(EngineTest, StalledPeerHitsDeadlineAndSurvivorsStayUsable) {
 // Lanes past the first connect when work first needs them. To a stopped peer such a lane
 // connects (the peer's kernel accepts) and then waits in the handshake for an answer that
 // never comes: closing the engine must end that wait at once, not after connect_timeout.
+// Established TCP connections of this network namespace whose remote port is `port`
+// (/proc/net/tcp: IPv4, as the peer listens on 127.0.0.1).
+int ConnectionsTo(uint16_t port) {
+  std::ifstream in("/proc/net/tcp");
+  std::string line;
+  std::getline(in, line);  // the header
+  int n = 0;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state;
+    fields >> slot >> local >> remote >> state;
+    const size_t colon = remote.find(':');
+    if (colon == std::string::npos || state != "01") continue;  // 01: ESTABLISHED
+    if (std::stoul(remote.substr(colon + 1), nullptr, 16) == port) ++n;
+  }
+  return n;
+}
+
 TEST_F(EngineTest, CloseEndsLanesHandshakingWithAStoppedPeer) {
+  for (const char* var : {"KVFERRY_TCP_LANES", "KVFERRY_TCP_SLICE"}) {
+    if (std::getenv(var) != nullptr) GTEST_SKIP() << var << " overrides the lanes this test needs";
+  }
   EngineOptions options;
   options.name = "lazy-lanes";
   options.tcp_lanes_per_peer = 4;
@@ -449,6 +474,9 @@ TEST_F(EngineTest, CloseEndsLanesHandshakingWithAStoppedPeer) {
   std::unique_ptr<TransferEngine> engine = std::move(*made);
   auto seg = engine->OpenSegment(peer_->info().address);  // the first lane, handshaken
   ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  const uint16_t port = static_cast<uint16_t>(
+      std::stoul(peer_->info().address.substr(peer_->info().address.rfind(':') + 1)));
+  const int before = ConnectionsTo(port);  // both engines' first lanes
   peer_->Stop();
   const uint64_t len = 32ull << 20;  // slices for every lane: the other three open now
   std::vector<uint8_t> src(len, 5);
@@ -457,7 +485,15 @@ TEST_F(EngineTest, CloseEndsLanesHandshakingWithAStoppedPeer) {
   o.deadline = milliseconds(60000);
   auto id = engine->SubmitBatch(std::span(&r, 1), o);
   ASSERT_TRUE(id.ok()) << id.status().ToString();
-  std::this_thread::sleep_for(milliseconds(300));  // the new lanes are in their handshake
+  // The three new lanes connect (the stopped peer's kernel accepts) and wait in the handshake.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (ConnectionsTo(port) < before + 3 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  const int lanes_opened = ConnectionsTo(port) - before;
+  if (lanes_opened < 3) peer_->Continue();
+  ASSERT_GE(lanes_opened, 3) << "the lanes past the first did not connect";
+  std::this_thread::sleep_for(milliseconds(100));  // into the handshake's read
   auto closed = std::async(std::launch::async, [&] {
     const auto start = std::chrono::steady_clock::now();
     engine.reset();

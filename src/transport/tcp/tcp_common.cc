@@ -37,13 +37,15 @@ void SetReceiveTimeout(asio::ip::tcp::socket& socket, std::chrono::milliseconds 
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
                        const SegmentDescriptor& self, const std::string& auth_secret,
                        std::chrono::milliseconds timeout, uint32_t max_body_bytes,
-                       SegmentDescriptor* peer) {
+                       SegmentDescriptor* peer, const SocketGuard& guard) {
   ASSIGN_OR_RETURN(HostPort endpoint, ParseHostPort(address, "peer address"));
   const std::string& host = endpoint.host;
   const uint16_t port = endpoint.port;
   auto fail = [&](const std::string& why) {
     return UnavailableError("cannot reach peer " + address + ": " + why);
   };
+  auto guarded = [&](const std::function<void()>& op) { return guard ? guard(op) : (op(), true); };
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   asio::error_code ec;
   asio::ip::address ip = asio::ip::make_address(host, ec);
   std::vector<asio::ip::tcp::endpoint> endpoints;
@@ -56,20 +58,40 @@ Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address
     if (ec) return fail("resolve: " + ec.message());
     for (const auto& r : results) endpoints.push_back(r.endpoint());
   }
-  // Connect asynchronously so the timeout bounds it, then continue with blocking I/O.
+  // One address at a time, each connect asynchronous so the deadline bounds it, then blocking
+  // I/O on the one that answered.
   asio::io_context& io = static_cast<asio::io_context&>(socket.get_executor().context());
-  asio::error_code connect_ec = asio::error::timed_out;
-  asio::async_connect(
-      socket, endpoints,
-      [&](const asio::error_code& e, const asio::ip::tcp::endpoint&) { connect_ec = e; });
-  io.restart();
-  io.run_for(timeout);
-  if (!io.stopped()) {
-    socket.cancel(ec);
-    io.run();  // let the cancelled handler run
-    return fail("connect timed out after " + std::to_string(timeout.count()) + " ms");
+  asio::error_code last = asio::error::host_not_found;
+  bool connected = false;
+  for (const asio::ip::tcp::endpoint& ep : endpoints) {
+    asio::error_code open_ec;
+    const bool go = guarded([&] {
+      asio::error_code ignored;
+      if (socket.is_open()) socket.close(ignored);
+      socket.open(ep.protocol(), open_ec);
+    });
+    if (!go) return fail("connect abandoned");
+    if (open_ec) {
+      last = open_ec;
+      continue;
+    }
+    asio::error_code connect_ec = asio::error::timed_out;
+    socket.async_connect(ep, [&](const asio::error_code& e) { connect_ec = e; });
+    io.restart();
+    io.run_until(deadline);
+    if (!io.stopped()) {
+      socket.cancel(ec);
+      io.run();  // the cancelled connect's handler, at once
+      return fail("connect timed out after " + std::to_string(timeout.count()) + " ms");
+    }
+    if (!connect_ec) {
+      connected = true;
+      break;
+    }
+    last = connect_ec;
   }
-  if (connect_ec) return fail("connect: " + connect_ec.message());
+  if (!connected) return fail("connect: " + last.message());
+  if (!guarded([] {})) return fail("connect abandoned");
   TuneSocket(socket);
   SetReceiveTimeout(socket, timeout);
   RETURN_IF_ERROR(ClientHandshake(socket, address, self, auth_secret, max_body_bytes, peer));

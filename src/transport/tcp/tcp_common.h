@@ -5,6 +5,7 @@
 #include <asio.hpp>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -14,15 +15,21 @@
 
 namespace kvferry::tcp {
 
-// Connects and performs the handshake (ClientHandshake). Blocks at most `timeout` (connect, and
-// each read and write of the handshake). Errors: those of ClientHandshake, kUnavailable when
-// the address cannot be reached. The socket is never closed here, also not on an error: its
-// owner closes it (a lane, under the lock that orders the close against another thread's
-// shutdown of the same socket).
+// Runs `op`, which opens or closes the socket, under its owner's lock, and returns true; or
+// returns false without running it when the owner gave up on the connection (another thread
+// failed it, and may be shutting the socket down under that lock). Empty: `op` runs directly.
+using SocketGuard = std::function<bool(const std::function<void()>& op)>;
+
+// Connects to each address `address` resolves to in turn until one answers, then performs the
+// handshake (ClientHandshake). Blocks at most `timeout` for the connect (all addresses
+// together), and `timeout` for each read and write of the handshake. Every open and close of
+// `socket` here runs through `guard`; the socket is never closed on an error: its owner closes
+// it. Errors: those of ClientHandshake; kUnavailable when no address answers in time or
+// `guard` refused (the owner gave up).
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
                        const SegmentDescriptor& self, const std::string& auth_secret,
                        std::chrono::milliseconds timeout, uint32_t max_body_bytes,
-                       SegmentDescriptor* peer);
+                       SegmentDescriptor* peer, const SocketGuard& guard = {});
 
 // The client's side of the handshake on a connected `socket` to `address`: sends HELLO with a
 // fresh nonce, checks the server's proof of `auth_secret` in its CHALLENGE (empty: the proof of

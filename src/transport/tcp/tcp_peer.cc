@@ -87,7 +87,8 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       cv_.notify_all();
       // Under the lock: ThreadExit marks the socket closed before closing it, so the number
       // cannot belong to another socket by now. This also ends a connect or handshake in
-      // progress (a descriptor of -1 before the socket opened: shutdown refuses it).
+      // progress; before the socket opened the descriptor is -1 (shutdown refuses it) and
+      // SenderMain's connect then never opens it (it opens under this lock, unless broken_).
       if (!socket_closed_) ::shutdown(socket_->native_handle(), SHUT_RDWR);
     }
   }
@@ -124,8 +125,16 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       Status s = broken_reason();  // failed before it began
       SegmentDescriptor ignored;
       if (s.ok()) {
+        // Opens and closes the socket under mu_, where Fail shuts it down, and not at all
+        // once Fail ran: no shutdown can reach a closed number, and no connect outlives Fail.
+        auto guard = [this](const std::function<void()>& op) {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (broken_) return false;
+          op();
+          return true;
+        };
         s = ConnectAndHello(*socket_, options_.address, options_.self, options_.auth_secret,
-                            options_.connect_timeout, options_.max_body_bytes, &ignored);
+                            options_.connect_timeout, options_.max_body_bytes, &ignored, guard);
       }
       if (!s.ok()) {
         Fail(s);
