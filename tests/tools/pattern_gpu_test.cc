@@ -1,8 +1,8 @@
 // The replay's GPU content kernels against the CPU reference (kv_pattern.cc): a pool filled
 // by GpuPattern holds exactly the bytes FillTokens writes on the host (head sizes with and
 // without whole 8- and 16-byte words, page sizes 1 and 16, MLA, a TP rank's head offset, a
-// fill in pieces), GpuPattern::Verify passes it, and one flipped byte fails exactly one
-// (buffer, page). Skips without a GPU.
+// fill in pieces), GpuPattern::Verify passes it, and three flipped bytes in three (buffer,
+// page) pairs make it count three. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -105,19 +105,27 @@ TEST_P(PatternGpuTest, KernelsWriteAndCheckTheCpuReferenceBytes) {
   ASSERT_TRUE(other_room.ok());
   EXPECT_EQ(*other_room, layout->num_buffers() * static_cast<int64_t>(pages.size()));
 
-  // One byte of the last token's last head in the last buffer.
-  const int buffer = layout->num_buffers() - 1;
-  const int64_t token = c.num_tokens - 1;
-  const uint64_t offset =
-      static_cast<uint64_t>((*device)->PageAddress(buffer, pages[token / c.page_size]) -
-                            (*device)->data()) +
-      (token % c.page_size) * layout->token_bytes() +
-      (layout->heads_per_token() - 1) * layout->head_bytes() + layout->head_bytes() - 1;
-  const uint8_t flipped = back[offset] ^ 0x40;
-  ASSERT_TRUE(cuda::CopyToDevice((*device)->data() + offset, &flipped, 1).ok());
+  // Three bytes in three (buffer, page) pairs: the first byte of buffer 0's first head, a
+  // byte in the second word of a 16-byte pair of a middle token's middle buffer (a byte of a
+  // short head where it has none), and the last byte of the last head of the last buffer.
+  auto offset_of = [&](int buffer, int64_t token, int head, uint64_t byte) {
+    return static_cast<uint64_t>((*device)->PageAddress(buffer, pages[token / c.page_size]) -
+                                 (*device)->data()) +
+           (token % c.page_size) * layout->token_bytes() + head * layout->head_bytes() + byte;
+  };
+  const uint64_t head_bytes = layout->head_bytes();
+  const int last_buffer = layout->num_buffers() - 1;
+  const uint64_t flips[] = {
+      offset_of(0, 0, 0, 0),
+      offset_of(last_buffer / 2, c.num_tokens / 2, 0, head_bytes > 11 ? 11 : head_bytes / 2),
+      offset_of(last_buffer, c.num_tokens - 1, layout->heads_per_token() - 1, head_bytes - 1)};
+  for (uint64_t offset : flips) {
+    const uint8_t flipped = back[offset] ^ 0x40;
+    ASSERT_TRUE(cuda::CopyToDevice((*device)->data() + offset, &flipped, 1).ok());
+  }
   auto bad = (*pattern)->Verify(g, (*device)->data(), room, pages, c.num_tokens);
   ASSERT_TRUE(bad.ok());
-  EXPECT_EQ(*bad, 1);
+  EXPECT_EQ(*bad, 3);
 }
 
 INSTANTIATE_TEST_SUITE_P(

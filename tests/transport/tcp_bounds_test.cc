@@ -211,8 +211,14 @@ TEST(TcpBoundsTest, AnnouncedBodyCostsMemoryOnlyAsItArrives) {
 // WRITE before the previous one is acknowledged; the acknowledgement of a large WRITE must not
 // wait until the socket has nothing more to read.
 TEST(TcpBoundsTest, LargeWriteIsAcknowledgedWhileTheNextOneArrives) {
-  auto engine = MakeEngine();
-  ASSERT_NE(engine, nullptr);
+  // A frame timeout far beyond the wait below: a server that held the acknowledgement would
+  // send it only when the half-sent WRITE times out.
+  EngineOptions o;
+  o.name = "acks";
+  o.tcp_frame_timeout = milliseconds(20000);
+  auto made = TransferEngine::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  std::unique_ptr<TransferEngine> engine = std::move(*made);
   constexpr uint64_t kWrite = 1 << 20;
   std::vector<uint8_t> region(2 * kWrite, 0);
   ASSERT_TRUE(engine->RegisterMemory(region.data(), region.size(), {}).ok());
@@ -236,7 +242,7 @@ TEST(TcpBoundsTest, LargeWriteIsAcknowledgedWhileTheNextOneArrives) {
                                            asio::buffer(hb),
                                            asio::buffer(payload.data() + kWrite, kWrite / 2)};
   asio::write(c.socket(), first);
-  std::optional<wire::FrameHeader> ack = ReadHeaderWithin(c, milliseconds(300));
+  std::optional<wire::FrameHeader> ack = ReadHeaderWithin(c, milliseconds(3000));
   ASSERT_TRUE(ack.has_value()) << "no acknowledgement of the first 1 MiB WRITE while the second "
                                   "was still arriving";
   EXPECT_EQ(ack->type, wire::FrameType::kWriteAck);
