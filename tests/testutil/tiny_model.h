@@ -44,4 +44,35 @@ inline ModelGeometry SlicedGeometry(const char* name, AttentionKind kind, int nu
   return g;
 }
 
+// A small GQA model for content tests: 3 layers, 8 query heads over 2 KV heads of `head_dim`
+// values of `dtype` (16 bf16 values: 32-byte heads).
+inline ModelGeometry SmallMha(int head_dim = 16, DType dtype = DType::kBFloat16) {
+  ModelGeometry g;
+  g.name = "small-gqa";
+  g.attention = AttentionKind::kMha;
+  g.num_layers = 3;
+  g.num_attention_heads = 8;
+  g.num_kv_heads = 2;
+  g.head_dim = head_dim;
+  g.hidden_size = 128;
+  g.dtype = dtype;
+  return g;
+}
+
+// A small MLA model for content tests: 4 layers, one 40-value bf16 latent per token and layer
+// (kv_lora_rank 32 + rope 8: 80 bytes).
+inline ModelGeometry SmallMla() {
+  ModelGeometry g;
+  g.name = "small-mla";
+  g.attention = AttentionKind::kMla;
+  g.num_layers = 4;
+  g.num_attention_heads = 8;
+  g.num_kv_heads = 1;
+  g.kv_lora_rank = 32;
+  g.qk_rope_head_dim = 8;
+  g.head_dim = 40;
+  g.hidden_size = 128;
+  return g;
+}
+
 }  // namespace kvferry::testutil

@@ -8,36 +8,13 @@
 #include <vector>
 
 #include "kvferry/kv_pool.h"
+#include "testutil/tiny_model.h"
 
 namespace kvferry {
 namespace {
 
-ModelGeometry SmallMha(int head_dim = 16, DType dtype = DType::kBFloat16) {
-  ModelGeometry g;
-  g.name = "small-gqa";
-  g.attention = AttentionKind::kMha;
-  g.num_layers = 3;
-  g.num_attention_heads = 8;
-  g.num_kv_heads = 2;
-  g.head_dim = head_dim;
-  g.hidden_size = 128;
-  g.dtype = dtype;
-  return g;
-}
-
-ModelGeometry SmallMla() {
-  ModelGeometry g;
-  g.name = "small-mla";
-  g.attention = AttentionKind::kMla;
-  g.num_layers = 4;
-  g.num_attention_heads = 8;
-  g.num_kv_heads = 1;
-  g.kv_lora_rank = 32;
-  g.qk_rope_head_dim = 8;
-  g.head_dim = 40;
-  g.hidden_size = 128;
-  return g;
-}
+using testutil::SmallMha;
+using testutil::SmallMla;
 
 struct Fixture {
   KvLayout layout;

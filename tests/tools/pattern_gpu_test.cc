@@ -12,6 +12,7 @@
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
 #include "kvferry/kv_pool.h"
+#include "testutil/tiny_model.h"
 #include "tools/gpu/baselines.h"
 #include "tools/gpu/gpu_pattern.h"
 #include "tools/kv_pattern.h"
@@ -21,32 +22,8 @@ namespace {
 
 constexpr int32_t kPoolPages = 48;
 
-ModelGeometry Mha(int head_dim) {
-  ModelGeometry g;
-  g.name = "gqa";
-  g.attention = AttentionKind::kMha;
-  g.num_layers = 3;
-  g.num_attention_heads = 8;
-  g.num_kv_heads = 2;
-  g.head_dim = head_dim;
-  g.hidden_size = 128;
-  g.dtype = DType::kBFloat16;
-  return g;
-}
-
-ModelGeometry Mla() {
-  ModelGeometry g;
-  g.name = "mla";
-  g.attention = AttentionKind::kMla;
-  g.num_layers = 4;
-  g.num_attention_heads = 8;
-  g.num_kv_heads = 1;
-  g.kv_lora_rank = 32;
-  g.qk_rope_head_dim = 8;
-  g.head_dim = 40;
-  g.hidden_size = 128;
-  return g;
-}
+using testutil::SmallMha;
+using testutil::SmallMla;
 
 struct Case {
   const char* name;
@@ -130,14 +107,14 @@ TEST_P(PatternGpuTest, KernelsWriteAndCheckTheCpuReferenceBytes) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, PatternGpuTest,
-    ::testing::Values(Case{"head 256 B, page 1", Mha(128), 1, 37, 0},
-                      Case{"head 256 B, page 16, rank's heads from 2", Mha(128), 16, 45, 2},
-                      Case{"head 32 B, page 16", Mha(16), 16, 37, 0},
-                      Case{"head 24 B (a pair and a word)", Mha(12), 16, 29, 0},
-                      Case{"head 6 B (a partial word)", Mha(3), 4, 11, 1},
-                      Case{"head 10 B, page 1", Mha(5), 1, 19, 0},
-                      Case{"MLA latent 80 B, page 16", Mla(), 16, 37, 0},
-                      Case{"MLA latent 80 B, page 1", Mla(), 1, 5, 0}),
+    ::testing::Values(Case{"head 256 B, page 1", SmallMha(128), 1, 37, 0},
+                      Case{"head 256 B, page 16, rank's heads from 2", SmallMha(128), 16, 45, 2},
+                      Case{"head 32 B, page 16", SmallMha(16), 16, 37, 0},
+                      Case{"head 24 B (a pair and a word)", SmallMha(12), 16, 29, 0},
+                      Case{"head 6 B (a partial word)", SmallMha(3), 4, 11, 1},
+                      Case{"head 10 B, page 1", SmallMha(5), 1, 19, 0},
+                      Case{"MLA latent 80 B, page 16", SmallMla(), 16, 37, 0},
+                      Case{"MLA latent 80 B, page 1", SmallMla(), 1, 5, 0}),
     [](const ::testing::TestParamInfo<Case>& p) { return "Case" + std::to_string(p.index); });
 
 }  // namespace
