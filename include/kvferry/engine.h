@@ -85,6 +85,14 @@ struct EngineOptions {
   // running blocks are never preempted. false: default priority, i.e. compute and copies share
   // the SMs in launch order. KVFERRY_NVLINK_STREAM_PRIORITY=high|normal overrides it.
   bool nvlink_high_priority_streams = true;
+  // NVLink: thread blocks (of 256 threads) per SM of the local GPU that one batched copy
+  // kernel may run, 1..8 (8 fill every SM's thread slots). Its warps copy tiles in turn, so
+  // one block per SM (default) still keeps the link busy (on 2 x H200: the same GB/s as 8 for
+  // 16 KiB to 4 MiB blocks on idle GPUs) while leaving 7/8 of the SMs' thread slots to the
+  // model's kernels beside it, which would otherwise wait for the copy's blocks to leave (and
+  // the copy for theirs); docs/perf/nvlink-h100.md, session 19. KVFERRY_NVLINK_BLOCKS_PER_SM
+  // overrides it.
+  int nvlink_copy_blocks_per_sm = 1;
   // TCP connections (lanes) per peer. More lanes spread large requests over several
   // streams and cores; bounded to keep file descriptors in check. Default 4, range 1..64.
   int tcp_lanes_per_peer = 4;

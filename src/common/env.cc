@@ -168,6 +168,7 @@ StatusOr<EnvConfig> ReadEnvConfig() {
                               &config.nvlink_resident_blocks, " (-1: one per SM, 0: off)"));
   RETURN_IF_ERROR(ReadInteger("KVFERRY_NVLINK_RESIDENT_MIN_TILES", 0, 1LL << 30,
                               &config.nvlink_resident_min_tiles));
+  RETURN_IF_ERROR(ReadInteger("KVFERRY_NVLINK_BLOCKS_PER_SM", 1, 8, &config.nvlink_blocks_per_sm));
   RETURN_IF_ERROR(ReadChoice("KVFERRY_NVLINK_STREAM_PRIORITY", {"high", "normal"},
                              &config.nvlink_stream_priority));
   if (const char* v = std::getenv("KVFERRY_LISTEN_HOST"); v != nullptr && *v != '\0') {

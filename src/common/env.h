@@ -31,6 +31,8 @@
 //                          waits before leaving the GPU), 0..100000               default 200
 //   KVFERRY_NVLINK_RESIDENT_BLOCKS  thread blocks of the resident NVLink copy kernel, -1..4096;
 //                          -1 one per SM, 0 off          default EngineOptions value (-1)
+//   KVFERRY_NVLINK_BLOCKS_PER_SM  thread blocks per SM one NVLink copy kernel may run, 1..8
+//                          default EngineOptions value (1)
 //   KVFERRY_DONE_POLL_US   microseconds between a decode waiter's checks of the same-node
 //                          done mailbox, 0..100000 (0: Wait does not poll)
 //                          default DecodeConnectorOptions (-1: 20 on >= 16 hardware threads)
@@ -73,6 +75,7 @@ struct EnvConfig {
   std::optional<int> nvlink_resident_blocks;
   std::optional<int64_t> nvlink_resident_min_tiles;
   std::optional<std::string> nvlink_stream_priority;  // "high" or "normal"
+  std::optional<int> nvlink_blocks_per_sm;
   std::optional<std::string> auth_token;
   std::optional<FaultPlan> faults;
 };

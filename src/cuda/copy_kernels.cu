@@ -280,24 +280,20 @@ __global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const Res
   }
 }
 
-int GridFor(int num_tiles) {
-  static int max_blocks = [] {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return sms > 0 ? sms * 8 : 1024;
-  }();
-  int blocks = (num_tiles + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return blocks < max_blocks ? blocks : max_blocks;
+int GridFor(int num_tiles, int max_blocks) {
+  const int blocks = (num_tiles + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  return blocks < max_blocks ? blocks : (max_blocks > 0 ? max_blocks : 1);
 }
 
 }  // namespace
 
-cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t stream) {
+cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t stream,
+                                        int max_blocks) {
   if (tables.count <= 0 || tables.count > kMaxHostTables) return cudaErrorInvalidValue;
   const uint32_t total = tables.end[tables.count - 1];
   if (total == 0) return cudaSuccess;
-  BatchedCopyHostTablesKernel<<<GridFor(static_cast<int>(total)), kThreads, 0, stream>>>(tables);
+  BatchedCopyHostTablesKernel<<<GridFor(static_cast<int>(total), max_blocks), kThreads, 0,
+                                stream>>>(tables);
   return cudaGetLastError();
 }
 
@@ -308,6 +304,16 @@ cudaError_t LaunchResidentCopy(const ResidentArgs& args, int blocks, cudaStream_
   }
   ResidentCopyKernel<<<blocks, kResidentThreads, 0, stream>>>(args);
   return cudaGetLastError();
+}
+
+int CopyKernelMaxBlocks(int device, int blocks_per_sm) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms <= 0) {
+    (void)cudaGetLastError();
+    sms = 132;  // an H100 SXM's count
+  }
+  return sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
 }
 
 int ResidentBlocksPerSm() {
@@ -321,17 +327,19 @@ int ResidentBlocksPerSm() {
 }
 
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream,
-                              const CopyGate& gate) {
+                              int max_blocks, const CopyGate& gate) {
   if (num_tiles <= 0) return cudaSuccess;
-  BatchedCopyKernel<<<GridFor(num_tiles), kThreads, 0, stream>>>(tiles, num_tiles, gate);
+  BatchedCopyKernel<<<GridFor(num_tiles, max_blocks), kThreads, 0, stream>>>(tiles, num_tiles,
+                                                                             gate);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchBatchedCopyInline(const InlineTiles& tiles, int num_tiles, cudaStream_t stream,
-                                    const CopyGate& gate) {
+                                    int max_blocks, const CopyGate& gate) {
   if (num_tiles <= 0) return cudaSuccess;
   if (num_tiles > kInlineTiles) return cudaErrorInvalidValue;
-  BatchedCopyInlineKernel<<<GridFor(num_tiles), kThreads, 0, stream>>>(tiles, num_tiles, gate);
+  BatchedCopyInlineKernel<<<GridFor(num_tiles, max_blocks), kThreads, 0, stream>>>(tiles, num_tiles,
+                                                                                   gate);
   return cudaGetLastError();
 }
 

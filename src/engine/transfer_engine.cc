@@ -100,6 +100,7 @@ class EngineImpl : public TransferEngine {
     t.nvlink.resident_blocks = options_.nvlink_resident_blocks;
     t.nvlink.resident_min_tiles = options_.nvlink_resident_min_tiles;
     t.nvlink.high_priority_streams = options_.nvlink_high_priority_streams;
+    t.nvlink.copy_blocks_per_sm = options_.nvlink_copy_blocks_per_sm;
     t.nvlink.auth_secret = options_.auth_secret;
     // UCX listens on every interface UCX_NET_DEVICES allows, whatever listen_host says, and
     // its tcp executes peers' puts unchecked (docs/security.md): an engine that serves only
@@ -711,6 +712,7 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   if (env.nvlink_resident_min_tiles) {
     resolved.nvlink_resident_min_tiles = *env.nvlink_resident_min_tiles;
   }
+  if (env.nvlink_blocks_per_sm) resolved.nvlink_copy_blocks_per_sm = *env.nvlink_blocks_per_sm;
   if (env.nvlink_stream_priority) {
     resolved.nvlink_high_priority_streams = *env.nvlink_stream_priority == "high";
   }

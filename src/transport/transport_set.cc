@@ -27,7 +27,8 @@ StatusOr<std::unique_ptr<TransportSet>> TransportSet::Create(const TransportSetO
   auto made = NvlinkTransport::Create(nvlink, registry);
   if (made.ok()) {
     set->data_.push_back(std::move(*made));
-  } else if (set->forced_ == "nvlink" || made.status().code() == StatusCode::kUnavailable) {
+  } else if (set->forced_ == "nvlink" || made.status().code() == StatusCode::kUnavailable ||
+             made.status().code() == StatusCode::kInvalidArgument) {
     return made.status();
   }
   UcxTransportOptions ucx = options.ucx;

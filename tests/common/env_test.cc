@@ -60,6 +60,15 @@ TEST(EnvTest, ResidentBlocksAreParsedAndBadValuesNamed) {
   EXPECT_FALSE(ok->nvlink_resident_blocks.has_value());
 }
 
+TEST(EnvTest, CopyBlocksPerSmAreParsedAndBadValuesNamed) {
+  ::setenv("KVFERRY_NVLINK_BLOCKS_PER_SM", "8", 1);
+  auto ok = ReadEnvConfig();
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->nvlink_blocks_per_sm, 8);
+  ExpectEachRefusedByName("KVFERRY_NVLINK_BLOCKS_PER_SM", {"0", "9", "-1", "one"});
+  EXPECT_FALSE(ReadEnvConfig()->nvlink_blocks_per_sm.has_value());
+}
+
 TEST(EnvTest, ResidentMinTilesAreParsedAndBadValuesNamed) {
   ::setenv("KVFERRY_NVLINK_RESIDENT_MIN_TILES", "0", 1);
   auto ok = ReadEnvConfig();

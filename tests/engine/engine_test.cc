@@ -701,6 +701,13 @@ TEST(EngineLocalTest, RegistrationRules) {
   EngineOptions bad;
   bad.transport = "carrier-pigeon";
   EXPECT_EQ(TransferEngine::Create(bad).status().code(), StatusCode::kInvalidArgument);
+  for (int blocks : {0, 9}) {
+    EngineOptions grid;
+    grid.nvlink_copy_blocks_per_sm = blocks;
+    const Status s = TransferEngine::Create(grid).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << blocks;
+    EXPECT_NE(s.message().find("nvlink_copy_blocks_per_sm"), std::string::npos) << s.ToString();
+  }
 }
 
 // Host memory of every kind is host memory (the GPU tests cover device pointers).

@@ -16,7 +16,8 @@ BulkLauncher::BulkLauncher(int device, TileArena& arena, BulkFlights& flights, B
                            CopyPathChooser& chooser)
     : device_(device), arena_(arena), flights_(flights), stats_(stats), chooser_(chooser) {}
 
-Status BulkLauncher::Init(int stream_priority) {
+Status BulkLauncher::Init(int stream_priority, int max_blocks) {
+  max_blocks_ = max_blocks;
   for (cuda::Stream& st : streams_) {
     CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking, stream_priority));
   }
@@ -206,7 +207,7 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
     // Copy-engine blocks only: below.
   } else if (parts.size() == 1) {
     e = UploadTable(arena_, parts[0], stream);
-    if (e == cudaSuccess) e = LaunchTable(arena_, parts[0], stream);
+    if (e == cudaSuccess) e = LaunchTable(arena_, parts[0], stream, max_blocks_);
   } else {
     cuda::HostTables tables;
     uint32_t end = 0;
@@ -216,7 +217,7 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
       tables.end[tables.count] = end;
       ++tables.count;
     }
-    e = cuda::LaunchBatchedCopyHostTables(tables, stream);
+    e = cuda::LaunchBatchedCopyHostTables(tables, stream, max_blocks_);
   }
   for (const BulkPart& p : parts) {  // (a part with copy-engine blocks launches alone)
     if (e == cudaSuccess && !p.engine.empty()) e = IssueEngineCopies(p.engine, stream);

@@ -35,8 +35,8 @@ class BulkLauncher {
   BulkLauncher& operator=(const BulkLauncher&) = delete;
 
   // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
-  // device.
-  Status Init(int stream_priority);
+  // device; its copy kernels run at most `max_blocks` thread blocks (cuda::CopyKernelMaxBlocks).
+  Status Init(int stream_priority, int max_blocks);
 
   // Launches `part` (its owner, tag and keepalive set), with any others pending; or leaves it
   // pending for the thread launching now.
@@ -68,6 +68,7 @@ class BulkLauncher {
   BulkFlights& flights_;
   BulkStats& stats_;
   CopyPathChooser& chooser_;
+  int max_blocks_ = 1;  // thread blocks per copy kernel (Init)
   std::array<cuda::Stream, kBulkStreams> streams_;
   std::atomic<uint32_t> next_stream_{0};
   std::mutex pending_mu_;  // guards pending_

@@ -132,15 +132,16 @@ cudaError_t UploadTable(const TileArena& arena, const BulkPart& p, cudaStream_t 
 }
 
 cudaError_t LaunchTable(const TileArena& arena, const BulkPart& p, cudaStream_t stream,
-                        const cuda::CopyGate& gate) {
+                        int max_blocks, const cuda::CopyGate& gate) {
   const int tiles = static_cast<int>(p.num_tiles);
   if (tiles > cuda::kInlineTiles) {
-    return cuda::LaunchBatchedCopy(arena.device_tiles(p.first_unit), tiles, stream, gate);
+    return cuda::LaunchBatchedCopy(arena.device_tiles(p.first_unit), tiles, stream, max_blocks,
+                                   gate);
   }
   cuda::InlineTiles inline_tiles;
   std::memcpy(inline_tiles.tiles, arena.host_tiles(p.first_unit),
               p.num_tiles * sizeof(cuda::CopyTile));
-  return cuda::LaunchBatchedCopyInline(inline_tiles, tiles, stream, gate);
+  return cuda::LaunchBatchedCopyInline(inline_tiles, tiles, stream, max_blocks, gate);
 }
 
 }  // namespace kvferry

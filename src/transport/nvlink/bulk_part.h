@@ -126,8 +126,8 @@ class BulkPreparer {
 // stream-ordered before its kernel (LaunchTable); shorter tables need nothing.
 cudaError_t UploadTable(const TileArena& arena, const BulkPart& p, cudaStream_t stream);
 // Launches the copy kernel over a lone part's table: inside the launch parameters when it fits,
-// else from its device copy (UploadTable first).
+// else from its device copy (UploadTable first); at most `max_blocks` thread blocks.
 cudaError_t LaunchTable(const TileArena& arena, const BulkPart& p, cudaStream_t stream,
-                        const cuda::CopyGate& gate = {});
+                        int max_blocks, const cuda::CopyGate& gate = {});
 
 }  // namespace kvferry

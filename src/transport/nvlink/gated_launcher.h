@@ -37,8 +37,8 @@ class GatedLauncher {
   GatedLauncher& operator=(const GatedLauncher&) = delete;
 
   // Creates the gate streams (at `stream_priority`: cudaStreamCreateWithPriority) and the
-  // gates on the current device.
-  Status Init(int stream_priority);
+  // gates on the current device; its copy kernels run at most `max_blocks` thread blocks.
+  Status Init(int stream_priority, int max_blocks);
 
   // Takes room for a prepared part of (owner, tag) (its arena units count against half the
   // arena) and a gate (part->gate). False when gated parts hold half the arena already or no
@@ -80,6 +80,7 @@ class GatedLauncher {
   TileArena& arena_;
   BulkFlights& flights_;
   BulkStats& stats_;
+  int max_blocks_ = 1;  // thread blocks per copy kernel (Init)
   // Members are destroyed bottom-up: the gate streams, then the gates.
   std::unique_ptr<CopyGates> gates_;
   std::array<cuda::Stream, kGateStreams> streams_;

@@ -44,6 +44,7 @@ class NvlinkChannel : public PeerChannel {
       : PeerChannel(ChannelTraits{.takes_bulk = true}),
         local_device_(options.local_device),
         high_priority_streams_(options.high_priority_streams),
+        copy_blocks_per_sm_(options.copy_blocks_per_sm),
         chooser_(options.copy_engine_threshold_bytes),
         gated_(options.local_device, arena_, flights_, stats_),
         bulk_launcher_(options.local_device, arena_, flights_, stats_, chooser_),
@@ -61,9 +62,10 @@ class NvlinkChannel : public PeerChannel {
     RETURN_IF_ERROR(cuda::CheckDevice(local_device_));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(local_device_));
     const int priority = high_priority_streams_ ? cuda::GreatestStreamPriority() : 0;
-    RETURN_IF_ERROR(item_path_.Init(priority));
-    RETURN_IF_ERROR(bulk_launcher_.Init(priority));
-    RETURN_IF_ERROR(gated_.Init(priority));
+    const int max_blocks = cuda::CopyKernelMaxBlocks(local_device_, copy_blocks_per_sm_);
+    RETURN_IF_ERROR(item_path_.Init(priority, max_blocks));
+    RETURN_IF_ERROR(bulk_launcher_.Init(priority, max_blocks));
+    RETURN_IF_ERROR(gated_.Init(priority, max_blocks));
     RETURN_IF_ERROR(arena_.Init());
     RETURN_IF_ERROR(preparer_.Init(local_device_));
     RETURN_IF_ERROR(resident_.Init());
@@ -404,6 +406,7 @@ class NvlinkChannel : public PeerChannel {
 
   const int local_device_;
   const bool high_priority_streams_;  // copy streams at the device's greatest priority
+  const int copy_blocks_per_sm_;      // copy kernels' thread blocks per SM, at most
 
   // The progress thread's wake-ups and the WorkItem queue.
   std::atomic<bool> queued_{false};       // items in queue_ or flights handed in (WakeProgress)

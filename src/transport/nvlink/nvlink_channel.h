@@ -46,6 +46,9 @@ struct NvlinkChannelOptions {
   // (compute on its default priority); false: default priority. The engine passes
   // EngineOptions::nvlink_high_priority_streams.
   bool high_priority_streams = true;
+  // Thread blocks per SM of the local GPU that one batched copy kernel may run (each of 256
+  // threads; 8 fill an SM): EngineOptions::nvlink_copy_blocks_per_sm (default 1).
+  int copy_blocks_per_sm = 1;
   // The shared secret proved to the peer's fd socket when mapping its cuMem allocations
   // (fd_passing.h); empty: none.
   std::string auth_secret;

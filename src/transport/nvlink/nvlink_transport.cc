@@ -22,6 +22,10 @@ NvlinkTransport::NvlinkTransport(const NvlinkTransportOptions& options) : option
 
 StatusOr<std::unique_ptr<NvlinkTransport>> NvlinkTransport::Create(
     const NvlinkTransportOptions& options, MemoryRegistry* registry) {
+  if (options.copy_blocks_per_sm < 1 || options.copy_blocks_per_sm > 8) {
+    return InvalidArgumentError("nvlink_copy_blocks_per_sm must be in 1..8, got " +
+                                std::to_string(options.copy_blocks_per_sm));
+  }
   if (!NvlinkAvailable()) {
     return FailedPreconditionError("transport 'nvlink' needs a CUDA build and a CUDA device: " +
                                    cuda::CheckDevice(0).message());
@@ -66,6 +70,7 @@ StatusOr<std::shared_ptr<PeerChannel>> NvlinkTransport::OpenChannel(const Channe
   o.resident_blocks = options_.resident_blocks;
   o.resident_min_tiles = options_.resident_min_tiles;
   o.high_priority_streams = options_.high_priority_streams;
+  o.copy_blocks_per_sm = options_.copy_blocks_per_sm;
   o.refresh = setup.refresh;
   o.auth_secret = options_.auth_secret;
   ASSIGN_OR_RETURN(std::unique_ptr<PeerChannel> channel, CreateNvlinkChannel(o));

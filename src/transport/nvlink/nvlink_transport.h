@@ -25,6 +25,7 @@ struct NvlinkTransportOptions {
   int resident_blocks = -1;
   int64_t resident_min_tiles = 2048;
   bool high_priority_streams = true;
+  int copy_blocks_per_sm = 1;
   // The shared secret a peer proves before the fd socket sends it anything, and which this side
   // proves when it asks a peer's socket (fd_passing.h); empty: none.
   std::string auth_secret;
