@@ -1,8 +1,9 @@
 // The replay's GPU content kernels against the CPU reference (kv_pattern.cc): a pool filled
 // by GpuPattern holds exactly the bytes FillTokens writes on the host (head sizes with and
-// without whole 8- and 16-byte words, page sizes 1 and 16, MLA, a TP rank's head offset, a
-// fill in pieces), GpuPattern::Verify passes it, and three flipped bytes in three (buffer,
-// page) pairs make it count three. Skips without a GPU.
+// without whole 8- and 16-byte words, so both the row kernels and the chunk kernels; page
+// sizes 1, 4 and 16; MLA; a TP rank's head offset; rows of more than 32 heads; a fill in
+// pieces), GpuPattern::Verify passes it, and three flipped bytes in three (buffer, page) pairs
+// make it count three. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -24,6 +25,14 @@ constexpr int32_t kPoolPages = 48;
 
 using testutil::SmallMha;
 using testutil::SmallMla;
+
+// 40 KV heads of 32 bytes: a row's head seeds come in two groups (32 + 8).
+ModelGeometry FortyHeads() {
+  ModelGeometry g = SmallMha(16);
+  g.num_attention_heads = 40;
+  g.num_kv_heads = 40;
+  return g;
+}
 
 struct Case {
   const char* name;
@@ -114,7 +123,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"head 6 B (a partial word)", SmallMha(3), 4, 11, 1},
                       Case{"head 10 B, page 1", SmallMha(5), 1, 19, 0},
                       Case{"MLA latent 80 B, page 16", SmallMla(), 16, 37, 0},
-                      Case{"MLA latent 80 B, page 1", SmallMla(), 1, 5, 0}),
+                      Case{"MLA latent 80 B, page 1", SmallMla(), 1, 5, 0},
+                      Case{"40 heads of 32 B, page 4", FortyHeads(), 4, 23, 3}),
     [](const ::testing::TestParamInfo<Case>& p) { return "Case" + std::to_string(p.index); });
 
 }  // namespace

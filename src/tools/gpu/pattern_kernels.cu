@@ -159,6 +159,93 @@ __global__ void VerifyKernel(PoolGeometry g, const uint8_t* pool, const int32_t*
   }
 }
 
+// Rows of 16-byte pieces: where head vectors are whole 16-byte pieces at 16-byte aligned
+// addresses, a warp takes one (buffer, token) row at a time, and its lanes write (or read)
+// consecutive pieces, so each warp instruction covers 512 contiguous bytes. The seeds of up to
+// 32 heads are computed once per row, one per lane, and passed to the lanes holding their
+// pieces by shuffle. Same bytes as the chunk kernels above.
+struct RowPos {
+  int buffer;
+  int64_t token;  // in the request
+};
+
+__device__ __forceinline__ RowPos RowOf(uint64_t row, int64_t num_tokens) {
+  return {static_cast<int>(row / static_cast<uint64_t>(num_tokens)),
+          static_cast<int64_t>(row % static_cast<uint64_t>(num_tokens))};
+}
+
+// Calls visit(piece, w0, w1) for every 16-byte piece of row (buffer, token): piece q of the
+// row holds words 2q' and 2q'+1 of head q / P (q' = q % P, P pieces per head). Every lane of
+// the warp must call it with the same row (the shuffles take the whole warp).
+template <typename Visit>
+__device__ __forceinline__ void ForRowPieces(const PoolGeometry& g, uint64_t buffer_seed,
+                                             int64_t token, int lane, Visit&& visit) {
+  const uint32_t per_head = static_cast<uint32_t>(g.head_bytes / 16);
+  for (int h0 = 0; h0 < g.heads; h0 += 32) {
+    const int group = g.heads - h0 < 32 ? g.heads - h0 : 32;
+    const uint64_t my_seed =
+        lane < group ? pattern::HeadSeed(buffer_seed, token, g.head_offset + h0 + lane) : 0;
+    const uint32_t pieces = static_cast<uint32_t>(group) * per_head;
+    for (uint32_t base = 0; base < pieces; base += 32) {
+      const uint32_t q = base + static_cast<uint32_t>(lane);
+      const uint32_t head = (q < pieces ? q : 0) / per_head;
+      const uint64_t seed = __shfl_sync(0xffffffffu, my_seed, static_cast<int>(head));
+      if (q < pieces) {
+        const uint64_t word = 2ull * (q - head * per_head);
+        visit(static_cast<uint64_t>(h0) * per_head + q, pattern::PatternWord(seed, word),
+              pattern::PatternWord(seed, word + 1));
+      }
+    }
+  }
+}
+
+__global__ void FillRowsOf16Kernel(PoolGeometry g, uint8_t* pool, const int32_t* pages,
+                                   uint64_t room, int64_t first_token, int64_t num_tokens) {
+  const int lane = threadIdx.x & 31;
+  const uint64_t rows = static_cast<uint64_t>(g.num_buffers) * num_tokens;
+  const uint64_t warps = static_cast<uint64_t>(gridDim.x) * (blockDim.x / 32);
+  BufferSeedCache buffer_seed;
+  for (uint64_t r = (blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x) / 32; r < rows;
+       r += warps) {
+    const RowPos at = RowOf(r, num_tokens);
+    const int64_t t = first_token + at.token;
+    ulonglong2* row = reinterpret_cast<ulonglong2*>(pool + HeadOffset(g, pages, at.buffer, t, 0));
+    ForRowPieces(
+        g, buffer_seed.Get(g, room, at.buffer), t, lane,
+        [&](uint64_t piece, uint64_t w0, uint64_t w1) { row[piece] = make_ulonglong2(w0, w1); });
+  }
+}
+
+__global__ void VerifyRowsOf16Kernel(PoolGeometry g, const uint8_t* pool, const int32_t* pages,
+                                     int64_t num_pages, uint64_t room, int64_t num_tokens,
+                                     uint8_t* flags) {
+  const int lane = threadIdx.x & 31;
+  const uint64_t rows = static_cast<uint64_t>(g.num_buffers) * num_tokens;
+  const uint64_t warps = static_cast<uint64_t>(gridDim.x) * (blockDim.x / 32);
+  BufferSeedCache buffer_seed;
+  for (uint64_t r = (blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x) / 32; r < rows;
+       r += warps) {
+    const RowPos at = RowOf(r, num_tokens);
+    const ulonglong2* row =
+        reinterpret_cast<const ulonglong2*>(pool + HeadOffset(g, pages, at.buffer, at.token, 0));
+    bool bad = false;
+    ForRowPieces(g, buffer_seed.Get(g, room, at.buffer), at.token, lane,
+                 [&](uint64_t piece, uint64_t w0, uint64_t w1) {
+                   const ulonglong2 v = row[piece];
+                   bad |= v.x != w0 || v.y != w1;
+                 });
+    if (__any_sync(0xffffffffu, bad) && lane == 0) {
+      flags[at.buffer * num_pages + at.token / g.page_size] = 1;
+    }
+  }
+}
+
+// Whether every head vector of `pool` is whole 16-byte pieces at 16-byte aligned addresses.
+bool RowsOf16(const PoolGeometry& g, const uint8_t* pool) {
+  return g.head_bytes > 0 &&
+         ((g.head_bytes | g.buffer_stride | reinterpret_cast<uint64_t>(pool)) & 15) == 0;
+}
+
 int Blocks(uint64_t total) {
   uint64_t b = (total + kThreads - 1) / kThreads;
   return static_cast<int>(b < 132 * 32 ? (b == 0 ? 1 : b) : 132 * 32);
@@ -170,6 +257,12 @@ cudaError_t LaunchFillTokens(const PoolGeometry& g, uint8_t* pool, const int32_t
                              uint64_t room, int64_t first_token, int64_t num_tokens,
                              cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
+  if (RowsOf16(g, pool)) {
+    const uint64_t threads = static_cast<uint64_t>(g.num_buffers) * num_tokens * 32;
+    FillRowsOf16Kernel<<<Blocks(threads), kThreads, 0, stream>>>(g, pool, pages, room, first_token,
+                                                                 num_tokens);
+    return cudaGetLastError();
+  }
   const uint64_t total =
       static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ChunksPerHead(g.head_bytes);
   FillKernel<<<Blocks(total), kThreads, 0, stream>>>(g, pool, pages, room, first_token, num_tokens);
@@ -180,6 +273,12 @@ cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool, const
                                int64_t num_pages, uint64_t room, int64_t num_tokens, uint8_t* flags,
                                cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
+  if (RowsOf16(g, pool)) {
+    const uint64_t threads = static_cast<uint64_t>(g.num_buffers) * num_tokens * 32;
+    VerifyRowsOf16Kernel<<<Blocks(threads), kThreads, 0, stream>>>(g, pool, pages, num_pages, room,
+                                                                   num_tokens, flags);
+    return cudaGetLastError();
+  }
   const uint64_t total =
       static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ChunksPerHead(g.head_bytes);
   VerifyKernel<<<Blocks(total), kThreads, 0, stream>>>(g, pool, pages, num_pages, room, num_tokens,
