@@ -90,7 +90,7 @@ struct EngineOptions {
   // one block per SM (default) still keeps the link busy (on 2 x H200: the same GB/s as 8 for
   // 16 KiB to 4 MiB blocks on idle GPUs) while leaving 7/8 of the SMs' thread slots to the
   // model's kernels beside it, which would otherwise wait for the copy's blocks to leave (and
-  // the copy for theirs); docs/perf/nvlink-h100.md, session 19. KVFERRY_NVLINK_BLOCKS_PER_SM
+  // the copy for theirs; measured in docs/perf/nvlink-h100.md). KVFERRY_NVLINK_BLOCKS_PER_SM
   // overrides it.
   int nvlink_copy_blocks_per_sm = 1;
   // TCP connections (lanes) per peer. More lanes spread large requests over several

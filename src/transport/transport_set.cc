@@ -24,6 +24,8 @@ StatusOr<std::unique_ptr<TransportSet>> TransportSet::Create(const TransportSetO
   // was forced.
   NvlinkTransportOptions nvlink = options.nvlink;
   nvlink.listen_port = set->tcp_->listen_port();
+  // Bad NVLink options (kInvalidArgument) refuse the engine whichever transport is forced, as
+  // bad UCX options do below.
   auto made = NvlinkTransport::Create(nvlink, registry);
   if (made.ok()) {
     set->data_.push_back(std::move(*made));

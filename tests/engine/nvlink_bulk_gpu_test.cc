@@ -218,6 +218,45 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   ASSERT_EQ(std::memcmp(got.data() + (4 << 20), mirror.data(), 4096), 0);
 }
 
+// Copy kernels at one block per SM and at eight: a submission of 3072 blocks of 2 KiB in a
+// shuffled order and one 1 MiB block (64 tiles), all in the kernel, is more tiles than one
+// block per SM has warps (each warp then copies several in turn); every byte lands.
+TEST_F(NvlinkGpuTest, KernelCopiesEveryTileAtAnyBlocksPerSm) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  constexpr uint64_t kSpan = 8 << 20;
+  constexpr int kSmall = 3072;  // 6 MiB of 2 KiB blocks
+  auto* local = static_cast<uint8_t*>(local_);
+  // A host mirror of the peer's region [vmm_base, + kSpan): its pattern, then each round's WRITEs.
+  std::vector<uint8_t> mirror = PatternMirror(kSpan);
+  for (int blocks_per_sm : {1, 8}) {
+    SCOPED_TRACE(blocks_per_sm);
+    const std::vector<uint8_t> src = FillRandom(local_, kSpan, 50 + blocks_per_sm);
+    std::vector<TransferRequest> reqs;
+    for (int i = 0; i < kSmall; ++i) {
+      const uint64_t from = uint64_t{2048} * i, to = uint64_t{2048} * ((i * 1237) % kSmall);
+      reqs.push_back({TransferOp::kWrite, local + from, segment_, peer_.vmm_base + to, 2048});
+      std::memcpy(mirror.data() + to, src.data() + from, 2048);
+    }
+    reqs.push_back({TransferOp::kWrite, local + (6 << 20), segment_,
+                    peer_.vmm_base + (6 << 20) + 16, 1 << 20});
+    std::memcpy(mirror.data() + (6 << 20) + 16, src.data() + (6 << 20), 1 << 20);
+    NvlinkChannelOptions options;
+    options.peer = *descriptor;
+    options.copy_engine_threshold_bytes = UINT64_MAX;  // the kernel only
+    options.copy_blocks_per_sm = blocks_per_sm;
+    auto channel = CreateNvlinkChannel(options);
+    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+    Status s = SubmitAndWait(**channel, reqs, 11);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    (*channel)->Close();
+    std::vector<uint8_t> got(kSpan);
+    ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, kSpan).ok());
+    ASSERT_EQ(cudaMemcpy(got.data(), back_, kSpan, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (uint64_t i = 0; i < kSpan; ++i) ASSERT_EQ(got[i], mirror[i]) << "byte " << i;
+  }
+}
+
 // With copy_engine_min_row_bytes lowered to 1 KiB, strided requests of 1 KiB rows (a head
 // slice per token, as unequal TP's fused path writes them) go to the copy engine, all of a
 // submission's in one cudaMemcpy3DBatchAsync: every row lands at its pitch and the bytes

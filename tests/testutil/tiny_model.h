@@ -1,11 +1,13 @@
-// A tiny MHA model geometry for connector tests: 3 layers, 2 KV heads of 16 bf16 values, so
-// that pools of a few hundred pages take kilobytes.
+// Small model geometries for tests: TinyGeometry for connector tests, SlicedGeometry for head
+// slices across unequal TP, SmallMha / SmallMla for the replay's content (kv_pattern) tests.
 #pragma once
 
 #include "kvferry/kv_layout.h"
 
 namespace kvferry::testutil {
 
+// A tiny MHA model for connector tests: 3 layers, 2 KV heads of 16 bf16 values, so that pools
+// of a few hundred pages take kilobytes.
 inline ModelGeometry TinyGeometry() {
   ModelGeometry g;
   g.name = "tiny";

@@ -1,9 +1,9 @@
 // The replay's GPU content kernels against the CPU reference (kv_pattern.cc): a pool filled
 // by GpuPattern holds exactly the bytes FillTokens writes on the host (head sizes with and
 // without whole 8- and 16-byte words, so both the row kernels and the chunk kernels; page
-// sizes 1, 4 and 16; MLA; a TP rank's head offset; rows of more than 32 heads; a fill in
-// pieces), GpuPattern::Verify passes it, and three flipped bytes in three (buffer, page) pairs
-// make it count three. Skips without a GPU.
+// sizes 1 to 128; MLA; a TP rank's head offset; rows of more than 32 heads, heads of 5 pieces;
+// more rows than the kernels' warps; a fill in pieces), GpuPattern::Verify passes it, and three
+// flipped bytes in three (buffer, page) pairs make it count three. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -26,11 +26,11 @@ constexpr int32_t kPoolPages = 48;
 using testutil::SmallMha;
 using testutil::SmallMla;
 
-// 40 KV heads of 32 bytes: a row's head seeds come in two groups (32 + 8).
-ModelGeometry FortyHeads() {
-  ModelGeometry g = SmallMha(16);
-  g.num_attention_heads = 40;
-  g.num_kv_heads = 40;
+// `kv_heads` KV heads of `head_dim` bf16 values.
+ModelGeometry Heads(int kv_heads, int head_dim) {
+  ModelGeometry g = SmallMha(head_dim);
+  g.num_attention_heads = kv_heads;
+  g.num_kv_heads = kv_heads;
   return g;
 }
 
@@ -124,7 +124,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"head 10 B, page 1", SmallMha(5), 1, 19, 0},
                       Case{"MLA latent 80 B, page 16", SmallMla(), 16, 37, 0},
                       Case{"MLA latent 80 B, page 1", SmallMla(), 1, 5, 0},
-                      Case{"40 heads of 32 B, page 4", FortyHeads(), 4, 23, 3}),
+                      // A row's head seeds in two groups (32 + 8).
+                      Case{"40 heads of 32 B, page 4", Heads(40, 16), 4, 23, 3},
+                      // 5 pieces per head: heads straddle the warp's 32-piece steps.
+                      Case{"8 heads of 80 B, page 16", Heads(8, 40), 16, 41, 0},
+                      // 6 x 6000 rows: more than the fill's grid has warps (33,792).
+                      Case{"6,000 tokens, page 128", SmallMha(16), 128, 6000, 0}),
     [](const ::testing::TestParamInfo<Case>& p) { return "Case" + std::to_string(p.index); });
 
 }  // namespace

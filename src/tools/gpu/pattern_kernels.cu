@@ -164,16 +164,6 @@ __global__ void VerifyKernel(PoolGeometry g, const uint8_t* pool, const int32_t*
 // consecutive pieces, so each warp instruction covers 512 contiguous bytes. The seeds of up to
 // 32 heads are computed once per row, one per lane, and passed to the lanes holding their
 // pieces by shuffle. Same bytes as the chunk kernels above.
-struct RowPos {
-  int buffer;
-  int64_t token;  // in the request
-};
-
-__device__ __forceinline__ RowPos RowOf(uint64_t row, int64_t num_tokens) {
-  return {static_cast<int>(row / static_cast<uint64_t>(num_tokens)),
-          static_cast<int64_t>(row % static_cast<uint64_t>(num_tokens))};
-}
-
 // Calls visit(piece, w0, w1) for every 16-byte piece of row (buffer, token): piece q of the
 // row holds words 2q' and 2q'+1 of head q / P (q' = q % P, P pieces per head). Every lane of
 // the warp must call it with the same row (the shuffles take the whole warp).
@@ -199,51 +189,57 @@ __device__ __forceinline__ void ForRowPieces(const PoolGeometry& g, uint64_t buf
   }
 }
 
+// Calls row_fn(buffer, token in the request) for each row of `num_tokens` tokens of every
+// buffer this warp takes (grid-stride over rows by warps; every lane gets the same rows).
+template <typename RowFn>
+__device__ __forceinline__ void ForWarpRows(const PoolGeometry& g, int64_t num_tokens,
+                                            RowFn&& row_fn) {
+  const uint64_t rows = static_cast<uint64_t>(g.num_buffers) * num_tokens;
+  const uint64_t warps = static_cast<uint64_t>(gridDim.x) * (blockDim.x / 32);
+  for (uint64_t r = (blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x) / 32; r < rows;
+       r += warps) {
+    row_fn(static_cast<int>(r / static_cast<uint64_t>(num_tokens)),
+           static_cast<int64_t>(r % static_cast<uint64_t>(num_tokens)));
+  }
+}
+
 __global__ void FillRowsOf16Kernel(PoolGeometry g, uint8_t* pool, const int32_t* pages,
                                    uint64_t room, int64_t first_token, int64_t num_tokens) {
   const int lane = threadIdx.x & 31;
-  const uint64_t rows = static_cast<uint64_t>(g.num_buffers) * num_tokens;
-  const uint64_t warps = static_cast<uint64_t>(gridDim.x) * (blockDim.x / 32);
   BufferSeedCache buffer_seed;
-  for (uint64_t r = (blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x) / 32; r < rows;
-       r += warps) {
-    const RowPos at = RowOf(r, num_tokens);
-    const int64_t t = first_token + at.token;
-    ulonglong2* row = reinterpret_cast<ulonglong2*>(pool + HeadOffset(g, pages, at.buffer, t, 0));
+  ForWarpRows(g, num_tokens, [&](int buffer, int64_t token) {
+    const int64_t t = first_token + token;
+    ulonglong2* row = reinterpret_cast<ulonglong2*>(pool + HeadOffset(g, pages, buffer, t, 0));
     ForRowPieces(
-        g, buffer_seed.Get(g, room, at.buffer), t, lane,
+        g, buffer_seed.Get(g, room, buffer), t, lane,
         [&](uint64_t piece, uint64_t w0, uint64_t w1) { row[piece] = make_ulonglong2(w0, w1); });
-  }
+  });
 }
 
 __global__ void VerifyRowsOf16Kernel(PoolGeometry g, const uint8_t* pool, const int32_t* pages,
                                      int64_t num_pages, uint64_t room, int64_t num_tokens,
                                      uint8_t* flags) {
   const int lane = threadIdx.x & 31;
-  const uint64_t rows = static_cast<uint64_t>(g.num_buffers) * num_tokens;
-  const uint64_t warps = static_cast<uint64_t>(gridDim.x) * (blockDim.x / 32);
   BufferSeedCache buffer_seed;
-  for (uint64_t r = (blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x) / 32; r < rows;
-       r += warps) {
-    const RowPos at = RowOf(r, num_tokens);
+  ForWarpRows(g, num_tokens, [&](int buffer, int64_t token) {
     const ulonglong2* row =
-        reinterpret_cast<const ulonglong2*>(pool + HeadOffset(g, pages, at.buffer, at.token, 0));
+        reinterpret_cast<const ulonglong2*>(pool + HeadOffset(g, pages, buffer, token, 0));
     bool bad = false;
-    ForRowPieces(g, buffer_seed.Get(g, room, at.buffer), at.token, lane,
+    ForRowPieces(g, buffer_seed.Get(g, room, buffer), token, lane,
                  [&](uint64_t piece, uint64_t w0, uint64_t w1) {
                    const ulonglong2 v = row[piece];
                    bad |= v.x != w0 || v.y != w1;
                  });
     if (__any_sync(0xffffffffu, bad) && lane == 0) {
-      flags[at.buffer * num_pages + at.token / g.page_size] = 1;
+      flags[buffer * num_pages + token / g.page_size] = 1;
     }
-  }
+  });
 }
 
 // Whether every head vector of `pool` is whole 16-byte pieces at 16-byte aligned addresses.
 bool RowsOf16(const PoolGeometry& g, const uint8_t* pool) {
-  return g.head_bytes > 0 &&
-         ((g.head_bytes | g.buffer_stride | reinterpret_cast<uint64_t>(pool)) & 15) == 0;
+  const uint64_t strides = g.head_bytes | g.token_bytes | g.page_bytes | g.buffer_stride;
+  return g.head_bytes > 0 && ((strides | reinterpret_cast<uint64_t>(pool)) & 15) == 0;
 }
 
 int Blocks(uint64_t total) {
