@@ -22,6 +22,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "cuda/device_memory.h"
 #include "kvferry/engine.h"
@@ -187,6 +188,15 @@ class NvlinkGpuTest : public ::testing::Test {
     BatchOptions o;
     o.deadline = deadline;
     return TransferSync(*engine_, std::span(&r, 1), o);
+  }
+
+  // READs the peer's cuMem region [vmm_base, + mirror.size()) into back_ and compares it with
+  // `mirror` byte for byte on the host.
+  void ExpectPeerRegionEquals(const std::vector<uint8_t>& mirror) {
+    std::vector<uint8_t> got(mirror.size());
+    ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, mirror.size()).ok());
+    ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (uint64_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], mirror[i]) << "byte " << i;
   }
 
   // `rounds` WRITEs of random sizes (the first `small_rounds` under 70000 bytes, the rest up
