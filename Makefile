@@ -51,7 +51,7 @@ test-asan: build-asan
 # ThreadSanitizer; not in CI. UCX's memory hooks (libucm) crash TSan when a thread exits: off
 # here. Tests that measure resident memory are left out (TSan's shadow memory counts there);
 # tests/tsan.supp names the races that are by design.
-TSAN_TESTS := ^([A-Za-z]+/)?(EngineTest|EngineMetricsTest|FaultTest|UcxNetnsTest|UcxNetnsLanesTest|UcxAmTest|TcpPeerAbandonTest|ParkedQueueTest|ConnectorTest|LayerwiseConnectorTest|BootstrapTest|ReceiverCompletionTest|DoneMailboxTest|ControlAuthTest)\.
+TSAN_TESTS := ^([A-Za-z]+/)?(EngineTest|EngineMetricsTest|FaultTest|UcxNetnsTest|UcxNetnsLanesTest|UcxAmTest|TcpPeerAbandonTest|ParkedQueueTest|ConnectorTest|LayerwiseConnectorTest|LayerwiseDeadlineTest|BootstrapTest|ReceiverCompletionTest|DoneMailboxTest|ControlAuthTest)\.
 test-tsan: build-tsan
 	@cd $(TSAN_BUILD_DIR) && UCX_MEM_MMAP_HOOK_MODE=none TSAN_OPTIONS=halt_on_error=1:report_signal_unsafe=0:suppressions=$(CURDIR)/tests/tsan.supp \
 	  KVFERRY_TEST_SCALE=small ctest --output-on-failure -j $(JOBS) --timeout 900 -R '$(TSAN_TESTS)'

@@ -521,11 +521,15 @@ namespace {
 // Layerwise passes: layer order, batching of several rooms, deadlines and refused calls.
 class LayerwiseConnectorTest : public ::testing::Test {
  protected:
+  // The prefill connector's transfer timeout: long enough for passes that complete to do so
+  // on a loaded machine (a ThreadSanitizer build on two cores).
+  virtual milliseconds TransferTimeout() const { return milliseconds(5000); }
+
   void SetUp() override {
     prefill_ = std::make_unique<Side>(TinyGeometry(), 4, 256, 0);
     decode_ = std::make_unique<Side>(TinyGeometry(), 4, 256, 99);
     PrefillConnectorOptions po;
-    po.transfer_timeout = milliseconds(400);
+    po.transfer_timeout = TransferTimeout();
     auto p = PrefillConnector::Create(po, prefill_->pool.get(), prefill_->aux.get());
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     prefill_conn_ = std::move(*p);
@@ -593,7 +597,13 @@ TEST_F(LayerwiseConnectorTest, LayersLeaveInOrderForEveryRoomOfThePass) {
   EXPECT_EQ(prefill_conn_->MarkLayerReady(*pass, 0).code(), StatusCode::kNotFound);
 }
 
-TEST_F(LayerwiseConnectorTest, LayerNeverMarkedFailsTheRoomsAfterTheDeadline) {
+// A pass whose deadline comes soon.
+class LayerwiseDeadlineTest : public LayerwiseConnectorTest {
+ protected:
+  milliseconds TransferTimeout() const override { return milliseconds(400); }
+};
+
+TEST_F(LayerwiseDeadlineTest, LayerNeverMarkedFailsTheRoomsAfterTheDeadline) {
   auto chunk = Prepare(7, 20);
   auto pass = prefill_conn_->BeginLayerwisePass(std::span(&chunk, 1));
   ASSERT_TRUE(pass.ok());
