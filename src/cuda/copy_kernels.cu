@@ -282,14 +282,16 @@ __global__ void __launch_bounds__(kResidentThreads) ResidentCopyKernel(const Res
 
 int GridFor(int num_tiles, int max_blocks) {
   const int blocks = (num_tiles + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return blocks < max_blocks ? blocks : (max_blocks > 0 ? max_blocks : 1);
+  return blocks < max_blocks ? blocks : max_blocks;
 }
 
 }  // namespace
 
 cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t stream,
                                         int max_blocks) {
-  if (tables.count <= 0 || tables.count > kMaxHostTables) return cudaErrorInvalidValue;
+  if (tables.count <= 0 || tables.count > kMaxHostTables || max_blocks <= 0) {
+    return cudaErrorInvalidValue;
+  }
   const uint32_t total = tables.end[tables.count - 1];
   if (total == 0) return cudaSuccess;
   BatchedCopyHostTablesKernel<<<GridFor(static_cast<int>(total), max_blocks), kThreads, 0,
@@ -306,16 +308,6 @@ cudaError_t LaunchResidentCopy(const ResidentArgs& args, int blocks, cudaStream_
   return cudaGetLastError();
 }
 
-int CopyKernelMaxBlocks(int device, int blocks_per_sm) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      sms <= 0) {
-    (void)cudaGetLastError();
-    sms = 132;  // an H100 SXM's count
-  }
-  return sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
-}
-
 int ResidentBlocksPerSm() {
   int blocks = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, ResidentCopyKernel, kResidentThreads,
@@ -329,6 +321,7 @@ int ResidentBlocksPerSm() {
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream,
                               int max_blocks, const CopyGate& gate) {
   if (num_tiles <= 0) return cudaSuccess;
+  if (max_blocks <= 0) return cudaErrorInvalidValue;
   BatchedCopyKernel<<<GridFor(num_tiles, max_blocks), kThreads, 0, stream>>>(tiles, num_tiles,
                                                                              gate);
   return cudaGetLastError();
@@ -337,7 +330,7 @@ cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t
 cudaError_t LaunchBatchedCopyInline(const InlineTiles& tiles, int num_tiles, cudaStream_t stream,
                                     int max_blocks, const CopyGate& gate) {
   if (num_tiles <= 0) return cudaSuccess;
-  if (num_tiles > kInlineTiles) return cudaErrorInvalidValue;
+  if (num_tiles > kInlineTiles || max_blocks <= 0) return cudaErrorInvalidValue;
   BatchedCopyInlineKernel<<<GridFor(num_tiles, max_blocks), kThreads, 0, stream>>>(tiles, num_tiles,
                                                                                    gate);
   return cudaGetLastError();

@@ -160,7 +160,8 @@ struct CopyGate {
 // The batched copy kernels below run one block of 8 warps per 8 tiles, at most `max_blocks`
 // blocks (a warp then copies several tiles in turn): a cap below the GPU's capacity leaves
 // thread slots to other kernels on the SMs, e.g. the model's, which otherwise wait until a
-// copy kernel's blocks leave (or the copy waits for theirs). CopyKernelMaxBlocks gives the cap.
+// copy kernel's blocks leave (or the copy waits for theirs). 256-thread blocks, so 8 per SM
+// fill an SM's 2048 thread slots. `max_blocks` <= 0: cudaErrorInvalidValue, nothing launched.
 
 // Copies `num_tiles` tiles read from device memory `tiles`. Asynchronous on `stream`.
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream,
@@ -171,8 +172,5 @@ cudaError_t LaunchBatchedCopyInline(const InlineTiles& tiles, int num_tiles, cud
 // Copies every tile of `tables` (count >= 1, end[count - 1] tiles in all). Asynchronous.
 cudaError_t LaunchBatchedCopyHostTables(const HostTables& tables, cudaStream_t stream,
                                         int max_blocks);
-// `blocks_per_sm` (>= 1; 0 or less counts as 1) blocks per SM of `device`: the max_blocks of
-// the launches above. 256-thread blocks, so 8 per SM fill an SM's 2048 thread slots.
-int CopyKernelMaxBlocks(int device, int blocks_per_sm);
 
 }  // namespace kvferry::cuda

@@ -62,14 +62,17 @@ class NvlinkChannel : public PeerChannel {
     RETURN_IF_ERROR(cuda::CheckDevice(local_device_));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(local_device_));
     const int priority = high_priority_streams_ ? cuda::GreatestStreamPriority() : 0;
-    const int max_blocks = cuda::CopyKernelMaxBlocks(local_device_, copy_blocks_per_sm_);
+    int sms = 0;
+    CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, local_device_));
+    const int max_blocks = sms * copy_blocks_per_sm_;
     RETURN_IF_ERROR(item_path_.Init(priority, max_blocks));
     RETURN_IF_ERROR(bulk_launcher_.Init(priority, max_blocks));
     RETURN_IF_ERROR(gated_.Init(priority, max_blocks));
     RETURN_IF_ERROR(arena_.Init());
     RETURN_IF_ERROR(preparer_.Init(local_device_));
-    RETURN_IF_ERROR(resident_.Init());
-    RETURN_IF_ERROR(lone_.Init());
+    RETURN_IF_ERROR(resident_.Init(sms));
+    RETURN_IF_ERROR(lone_.Init(sms));
     thread_ = std::thread([this] { ProgressLoop(); });
     return OkStatus();
   }

@@ -50,9 +50,7 @@ ResidentKernel::~ResidentKernel() {
   }
 }
 
-Status ResidentKernel::Init() {
-  int sms = 0;
-  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+Status ResidentKernel::Init(int sms) {
   // Default: as many blocks as fit on the GPU at once (one per SM of 16 warps on Hopper), so
   // that every block runs from the launch on.
   {

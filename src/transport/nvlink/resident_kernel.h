@@ -68,9 +68,9 @@ class ResidentKernel {
   ResidentKernel(const ResidentKernel&) = delete;
   ResidentKernel& operator=(const ResidentKernel&) = delete;
 
-  // Sizes the kernel for the current device and, unless that is 0 blocks, sets up the ring,
-  // control block, job flags and device state.
-  Status Init();
+  // Sizes the kernel for the channel's device, which has `sms` multiprocessors, and, unless
+  // that is 0 blocks, sets up the ring, control block, job flags and device state.
+  Status Init(int sms);
 
   // Appends a prepared part to the ring as one job and makes sure the kernel runs; false (the
   // part untouched) when its role does not take it (size, tiles in flight), the kernel is off
