@@ -247,21 +247,28 @@ int Blocks(uint64_t total) {
   return static_cast<int>(b < 132 * 32 ? (b == 0 ? 1 : b) : 132 * 32);
 }
 
+// Thread blocks over `num_tokens` tokens of every buffer: a warp per (buffer, token) row for
+// the row kernels (`rows`), else a thread per chunk of every head.
+int BlocksFor(const PoolGeometry& g, int64_t num_tokens, bool rows) {
+  const uint64_t per_token =
+      rows ? 32 : static_cast<uint64_t>(g.heads) * ChunksPerHead(g.head_bytes);
+  return Blocks(static_cast<uint64_t>(g.num_buffers) * num_tokens * per_token);
+}
+
 }  // namespace
 
 cudaError_t LaunchFillTokens(const PoolGeometry& g, uint8_t* pool, const int32_t* pages,
                              uint64_t room, int64_t first_token, int64_t num_tokens,
                              cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
-  if (RowsOf16(g, pool)) {
-    const uint64_t threads = static_cast<uint64_t>(g.num_buffers) * num_tokens * 32;
-    FillRowsOf16Kernel<<<Blocks(threads), kThreads, 0, stream>>>(g, pool, pages, room, first_token,
-                                                                 num_tokens);
-    return cudaGetLastError();
+  const bool rows = RowsOf16(g, pool);
+  const int blocks = BlocksFor(g, num_tokens, rows);
+  if (rows) {
+    FillRowsOf16Kernel<<<blocks, kThreads, 0, stream>>>(g, pool, pages, room, first_token,
+                                                        num_tokens);
+  } else {
+    FillKernel<<<blocks, kThreads, 0, stream>>>(g, pool, pages, room, first_token, num_tokens);
   }
-  const uint64_t total =
-      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ChunksPerHead(g.head_bytes);
-  FillKernel<<<Blocks(total), kThreads, 0, stream>>>(g, pool, pages, room, first_token, num_tokens);
   return cudaGetLastError();
 }
 
@@ -269,16 +276,15 @@ cudaError_t LaunchVerifyTokens(const PoolGeometry& g, const uint8_t* pool, const
                                int64_t num_pages, uint64_t room, int64_t num_tokens, uint8_t* flags,
                                cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
-  if (RowsOf16(g, pool)) {
-    const uint64_t threads = static_cast<uint64_t>(g.num_buffers) * num_tokens * 32;
-    VerifyRowsOf16Kernel<<<Blocks(threads), kThreads, 0, stream>>>(g, pool, pages, num_pages, room,
-                                                                   num_tokens, flags);
-    return cudaGetLastError();
+  const bool rows = RowsOf16(g, pool);
+  const int blocks = BlocksFor(g, num_tokens, rows);
+  if (rows) {
+    VerifyRowsOf16Kernel<<<blocks, kThreads, 0, stream>>>(g, pool, pages, num_pages, room,
+                                                          num_tokens, flags);
+  } else {
+    VerifyKernel<<<blocks, kThreads, 0, stream>>>(g, pool, pages, num_pages, room, num_tokens,
+                                                  flags);
   }
-  const uint64_t total =
-      static_cast<uint64_t>(g.num_buffers) * num_tokens * g.heads * ChunksPerHead(g.head_bytes);
-  VerifyKernel<<<Blocks(total), kThreads, 0, stream>>>(g, pool, pages, num_pages, room, num_tokens,
-                                                       flags);
   return cudaGetLastError();
 }
 
