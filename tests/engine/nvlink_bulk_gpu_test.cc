@@ -83,6 +83,17 @@ Status SubmitAndWait(PeerChannel& channel, std::span<const TransferRequest> reqs
   return owner.Wait(&got);
 }
 
+// Submits `reqs` as one bulk submission through a new channel with `options`, waits for it, and
+// closes the channel.
+Status SubmitThroughNewChannel(const NvlinkChannelOptions& options,
+                               std::span<const TransferRequest> reqs, uint32_t tag) {
+  auto channel = CreateNvlinkChannel(options);
+  if (!channel.ok()) return channel.status();
+  Status s = SubmitAndWait(**channel, reqs, tag);
+  (*channel)->Close();
+  return s;
+}
+
 // A bulk submission into peer regions its channel has not mapped yet (the IPC and the file-
 // descriptor shared one) is taken at once and waits in the channel for the mappings instead
 // of being declined to the item path; it lands exactly. One reaching outside the peer's GPU
@@ -181,10 +192,8 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
     ASSERT_TRUE(s.ok()) << s.ToString();
   }
   (*channel)->Close();
-  std::vector<uint8_t> got(kSpan);
-  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, kSpan).ok());
-  ASSERT_EQ(cudaMemcpy(got.data(), back_, kSpan, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (uint64_t i = 0; i < kSpan; ++i) ASSERT_EQ(got[i], mirror[i]) << "byte " << i;
+  ExpectPeerRegionEquals(mirror);
+  if (HasFatalFailure()) return;
   // READs back through the copy engine (contiguous and strided) and the kernel, into back_.
   ASSERT_EQ(cudaMemset(back_, 0, kSpan), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -198,15 +207,9 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   strided.remote_stride = 160 << 10;
   reads.push_back(strided);
   reads.push_back({TransferOp::kRead, back + (4 << 20), segment_, peer_.vmm_base, 4096});
-  channel = CreateNvlinkChannel(options);
-  ASSERT_TRUE(channel.ok()) << channel.status().ToString();
-  BulkRecorder owner;
-  BulkSubmission bulk{reads, &owner, nullptr, 10};
-  ASSERT_TRUE((*channel)->TrySubmitBulk(bulk));
-  uint32_t tag = 0;
-  Status s = owner.Wait(&tag);
+  Status s = SubmitThroughNewChannel(options, reads, 10);
   ASSERT_TRUE(s.ok()) << s.ToString();
-  (*channel)->Close();
+  std::vector<uint8_t> got(kSpan);
   ASSERT_EQ(cudaMemcpy(got.data(), back_, kSpan, cudaMemcpyDeviceToHost), cudaSuccess);
   ASSERT_EQ(std::memcmp(got.data(), mirror.data() + (1 << 20), 1 << 20), 0);
   for (int row = 0; row < 8; ++row) {
@@ -245,11 +248,8 @@ TEST_F(NvlinkGpuTest, KernelCopiesEveryTileAtAnyBlocksPerSm) {
     options.peer = *descriptor;
     options.copy_engine_threshold_bytes = UINT64_MAX;  // the kernel only
     options.copy_blocks_per_sm = blocks_per_sm;
-    auto channel = CreateNvlinkChannel(options);
-    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
-    Status s = SubmitAndWait(**channel, reqs, 11);
+    Status s = SubmitThroughNewChannel(options, reqs, 11);
     ASSERT_TRUE(s.ok()) << s.ToString();
-    (*channel)->Close();
     ExpectPeerRegionEquals(mirror);
     if (HasFatalFailure()) return;
   }
@@ -285,11 +285,8 @@ TEST_F(NvlinkGpuTest, NarrowStridedRowsGoToTheCopyEngineInOneBatch) {
       std::memcpy(mirror.data() + dst_off + row * 2048, src.data() + src_off + row * 1024, 1024);
     }
   }
-  auto channel = CreateNvlinkChannel(options);
-  ASSERT_TRUE(channel.ok()) << channel.status().ToString();
-  Status s = SubmitAndWait(**channel, reqs, 11);
+  Status s = SubmitThroughNewChannel(options, reqs, 11);
   ASSERT_TRUE(s.ok()) << s.ToString();
-  (*channel)->Close();
   ExpectPeerRegionEquals(mirror);
 }
 
