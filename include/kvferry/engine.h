@@ -55,7 +55,7 @@ struct EngineOptions {
   // choice.
   std::string transport = "auto";
   // NVLink: which engine copies large blocks. 0 (default): measured per peer channel: blocks
-  // of at least 1 MiB (and strided requests whose rows of at least 16 KiB add up to it) go
+  // of at least 1 MiB (and strided requests whose rows of at least 64 KiB add up to it) go
   // through the copy engine (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync) unless the copy kernel
   // moved them 25% faster lately (it may on idle SMs; the copy engine wins when kernels
   // compete for them; docs/perf/nvlink-h100.md). Any other value fixes it: blocks (or rows
@@ -64,10 +64,13 @@ struct EngineOptions {
   // kernel.
   uint64_t nvlink_copy_engine_threshold_bytes = 0;
   // NVLink: the shortest row of a strided request that the copy engine takes (with all its
-  // rows in one 2D copy); requests with shorter rows go to the copy kernel. 16 KiB (default)
-  // keeps page size 1's short page runs in the kernel; 0 counts as 1. KVFERRY_NVLINK_CE_MIN_ROW
-  // overrides it.
-  uint64_t nvlink_copy_engine_min_row_bytes = 16 << 10;
+  // rows in one 2D copy); requests with shorter rows go to the copy kernel. The copy engine
+  // pays a fixed cost per row (1 KiB rows moved at 23 GB/s), so short rows cost it more link
+  // time than they take from the SMs in the kernel: 64 KiB (default) keeps page size 1's short
+  // page runs in the kernel (500-request replay on 2 x H200: +4% at page size 1, equal TP +7%,
+  // page size 64 unchanged against 16 KiB; docs/perf/nvlink-h100.md). 0 counts as 1.
+  // KVFERRY_NVLINK_CE_MIN_ROW overrides it.
+  uint64_t nvlink_copy_engine_min_row_bytes = 64 << 10;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small
   // batches (up to 512 tiles of 16 KiB) keep coming, so that each costs no kernel launch, and
   // leaves after KVFERRY_IDLE_SPIN_US without work. -1 (default): one block per SM of the

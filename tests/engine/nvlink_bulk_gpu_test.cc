@@ -151,6 +151,7 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   NvlinkChannelOptions options;
   options.peer = *descriptor;
   options.copy_engine_threshold_bytes = 64 << 10;
+  options.copy_engine_min_row_bytes = 16 << 10;  // the 20 KiB rows below go to the copy engine
   options.resident_min_tiles = 0;      // short-only submissions may take the resident kernel
   constexpr uint64_t kSpan = 8 << 20;  // bytes of local_ and of the peer's region used
   const std::vector<uint8_t> src = FillRandom(local_, kSpan, 41);

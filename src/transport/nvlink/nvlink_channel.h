@@ -27,8 +27,8 @@ struct NvlinkChannelOptions {
   uint64_t copy_engine_threshold_bytes = 0;
   // The shortest row of a strided request the copy engine takes (all the request's rows in one
   // 2D copy, when they add up to the threshold); shorter rows go to the kernel. The engine
-  // passes EngineOptions::nvlink_copy_engine_min_row_bytes (default 16 KiB).
-  uint64_t copy_engine_min_row_bytes = 16 << 10;
+  // passes EngineOptions::nvlink_copy_engine_min_row_bytes (default 64 KiB).
+  uint64_t copy_engine_min_row_bytes = 64 << 10;
   // Thread blocks of the resident copy kernel, which carries small bulk submissions without a
   // launch each while they keep coming (see cuda::ResidentArgs): -1 one per SM, 0 none (each
   // submission, or a group of them, is its own launch). The engine passes

@@ -21,7 +21,7 @@ struct NvlinkTransportOptions {
   uint16_t listen_port = 0;
   // See NvlinkChannelOptions.
   uint64_t copy_engine_threshold_bytes = 0;
-  uint64_t copy_engine_min_row_bytes = 16 << 10;
+  uint64_t copy_engine_min_row_bytes = 64 << 10;
   int resident_blocks = -1;
   int64_t resident_min_tiles = 2048;
   bool high_priority_streams = true;
