@@ -38,6 +38,14 @@
 
 namespace kvferry {
 
+// The TCP and UCX lanes per peer that EngineOptions starts with: half the CPUs this thread may
+// run on (sched_getaffinity, so a cpuset or taskset counts), at least 4 and at most 8. Each
+// lane keeps a thread busy on both sides at full rate; across two network namespaces, 8 lanes
+// moved 1.3-1.6 times the bytes of 4 for both transports with 16 or 32 CPUs, and on 2 CPUs
+// more lanes than 4 gained nothing (docs/perf/ucx.md, run 12). Non-blocking; computed on each
+// call.
+int DefaultLanesPerPeer();
+
 struct EngineOptions {
   // Engine (segment) name, published to peers. Default: "<hostname>-<pid>".
   std::string name;
@@ -97,21 +105,23 @@ struct EngineOptions {
   // overrides it.
   int nvlink_copy_blocks_per_sm = 1;
   // TCP connections (lanes) per peer. More lanes spread large requests over several
-  // streams and cores; bounded to keep file descriptors in check. Default 4, range 1..64.
-  int tcp_lanes_per_peer = 4;
+  // streams and cores; bounded to keep file descriptors in check. Default
+  // DefaultLanesPerPeer() (4..8 by the CPUs), range 1..64; KVFERRY_TCP_LANES overrides it.
+  int tcp_lanes_per_peer = DefaultLanesPerPeer();
   // Requests longer than this are split into slices of this size, spread over lanes, so one
   // huge request uses every lane. Default 4 MiB: large enough to amortize framing.
   uint64_t tcp_slice_bytes = 4ull << 20;
   // UCX: workers of this engine, each with its own progress thread, and so endpoints (lanes)
   // per peer: requests spread over them, and over UCX's tcp (which executes puts and gets on
   // the target's workers) both sides move bytes on several threads and connections.
-  // Default 4, range 1..64; KVFERRY_UCX_LANES overrides it.
-  int ucx_lanes_per_peer = 4;
+  // Default DefaultLanesPerPeer() (4..8 by the CPUs), range 1..64; KVFERRY_UCX_LANES
+  // overrides it.
+  int ucx_lanes_per_peer = DefaultLanesPerPeer();
   // UCX: requests longer than this are cut into slices of this size, spread over the lanes.
   // Default 1 MiB (docs/perf/ucx.md), at least 4 KiB; KVFERRY_UCX_SLICE overrides it.
   uint64_t ucx_slice_bytes = 1ull << 20;
   // TCP serving side: connections served at once (each has a thread); more are closed when
-  // they connect, logged. Default 1024 (256 peers of 4 lanes).
+  // they connect, logged. Default 1024 (128 peers of 8 lanes).
   int tcp_max_connections = 1024;
   // TCP serving side: a connection must complete its handshake within this time. Default 10 s.
   std::chrono::milliseconds tcp_handshake_timeout{10000};

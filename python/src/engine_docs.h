@@ -28,7 +28,8 @@ connect_timeout: seconds a connect plus handshake may take (default 5).
 auth_secret: the deployment's shared secret (str or bytes, >= 16 bytes; default
     KVFERRY_AUTH_TOKEN, else none). Engines only talk to engines holding the same secret.
 insecure: allow a non-loopback listen_host without a secret.
-tcp_lanes_per_peer: TCP connections per peer, 1..64 (default 4, or KVFERRY_TCP_LANES).
+tcp_lanes_per_peer: TCP connections per peer, 1..64 (default: half the CPUs this process
+    may run on, 4..8; or KVFERRY_TCP_LANES).
 tcp_slice_bytes: requests longer than this are split over lanes (default 4 MiB).
 faults: a fault-injection plan for tests and drills (kvferry/faults.h; e.g.
     "drop=0.01,fail=0.02,delay_us=500"); "" (default): KVFERRY_FAULTS, else none.

@@ -45,8 +45,12 @@ testutil::PeerOptions PeerIn(const testutil::VethNamespace& netns) {
   return po;
 }
 
-StatusOr<std::unique_ptr<TransferEngine>> UcxEngine(
-    const testutil::VethNamespace& netns, int lanes = EngineOptions().ucx_lanes_per_peer) {
+// The client's lanes unless a test says otherwise, fixed (not the CPU-dependent default) so
+// that tests may count the slices per lane.
+constexpr int kClientLanes = 4;
+
+StatusOr<std::unique_ptr<TransferEngine>> UcxEngine(const testutil::VethNamespace& netns,
+                                                    int lanes = kClientLanes) {
   EngineOptions options;
   options.ucx_lanes_per_peer = lanes;
   options.name = "ucx-client";
@@ -212,7 +216,7 @@ std::vector<uint64_t> WriteReadVerify(TransferEngine& engine, SegmentHandle segm
 TEST_P(UcxNetnsTest, ABatchSpreadsEvenlyOverTheLanes) {
   // 8 blocks of 4 MiB: 32 slices of 1 MiB each way, 8 per lane.
   const std::vector<uint64_t> moved = WriteReadVerify(*engine_, segment_, rw(0), 8, 4ull << 20);
-  ASSERT_EQ(moved.size(), 4u);
+  ASSERT_EQ(moved.size(), size_t{kClientLanes});
   for (size_t i = 0; i < moved.size(); ++i) {
     EXPECT_EQ(moved[i], 2 * (8ull << 20)) << "lane " << i;  // 8 MiB written, 8 MiB read
   }
@@ -223,7 +227,7 @@ TEST(UcxNetnsLanesTest, FewerLanesThanThePeerStillReachEveryByte) {
   testutil::VethNamespace netns("l");
   if (!netns.ok()) GTEST_SKIP() << netns.why();
   PinUcx(netns);
-  testutil::PeerProcess peer(kRegionBytes, PeerIn(netns));  // 4 lanes
+  testutil::PeerProcess peer(kRegionBytes, PeerIn(netns));  // 4 to 8 lanes (the default)
   ASSERT_TRUE(peer.ok());
   auto engine = UcxEngine(netns, /*lanes=*/3);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();

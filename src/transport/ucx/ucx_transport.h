@@ -39,7 +39,7 @@ struct UcxTransportOptions {
   // other nodes, where UCX is preferred over TCP.
   bool same_node = false;
   // UCX workers of this engine, each with a progress thread, and endpoints per peer (one per
-  // worker). Default 4, range 1..64 (EngineOptions::ucx_lanes_per_peer).
+  // worker), range 1..64; the engine passes EngineOptions::ucx_lanes_per_peer.
   int lanes = 4;
   // Requests longer than this are cut into slices of this size, spread over the lanes.
   // Default 1 MiB, at least 4 KiB (EngineOptions::ucx_slice_bytes).
