@@ -35,7 +35,7 @@ class BulkLauncher {
   BulkLauncher& operator=(const BulkLauncher&) = delete;
 
   // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
-  // device; its copy kernels run at most `max_blocks` thread blocks (cuda::CopyKernelMaxBlocks).
+  // device; its copy kernels run at most `max_blocks` thread blocks.
   Status Init(int stream_priority, int max_blocks);
 
   // Launches `part` (its owner, tag and keepalive set), with any others pending; or leaves it
