@@ -43,6 +43,10 @@ for _ps in (64, 1):
         for _kp in ("staging", "fused"):
             FIGURES.append((f"hetero_p{_ps}_{_pd}_{_kp}_pct_equal", "higher", 0.93, "%",
                             f"TP {_pd.replace('to', '->')} {_kp} / equal, page {_ps}"))
+for _ps in (64, 1):
+    for _kp in ("staging", "fused"):
+        FIGURES.append((f"hetero_mps_p{_ps}_2to1_{_kp}_pct_equal", "higher", 0.93, "%",
+                        f"TP 2->1 {_kp} / equal, both under MPS, page {_ps}"))
 for _mb in (1, 4):
     FIGURES.append((f"tcp_gpu_{_mb}m_gbps", "higher", 0.90, "GB/s",
                     f"GPU memory over TCP, {_mb} MiB x 64"))
@@ -68,6 +72,13 @@ def bench_config(doc, block, batch):
     return None
 
 
+def verified(replay):
+    """The replay's JSON when every request completed and every byte matched, else None."""
+    if replay and replay.get("requests_failed", 1) == 0 and replay.get("mismatches", 1) == 0:
+        return replay
+    return None
+
+
 def ratio(a, b):
     return 100.0 * a / b if a is not None and b else None
 
@@ -90,20 +101,21 @@ def measure(results):
     if c:
         v["write_4k_p50_us"] = c["latency_us"]["p50"]
     for ps in (64, 1):
-        r = load(results, f"replay_p{ps}")
-        if r and r.get("requests_failed", 1) == 0 and r.get("mismatches", 1) == 0:
+        r = verified(load(results, f"replay_p{ps}"))
+        if r:
             v[f"replay_p{ps}_gbps"] = r["gbps"]
             if r.get("transfer_gbps") is not None:
                 v[f"replay_p{ps}_transfer_gbps"] = r["transfer_gbps"]
-        eq = load(results, f"hetero_p{ps}_equal")
-        eq_ok = eq and eq.get("requests_failed", 1) == 0 and eq.get("mismatches", 1) == 0
-        if eq_ok:
+        eq = verified(load(results, f"hetero_p{ps}_equal"))
+        if eq:
             v[f"hetero_p{ps}_equal_gbps"] = eq["gbps"]
-        for pd in ("2to1", "1to2"):
-            for kp in ("staging", "fused"):
-                h = load(results, f"hetero_p{ps}_{pd}_{kp}")
-                if eq_ok and h and h.get("requests_failed", 1) == 0 and h.get("mismatches", 1) == 0:
-                    v[f"hetero_p{ps}_{pd}_{kp}_pct_equal"] = ratio(h["gbps"], eq["gbps"])
+        for prefix, pds in ((f"hetero_p{ps}", ("2to1", "1to2")), (f"hetero_mps_p{ps}", ("2to1",))):
+            eq = verified(load(results, f"{prefix}_equal"))
+            for pd in pds:
+                for kp in ("staging", "fused"):
+                    h = verified(load(results, f"{prefix}_{pd}_{kp}"))
+                    if eq and h:
+                        v[f"{prefix}_{pd}_{kp}_pct_equal"] = ratio(h["gbps"], eq["gbps"])
     for mb in (1, 4):
         gpu = bench_config(load(results, "tcp_cuda"), mb << 20, 64)
         host = bench_config(load(results, "tcp_cpu"), mb << 20, 64)

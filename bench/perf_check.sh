@@ -17,6 +17,11 @@
 #   hetero    300 requests, page sizes 64 and 1: unequal TP 2 -> 1 and 1 -> 2, staging and
 #             fused, as % of equal TP in the same run
 #   tcp       GPU memory over TCP against host memory over TCP, 1 and 4 MiB x 64, 4 threads
+#   mps       where the machine has CUDA MPS (nvidia-cuda-mps-control): unequal TP 2 -> 1 and
+#             equal TP again with the MPS daemon running, so that 2 -> 1's two prefill
+#             processes on GPU 0 share its SMs instead of taking turns (with two GPUs they
+#             must share one; in a deployment each rank has its own GPU); skipped, said so,
+#             elsewhere
 # Env: KIND (h100|h200; default from nvidia-smi), STEPS (default: all of the above), OUT
 # (where logs, JSON and the table go; default /tmp/out).
 # Usage: bash bench/perf_check.sh [--record]
@@ -32,7 +37,7 @@ TRACE=$B/traces/conversation_trace.jsonl
 FINAL_OUT=${OUT:-/tmp/out}
 mkdir -p "$FINAL_OUT"
 W=$(mktemp -d)
-STEPS=${STEPS:-ceiling replay small latency hetero tcp}
+STEPS=${STEPS:-ceiling replay small latency hetero tcp mps}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo "=== $* ($(date -u +%T))"; }
 trap 'tar czf "$FINAL_OUT/perf_check.tgz" -C "$W" .' EXIT
@@ -106,6 +111,31 @@ if has tcp; then
     bench "tcp_$dev" 120 --device "$dev" --transport tcp --block-size 1MiB,4MiB --batch-size 64 \
       --threads 4 --duration 1
   done
+fi
+
+if has mps; then
+  step "unequal TP 2 -> 1 under MPS, 300 requests, page sizes 64 and 1"
+  if ! command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "no nvidia-cuda-mps-control on this machine: MPS step skipped"
+  else
+    # The daemon's sockets go outside $W (which is archived at the end), its log inside.
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$W/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+      for ps in 64 1; do
+        common=(--limit 300 --page-size "$ps" --pool-size 16GiB)
+        replay "hetero_mps_p${ps}_equal" 90 "${common[@]}"
+        for kp in staging fused; do
+          replay "hetero_mps_p${ps}_2to1_$kp" 90 "${common[@]}" --prefill-tp 2 --decode-tp 1 \
+            --kv-path "$kp"
+        done
+      done
+      echo quit | nvidia-cuda-mps-control
+    else
+      echo "the MPS daemon did not start: MPS step skipped"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
 fi
 
 step "compare with docs/perf/perf-check-$KIND.tsv"
