@@ -134,6 +134,7 @@ if has mps; then
     else
       echo "the MPS daemon did not start: MPS step skipped"
     fi
+    rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   fi
 fi
