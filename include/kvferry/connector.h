@@ -239,8 +239,9 @@ struct DecodeConnectorOptions {
   bool done_mailbox = true;
   // How often Wait checks the mailbox while the room waits for KV from same-node prefill
   // ranks, in microseconds: > 0 that interval; 0 never (Wait then returns on the TCP notices);
-  // -1 (default) 20 us on machines with >= 16 hardware threads, else 0: each polling waiter
-  // wakes 50,000 times a second, which cost 15% of replay throughput on a 2-core machine.
+  // -1 (default) 20 us where the process may use at least 16 CPUs (the affinity mask of the
+  // thread calling Init, capped by its cgroup's CPU quota), else 0: each polling waiter wakes
+  // 50,000 times a second, which cost 15% of replay throughput on a 2-core machine.
   // Env KVFERRY_DONE_POLL_US overrides.
   int done_poll_us = -1;
 };

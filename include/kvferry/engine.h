@@ -38,12 +38,13 @@
 
 namespace kvferry {
 
-// The TCP and UCX lanes per peer that EngineOptions starts with: half the CPUs this thread may
-// run on (sched_getaffinity, so a cpuset or taskset counts), at least 4 and at most 8. Each
-// lane keeps a thread busy on both sides at full rate; across two network namespaces, 8 lanes
-// moved 1.3-1.6 times the bytes of 4 for both transports with 16 or 32 CPUs, and on 2 CPUs
-// more lanes than 4 gained nothing (docs/perf/ucx.md, run 12). Non-blocking; computed on each
-// call.
+// The TCP and UCX lanes per peer that EngineOptions starts with: half the CPUs the calling
+// thread may run on when the options are built (its affinity mask, so a cpuset or taskset
+// counts, capped by its cgroup's CPU quota, e.g. a Kubernetes CPU limit), at least 4 and at
+// most 8. Each lane keeps a thread busy on both sides at full rate; across two network
+// namespaces 8 lanes moved 1.3-1.6 times the bytes of 4 over TCP and 1.3-2.0 times over UCX
+// with 16 or 32 CPUs (docs/perf/ucx.md, run 12), and on 2 CPUs more UCX lanes than 4 gained
+// nothing (run 11). Non-blocking; computed on each call.
 int DefaultLanesPerPeer();
 
 struct EngineOptions {
@@ -63,20 +64,20 @@ struct EngineOptions {
   // choice.
   std::string transport = "auto";
   // NVLink: which engine copies large blocks. 0 (default): measured per peer channel: blocks
-  // of at least 1 MiB (and strided requests whose rows of at least 64 KiB add up to it) go
-  // through the copy engine (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync) unless the copy kernel
-  // moved them 25% faster lately (it may on idle SMs; the copy engine wins when kernels
-  // compete for them; docs/perf/nvlink-h100.md). Any other value fixes it: blocks (or rows
-  // adding up to) at least that long use the copy engine, smaller ones the kernel
-  // (UINT64_MAX: kernel only). Copies queued behind a start event (layerwise) always use the
-  // kernel.
+  // of at least 1 MiB (and strided requests whose rows of at least
+  // nvlink_copy_engine_min_row_bytes add up to it) go through the copy engine
+  // (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync) unless the copy kernel moved them 25% faster
+  // lately (it may on idle SMs; the copy engine wins when kernels compete for them;
+  // docs/perf/nvlink-h100.md). Any other value fixes it: blocks (or rows adding up to) at least
+  // that long use the copy engine, smaller ones the kernel (UINT64_MAX: kernel only). Copies
+  // queued behind a start event (layerwise) always use the kernel.
   uint64_t nvlink_copy_engine_threshold_bytes = 0;
   // NVLink: the shortest row of a strided request that the copy engine takes (with all its
   // rows in one 2D copy); requests with shorter rows go to the copy kernel. The copy engine
   // pays a fixed cost per row (1 KiB rows moved at 23 GB/s), so short rows cost it more link
   // time than they take from the SMs in the kernel: 64 KiB (default) keeps page size 1's short
-  // page runs in the kernel (500-request replay on 2 x H200: +4% at page size 1, equal TP +7%,
-  // page size 64 unchanged against 16 KiB; docs/perf/nvlink-h100.md). 0 counts as 1.
+  // page runs in the kernel (500-request replay on 2 x H200, measured against 16 KiB: +4% at
+  // page size 1, equal TP +8%, page size 64 the same; docs/perf/nvlink-h100.md). 0 counts as 1.
   // KVFERRY_NVLINK_CE_MIN_ROW overrides it.
   uint64_t nvlink_copy_engine_min_row_bytes = 64 << 10;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small

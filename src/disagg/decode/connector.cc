@@ -6,8 +6,6 @@
 // staging ring.
 #include "kvferry/connector.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -16,6 +14,7 @@
 #include <thread>
 
 #include "common/checks.h"
+#include "common/cpus.h"
 #include "common/env.h"
 #include "common/log_limiter.h"
 #include "common/logging.h"
@@ -33,14 +32,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
-
-// CPUs this process may run on (its affinity mask; hardware_concurrency ignores it).
-int UsableCores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-  return static_cast<int>(std::thread::hardware_concurrency());
-}
 
 class DecodeConnectorImpl : public DecodeConnector {
  public:
@@ -82,7 +73,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       return InvalidArgumentError("done_poll_us must be in -1..100000, got " +
                                   std::to_string(options_.done_poll_us));
     }
-    if (options_.done_poll_us == -1) options_.done_poll_us = UsableCores() >= 16 ? 20 : 0;
+    if (options_.done_poll_us == -1) options_.done_poll_us = UsableCpus() >= 16 ? 20 : 0;
     if (options_.done_mailbox) {
       auto mailbox = DoneMailbox::Create(aux_->num_rows());
       if (mailbox.ok()) {
