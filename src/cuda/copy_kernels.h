@@ -161,7 +161,8 @@ struct CopyGate {
 // blocks (a warp then copies several tiles in turn): a cap below the GPU's capacity leaves
 // thread slots to other kernels on the SMs, e.g. the model's, which otherwise wait until a
 // copy kernel's blocks leave (or the copy waits for theirs). 256-thread blocks, so 8 per SM
-// fill an SM's 2048 thread slots. `max_blocks` <= 0: cudaErrorInvalidValue, nothing launched.
+// fill an SM's 2048 thread slots. `max_blocks` <= 0: cudaErrorInvalidValue, nothing launched
+// (where there are tiles to copy).
 
 // Copies `num_tiles` tiles read from device memory `tiles`. Asynchronous on `stream`.
 cudaError_t LaunchBatchedCopy(const CopyTile* tiles, int num_tiles, cudaStream_t stream,

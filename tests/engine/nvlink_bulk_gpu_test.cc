@@ -74,13 +74,17 @@ std::vector<uint8_t> PatternMirror(uint64_t span) {
   return mirror;
 }
 
-// Submits `reqs` as one bulk submission on `channel` and waits for its completion.
+// Submits `reqs` as one bulk submission on `channel` and waits for its completion. Where the
+// wait fails (or times out) the channel is closed first, so that nothing completes into the
+// recorder after it is gone.
 Status SubmitAndWait(PeerChannel& channel, std::span<const TransferRequest> reqs, uint32_t tag) {
   BulkRecorder owner;
   BulkSubmission bulk{reqs, &owner, nullptr, tag};
   if (!channel.TrySubmitBulk(bulk)) return FailedPreconditionError("bulk submission declined");
   uint32_t got = 0;
-  return owner.Wait(&got);
+  Status s = owner.Wait(&got);
+  if (!s.ok()) channel.Close();
+  return s;
 }
 
 // Submits `reqs` as one bulk submission through a new channel with `options`, waits for it, and

@@ -9,6 +9,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -66,6 +67,10 @@ class NvlinkChannel : public PeerChannel {
     CUDA_RETURN_IF_ERROR(
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, local_device_));
     const int max_blocks = sms * copy_blocks_per_sm_;
+    if (max_blocks <= 0) {
+      return InvalidArgumentError("nvlink: copy_blocks_per_sm must be at least 1, got " +
+                                  std::to_string(copy_blocks_per_sm_));
+    }
     RETURN_IF_ERROR(item_path_.Init(priority, max_blocks));
     RETURN_IF_ERROR(bulk_launcher_.Init(priority, max_blocks));
     RETURN_IF_ERROR(gated_.Init(priority, max_blocks));
