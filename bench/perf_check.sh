@@ -16,7 +16,8 @@
 #   latency   one 4 KiB WRITE, submit to completion seen, p50
 #   hetero    300 requests, page sizes 64 and 1: unequal TP 2 -> 1 and 1 -> 2, staging and
 #             fused, as % of equal TP in the same run
-#   tcp       GPU memory over TCP against host memory over TCP, 1 and 4 MiB x 64, 4 threads
+#   tcp       GPU memory over TCP against host memory over TCP, 1 and 4 MiB x 64, 4 threads,
+#             4 lanes (fixed: the default lanes follow the host's CPUs)
 #   mps       where the machine has CUDA MPS (nvidia-cuda-mps-control): unequal TP 2 -> 1 and
 #             equal TP again with the MPS daemon running, so that 2 -> 1's two prefill
 #             processes on GPU 0 share its SMs instead of taking turns (with two GPUs they
@@ -109,7 +110,7 @@ if has tcp; then
   for dev in cpu cuda; do
     step "bench TCP, $dev memory, 1 and 4 MiB x 64"
     bench "tcp_$dev" 120 --device "$dev" --transport tcp --block-size 1MiB,4MiB --batch-size 64 \
-      --threads 4 --duration 1
+      --threads 4 --lanes 4 --duration 1
   done
 fi
 

@@ -10,7 +10,8 @@ in one run:
     submitted as soon as it is read);
   - kvferry.mooncake: `batch_transfer_sync_write(session, lists, lists, lists)` as SGLang
     calls it (Python lists), and with numpy arrays;
-  - iperf3 with as many streams as kvferry has lanes (4): the ceiling of plain TCP here
+  - iperf3 with as many streams as kvferry has lanes (KVFERRY_TCP_LANES, set to 4 unless
+    given, for every engine here and in the target process): the ceiling of plain TCP here
     (--device cuda: torch's copy of 1 GiB from GPU 0 to GPU 1, cudaMemcpyPeer underneath).
 
 With --device cuda the target's buffer is a torch tensor on GPU 1 and the local ones on GPU 0
@@ -38,6 +39,10 @@ import time
 import numpy as np
 
 import kvferry
+
+# kvferry's TCP lanes per peer in every engine of this benchmark (the target process inherits
+# it), and iperf3's streams: the same count, whatever the CPU-dependent default would be.
+LANES = int(os.environ.setdefault("KVFERRY_TCP_LANES", "4"))
 from kvferry.mooncake import TransferEngine as MooncakeEngine
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -107,7 +112,7 @@ def iperf3_ceiling(seconds: int, port: int = 5411) -> float:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.5)
-        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-P", "4", "-t",
+        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-P", str(LANES), "-t",
                               str(seconds), "-J"], check=True, capture_output=True, text=True)
         return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
     finally:
@@ -274,7 +279,7 @@ def main() -> None:
               f"{report['cuda_copy_peer_gbps']:.1f} GB/s")
     else:
         report["iperf3_p4_gbps"] = iperf3_ceiling(args.iperf_seconds)
-        print(f"iperf3 -P 4 (ceiling): {report['iperf3_p4_gbps']:.2f} GB/s")
+        print(f"iperf3 -P {LANES} (ceiling): {report['iperf3_p4_gbps']:.2f} GB/s")
     for config in args.configs.split(","):
         block_text, count_text = config.split(":")
         block, count = parse_size(block_text), int(count_text)

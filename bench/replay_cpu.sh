@@ -5,7 +5,9 @@
 set -euo pipefail
 build=${1:-build}
 limit=${2:-100}
+# kvferry runs with the same lane count as iperf3's streams (its own default follows the CPUs).
 lanes=${KVFERRY_TCP_LANES:-4}
+export KVFERRY_TCP_LANES=$lanes
 port=$((20000 + RANDOM % 20000))
 trace=../shared/traces/conversation_trace.jsonl
 echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')  cpus: $(nproc)  $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"

@@ -8,7 +8,8 @@
 #                         CONFIG...
 #
 # CONFIG is NAME=TRANSPORT[:VAR=VALUE[,VAR=VALUE...]], for example
-#   ucx4=ucx  ucx1=ucx:KVFERRY_UCX_LANES=1  tcp=tcp  seg64=ucx:UCX_TCP_TX_SEG_SIZE=64K
+#   ucx=ucx  ucx1=ucx:KVFERRY_UCX_LANES=1  tcp4=tcp:KVFERRY_TCP_LANES=4  seg64=ucx:UCX_TCP_TX_SEG_SIZE=64K
+# (without a lanes setting both transports run their default lanes: half the CPUs, 4..8)
 # The variables apply to both sides (target and initiator). Every round runs every
 # configuration once per block size, in turn (A B C A B C ...), so that the load of a shared
 # machine falls on all of them alike. Each measurement is one `kvferry bench` initiator in

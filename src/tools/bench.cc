@@ -327,8 +327,9 @@ void AddBenchCommand(CLI::App& app, RunFn* run) {
       ->capture_default_str();
   cmd->add_option("--duration", flags->duration_s, "Seconds per configuration (fractions allowed)")
       ->capture_default_str();
-  cmd->add_option("--lanes", flags->lanes,
-                  "lanes per peer (TCP connections, UCX workers); default: the engine's (4)");
+  cmd->add_option(
+      "--lanes", flags->lanes,
+      "lanes per peer (TCP connections, UCX workers); default: the engine's (half the CPUs, 4..8)");
   cmd->add_option("--buffer-size", flags->buffer_size,
                   "Bytes of each side's buffer; default threads x batch x block, at most 2 GiB");
   cmd->add_option("--json", flags->json_path, "Also write results as JSON to this file");
