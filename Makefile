@@ -48,7 +48,7 @@ test-asan: build-asan
 	  KVFERRY_TEST_SCALE=small ctest --output-on-failure -j $(JOBS) --timeout 900
 
 # The engine and transport tests (threads, sockets, UCX workers, deadlines) under
-# ThreadSanitizer; not in CI. UCX's memory hooks (libucm) crash TSan when a thread exits: off
+# ThreadSanitizer (CI runs it). UCX's memory hooks (libucm) crash TSan when a thread exits: off
 # here. Tests that measure resident memory are left out (TSan's shadow memory counts there);
 # tests/tsan.supp names the races that are by design.
 TSAN_TESTS := ^([A-Za-z]+/)?(EngineTest|EngineMetricsTest|FaultTest|UcxNetnsTest|UcxNetnsLanesTest|UcxAmTest|TcpPeerAbandonTest|ParkedQueueTest|ConnectorTest|LayerwiseConnectorTest|LayerwiseDeadlineTest|BootstrapTest|ReceiverCompletionTest|DoneMailboxTest|ControlAuthTest)\.
