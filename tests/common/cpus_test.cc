@@ -15,8 +15,8 @@ TEST(CpusTest, CpuMaxGivesTheQuotaInWholeCpusRoundedUp) {
 }
 
 TEST(CpusTest, NoQuotaOrTextThatDoesNotParseGivesZero) {
-  for (const char* text : {"max 100000", "max", "", "abc 100000", "100000 0", "0 100000",
-                           "100000", "-5 100000"}) {
+  for (const char* text :
+       {"max 100000", "max", "", "abc 100000", "100000 0", "0 100000", "100000", "-5 100000"}) {
     EXPECT_EQ(CpusFromCpuMax(text), 0) << "'" << text << "'";
   }
 }
