@@ -41,7 +41,8 @@ W=$(mktemp -d)
 STEPS=${STEPS:-ceiling replay small latency hetero tcp mps}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo "=== $* ($(date -u +%T))"; }
-trap 'tar czf "$FINAL_OUT/perf_check.tgz" -C "$W" .' EXIT
+MPS_UP=""  # set while this run's MPS daemon is up: stopped on any exit
+trap '[ -n "$MPS_UP" ] && echo quit | nvidia-cuda-mps-control; tar czf "$FINAL_OUT/perf_check.tgz" -C "$W" .' EXIT
 
 for f in "$B/kvferry" "$TRACE"; do
   [ -e "$f" ] || { echo "perf_check: $f missing (scripts/device_bundle.sh packs it)"; exit 2; }
@@ -123,6 +124,7 @@ if has mps; then
     export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$W/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if nvidia-cuda-mps-control -d; then
+      MPS_UP=1
       for ps in 64 1; do
         common=(--limit 300 --page-size "$ps" --pool-size 16GiB)
         replay "hetero_mps_p${ps}_equal" 90 "${common[@]}"
@@ -132,6 +134,7 @@ if has mps; then
         done
       done
       echo quit | nvidia-cuda-mps-control
+      MPS_UP=""
     else
       echo "the MPS daemon did not start: MPS step skipped"
     fi
