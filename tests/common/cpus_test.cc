@@ -25,7 +25,9 @@ TEST(CpusTest, UsableCpusIsAtLeastOneAndAtMostTheMachinesThreads) {
   const int cpus = UsableCpus();
   EXPECT_GE(cpus, 1);
   const unsigned hw = std::thread::hardware_concurrency();
-  if (hw > 0) EXPECT_LE(cpus, static_cast<int>(hw));
+  if (hw > 0) {
+    EXPECT_LE(cpus, static_cast<int>(hw));
+  }
 }
 
 }  // namespace
