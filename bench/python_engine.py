@@ -39,11 +39,11 @@ import time
 import numpy as np
 
 import kvferry
+from kvferry.mooncake import TransferEngine as MooncakeEngine
 
 # kvferry's TCP lanes per peer in every engine of this benchmark (the target process inherits
 # it), and iperf3's streams: the same count, whatever the CPU-dependent default would be.
 LANES = int(os.environ.setdefault("KVFERRY_TCP_LANES", "4"))
-from kvferry.mooncake import TransferEngine as MooncakeEngine
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
