@@ -69,10 +69,13 @@ struct EngineOptions {
   // (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync) unless the copy kernel moved them 25% faster
   // lately (it may on idle SMs; the copy engine wins when kernels compete for them;
   // docs/perf/nvlink-h100.md). Any other value fixes it: blocks (or rows adding up to) at least
-  // that long use the copy engine, smaller ones the kernel (UINT64_MAX: kernel only). Copies
-  // queued behind a start event (layerwise) always use the kernel.
+  // that long may use the copy engine, smaller ones the kernel (UINT64_MAX: kernel only). Of a
+  // submission's blocks that may use the copy engine, it takes those with the longest rows and
+  // the kernel the rest, both copying at once, in shares sized to end together (the copy
+  // engine's cost per row against the kernel's per byte; src/transport/nvlink/engine_split.h).
+  // Copies queued behind a start event (layerwise) always use the kernel.
   uint64_t nvlink_copy_engine_threshold_bytes = 0;
-  // NVLink: the shortest row of a strided request that the copy engine takes (with all its
+  // NVLink: the shortest row of a strided request that the copy engine may take (with all its
   // rows in one 2D copy); requests with shorter rows go to the copy kernel. The copy engine
   // pays a fixed cost per row (1 KiB rows moved at 23 GB/s), so short rows cost it more link
   // time than they take from the SMs in the kernel: 64 KiB (default) keeps page size 1's short

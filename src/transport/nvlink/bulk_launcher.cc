@@ -21,11 +21,19 @@ Status BulkLauncher::Init(int stream_priority, int max_blocks) {
   for (cuda::Stream& st : streams_) {
     CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking, stream_priority));
   }
+  for (cuda::Stream& st : engine_streams_) {
+    CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking, stream_priority));
+  }
+  for (cuda::Event& ev : join_events_) {
+    CUDA_RETURN_IF_ERROR(ev.Create(cudaEventDisableTiming));
+  }
   return OkStatus();
 }
 
 void BulkLauncher::ReleaseCudaResources() {
   for (cuda::Stream& st : streams_) (void)st.release();
+  for (cuda::Stream& st : engine_streams_) (void)st.release();
+  for (cuda::Event& ev : join_events_) (void)ev.release();
 }
 
 void BulkLauncher::Launch(BulkPart&& part) {
@@ -203,7 +211,23 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
   // (the caller's) thread may have left, so it cannot fail this batch.
   (void)cudaGetLastError();
   cudaError_t e = cudaSuccess;
-  if (parts.size() == 1 && parts[0].num_tiles == 0) {
+  // A part with both kernel tiles and copy-engine blocks: its copy-engine blocks go on the
+  // stream beside, first, and the launch's stream waits for them after its kernel, so that
+  // both engines copy at once (SplitEngineBlocks sized the two shares for that).
+  const bool beside = parts.size() == 1 && parts[0].num_tiles > 0 && !parts[0].engine.empty();
+  cudaStream_t beside_stream = engine_streams_[static_cast<size_t>(stream_index)].get();
+  cudaEvent_t join = join_events_[static_cast<size_t>(stream_index)].get();
+  bool joined = false;  // the launch's stream can wait for the blocks beside through `join`
+  if (beside) {
+    e = IssueEngineCopies(parts[0].engine, beside_stream);
+    // Recorded even after a failed issue, so that copies the driver did queue are waited for.
+    const cudaError_t recorded = cudaEventRecord(join, beside_stream);
+    joined = recorded == cudaSuccess;
+    if (e == cudaSuccess) e = recorded;
+  }
+  if (e != cudaSuccess) {
+    // Not launched: reported below.
+  } else if (parts.size() == 1 && parts[0].num_tiles == 0) {
     // Copy-engine blocks only: below.
   } else if (parts.size() == 1) {
     e = UploadTable(arena_, parts[0], stream);
@@ -219,8 +243,16 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
     }
     e = cuda::LaunchBatchedCopyHostTables(tables, stream, max_blocks_);
   }
+  if (beside) {
+    // No copy of the part may outlive its report: the launch's stream waits for the blocks
+    // beside it, or, where it cannot, this thread does. (Without the join `e` already holds
+    // why.)
+    const cudaError_t waited = joined ? cudaStreamWaitEvent(stream, join, 0) : cudaErrorNotReady;
+    if (waited != cudaSuccess) (void)cudaStreamSynchronize(beside_stream);
+    if (e == cudaSuccess) e = waited;
+  }
   for (const BulkPart& p : parts) {  // (a part with copy-engine blocks launches alone)
-    if (e == cudaSuccess && !p.engine.empty()) e = IssueEngineCopies(p.engine, stream);
+    if (!beside && e == cudaSuccess && !p.engine.empty()) e = IssueEngineCopies(p.engine, stream);
   }
   if (e != cudaSuccess) flight.status = InternalError(CudaError("bulk copy launch", e));
   if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);

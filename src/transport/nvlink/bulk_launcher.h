@@ -70,6 +70,10 @@ class BulkLauncher {
   CopyPathChooser& chooser_;
   int max_blocks_ = 1;  // thread blocks per copy kernel (Init)
   std::array<cuda::Stream, kBulkStreams> streams_;
+  // Beside each stream, one for the copy-engine blocks of a part that also has kernel tiles,
+  // so that the two engines copy at the same time, and the event that joins it back.
+  std::array<cuda::Stream, kBulkStreams> engine_streams_;
+  std::array<cuda::Event, kBulkStreams> join_events_;
   std::atomic<uint32_t> next_stream_{0};
   std::mutex pending_mu_;  // guards pending_
   std::vector<BulkPart> pending_;

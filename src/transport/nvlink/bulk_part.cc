@@ -55,13 +55,21 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
   size_t num_tiles = 0, engine_blocks = 0;
   uint64_t bytes = 0;
   bool eligible = false;  // a block the chooser decides about
-  for (const TransferRequest& r : requests) {
+  std::vector<uint8_t> to_engine(requests.size(), 0);
+  bool any_candidate = false;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const TransferRequest& r = requests[i];
     bytes += r.total_bytes();
     eligible = eligible || UsesCopyEngine(r, CopyPathChooser::kMinEngineBytes);
-    if (UsesCopyEngine(r, threshold)) {
+    to_engine[i] = UsesCopyEngine(r, threshold) ? 1 : 0;
+    any_candidate = any_candidate || to_engine[i] != 0;
+  }
+  if (any_candidate) SplitEngineBlocks(requests, to_engine, split_costs_);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (to_engine[i] != 0) {
       ++engine_blocks;
     } else {
-      num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
+      num_tiles += cuda::TileCount(requests[i].length_bytes, requests[i].num_rows);
     }
   }
   const uint64_t units = (num_tiles + TileArena::kUnitTiles - 1) / TileArena::kUnitTiles;
@@ -84,7 +92,8 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
   auto emit = [&](const cuda::CopyTile& tile) { *out++ = tile; };
   part->engine.clear();
   part->engine.reserve(engine_blocks);
-  for (const TransferRequest& r : requests) {
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const TransferRequest& r = requests[i];
     const bool write = r.op == TransferOp::kWrite;
     const uint64_t local = reinterpret_cast<uint64_t>(r.local_addr);
     const uint8_t* mapped = mappings_.MapMapped(
@@ -95,7 +104,7 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
       return Classify(requests, missing, &cache);
     }
     const uint64_t remote = reinterpret_cast<uint64_t>(mapped);
-    if (UsesCopyEngine(r, threshold)) {
+    if (to_engine[i] != 0) {
       part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
                               r.num_rows, write ? r.local_stride : r.remote_stride,
                               write ? r.remote_stride : r.local_stride});

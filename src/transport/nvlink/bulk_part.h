@@ -23,6 +23,7 @@
 #include "kvferry/status.h"
 #include "kvferry/transfer.h"
 #include "transport/nvlink/copy_path_chooser.h"
+#include "transport/nvlink/engine_split.h"
 #include "transport/nvlink/peer_mappings.h"
 #include "transport/nvlink/tile_arena.h"
 #include "transport/transport.h"
@@ -81,8 +82,9 @@ struct BulkStats {
 
 class BulkPreparer {
  public:
-  // `chooser` says which blocks go to the copy engine, per submission; strided requests with
-  // rows shorter than `min_engine_row_bytes` never do.
+  // `chooser` says which blocks may go to the copy engine, per submission (strided requests
+  // with rows shorter than `min_engine_row_bytes` never do), and SplitEngineBlocks which of
+  // those do.
   BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser,
                uint64_t min_engine_row_bytes);
   BulkPreparer(const BulkPreparer&) = delete;
@@ -120,6 +122,7 @@ class BulkPreparer {
   CopyPathChooser& chooser_;
   const uint64_t min_engine_row_bytes_;
   uint64_t max_pitch_ = 0;  // cudaDevAttrMaxPitch: the longest stride cudaMemcpy2DAsync takes
+  const EngineSplitCosts split_costs_;
 };
 
 // A lone part's tile table too long for the launch parameters goes to its device copy,
