@@ -78,15 +78,26 @@ TEST(EngineSplitTest, AKernelAsCostlyAsTheOverheadGivesTheCopyEngineEverythingLo
   std::vector<TransferRequest> rs;
   for (int i = 0; i < 8; ++i) rs.push_back(Rows(8 << 20, 1));  // single 8 MiB blocks
   std::vector<uint8_t> to(rs.size(), 1);
-  SplitEngineBlocks(rs, to, EngineSplitCosts{0, 1e9});
+  SplitEngineBlocks(rs, to, EngineSplitCosts{0, 1e9, UINT64_MAX});
   for (uint8_t t : to) EXPECT_EQ(t, 1);
   std::vector<uint8_t> none(rs.size(), 0);
   SplitEngineBlocks(rs, none);
   for (uint8_t t : none) EXPECT_EQ(t, 0);
 }
 
+TEST(EngineSplitTest, LongRowsAlwaysGoToTheCopyEngine) {
+  // Page size 64's page runs: rows of 1..64 pages of 128 KiB. Only the one-page runs may go
+  // to the kernel.
+  std::vector<TransferRequest> rs;
+  for (uint64_t pages = 1; pages <= 64; ++pages) rs.push_back(Rows(pages * (128 << 10), 64));
+  std::vector<uint8_t> to(rs.size(), 1);
+  SplitEngineBlocks(rs, to);
+  for (size_t i = 1; i < rs.size(); ++i) EXPECT_EQ(to[i], 1) << i;
+  EXPECT_EQ(to[0], 0);  // the kernel, idle beside a copy engine that has far more to do
+}
+
 TEST(EngineSplitTest, EqualBlocksSplitAboutEvenlyAtEqualCosts) {
-  std::vector<TransferRequest> rs(10, Rows(1 << 20, 1));
+  std::vector<TransferRequest> rs(10, Rows(128 << 10, 1));
   std::vector<uint8_t> to(rs.size(), 1);
   SplitEngineBlocks(rs, to, EngineSplitCosts{0, 1.0});
   int engine = 0;
