@@ -45,8 +45,8 @@ class CopyPathChooser {
   // The kernel serves the exploitation only when its rate beats the copy engine's by this
   // factor: its rate does not show what it took from the other kernels on the GPU (the copy
   // engine takes no SMs), and under contention the two rates were within noise of each other
-  // while the copy engine ran the replay 13-16% faster (docs/perf/nvlink-h100.md, "Choosing the
-  // path").
+  // while the copy engine ran the replay 13-16% faster (docs/perf/nvlink-h100-sessions-14-18.md,
+  // "Choosing the path").
   static constexpr double kKernelMargin = 1.25;
 
   // `fixed_threshold_bytes`: 0 measures as above; any other value fixes the choice (blocks
