@@ -19,6 +19,7 @@
 
 #include "common/auth.h"
 #include "common/checks.h"
+#include "common/listen_backlog.h"
 #include "common/logging.h"
 #include "disagg/bootstrap_wire.h"
 #include "disagg/http_auth.h"
@@ -77,9 +78,11 @@ class BootstrapServer::Impl {
     // httplib's default also sets SO_REUSEPORT, which would let a second bootstrap server
     // bind the same port and silently receive half of the registrations. Keep only
     // SO_REUSEADDR (a restarted server may rebind while old connections sit in TIME_WAIT).
-    server_.set_socket_options([](socket_t sock) {
+    // The socket offered last is the one bound: its backlog is raised after the bind.
+    server_.set_socket_options([this](socket_t sock) {
       int yes = 1;
       ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      listen_fd_ = sock;
     });
     // Bounds how long the destructor can wait on an idle keep-alive connection.
     server_.set_keep_alive_timeout(1);
@@ -112,6 +115,11 @@ class BootstrapServer::Impl {
     }
     if (bound_port <= 0) {
       return UnavailableError("bootstrap server cannot bind " + where);
+    }
+    // httplib listens with a backlog of 5: a burst of registrations would be reset
+    // (common/listen_backlog.h).
+    if (Status s = RaiseListenBacklog(listen_fd_); !s.ok()) {
+      return s.WithContext("bootstrap server on " + where);
     }
     port_ = static_cast<uint16_t>(bound_port);
 
@@ -267,6 +275,7 @@ class BootstrapServer::Impl {
   std::thread thread_;
   std::atomic<bool> loop_exited_{false};
   uint16_t port_ = 0;
+  int listen_fd_ = -1;  // the socket httplib bound (from its socket-options callback)
 
   std::mutex mutex_;
   std::map<RankKey, PrefillRegistration> registry_;  // guarded by mutex_

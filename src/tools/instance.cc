@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <malloc.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <csignal>
@@ -13,6 +14,7 @@
 #include "common/auth.h"
 #include "common/checks.h"
 #include "common/env.h"
+#include "common/listen_backlog.h"
 #include "common/logging.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
@@ -238,6 +240,7 @@ struct Instance {
             {"control_address", flags.host + ":" + std::to_string(control_port)}};
   }
   int control_port = 0;
+  int control_fd = -1;  // the control socket httplib bound (its socket-options callback)
 
   // Routes shared by both kinds: /info, /stats and /metrics (Prometheus text, metrics_page.h)
   // answer what `info`, `stats` and `metrics` return.
@@ -266,6 +269,15 @@ struct Instance {
   int Serve(const std::function<json()>& info) {
     RequireBearerToken(server, auth_secret, "control server");
     server.new_task_queue = [] { return new httplib::ThreadPool(128); };
+    // SO_REUSEADDR only (httplib's default adds SO_REUSEPORT, which would let a second instance
+    // bind a fixed --control-port); the socket offered last is the one bound, and its backlog
+    // is raised after the bind: httplib's 5 reset bursts of first connections
+    // (common/listen_backlog.h).
+    server.set_socket_options([this](socket_t sock) {
+      int yes = 1;
+      ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      control_fd = sock;
+    });
     // A client that stops sending (or reading) frees its thread after 5 s; request bodies are
     // a few hundred bytes.
     server.set_read_timeout(5, 0);
@@ -277,6 +289,11 @@ struct Instance {
     if (port <= 0) {
       std::fprintf(stderr, "kvferry: cannot listen on %s:%d\n", flags.host.c_str(),
                    flags.control_port);
+      return 1;
+    }
+    if (Status s = RaiseListenBacklog(control_fd); !s.ok()) {
+      std::fprintf(stderr, "kvferry: control server on %s:%d: %s\n", flags.host.c_str(), port,
+                   s.ToString().c_str());
       return 1;
     }
     control_port = port;

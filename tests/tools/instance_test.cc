@@ -7,11 +7,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/device_memory.h"
@@ -111,6 +113,55 @@ TEST(InstanceTest, ReplayReportsTheErrorOfAnInstanceThatCannotStart) {
                     "was ready: kvferry prefill: INVALID_ARGUMENT: unknown transport 'bogus'"),
       std::string::npos)
       << r.output;
+}
+
+// Fresh connections arriving at once are all served: the control server (POST /decode) and
+// the bootstrap server (PUT /route) listen with a backlog raised above httplib's 5, which
+// otherwise overflows and the kernel resets some of the burst before any handler sees it
+// (common/listen_backlog.h). Each request has a body (headers and body go out as two writes,
+// the case that was reset) and is refused at once (413, 400), so only the connection is timed.
+TEST(InstanceTest, BurstOfFirstConnectionsIsServed) {
+  RunningInstance prefill("prefill"), decode("decode");
+  ASSERT_TRUE(prefill.info.contains("bootstrap_address"));
+  ASSERT_TRUE(decode.info.contains("control_address"));
+  const std::string bootstrap = prefill.info["bootstrap_address"];
+  const json decode_body = {{"room", 7},
+                            {"input_length", std::numeric_limits<int64_t>::max()},
+                            {"bootstrap_address", bootstrap}};
+  constexpr int kClients = 256;  // per server
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::unique_ptr<httplib::Client>> clients;
+    for (int i = 0; i < kClients; ++i) {
+      clients.push_back(decode.Client(30));
+      auto c =
+          std::make_unique<httplib::Client>(bootstrap.substr(0, bootstrap.rfind(':')),
+                                            std::stoi(bootstrap.substr(bootstrap.rfind(':') + 1)));
+      c->set_read_timeout(30);
+      clients.push_back(std::move(c));
+    }
+    std::atomic<int> ready{0}, transport_errors{0}, refused{0};
+    std::atomic<bool> go{false};
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < clients.size(); ++i) {
+      threads.emplace_back([&, i] {
+        ++ready;
+        while (!go.load()) std::this_thread::yield();
+        const bool to_decode = i % 2 == 0;
+        auto res = to_decode ? clients[i]->Post("/decode", decode_body.dump(), "application/json")
+                             : clients[i]->Put("/route", "{}", "application/json");
+        if (!res) {
+          ++transport_errors;
+        } else if (res->status == (to_decode ? 413 : 400)) {
+          ++refused;
+        }
+      });
+    }
+    while (ready.load() < static_cast<int>(clients.size())) std::this_thread::yield();
+    go = true;
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(transport_errors.load(), 0) << "round " << round;
+    EXPECT_EQ(refused.load(), 2 * kClients) << "round " << round;
+  }
 }
 
 // A request of 2^63 - 1 tokens: its page count (2^59 pages of 16 tokens) is computed without
