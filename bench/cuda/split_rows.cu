@@ -4,7 +4,8 @@
 // once on two streams with rows from a length up to the copy engine, over a 40 GiB and a
 // 1 GiB range per side. A diagnostic behind EngineSplitCosts
 // (src/transport/nvlink/engine_split.h; docs/perf/nvlink-h100.md, "Session 21").
-// Build: nvcc -O2 -arch=sm_90 -cudart static -o split_rows bench/cuda/split_rows.cu
+// Build (CUDA 13: cudaMemcpy3DBatchAsync's four-argument form): nvcc -O2 -arch=sm_90 -cudart static
+// -o split_rows bench/cuda/split_rows.cu
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -43,7 +44,7 @@ __global__ void CopyTiles(const Tile* t, int n) {
     for (; k < n4; k += 32) d[k] = __ldg(s + k);
   }
 }
-int main(int argc, char** argv) {
+int main() {
   const size_t kRows = 64;
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -114,7 +115,10 @@ int main(int argc, char** argv) {
             for (size_t i = o0; i < o1; i += 128)
               CK(cudaMemcpy3DBatchAsync(std::min<size_t>(128, o1 - i), ops.data() + i, 0, sa));
             size_t t0i = tiles.size() * c / nchunks, t1i = tiles.size() * (c + 1) / nchunks;
-            if (t1i > t0i) CopyTiles<<<sms * bps, 256, 0, sb>>>(dt + t0i, (int)(t1i - t0i));
+            if (t1i > t0i) {
+              CopyTiles<<<sms * bps, 256, 0, sb>>>(dt + t0i, (int)(t1i - t0i));
+              CK(cudaGetLastError());
+            }
           }
           CK(cudaDeviceSynchronize());
           double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

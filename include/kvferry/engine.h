@@ -65,13 +65,13 @@ struct EngineOptions {
   std::string transport = "auto";
   // NVLink: which engine copies large blocks. 0 (default): measured per peer channel: blocks
   // of at least 1 MiB (and strided requests whose rows of at least
-  // nvlink_copy_engine_min_row_bytes add up to it) go through the copy engine
+  // nvlink_copy_engine_min_row_bytes add up to it) may go through the copy engine
   // (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync) unless the copy kernel moved them 25% faster
   // lately (it may on idle SMs; the copy engine wins when kernels compete for them;
-  // docs/perf/nvlink-h100.md). Any other value fixes it: blocks (or rows adding up to) at least
-  // that long may use the copy engine, smaller ones the kernel (UINT64_MAX: kernel only). Of a
-  // submission's blocks that may use the copy engine, it takes those with the longest rows and
-  // the kernel the rest, both copying at once, in shares sized to end together (the copy
+  // docs/perf/nvlink-h100-sessions-14-18.md). Any other value fixes it: blocks (or rows adding up
+  // to) at least that long may use the copy engine, smaller ones the kernel (UINT64_MAX: kernel
+  // only). Of a submission's blocks that may use the copy engine, it takes those with the longest
+  // rows and the kernel the rest, both copying at once, in shares sized to end together (the copy
   // engine's cost per row against the kernel's per byte; src/transport/nvlink/engine_split.h).
   // Copies queued behind a start event (layerwise) always use the kernel.
   uint64_t nvlink_copy_engine_threshold_bytes = 0;

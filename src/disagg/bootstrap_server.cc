@@ -5,6 +5,7 @@
 // bootstrap_wire, and anything unexpected is caught and answered with 500.
 #include <httplib.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -119,6 +120,8 @@ class BootstrapServer::Impl {
     // httplib listens with a backlog of 5: a burst of registrations would be reset
     // (common/listen_backlog.h).
     if (Status s = RaiseListenBacklog(listen_fd_); !s.ok()) {
+      // The accept loop never ran, so httplib would not close the bound socket.
+      if (listen_fd_ >= 0) ::close(listen_fd_);
       return s.WithContext("bootstrap server on " + where);
     }
     port_ = static_cast<uint16_t>(bound_port);

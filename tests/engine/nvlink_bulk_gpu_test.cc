@@ -156,8 +156,9 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
   options.peer = *descriptor;
   options.copy_engine_threshold_bytes = 64 << 10;
   options.copy_engine_min_row_bytes = 16 << 10;  // the 20 KiB rows below go to the copy engine
-  options.resident_min_tiles = 0;      // short-only submissions may take the resident kernel
-  constexpr uint64_t kSpan = 8 << 20;  // bytes of local_ and of the peer's region used
+  options.split_engine_blocks = false;  // every candidate to the copy engine, beside the kernel
+  options.resident_min_tiles = 0;       // short-only submissions may take the resident kernel
+  constexpr uint64_t kSpan = 8 << 20;   // bytes of local_ and of the peer's region used
   const std::vector<uint8_t> src = FillRandom(local_, kSpan, 41);
   // A host mirror of the peer's region [vmm_base, + kSpan): its pattern, then each WRITE.
   std::vector<uint8_t> mirror = PatternMirror(kSpan);
@@ -271,6 +272,7 @@ TEST_F(NvlinkGpuTest, NarrowStridedRowsGoToTheCopyEngineInOneBatch) {
   options.peer = *descriptor;
   options.copy_engine_threshold_bytes = 32 << 10;
   options.copy_engine_min_row_bytes = 1 << 10;
+  options.split_engine_blocks = false;  // every candidate to the copy engine
   constexpr uint64_t kSpan = 4 << 20;
   constexpr uint32_t kRows = 64;
   const std::vector<uint8_t> src = FillRandom(local_, kSpan, 43);

@@ -13,11 +13,12 @@
 namespace kvferry {
 
 BulkPreparer::BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser,
-                           uint64_t min_engine_row_bytes)
+                           uint64_t min_engine_row_bytes, bool split)
     : mappings_(mappings),
       arena_(arena),
       chooser_(chooser),
-      min_engine_row_bytes_(std::max<uint64_t>(min_engine_row_bytes, 1)) {}
+      min_engine_row_bytes_(std::max<uint64_t>(min_engine_row_bytes, 1)),
+      split_(split) {}
 
 Status BulkPreparer::Init(int device) {
   int max_pitch = 0;
@@ -64,13 +65,29 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
     to_engine[i] = UsesCopyEngine(r, threshold) ? 1 : 0;
     any_candidate = any_candidate || to_engine[i] != 0;
   }
-  if (any_candidate) SplitEngineBlocks(requests, to_engine, split_costs_);
-  for (size_t i = 0; i < requests.size(); ++i) {
-    if (to_engine[i] != 0) {
-      ++engine_blocks;
-    } else {
-      num_tiles += cuda::TileCount(requests[i].length_bytes, requests[i].num_rows);
+  // Tiles of the kernel's share, and the copy engine's blocks.
+  auto count = [&] {
+    num_tiles = 0;
+    engine_blocks = 0;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (to_engine[i] != 0) {
+        ++engine_blocks;
+      } else {
+        num_tiles += cuda::TileCount(requests[i].length_bytes, requests[i].num_rows);
+      }
     }
+  };
+  if (any_candidate && split_) {
+    std::vector<uint8_t> candidates = to_engine;
+    SplitEngineBlocks(requests, to_engine, split_costs_);
+    count();
+    // A kernel share too large for the whole arena: the copy engine takes every candidate.
+    if (num_tiles > static_cast<size_t>(TileArena::kUnits) * TileArena::kUnitTiles) {
+      to_engine.swap(candidates);
+      count();
+    }
+  } else {
+    count();
   }
   const uint64_t units = (num_tiles + TileArena::kUnitTiles - 1) / TileArena::kUnitTiles;
   if ((num_tiles == 0 && engine_blocks == 0) || units > TileArena::kUnits) {
@@ -130,7 +147,9 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
   }
   part->num_tiles = num_tiles;
   part->bytes = bytes;
-  part->arm = eligible ? choice.arm : CopyPathChooser::kNone;
+  // A copy-engine arm whose split left the copy engine nothing measures nothing.
+  const bool measured = eligible && !(choice.arm == CopyPathChooser::kEngine && engine_blocks == 0);
+  part->arm = measured ? choice.arm : CopyPathChooser::kNone;
   return BulkFit::kPrepared;
 }
 

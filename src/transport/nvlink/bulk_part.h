@@ -85,8 +85,9 @@ class BulkPreparer {
   // `chooser` says which blocks may go to the copy engine, per submission (strided requests
   // with rows shorter than `min_engine_row_bytes` never do), and SplitEngineBlocks which of
   // those do.
+  // Without `split`, the copy engine takes every candidate.
   BulkPreparer(const PeerMappings& mappings, TileArena& arena, CopyPathChooser& chooser,
-               uint64_t min_engine_row_bytes);
+               uint64_t min_engine_row_bytes, bool split = true);
   BulkPreparer(const BulkPreparer&) = delete;
   BulkPreparer& operator=(const BulkPreparer&) = delete;
 
@@ -122,6 +123,7 @@ class BulkPreparer {
   CopyPathChooser& chooser_;
   const uint64_t min_engine_row_bytes_;
   uint64_t max_pitch_ = 0;  // cudaDevAttrMaxPitch: the longest stride cudaMemcpy2DAsync takes
+  const bool split_;
   const EngineSplitCosts split_costs_;
 };
 

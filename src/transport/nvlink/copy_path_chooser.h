@@ -1,10 +1,12 @@
-// Which engine copies a bulk submission's large blocks: the copy kernel (SMs) or the copy
-// engine (a submission's blocks in one cudaMemcpyBatchAsync, its strided requests in one
-// cudaMemcpy3DBatchAsync), chosen from what each achieved on this channel.
+// Which engine copies a bulk submission's large blocks: the copy kernel (SMs) alone, or the
+// copy engine (a submission's blocks in one cudaMemcpyBatchAsync, its strided requests in one
+// cudaMemcpy3DBatchAsync) with the kernel beside it for the blocks SplitEngineBlocks gives the
+// kernel (engine_split.h), chosen from what each achieved on this channel.
 //
 // Neither wins everywhere: on an idle GPU the kernel moves 64 KiB..16 MiB blocks at the link's
 // rate while the copy engine pays host calls (a call per 1 MiB block reached 205 of 397 GB/s
-// on H200, a batch call 390; below 512 KiB the kernel stays ahead: docs/perf/nvlink-h100.md),
+// on H200, a batch call 390; below 512 KiB the kernel stays ahead:
+// docs/perf/nvlink-h100-sessions-14-18.md),
 // while on a GPU whose SMs are busy (prefill's model, a replay's fill kernels) the kernel gets
 // what the other kernels leave and the copy engine does not compete for SMs (87% against 66%
 // of the link in a 500-request replay). So the chooser measures: blocks of at least

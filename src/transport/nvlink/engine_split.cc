@@ -1,6 +1,7 @@
 #include "transport/nvlink/engine_split.h"
 
 #include <algorithm>
+#include <cassert>
 #include <vector>
 
 namespace kvferry {
@@ -11,6 +12,7 @@ void SplitEngineBlocks(std::span<const TransferRequest> requests, std::span<uint
     const double rows = static_cast<double>(std::max<uint32_t>(r.num_rows, 1));
     return static_cast<double>(r.total_bytes()) + rows * costs.engine_row_overhead_bytes;
   };
+  assert(to_engine.size() == requests.size());
   std::vector<uint32_t> candidates;
   double engine = 0;  // the copy engine's cost with its fixed share
   double kernel = 0;  // the kernel's cost with every other candidate still in it

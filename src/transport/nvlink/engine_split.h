@@ -27,7 +27,8 @@ namespace kvferry {
 
 // The costs SplitEngineBlocks weighs, in bytes of link time.
 struct EngineSplitCosts {
-  // What the copy engine pays per row beside the row's bytes.
+  // What the copy engine pays per row beside the row's bytes (between the 18 KiB measured over
+  // a 1 GiB range and the 27 KiB over a 40 GiB one).
   double engine_row_overhead_bytes = 24 << 10;
   // What the kernel pays per byte (1: link speed).
   double kernel_cost_per_byte = 1.5;
@@ -37,10 +38,10 @@ struct EngineSplitCosts {
   uint64_t engine_only_row_bytes = 256 << 10;
 };
 
-// `to_engine` has one entry per request; nonzero on entry marks the copy engine's candidates.
-// On return it is nonzero for the candidates the copy engine takes; the rest of the requests
-// go to the kernel. Candidates with rows of at least `engine_only_row_bytes` always go to the
-// copy engine; the others are taken longest rows first (where the cost per row weighs least),
+// REQUIRES: `to_engine` has one entry per request; nonzero on entry marks the copy engine's
+// candidates. On return it is nonzero for the candidates the copy engine takes; the rest of the
+// requests go to the kernel. Candidates with rows of at least `engine_only_row_bytes` always go to
+// the copy engine; the others are taken longest rows first (where the cost per row weighs least),
 // each while that lowers the later of the two engines' finishing times, so the two shares end
 // about together.
 void SplitEngineBlocks(std::span<const TransferRequest> requests, std::span<uint8_t> to_engine,

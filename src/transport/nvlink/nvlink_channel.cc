@@ -50,7 +50,8 @@ class NvlinkChannel : public PeerChannel {
         gated_(options.local_device, arena_, flights_, stats_),
         bulk_launcher_(options.local_device, arena_, flights_, stats_, chooser_),
         mappings_(options.peer, options.refresh, options.local_device, options.auth_secret),
-        preparer_(mappings_, arena_, chooser_, options.copy_engine_min_row_bytes),
+        preparer_(mappings_, arena_, chooser_, options.copy_engine_min_row_bytes,
+                  options.split_engine_blocks),
         item_path_(mappings_, options.copy_engine_threshold_bytes == 0
                                   ? UINT64_MAX
                                   : options.copy_engine_threshold_bytes),

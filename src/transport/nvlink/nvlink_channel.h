@@ -19,16 +19,19 @@ struct NvlinkChannelOptions {
   // Re-reads the peer's descriptor when a range is not found (it may have registered more).
   std::function<StatusOr<SegmentDescriptor>()> refresh;
   int local_device = 0;
-  // Blocks at least this long go through the copy engine (a submission's single blocks in one
-  // cudaMemcpyBatchAsync, its strided ones in one cudaMemcpy3DBatchAsync), smaller ones
+  // Blocks at least this long may go through the copy engine (a submission's single blocks in
+  // one cudaMemcpyBatchAsync, its strided ones in one cudaMemcpy3DBatchAsync), smaller ones
   // through one batched copy kernel per submission; a bulk submission with both launches
-  // alone, its copy-engine blocks after its kernel on its stream.
+  // alone, its copy-engine blocks on a stream beside its kernel's, both copying at once.
   // 0: chosen by measurement (CopyPathChooser); else fixed (UINT64_MAX: kernel only).
   uint64_t copy_engine_threshold_bytes = 0;
   // The shortest row of a strided request the copy engine takes (all the request's rows in one
   // 2D copy, when they add up to the threshold); shorter rows go to the kernel. The engine
   // passes EngineOptions::nvlink_copy_engine_min_row_bytes (default 64 KiB).
   uint64_t copy_engine_min_row_bytes = 64 << 10;
+  // Whether SplitEngineBlocks (engine_split.h) chooses which of a submission's copy-engine
+  // candidates the copy engine takes; false: it takes all of them (tests of the batch calls).
+  bool split_engine_blocks = true;
   // Thread blocks of the resident copy kernel, which carries small bulk submissions without a
   // launch each while they keep coming (see cuda::ResidentArgs): -1 one per SM, 0 none (each
   // submission, or a group of them, is its own launch). The engine passes
