@@ -63,9 +63,14 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
     bytes += r.total_bytes();
     eligible = eligible || UsesCopyEngine(r, CopyPathChooser::kMinEngineBytes);
     to_engine[i] = UsesCopyEngine(r, threshold) ? 1 : 0;
-    any_candidate = any_candidate || to_engine[i] != 0;
+    if (to_engine[i] != 0) {
+      any_candidate = true;
+      ++engine_blocks;
+    } else {
+      num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
+    }
   }
-  // Tiles of the kernel's share, and the copy engine's blocks.
+  // Tiles of the kernel's share, and the copy engine's blocks, after a split.
   auto count = [&] {
     num_tiles = 0;
     engine_blocks = 0;
@@ -86,8 +91,6 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
       to_engine.swap(candidates);
       count();
     }
-  } else {
-    count();
   }
   const uint64_t units = (num_tiles + TileArena::kUnitTiles - 1) / TileArena::kUnitTiles;
   if ((num_tiles == 0 && engine_blocks == 0) || units > TileArena::kUnits) {
