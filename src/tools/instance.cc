@@ -269,9 +269,9 @@ struct Instance {
   int Serve(const std::function<json()>& info) {
     RequireBearerToken(server, auth_secret, "control server");
     server.new_task_queue = [] { return new httplib::ThreadPool(128); };
-    // SO_REUSEADDR only (httplib's default adds SO_REUSEPORT, which would let a second instance
-    // bind a fixed --control-port); the socket offered last is the one bound, and its backlog
-    // is raised after the bind: httplib's 5 reset bursts of first connections
+    // SO_REUSEADDR (httplib's default sets SO_REUSEPORT instead, which would let a second
+    // instance bind a fixed --control-port); the socket offered last is the one bound, and its
+    // backlog is raised after the bind: httplib's 5 reset bursts of first connections
     // (common/listen_backlog.h).
     server.set_socket_options([this](socket_t sock) {
       int yes = 1;

@@ -42,7 +42,7 @@ class BulkLauncher {
   // pending for the thread launching now.
   void Launch(BulkPart&& part);
 
-  // Gives up the streams without destroying them.
+  // Gives up the streams (the side streams and join events too) without destroying them.
   void ReleaseCudaResources();
 
  private:
@@ -53,7 +53,9 @@ class BulkLauncher {
   void LaunchPending();
   // One launch and one event for `parts`. A lone part's table goes inside the launch
   // parameters when small, else uploaded to its device copy; several parts go as one kernel
-  // reading their tables from host memory.
+  // reading their tables from host memory. A lone part with kernel tiles and copy-engine
+  // blocks queues the blocks on the side stream, which the launch's stream joins after its
+  // kernel.
   void LaunchGroup(std::vector<BulkPart> parts);
   // Queues copy-engine blocks on `stream`: the single blocks as one cudaMemcpyBatchAsync, the
   // strided ones as one cudaMemcpy3DBatchAsync (one call per block where the batch calls are
