@@ -13,14 +13,8 @@
 #include <cstdlib>
 #include <random>
 #include <vector>
-#define CK(x)                                        \
-  do {                                               \
-    cudaError_t e = (x);                             \
-    if (e != cudaSuccess) {                          \
-      printf("%s: %s\n", #x, cudaGetErrorString(e)); \
-      exit(1);                                       \
-    }                                                \
-  } while (0)
+
+#include "cuda_check.h"
 int main() {
   const size_t kRows = 64;
   const size_t pitch = 64ull << 20;  // one "buffer" of 64 MiB per row: 4 GiB per side

@@ -13,14 +13,8 @@
 #include <cstdlib>
 #include <random>
 #include <vector>
-#define CK(x)                                        \
-  do {                                               \
-    cudaError_t e = (x);                             \
-    if (e != cudaSuccess) {                          \
-      printf("%s: %s\n", #x, cudaGetErrorString(e)); \
-      exit(1);                                       \
-    }                                                \
-  } while (0)
+
+#include "cuda_check.h"
 struct Tile {
   unsigned long long src, dst;
   unsigned len, pad;
