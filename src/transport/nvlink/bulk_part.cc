@@ -57,39 +57,35 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
   uint64_t bytes = 0;
   bool eligible = false;  // a block the chooser decides about
   std::vector<uint8_t> to_engine(requests.size(), 0);
-  bool any_candidate = false;
+  // Counts request `i` as a copy-engine block or as the kernel tiles it makes.
+  auto tally = [&](size_t i) {
+    if (to_engine[i] != 0) {
+      ++engine_blocks;
+    } else {
+      num_tiles += cuda::TileCount(requests[i].length_bytes, requests[i].num_rows);
+    }
+  };
   for (size_t i = 0; i < requests.size(); ++i) {
     const TransferRequest& r = requests[i];
     bytes += r.total_bytes();
     eligible = eligible || UsesCopyEngine(r, CopyPathChooser::kMinEngineBytes);
     to_engine[i] = UsesCopyEngine(r, threshold) ? 1 : 0;
-    if (to_engine[i] != 0) {
-      any_candidate = true;
-      ++engine_blocks;
-    } else {
-      num_tiles += cuda::TileCount(r.length_bytes, r.num_rows);
-    }
+    tally(i);
   }
-  // Tiles of the kernel's share, and the copy engine's blocks, after a split.
-  auto count = [&] {
+  // After a split, the two shares counted again.
+  auto recount = [&] {
     num_tiles = 0;
     engine_blocks = 0;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      if (to_engine[i] != 0) {
-        ++engine_blocks;
-      } else {
-        num_tiles += cuda::TileCount(requests[i].length_bytes, requests[i].num_rows);
-      }
-    }
+    for (size_t i = 0; i < requests.size(); ++i) tally(i);
   };
-  if (any_candidate && split_) {
+  if (engine_blocks > 0 && split_) {
     std::vector<uint8_t> candidates = to_engine;
     SplitEngineBlocks(requests, to_engine, split_costs_);
-    count();
+    recount();
     // A kernel share too large for the whole arena: the copy engine takes every candidate.
     if (num_tiles > static_cast<size_t>(TileArena::kUnits) * TileArena::kUnitTiles) {
       to_engine.swap(candidates);
-      count();
+      recount();
     }
   }
   const uint64_t units = (num_tiles + TileArena::kUnitTiles - 1) / TileArena::kUnitTiles;
