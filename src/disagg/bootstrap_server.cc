@@ -4,7 +4,6 @@
 // thread pool. No exception leaves a handler: JSON errors come back as Status from
 // bootstrap_wire, and anything unexpected is caught and answered with 500.
 #include <httplib.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,7 +19,7 @@
 
 #include "common/auth.h"
 #include "common/checks.h"
-#include "common/listen_backlog.h"
+#include "common/listen_socket.h"
 #include "common/logging.h"
 #include "disagg/bootstrap_wire.h"
 #include "disagg/http_auth.h"
@@ -76,13 +75,11 @@ class BootstrapServer::Impl {
       return new httplib::ThreadPool(static_cast<size_t>(num_threads));
     };
     server_.set_payload_max_length(kMaxBodyBytes);
-    // httplib's default also sets SO_REUSEPORT, which would let a second bootstrap server
-    // bind the same port and silently receive half of the registrations. Keep only
-    // SO_REUSEADDR (a restarted server may rebind while old connections sit in TIME_WAIT).
-    // The socket offered last is the one bound: its backlog is raised after the bind.
+    // SO_REUSEADDR without httplib's SO_REUSEPORT (a second bootstrap server on the same
+    // port would silently receive half of the registrations); the socket offered last is the
+    // one bound, its backlog raised after the bind (common/listen_socket.h).
     server_.set_socket_options([this](socket_t sock) {
-      int yes = 1;
-      ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      SetListenAddressReuse(sock);
       listen_fd_ = sock;
     });
     // Bounds how long the destructor can wait on an idle keep-alive connection.
@@ -117,8 +114,7 @@ class BootstrapServer::Impl {
     if (bound_port <= 0) {
       return UnavailableError("bootstrap server cannot bind " + where);
     }
-    // httplib listens with a backlog of 5: a burst of registrations would be reset
-    // (common/listen_backlog.h).
+    // httplib listens with a backlog of 5: a burst of registrations would be reset.
     if (Status s = RaiseListenBacklog(listen_fd_); !s.ok()) {
       // The accept loop never ran, so httplib would not close the bound socket.
       if (listen_fd_ >= 0) ::close(listen_fd_);

@@ -3,7 +3,6 @@
 #include <httplib.h>
 #include <malloc.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 
 #include <atomic>
 #include <csignal>
@@ -14,7 +13,7 @@
 #include "common/auth.h"
 #include "common/checks.h"
 #include "common/env.h"
-#include "common/listen_backlog.h"
+#include "common/listen_socket.h"
 #include "common/logging.h"
 #include "cuda/device_ops.h"
 #include "disagg/connector_pools.h"
@@ -269,13 +268,11 @@ struct Instance {
   int Serve(const std::function<json()>& info) {
     RequireBearerToken(server, auth_secret, "control server");
     server.new_task_queue = [] { return new httplib::ThreadPool(128); };
-    // SO_REUSEADDR (httplib's default sets SO_REUSEPORT instead, which would let a second
-    // instance bind a fixed --control-port); the socket offered last is the one bound, and its
-    // backlog is raised after the bind: httplib's 5 reset bursts of first connections
-    // (common/listen_backlog.h).
+    // SO_REUSEADDR without httplib's SO_REUSEPORT (a second instance could bind a fixed
+    // --control-port); the socket offered last is the one bound, its backlog raised after the
+    // bind: httplib's 5 reset bursts of first connections (common/listen_socket.h).
     server.set_socket_options([this](socket_t sock) {
-      int yes = 1;
-      ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      SetListenAddressReuse(sock);
       control_fd = sock;
     });
     // A client that stops sending (or reading) frees its thread after 5 s; request bodies are

@@ -120,7 +120,7 @@ TEST(InstanceTest, ReplayReportsTheErrorOfAnInstanceThatCannotStart) {
 // Fresh connections arriving at once are all served: the control server (POST /decode) and
 // the bootstrap server (PUT /route) listen with a backlog raised above httplib's 5, which
 // otherwise overflows and the kernel resets some of the burst before any handler sees it
-// (common/listen_backlog.h). Each request has a body (headers and body go out as two writes,
+// (common/listen_socket.h). Each request has a body (headers and body go out as two writes,
 // the case that was reset) and is refused at once (413, 400), so only the connection is timed.
 TEST(InstanceTest, BurstOfFirstConnectionsIsServed) {
   RunningInstance prefill("prefill"), decode("decode");

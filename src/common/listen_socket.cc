@@ -1,4 +1,4 @@
-#include "common/listen_backlog.h"
+#include "common/listen_socket.h"
 
 #include <sys/socket.h>
 
@@ -7,6 +7,11 @@
 #include <string>
 
 namespace kvferry {
+
+void SetListenAddressReuse(int fd) {
+  int yes = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+}
 
 Status RaiseListenBacklog(int fd) {
   if (fd < 0) return InvalidArgumentError("no listening socket to raise the backlog of");
