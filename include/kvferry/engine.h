@@ -68,7 +68,7 @@ struct EngineOptions {
   // nvlink_copy_engine_min_row_bytes add up to it) may go through the copy engine
   // (cudaMemcpyBatchAsync, cudaMemcpy3DBatchAsync) unless the copy kernel moved them 25% faster
   // lately (it may on idle SMs; the copy engine wins when kernels compete for them;
-  // docs/perf/nvlink-h100-sessions-14-18.md). Any other value fixes it: blocks (or rows adding up
+  // docs/perf/nvlink-h100-earlier.md). Any other value fixes it: blocks (or rows adding up
   // to) at least that long may use the copy engine, smaller ones the kernel (UINT64_MAX: kernel
   // only). Of a submission's blocks that may use the copy engine, it takes those with the longest
   // rows and the kernel the rest, both copying at once, in shares sized to end together (the copy

@@ -6,7 +6,7 @@
 // Neither wins everywhere: on an idle GPU the kernel moves 64 KiB..16 MiB blocks at the link's
 // rate while the copy engine pays host calls (a call per 1 MiB block reached 205 of 397 GB/s
 // on H200, a batch call 390; below 512 KiB the kernel stays ahead:
-// docs/perf/nvlink-h100-sessions-14-18.md),
+// docs/perf/nvlink-h100-earlier.md),
 // while on a GPU whose SMs are busy (prefill's model, a replay's fill kernels) the kernel gets
 // what the other kernels leave and the copy engine does not compete for SMs (87% against 66%
 // of the link in a 500-request replay). So the chooser measures: blocks of at least
@@ -47,7 +47,7 @@ class CopyPathChooser {
   // The kernel serves the exploitation only when its rate beats the copy engine's by this
   // factor: its rate does not show what it took from the other kernels on the GPU (the copy
   // engine takes no SMs), and under contention the two rates were within noise of each other
-  // while the copy engine ran the replay 13-16% faster (docs/perf/nvlink-h100-sessions-14-18.md,
+  // while the copy engine ran the replay 13-16% faster (docs/perf/nvlink-h100-earlier.md,
   // "Choosing the path").
   static constexpr double kKernelMargin = 1.25;
 

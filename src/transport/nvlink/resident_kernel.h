@@ -48,7 +48,7 @@ struct ResidentRole {
   // The latency kernel: one block carrying lone small parts (at most kLoneTiles tiles, with at
   // most kLoneTiles tiles in flight) without a launch each, while they keep coming: a launch
   // and its completion event took 10.5 us for one 4 KiB copy on H200 where a block waiting for
-  // work took 3.7 (docs/perf/nvlink-h100-sessions-14-18.md, "Latency floors"); it looks for work at
+  // work took 3.7 (docs/perf/nvlink-h100-earlier.md, "Latency floors"); it looks for work at
   // least every 64 ns. Off when resident_blocks is 0.
   static constexpr int64_t kLoneTiles = 4;
   static ResidentRole Lone(const NvlinkChannelOptions& options);
