@@ -1,9 +1,10 @@
 // Bulk launches on the GPU (BulkFlight), from launch to completion: the launching thread hands
 // each one in (Add), the progress thread moves them into one queue per stream (TakeNew) and
 // completes each queue's oldest once its copies finished (Poll). A stream runs its launches in
-// order, so only the oldest flight of each stream is queried: one cudaEventQuery per stream and
-// round, not one per flight (with 64 flights in flight, querying them all capped completions
-// at ~250k batches/s).
+// order (and the stream beside it, which carries the copy-engine share of parts split between
+// both engines, runs those in the same order), so only the oldest flight of each stream is
+// queried: one cudaEventQuery per stream and round (two for a split part), not one per flight
+// (with 64 flights in flight, querying them all capped completions at ~250k batches/s).
 //
 // Streams are numbered across both launchers: [0, kBulkStreams) are BulkLauncher's,
 // [kBulkStreams, kBulkStreams + kGateStreams) GatedLauncher's gate streams.
@@ -33,9 +34,11 @@ constexpr int kBulkStreams = 4;
 constexpr int kGateStreams = 8;
 
 // One launch on the GPU, carrying one or more parts: done when `event` completed (null:
-// already synchronized).
+// already synchronized) and, for a part whose copy-engine blocks went on the stream beside its
+// kernel's, `engine_event` too (null: none, or already synchronized).
 struct BulkFlight {
   cudaEvent_t event = nullptr;
+  cudaEvent_t engine_event = nullptr;
   int stream = 0;  // see the stream numbering above
   Status status;   // a launch error, reported once the stream is past it
   std::vector<BulkPart> parts;

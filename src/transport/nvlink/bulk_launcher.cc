@@ -24,16 +24,12 @@ Status BulkLauncher::Init(int stream_priority, int max_blocks) {
   for (cuda::Stream& st : engine_streams_) {
     CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking, stream_priority));
   }
-  for (cuda::Event& ev : join_events_) {
-    CUDA_RETURN_IF_ERROR(ev.Create(cudaEventDisableTiming));
-  }
   return OkStatus();
 }
 
 void BulkLauncher::ReleaseCudaResources() {
   for (cuda::Stream& st : streams_) (void)st.release();
   for (cuda::Stream& st : engine_streams_) (void)st.release();
-  for (cuda::Event& ev : join_events_) (void)ev.release();
 }
 
 void BulkLauncher::Launch(BulkPart&& part) {
@@ -212,17 +208,28 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
   (void)cudaGetLastError();
   cudaError_t e = cudaSuccess;
   // A part with both kernel tiles and copy-engine blocks: its copy-engine blocks go on the
-  // stream beside, first, and the launch's stream waits for them after its kernel, so that
-  // both engines copy at once (SplitEngineBlocks sized the two shares for that).
+  // stream beside, first, with an event of their own after them, so that both engines copy at
+  // once (SplitEngineBlocks sized the two shares for that). The flight is done when both its
+  // events are; the launch's stream does not wait for the blocks beside, so its next launch
+  // does not wait for this part's copy engine share either.
   const bool beside = parts.size() == 1 && parts[0].num_tiles > 0 && !parts[0].engine.empty();
   cudaStream_t beside_stream = engine_streams_[static_cast<size_t>(stream_index)].get();
-  cudaEvent_t join = join_events_[static_cast<size_t>(stream_index)].get();
-  bool joined = false;  // the launch's stream can wait for the blocks beside through `join`
   if (beside) {
     e = IssueEngineCopies(parts[0].engine, beside_stream);
-    // Recorded even after a failed issue, so that copies the driver did queue are waited for.
-    const cudaError_t recorded = cudaEventRecord(join, beside_stream);
-    joined = recorded == cudaSuccess;
+    // Recorded even after a failed issue, so that copies the driver did queue are waited for;
+    // where there is no event to record, this thread waits for them (no copy may outlive the
+    // part's report).
+    cudaEvent_t engine_event = arena_.TakeEvent();
+    if (engine_event == nullptr) cudaEventCreateWithFlags(&engine_event, cudaEventDisableTiming);
+    const cudaError_t recorded = engine_event == nullptr
+                                     ? cudaErrorMemoryAllocation
+                                     : cudaEventRecord(engine_event, beside_stream);
+    if (recorded == cudaSuccess) {
+      flight.engine_event = engine_event;
+    } else {
+      (void)cudaStreamSynchronize(beside_stream);
+      if (engine_event != nullptr) arena_.GiveEvent(engine_event);
+    }
     if (e == cudaSuccess) e = recorded;
   }
   if (e != cudaSuccess) {
@@ -242,14 +249,6 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
       ++tables.count;
     }
     e = cuda::LaunchBatchedCopyHostTables(tables, stream, max_blocks_);
-  }
-  if (beside) {
-    // No copy of the part may outlive its report: the launch's stream waits for the blocks
-    // beside it, or, where it cannot, this thread does. (Without the join `e` already holds
-    // why.)
-    const cudaError_t waited = joined ? cudaStreamWaitEvent(stream, join, 0) : cudaErrorNotReady;
-    if (waited != cudaSuccess) (void)cudaStreamSynchronize(beside_stream);
-    if (e == cudaSuccess) e = waited;
   }
   for (const BulkPart& p : parts) {  // (a part with copy-engine blocks launches alone)
     if (!beside && e == cudaSuccess && !p.engine.empty()) e = IssueEngineCopies(p.engine, stream);

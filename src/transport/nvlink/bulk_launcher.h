@@ -42,7 +42,7 @@ class BulkLauncher {
   // pending for the thread launching now.
   void Launch(BulkPart&& part);
 
-  // Gives up the streams (the side streams and join events too) without destroying them.
+  // Gives up the streams (the side streams too) without destroying them.
   void ReleaseCudaResources();
 
  private:
@@ -54,8 +54,9 @@ class BulkLauncher {
   // One launch and one event for `parts`. A lone part's table goes inside the launch
   // parameters when small, else uploaded to its device copy; several parts go as one kernel
   // reading their tables from host memory. A lone part with kernel tiles and copy-engine
-  // blocks queues the blocks on the side stream, which the launch's stream joins after its
-  // kernel.
+  // blocks queues the blocks on the side stream, with an event of their own that the flight
+  // also waits for (the launch's stream does not wait for them: its next kernel starts as
+  // soon as this one ends).
   void LaunchGroup(std::vector<BulkPart> parts);
   // Queues copy-engine blocks on `stream`: the single blocks as one cudaMemcpyBatchAsync, the
   // strided ones as one cudaMemcpy3DBatchAsync (one call per block where the batch calls are
@@ -73,9 +74,8 @@ class BulkLauncher {
   int max_blocks_ = 1;  // thread blocks per copy kernel (Init)
   std::array<cuda::Stream, kBulkStreams> streams_;
   // Beside each stream, one for the copy-engine blocks of a part that also has kernel tiles,
-  // so that the two engines copy at the same time, and the event that joins it back.
+  // so that the two engines copy at the same time.
   std::array<cuda::Stream, kBulkStreams> engine_streams_;
-  std::array<cuda::Event, kBulkStreams> join_events_;
   std::atomic<uint32_t> next_stream_{0};
   std::mutex pending_mu_;  // guards pending_
   std::vector<BulkPart> pending_;

@@ -323,6 +323,7 @@ class NvlinkChannel : public PeerChannel {
   // Completes `f` if its copies finished; false (and nothing done) while they run.
   bool CompleteBulkFlight(BulkFlight& f) {
     cudaError_t e = f.event == nullptr ? cudaSuccess : cudaEventQuery(f.event);
+    if (e == cudaSuccess && f.engine_event != nullptr) e = cudaEventQuery(f.engine_event);
     if (e == cudaErrorNotReady) return false;
     if (e != cudaSuccess && f.status.ok()) f.status = InternalError(CudaError("NVLink copy", e));
     BulkFlight done = std::move(f);
@@ -330,7 +331,7 @@ class NvlinkChannel : public PeerChannel {
       chooser_.OnDone(done.parts[0].arm, done.parts[0].measured, done.parts[0].bytes,
                       CopyPathChooser::Clock::now());
     }
-    arena_.GiveBack(done.parts, done.event);
+    arena_.GiveBack(done.parts, done.event, done.engine_event);
     for (const BulkPart& p : done.parts) {
       bulk_tiles_in_flight_.fetch_sub(static_cast<int64_t>(p.num_tiles));
       Status outcome = done.status;

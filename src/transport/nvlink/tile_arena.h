@@ -43,14 +43,15 @@ class TileArena {
   // Frees units [first, first + n), which must have been taken.
   void Give(uint32_t first, uint32_t n);
   // A finished launch's return: the units of each of its parts (`first_unit`, `num_units`;
-  // none when num_units is 0) and its completion event (unless null), under one lock.
+  // none when num_units is 0) and its completion events (those not null), under one lock.
   template <typename Parts>
-  void GiveBack(const Parts& parts, cudaEvent_t event) {
+  void GiveBack(const Parts& parts, cudaEvent_t event, cudaEvent_t engine_event = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& p : parts) {
       if (p.num_units > 0) units_.Give(p.first_unit, p.num_units);
     }
     if (event != nullptr) free_events_.Give(event);
+    if (engine_event != nullptr) free_events_.Give(engine_event);
   }
 
   // An idle completion event of bulk launches, or null (the caller creates one).
