@@ -27,6 +27,7 @@ Carried Drive(CopyPathChooser& chooser, Clock::time_point* t, uint64_t bytes, ui
     EXPECT_EQ(c.engine_threshold_bytes, engine ? CopyPathChooser::kMinEngineBytes : UINT64_MAX);
     const double seconds =
         static_cast<double>(bytes) / ((engine ? engine_gbps : kernel_gbps) * 1e9);
+    chooser.OnChosen(c.arm, bytes);
     const bool measured = chooser.OnLaunch(c.arm, *t);
     EXPECT_TRUE(measured);  // one launch at a time: the other arm has none in flight
     *t += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
@@ -149,6 +150,53 @@ TEST(CopyPathChooserTest, LaunchesQueuedBehindTheOtherArmAreNotMeasured) {
   // The rest of the engine's window runs alone at 350 GB/s: the engine is chosen.
   Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 350);
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
+}
+
+TEST(CopyPathChooserTest, TheKernelsWindowStopsTakingSubmissionsOnceItsBytesAreIssued) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  // 32 submissions of 256 MiB queued before any completes (4 threads x 4 batches of 64 blocks
+  // of 4 MiB, twice): the kernel takes its window's 4 GiB, the rest go to the copy engine
+  // unmeasured.
+  int kernel = 0, unmeasured = 0;
+  for (int i = 0; i < 32; ++i) {
+    const CopyPathChooser::Choice c = chooser.Choose(t);
+    if (c.arm == CopyPathChooser::kKernel) {
+      EXPECT_EQ(c.engine_threshold_bytes, UINT64_MAX);
+      chooser.OnChosen(c.arm, 256 << 20);
+      ASSERT_TRUE(chooser.OnLaunch(c.arm, t));
+      ++kernel;
+    } else {
+      EXPECT_EQ(c.arm, CopyPathChooser::kNone);
+      EXPECT_EQ(c.engine_threshold_bytes, CopyPathChooser::kMinEngineBytes);
+      EXPECT_FALSE(chooser.OnLaunch(c.arm, t));
+      ++unmeasured;
+    }
+  }
+  EXPECT_EQ(kernel, 16);
+  EXPECT_EQ(unmeasured, 16);
+  t += std::chrono::milliseconds(14);
+  for (int i = 0; i < kernel; ++i) chooser.OnDone(CopyPathChooser::kKernel, true, 256 << 20, t);
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);  // the kernel's window is full
+}
+
+TEST(CopyPathChooserTest, UnmeasuredKernelLaunchesGiveTheirBytesBackToTheWindow) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  // A copy-engine launch still in flight from before: the kernel's first 4 GiB go unmeasured.
+  ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kEngine, t));
+  for (int i = 0; i < 16; ++i) {
+    const CopyPathChooser::Choice c = chooser.Choose(t);
+    ASSERT_EQ(c.arm, CopyPathChooser::kKernel);
+    chooser.OnChosen(c.arm, 256 << 20);
+    EXPECT_FALSE(chooser.OnLaunch(c.arm, t));
+  }
+  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kNone);  // issued: the window waits
+  t += std::chrono::milliseconds(14);
+  chooser.OnDone(CopyPathChooser::kEngine, true, 256 << 20, t);
+  for (int i = 0; i < 16; ++i) chooser.OnDone(CopyPathChooser::kKernel, false, 256 << 20, t);
+  // Nothing of the window was measured: the kernel takes submissions again.
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel);
 }
 
 }  // namespace

@@ -149,6 +149,7 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
   // A copy-engine arm whose split left the copy engine nothing measures nothing.
   const bool measured = eligible && !(choice.arm == CopyPathChooser::kEngine && engine_blocks == 0);
   part->arm = measured ? choice.arm : CopyPathChooser::kNone;
+  if (measured) chooser_.OnChosen(choice.arm, bytes);
   return BulkFit::kPrepared;
 }
 

@@ -1,5 +1,6 @@
 #include "transport/nvlink/copy_path_chooser.h"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace kvferry {
@@ -17,7 +18,16 @@ CopyPathChooser::Choice CopyPathChooser::Choose(Clock::time_point now) {
   if (fixed_threshold_bytes_ != 0) return {fixed_threshold_bytes_, kNone};
   std::lock_guard<std::mutex> lock(mu_);
   AdvanceLocked(now);
+  if (phase_ == kExplore && current_ == kKernel && kernel_issued_ >= kExploreBytes) {
+    return {kMinEngineBytes, kNone};  // the kernel's window is issued: the copy engine, unmeasured
+  }
   return {current_ == kEngine ? kMinEngineBytes : UINT64_MAX, current_};
+}
+
+void CopyPathChooser::OnChosen(Arm arm, uint64_t bytes) {
+  if (arm != kKernel) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (phase_ == kExplore && current_ == kKernel) kernel_issued_ += bytes;
 }
 
 bool CopyPathChooser::OnLaunch(Arm arm, Clock::time_point now) {
@@ -40,6 +50,10 @@ void CopyPathChooser::OnDone(Arm arm, bool measured, uint64_t bytes, Clock::time
   if (phase_ == kExploit && arm == current_) exploit_bytes_ += bytes;
   if (!measured) {
     if (m.unmeasured > 0) --m.unmeasured;
+    // Its bytes cannot fill the window: the window may issue that many more.
+    if (arm == kKernel && phase_ == kExplore && current_ == kKernel) {
+      kernel_issued_ -= std::min(kernel_issued_, bytes);
+    }
     return;
   }
   m.bytes += bytes;
@@ -73,6 +87,7 @@ void CopyPathChooser::AdvanceLocked(Clock::time_point now) {
   if (exploit_bytes_ < kExploitBytes) return;
   phase_ = kExplore;
   current_ = kKernel;
+  kernel_issued_ = 0;
   restart(kKernel);
 }
 

@@ -14,6 +14,10 @@
 // window of kExploreBytes, then on the other, and the copy engine serves the next
 // kExploitBytes unless the kernel was kKernelMargin times faster, after which both are
 // measured again.
+// The kernel's window stops taking submissions once they carry kExploreBytes (OnChosen): the
+// ones after it, until its launches have completed those bytes, go to the copy engine without
+// being measured, so that deep queues (16 batches of 4 GiB in flight) do not put far more
+// than kExploreBytes on the slower path.
 // A rate is bytes over the time at least one launch of that arm was in flight (launch call
 // to completion seen by the progress thread), so host call costs and contention both count.
 // Launches issued while the other arm still has launches in flight are not measured: they
@@ -62,6 +66,10 @@ class CopyPathChooser {
   // The path for the next submission's eligible blocks, at `now`.
   Choice Choose(Clock::time_point now);
   Choice Choose() { return Choose(Clock::now()); }
+  // A submission of `bytes` with blocks the chooser decides about was prepared with `arm`
+  // (from Choose): counted against the kernel's window until it completes (a launch of it that
+  // is not measured gives its bytes back in OnDone).
+  void OnChosen(Arm arm, uint64_t bytes);
 
   // A launch carrying a submission of `arm` (with eligible blocks) is being issued (before
   // its first CUDA call); returns whether it is measured (pass that to OnDone). Then it
@@ -91,6 +99,9 @@ class CopyPathChooser {
   Phase phase_ = kExplore;
   Arm current_ = kKernel;
   uint64_t exploit_bytes_ = 0;  // completed since the exploit phase began
+  // Bytes chosen for the kernel in its current window, less those of its launches that
+  // completed unmeasured.
+  uint64_t kernel_issued_ = 0;
   Meter meters_[2];
 };
 
