@@ -1,7 +1,8 @@
 // Two-process NVLink tests of the channel's bulk submissions on real GPUs: waiting for the
-// peer's regions to be mapped, copy-engine and kernel blocks in one submission, parked
-// submissions failing on abandon and close, and submissions gated on a CUDA event that wait on
-// the GPU and can be withdrawn until they start. Skips without a GPU.
+// peer's regions to be mapped, copy-engine and kernel blocks in one submission (reported only
+// once both engines' shares landed), parked submissions failing on abandon and close, and
+// submissions gated on a CUDA event that wait on the GPU and can be withdrawn until they
+// start. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #ifdef KVFERRY_WITH_CUDA
@@ -225,6 +226,47 @@ TEST_F(NvlinkGpuTest, BulkSubmissionMixesCopyEngineAndKernelBlocks) {
         << "strided row " << row;
   }
   ASSERT_EQ(std::memcmp(got.data() + (4 << 20), mirror.data(), 4096), 0);
+}
+
+// A submission split between the engines (a 2 KiB block for the kernel, 64 rows of 1 MiB for
+// the copy engine beside it) is reported only once both shares landed: the kernel's ends within
+// microseconds, the copy engine's about 0.2 ms later, and a READ of the row the copy engine
+// writes last starts right after the report (the engine's channel to the peer set up before).
+// Five rounds, each with new data; then the whole region is compared.
+TEST_F(NvlinkGpuTest, SplitSubmissionIsReportedAfterItsCopyEngineShareLanded) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  NvlinkChannelOptions options;
+  options.peer = *descriptor;
+  options.copy_engine_threshold_bytes = 1 << 20;  // the 1 MiB rows go to the copy engine
+  constexpr uint64_t kRow = 1 << 20, kRows = 64, kSpan = (kRows + 1) * kRow;
+  auto channel = CreateNvlinkChannel(options);
+  ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+  auto* local = static_cast<uint8_t*>(local_);
+  auto* back = static_cast<uint8_t*>(back_);
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, kRow).ok());
+  std::vector<uint8_t> last(kRow);
+  for (uint64_t round = 0; round < 5; ++round) {
+    const std::vector<uint8_t> src = FillRandom(local_, kSpan, 70 + round);
+    std::vector<uint8_t> mirror = PatternMirror(kSpan);
+    TransferRequest rows{TransferOp::kWrite, local, segment_, peer_.vmm_base, kRow};
+    rows.num_rows = kRows;
+    rows.local_stride = rows.remote_stride = kRow;
+    std::memcpy(mirror.data(), src.data(), kRows * kRow);
+    const TransferRequest small{TransferOp::kWrite, local + kRows * kRow, segment_,
+                                peer_.vmm_base + kRows * kRow + 64, 2048};
+    std::memcpy(mirror.data() + kRows * kRow + 64, src.data() + kRows * kRow, 2048);
+    const std::vector<TransferRequest> reqs{small, rows};
+    Status s = SubmitAndWait(**channel, reqs, 11);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    ASSERT_TRUE(Do(TransferOp::kRead, back, peer_.vmm_base + (kRows - 1) * kRow, kRow).ok());
+    ASSERT_EQ(cudaMemcpy(last.data(), back, kRow, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(std::memcmp(last.data(), mirror.data() + (kRows - 1) * kRow, kRow), 0)
+        << "round " << round << ": the copy engine's last row had not landed when reported";
+    ExpectPeerRegionEquals(mirror);
+    if (HasFatalFailure()) break;
+  }
+  (*channel)->Close();
 }
 
 // Copy kernels at one block per SM and at eight: a submission of 3072 blocks of 2 KiB in a

@@ -152,38 +152,46 @@ TEST(CopyPathChooserTest, LaunchesQueuedBehindTheOtherArmAreNotMeasured) {
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
 }
 
-TEST(CopyPathChooserTest, TheKernelsWindowStopsTakingSubmissionsOnceItsBytesAreIssued) {
-  CopyPathChooser chooser(0);
-  Clock::time_point t = Clock::now();
-  // 32 submissions of 256 MiB queued before any completes (4 threads x 4 batches of 64 blocks
-  // of 4 MiB, twice): the kernel takes its window's 4 GiB, the rest go to the copy engine
-  // unmeasured.
-  int kernel = 0, unmeasured = 0;
-  for (int i = 0; i < 32; ++i) {
-    const CopyPathChooser::Choice c = chooser.Choose(t);
-    if (c.arm == CopyPathChooser::kKernel) {
-      EXPECT_EQ(c.engine_threshold_bytes, UINT64_MAX);
+TEST(CopyPathChooserTest, TheKernelsWindowEndsOnceItsBytesAreIssued) {
+  for (const int kernel_ms : {14, 4}) {
+    CopyPathChooser chooser(0);
+    Clock::time_point t = Clock::now();
+    // 32 submissions of 256 MiB queued before any completes (4 threads x 4 batches of 64
+    // blocks of 4 MiB, twice): the kernel takes its window's 4 GiB, the copy engine's window
+    // the rest, which is not measured while the kernel's launches are in flight.
+    int kernel = 0, engine = 0;
+    for (int i = 0; i < 32; ++i) {
+      const CopyPathChooser::Choice c = chooser.Choose(t);
       chooser.OnChosen(c.arm, 256 << 20);
-      ASSERT_TRUE(chooser.OnLaunch(c.arm, t));
-      ++kernel;
-    } else {
-      EXPECT_EQ(c.arm, CopyPathChooser::kNone);
-      EXPECT_EQ(c.engine_threshold_bytes, CopyPathChooser::kMinEngineBytes);
-      EXPECT_FALSE(chooser.OnLaunch(c.arm, t));
-      ++unmeasured;
+      if (c.arm == CopyPathChooser::kKernel) {
+        ASSERT_TRUE(chooser.OnLaunch(c.arm, t));
+        ++kernel;
+      } else {
+        ASSERT_EQ(c.arm, CopyPathChooser::kEngine);
+        EXPECT_FALSE(chooser.OnLaunch(c.arm, t));
+        ++engine;
+      }
     }
+    EXPECT_EQ(kernel, 16);
+    EXPECT_EQ(engine, 16);
+    // The kernel's 4 GiB took `kernel_ms` (307 or 1074 GB/s), then the queued copy-engine
+    // launches finish, then the copy engine's window runs alone at 400 GB/s.
+    t += std::chrono::milliseconds(kernel_ms);
+    for (int i = 0; i < kernel; ++i) chooser.OnDone(CopyPathChooser::kKernel, true, 256 << 20, t);
+    t += std::chrono::milliseconds(10);
+    for (int i = 0; i < engine; ++i) chooser.OnDone(CopyPathChooser::kEngine, false, 256 << 20, t);
+    Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
+    EXPECT_EQ(chooser.Choose(t).arm,
+              kernel_ms == 4 ? CopyPathChooser::kKernel : CopyPathChooser::kEngine)
+        << chooser.Describe();
   }
-  EXPECT_EQ(kernel, 16);
-  EXPECT_EQ(unmeasured, 16);
-  t += std::chrono::milliseconds(14);
-  for (int i = 0; i < kernel; ++i) chooser.OnDone(CopyPathChooser::kKernel, true, 256 << 20, t);
-  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);  // the kernel's window is full
 }
 
-TEST(CopyPathChooserTest, UnmeasuredKernelLaunchesGiveTheirBytesBackToTheWindow) {
+TEST(CopyPathChooserTest, AKernelWindowQueuedBehindTheCopyEngineLeavesItTheExploitation) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
-  // A copy-engine launch still in flight from before: the kernel's first 4 GiB go unmeasured.
+  // A copy-engine launch still in flight from before: every launch of the kernel's window
+  // queues behind it, none is measured, and the window still ends once its bytes are issued.
   ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kEngine, t));
   for (int i = 0; i < 16; ++i) {
     const CopyPathChooser::Choice c = chooser.Choose(t);
@@ -191,12 +199,12 @@ TEST(CopyPathChooserTest, UnmeasuredKernelLaunchesGiveTheirBytesBackToTheWindow)
     chooser.OnChosen(c.arm, 256 << 20);
     EXPECT_FALSE(chooser.OnLaunch(c.arm, t));
   }
-  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kNone);  // issued: the window waits
+  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);
   t += std::chrono::milliseconds(14);
   chooser.OnDone(CopyPathChooser::kEngine, true, 256 << 20, t);
   for (int i = 0; i < 16; ++i) chooser.OnDone(CopyPathChooser::kKernel, false, 256 << 20, t);
-  // Nothing of the window was measured: the kernel takes submissions again.
-  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel);
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 300);
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
 }
 
 }  // namespace

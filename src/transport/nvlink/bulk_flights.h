@@ -4,7 +4,9 @@
 // order (and the stream beside it, which carries the copy-engine share of parts split between
 // both engines, runs those in the same order), so only the oldest flight of each stream is
 // queried: one cudaEventQuery per stream and round (two for a split part), not one per flight
-// (with 64 flights in flight, querying them all capped completions at ~250k batches/s).
+// (with 64 flights in flight, querying them all capped completions at ~250k batches/s). A
+// flight whose copies finished while an older one's copy-engine share still runs is reported
+// after it: late, never early.
 //
 // Streams are numbered across both launchers: [0, kBulkStreams) are BulkLauncher's,
 // [kBulkStreams, kBulkStreams + kGateStreams) GatedLauncher's gate streams.

@@ -1,6 +1,5 @@
 #include "transport/nvlink/copy_path_chooser.h"
 
-#include <algorithm>
 #include <cstdio>
 
 namespace kvferry {
@@ -18,9 +17,6 @@ CopyPathChooser::Choice CopyPathChooser::Choose(Clock::time_point now) {
   if (fixed_threshold_bytes_ != 0) return {fixed_threshold_bytes_, kNone};
   std::lock_guard<std::mutex> lock(mu_);
   AdvanceLocked(now);
-  if (phase_ == kExplore && current_ == kKernel && kernel_issued_ >= kExploreBytes) {
-    return {kMinEngineBytes, kNone};  // the kernel's window is issued: the copy engine, unmeasured
-  }
   return {current_ == kEngine ? kMinEngineBytes : UINT64_MAX, current_};
 }
 
@@ -50,10 +46,6 @@ void CopyPathChooser::OnDone(Arm arm, bool measured, uint64_t bytes, Clock::time
   if (phase_ == kExploit && arm == current_) exploit_bytes_ += bytes;
   if (!measured) {
     if (m.unmeasured > 0) --m.unmeasured;
-    // Its bytes cannot fill the window: the window may issue that many more.
-    if (arm == kKernel && phase_ == kExplore && current_ == kKernel) {
-      kernel_issued_ -= std::min(kernel_issued_, bytes);
-    }
     return;
   }
   m.bytes += bytes;
@@ -70,13 +62,20 @@ void CopyPathChooser::AdvanceLocked(Clock::time_point now) {
   };
   Meter& m = meters_[current_];
   if (phase_ == kExplore) {
-    if (m.bytes < kExploreBytes) return;
-    const double seconds = m.BusySeconds(now);
-    m.rate_gbps = seconds > 0 ? static_cast<double>(m.bytes) / seconds / 1e9 : 0;
-    if (current_ == kKernel) {  // the copy engine's window next
+    if (current_ == kKernel) {
+      // The kernel's window ends once its submissions carry kExploreBytes, issued or completed
+      // (launches measured while it runs), whichever comes first; the copy engine's next.
+      if (kernel_issued_ < kExploreBytes && m.bytes < kExploreBytes) return;
       current_ = kEngine;
       restart(kEngine);
       return;
+    }
+    if (m.bytes < kExploreBytes) return;
+    // Both rates now: the copy engine's launches were measured only while none of the kernel's
+    // were in flight, so the kernel's window has completed.
+    for (Meter& arm : meters_) {
+      const double seconds = arm.BusySeconds(now);
+      arm.rate_gbps = seconds > 0 ? static_cast<double>(arm.bytes) / seconds / 1e9 : 0;
     }
     current_ =
         meters_[kKernel].rate_gbps > kKernelMargin * meters_[kEngine].rate_gbps ? kKernel : kEngine;

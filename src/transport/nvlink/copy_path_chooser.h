@@ -14,17 +14,19 @@
 // window of kExploreBytes, then on the other, and the copy engine serves the next
 // kExploitBytes unless the kernel was kKernelMargin times faster, after which both are
 // measured again.
-// The kernel's window stops taking submissions once they carry kExploreBytes (OnChosen): the
-// ones after it, until its launches have completed those bytes, go to the copy engine without
-// being measured, so that deep queues (16 batches of 4 GiB in flight) do not put far more
-// than kExploreBytes on the slower path.
+// The kernel's window ends once the submissions chosen for it carry kExploreBytes (OnChosen),
+// not when its launches have completed that much, so that deep queues (16 batches of 4 GiB in
+// flight) do not put far more than kExploreBytes on the path being tried; its rate is taken
+// when the copy engine's window ends, after its launches completed.
 // A rate is bytes over the time at least one launch of that arm was in flight (launch call
 // to completion seen by the progress thread), so host call costs and contention both count.
 // Launches issued while the other arm still has launches in flight are not measured: they
-// would queue behind them on the shared streams and charge that wait to their own arm.
+// would queue behind them on the shared streams and charge that wait to their own arm. (A
+// kernel window whose launches all queued behind the copy engine's measures nothing: the
+// copy engine then serves the exploitation.)
 //
-// Thread-safety: every method from any thread (one mutex, taken once per submission and twice
-// per measured launch).
+// Thread-safety: every method from any thread (one mutex, taken once per submission, once more
+// for a submission the chooser decides about, and twice per measured launch).
 #pragma once
 
 #include <chrono>
@@ -67,8 +69,8 @@ class CopyPathChooser {
   Choice Choose(Clock::time_point now);
   Choice Choose() { return Choose(Clock::now()); }
   // A submission of `bytes` with blocks the chooser decides about was prepared with `arm`
-  // (from Choose): counted against the kernel's window until it completes (a launch of it that
-  // is not measured gives its bytes back in OnDone).
+  // (from Choose): counted against the kernel's window. Several threads preparing at once may
+  // take a few submissions more than the window's bytes.
   void OnChosen(Arm arm, uint64_t bytes);
 
   // A launch carrying a submission of `arm` (with eligible blocks) is being issued (before
@@ -99,9 +101,7 @@ class CopyPathChooser {
   Phase phase_ = kExplore;
   Arm current_ = kKernel;
   uint64_t exploit_bytes_ = 0;  // completed since the exploit phase began
-  // Bytes chosen for the kernel in its current window, less those of its launches that
-  // completed unmeasured.
-  uint64_t kernel_issued_ = 0;
+  uint64_t kernel_issued_ = 0;  // bytes chosen for the kernel in its current window
   Meter meters_[2];
 };
 

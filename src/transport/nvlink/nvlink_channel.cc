@@ -323,7 +323,12 @@ class NvlinkChannel : public PeerChannel {
   // Completes `f` if its copies finished; false (and nothing done) while they run.
   bool CompleteBulkFlight(BulkFlight& f) {
     cudaError_t e = f.event == nullptr ? cudaSuccess : cudaEventQuery(f.event);
-    if (e == cudaSuccess && f.engine_event != nullptr) e = cudaEventQuery(f.engine_event);
+    if (e != cudaErrorNotReady && f.engine_event != nullptr) {
+      // Its copy-engine share too, even after an error on the launch's stream.
+      const cudaError_t engine = cudaEventQuery(f.engine_event);
+      if (engine == cudaErrorNotReady) return false;
+      if (e == cudaSuccess) e = engine;
+    }
     if (e == cudaErrorNotReady) return false;
     if (e != cudaSuccess && f.status.ok()) f.status = InternalError(CudaError("NVLink copy", e));
     BulkFlight done = std::move(f);
