@@ -239,6 +239,7 @@ TEST_F(NvlinkGpuTest, SplitSubmissionIsReportedAfterItsCopyEngineShareLanded) {
   NvlinkChannelOptions options;
   options.peer = *descriptor;
   options.copy_engine_threshold_bytes = 1 << 20;  // the 1 MiB rows go to the copy engine
+  options.split_engine_blocks = false;            // all of them, whatever the split's costs
   constexpr uint64_t kRow = 1 << 20, kRows = 64, kSpan = (kRows + 1) * kRow;
   auto channel = CreateNvlinkChannel(options);
   ASSERT_TRUE(channel.ok()) << channel.status().ToString();

@@ -196,6 +196,7 @@ class NvlinkGpuTest : public ::testing::Test {
     std::vector<uint8_t> got(mirror.size());
     ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, mirror.size()).ok());
     ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    if (std::memcmp(got.data(), mirror.data(), got.size()) == 0) return;
     for (uint64_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], mirror[i]) << "byte " << i;
   }
 

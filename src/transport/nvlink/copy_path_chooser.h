@@ -23,7 +23,10 @@
 // Launches issued while the other arm still has launches in flight are not measured: they
 // would queue behind them on the shared streams and charge that wait to their own arm. (A
 // kernel window whose launches all queued behind the copy engine's measures nothing: the
-// copy engine then serves the exploitation.)
+// copy engine then serves the exploitation.) With deep queues the rates are rough: launches
+// of one arm measured behind unmeasured ones of the same arm are charged for their wait, and
+// a stream reports its launches in order, so a launch that finished may be seen late
+// (docs/perf/nvlink-h100.md, "The kernel's measuring window with deep queues").
 //
 // Thread-safety: every method from any thread (one mutex, taken once per submission, once more
 // for a submission the chooser decides about, and twice per measured launch).
@@ -75,7 +78,8 @@ class CopyPathChooser {
 
   // A launch carrying a submission of `arm` (with eligible blocks) is being issued (before
   // its first CUDA call); returns whether it is measured (pass that to OnDone). Then it
-  // completed with `bytes` copied. Calls with kNone are ignored (OnLaunch: false).
+  // completed with `bytes` copied (0 for a launch that failed: its time counts, nothing
+  // else). Calls with kNone are ignored (OnLaunch: false).
   bool OnLaunch(Arm arm, Clock::time_point now);
   void OnDone(Arm arm, bool measured, uint64_t bytes, Clock::time_point now);
 

@@ -333,8 +333,8 @@ class NvlinkChannel : public PeerChannel {
     if (e != cudaSuccess && f.status.ok()) f.status = InternalError(CudaError("NVLink copy", e));
     BulkFlight done = std::move(f);
     if (done.parts.size() == 1 && done.parts[0].arm != CopyPathChooser::kNone) {
-      chooser_.OnDone(done.parts[0].arm, done.parts[0].measured, done.parts[0].bytes,
-                      CopyPathChooser::Clock::now());
+      chooser_.OnDone(done.parts[0].arm, done.parts[0].measured,
+                      done.status.ok() ? done.parts[0].bytes : 0, CopyPathChooser::Clock::now());
     }
     arena_.GiveBack(done.parts, done.event, done.engine_event);
     for (const BulkPart& p : done.parts) {
