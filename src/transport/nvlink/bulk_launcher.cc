@@ -197,7 +197,6 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
     parts[0].measured = chooser_.OnLaunch(parts[0].arm, CopyPathChooser::Clock::now());
   }
   BulkFlight flight;
-  cudaEvent_t event = arena_.TakeEvent();
   cuda::DeviceGuard device(device_);
   const int stream_index =
       static_cast<int>(next_stream_.fetch_add(1, std::memory_order_relaxed) % kBulkStreams);
@@ -220,7 +219,6 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
     // where there is no event to record, this thread waits for them (no copy may outlive the
     // part's report).
     cudaEvent_t engine_event = arena_.TakeEvent();
-    if (engine_event == nullptr) cudaEventCreateWithFlags(&engine_event, cudaEventDisableTiming);
     const cudaError_t recorded = engine_event == nullptr
                                      ? cudaErrorMemoryAllocation
                                      : cudaEventRecord(engine_event, beside_stream);
@@ -254,7 +252,7 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
     if (!beside && e == cudaSuccess && !p.engine.empty()) e = IssueEngineCopies(p.engine, stream);
   }
   if (e != cudaSuccess) flight.status = InternalError(CudaError("bulk copy launch", e));
-  if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  cudaEvent_t event = arena_.TakeEvent();
   if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
     // No event to poll: wait here so that no copy outlives the report.
     if (flight.status.ok()) flight.status = InternalError("bulk copy: cudaEventRecord failed");

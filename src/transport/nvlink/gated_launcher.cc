@@ -41,10 +41,9 @@ bool GatedLauncher::Admit(BulkPart* part, WorkOwner* owner, uint32_t tag) {
 void GatedLauncher::Launch(BulkPart&& part, cudaEvent_t start) {
   stats_.launches.fetch_add(1, std::memory_order_relaxed);
   stats_.parts.fetch_add(1, std::memory_order_relaxed);
-  cudaEvent_t event = arena_.TakeEvent();
   cuda::DeviceGuard device(device_);
   (void)cudaGetLastError();
-  if (event == nullptr) cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  cudaEvent_t event = arena_.TakeEvent();
   const cuda::CopyGate gate = gates_->Args(part.gate);
   BulkFlight flight;
   std::unique_lock<std::mutex> order(launch_mu_);

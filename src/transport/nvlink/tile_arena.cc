@@ -23,8 +23,13 @@ void TileArena::Give(uint32_t first, uint32_t n) {
 }
 
 cudaEvent_t TileArena::TakeEvent() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return free_events_.Take();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cudaEvent_t idle = free_events_.Take(); idle != nullptr) return idle;
+  }
+  cudaEvent_t created = nullptr;
+  if (cudaEventCreateWithFlags(&created, cudaEventDisableTiming) != cudaSuccess) return nullptr;
+  return created;
 }
 
 void TileArena::GiveEvent(cudaEvent_t event) {

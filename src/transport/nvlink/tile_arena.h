@@ -54,7 +54,9 @@ class TileArena {
     if (engine_event != nullptr) free_events_.Give(engine_event);
   }
 
-  // An idle completion event of bulk launches, or null (the caller creates one).
+  // An idle completion event of bulk launches, or a new one (timing disabled) created on the
+  // current device, which must be the arena's; null when creating one failed. The caller owns
+  // it until it gives it back (GiveEvent, GiveBack).
   cudaEvent_t TakeEvent();
   void GiveEvent(cudaEvent_t event);
 
