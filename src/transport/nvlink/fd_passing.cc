@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <memory>
 
@@ -120,7 +121,12 @@ std::string FdServer::Serve(int c) {
   const AuthProof want = HandshakeProof(auth_secret_, AuthContext::kFdSocket, AuthRole::kClient,
                                         client_nonce, *server_nonce);
   if (!ProofMatches(client_proof, want)) return "wrong proof of the shared secret";
+  const auto provide_start = std::chrono::steady_clock::now();
   StatusOr<int> fd = provider_(key);
+  KVF_LOG_DEBUG(
+      "fd server '{}': key {:x} {} in {:.1f} ms", name_, key, fd.ok() ? "exported" : "refused",
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - provide_start)
+          .count());
   uint8_t status = fd.ok() ? 0 : 1;
   iovec iov{&status, 1};
   msghdr msg{};

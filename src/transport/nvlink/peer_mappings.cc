@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdio>
 #include <utility>
 
@@ -74,21 +75,25 @@ StatusOr<uint8_t*> PeerMappings::Import(const RegionDescriptor& region) {
       UnimplementedError("region is not shareable");
   KVF_LOG_DEBUG("nvlink: mapping peer region {:x} ({} bytes on GPU {})", region.base,
                 region.alloc_bytes, region.device_id);
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  Clock::time_point handle_at = start;
   if (region.share_type == ShareHandleType::kCudaIpc) {
     imported = cuda::ImportedAllocation::FromIpcHandle(region.share_handle, local_device_);
   } else if (region.share_type == ShareHandleType::kPosixFd) {
     auto fd = RequestFd(peer_.ipc_socket, region.key, auth_secret_);
     if (!fd.ok()) return fd.status();
+    handle_at = Clock::now();
     imported =
         cuda::ImportedAllocation::FromFd(*fd, region.alloc_bytes, region.device_id, local_device_);
   }
   if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
-  if (region.device_id != local_device_) {
-    // IPC mappings may have enabled it already; either way the call leaves its result as
-    // the thread's last error, which the next launch check would report: clear it.
-    if (cudaDeviceEnablePeerAccess(region.device_id, 0) != cudaSuccess) cudaGetLastError();
-  }
-  KVF_LOG_DEBUG("nvlink: mapped peer region {:x}", region.base);
+  // No cudaDeviceEnablePeerAccess: the mapping itself gives this device access
+  // (cuMemSetAccess; cudaIpcMemLazyEnablePeerAccess for IPC handles), and the call took 135 ms
+  // on H200, which the first rooms' copies waited for (docs/perf/nvlink-h100.md, "Session 23").
+  auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  KVF_LOG_DEBUG("nvlink: mapped peer region {:x}: handle {:.1f} ms, import and map {:.1f} ms",
+                region.base, ms(handle_at - start), ms(Clock::now() - handle_at));
   std::unique_lock<std::shared_mutex> map_lock(mu_);
   return imports_.emplace(region.key, std::move(*imported)).first->second->base();
 }
