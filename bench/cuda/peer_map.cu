@@ -4,7 +4,7 @@
 // cuMemSetAccess), whole or with access granted piece by piece; and the same bytes as separate
 // allocations of one piece each; and a cudaMalloc allocation opened through cudaIpcOpenMemHandle
 // in a second process (how pools a framework allocated arrive). A diagnostic, not a kvferry figure
-// (docs/perf/nvlink-h100.md, "Session 23").
+// (docs/perf/nvlink-h100.md, "The first rooms waited for peer access").
 // Build:
 //   nvcc -O2 -arch=sm_90 -cudart static -o peer_map bench/cuda/peer_map.cu \
 //     -L/usr/local/cuda/lib64/stubs -lcuda

@@ -80,8 +80,8 @@ struct EngineOptions {
   // pays a fixed cost per row (1 KiB rows moved at 23 GB/s), so short rows cost it more link
   // time than they take from the SMs in the kernel: 64 KiB (default) keeps page size 1's short
   // page runs in the kernel (500-request replay on 2 x H200, measured against 16 KiB: +4% at
-  // page size 1, equal TP +8%, page size 64 the same; docs/perf/nvlink-h100.md). 0 counts as 1.
-  // KVFERRY_NVLINK_CE_MIN_ROW overrides it.
+  // page size 1, equal TP +8%, page size 64 the same; docs/perf/nvlink-h100-earlier.md). 0
+  // counts as 1. KVFERRY_NVLINK_CE_MIN_ROW overrides it.
   uint64_t nvlink_copy_engine_min_row_bytes = 64 << 10;
   // NVLink: thread blocks of the resident copy kernel, which stays on the GPU while small
   // batches (up to 512 tiles of 16 KiB) keep coming, so that each costs no kernel launch, and
@@ -105,8 +105,8 @@ struct EngineOptions {
   // one block per SM (default) still keeps the link busy (on 2 x H200: the same GB/s as 8 for
   // 16 KiB to 4 MiB blocks on idle GPUs) while leaving 7/8 of the SMs' thread slots to the
   // model's kernels beside it, which would otherwise wait for the copy's blocks to leave (and
-  // the copy for theirs; measured in docs/perf/nvlink-h100.md). KVFERRY_NVLINK_BLOCKS_PER_SM
-  // overrides it.
+  // the copy for theirs; measured in docs/perf/nvlink-h100-earlier.md).
+  // KVFERRY_NVLINK_BLOCKS_PER_SM overrides it.
   int nvlink_copy_blocks_per_sm = 1;
   // TCP connections (lanes) per peer. More lanes spread large requests over several
   // streams and cores; bounded to keep file descriptors in check. Default

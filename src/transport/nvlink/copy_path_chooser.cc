@@ -2,6 +2,8 @@
 
 #include <cstdio>
 
+#include "common/logging.h"
+
 namespace kvferry {
 
 CopyPathChooser::CopyPathChooser(uint64_t fixed_threshold_bytes)
@@ -79,6 +81,11 @@ void CopyPathChooser::AdvanceLocked(Clock::time_point now) {
     }
     current_ =
         meters_[kKernel].rate_gbps > kKernelMargin * meters_[kEngine].rate_gbps ? kKernel : kEngine;
+    KVF_LOG_DEBUG(
+        "nvlink copy path: kernel {:.1f} GB/s, copy engine {:.1f} GB/s: the {} for the "
+        "next {} GiB",
+        meters_[kKernel].rate_gbps, meters_[kEngine].rate_gbps,
+        current_ == kEngine ? "copy engine" : "kernel", kExploitBytes >> 30);
     phase_ = kExploit;
     exploit_bytes_ = 0;
     return;

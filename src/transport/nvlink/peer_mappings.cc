@@ -90,7 +90,8 @@ StatusOr<uint8_t*> PeerMappings::Import(const RegionDescriptor& region) {
   if (!imported.ok()) return imported.status().WithContext("mapping peer GPU memory");
   // No cudaDeviceEnablePeerAccess: the mapping itself gives this device access
   // (cuMemSetAccess; cudaIpcMemLazyEnablePeerAccess for IPC handles), and the call took 135 ms
-  // on H200, which the first rooms' copies waited for (docs/perf/nvlink-h100.md, "Session 23").
+  // on H200, which the first rooms' copies waited for (docs/perf/nvlink-h100.md, "The first
+  // rooms waited for peer access").
   auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
   KVF_LOG_DEBUG("nvlink: mapped peer region {:x}: handle {:.1f} ms, import and map {:.1f} ms",
                 region.base, ms(handle_at - start), ms(Clock::now() - handle_at));
