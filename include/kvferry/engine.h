@@ -341,13 +341,13 @@ class TransferEngine {
   }
   // Readies the data path from registered local memory at `local_addr` to `segment` before
   // the first transfer. Between GPUs of one node it opens the NVLink channel and maps the
-  // peer's GPU regions on that channel's thread in the background: mapping a large pool takes
-  // a noticeable time (docs/perf/hetero-tp.md), which the first batches would otherwise wait
-  // for, copying through a slower path meanwhile. Opening the channel (pinned tables, streams:
-  // milliseconds) happens in the call; it returns without waiting for the mapping. Nothing
-  // more to do toward host memory; GPU memory to a peer without NVLink gets its pinned
-  // bounce channel now. A mapping that fails is retried (and reported) by the
-  // first transfer that needs it. Errors: kNotFound (unknown segment), the channel errors of
+  // peer's GPU regions on that channel's thread in the background: mapping a pool takes
+  // milliseconds (a 40 GiB pool on H200: about 20 ms, most of it the process's first peer
+  // mapping; docs/perf/nvlink-h100.md), which the first batches would otherwise wait for. Opening
+  // the channel (pinned tables, streams: milliseconds) happens in the call; it returns without
+  // waiting for the mapping. Nothing more to do toward host memory; GPU memory to a peer without
+  // NVLink gets its pinned bounce channel now. A mapping that fails is retried (and reported) by
+  // the first transfer that needs it. Errors: kNotFound (unknown segment), the channel errors of
   // SubmitBatch (e.g. `transport` forced to nvlink for a peer without it).
   virtual Status PrepareTransfers(SegmentHandle segment, const void* local_addr) {
     (void)segment;
