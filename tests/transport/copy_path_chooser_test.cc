@@ -47,14 +47,14 @@ TEST(CopyPathChooserTest, FixedThresholdMeasuresNothing) {
   EXPECT_NE(fixed.Describe().find("fixed"), std::string::npos);
 }
 
-TEST(CopyPathChooserTest, StartsWithTheKernelThenMeasuresTheCopyEngine) {
+TEST(CopyPathChooserTest, StartsWithTheCopyEngineThenMeasuresTheKernel) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
   Carried first = Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 350);
-  EXPECT_EQ(first.kernel, CopyPathChooser::kExploreBytes);
-  EXPECT_EQ(first.engine, 0u);
+  EXPECT_EQ(first.engine, CopyPathChooser::kExploreBytes);
+  EXPECT_EQ(first.kernel, 0u);
   Carried second = Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 350);
-  EXPECT_EQ(second.engine, CopyPathChooser::kExploreBytes);
+  EXPECT_EQ(second.kernel, CopyPathChooser::kExploreBytes);
 }
 
 TEST(CopyPathChooserTest, TheFasterPathCarriesTheExploitWindowEitherWay) {
@@ -87,6 +87,8 @@ TEST(CopyPathChooserTest, MeasuresAgainAfterTheExploitWindowAndFollowsAChange) {
 TEST(CopyPathChooserTest, IdleTimeBetweenLaunchesDoesNotCount) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
+  // The copy engine at 200 GB/s, back to back.
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 200);
   // Kernel launches separated by long idle gaps (a lightly loaded server): its rate is the
   // copies' own (300 GB/s), not bytes over wall time.
   for (uint64_t done = 0; done < CopyPathChooser::kExploreBytes; done += 64 << 20) {
@@ -97,9 +99,7 @@ TEST(CopyPathChooserTest, IdleTimeBetweenLaunchesDoesNotCount) {
     chooser.OnDone(c.arm, true, 64 << 20, t);
     t += std::chrono::milliseconds(50);  // idle
   }
-  // The copy engine at 200 GB/s, back to back: the kernel is more than kKernelMargin times
-  // faster, so it is kept.
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 200);
+  // The kernel is more than kKernelMargin times faster, so it serves the exploitation.
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel) << chooser.Describe();
 }
 
@@ -121,44 +121,54 @@ TEST(CopyPathChooserTest, TheKernelNeedsItsMarginOverTheCopyEngine) {
 TEST(CopyPathChooserTest, OverlappingLaunchesCountTheirUnionOnce) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
   // Sixteen kernel launches of 256 MiB in flight together for 4 ms each, the window's busy
-  // time is 4 ms (4 GiB in 4 ms: ~1074 GB/s), far above a copy engine at 400 GB/s.
-  for (int i = 0; i < 16; ++i) ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kKernel, t));
+  // time is 4 ms (4 GiB in 4 ms: ~1074 GB/s), far above the copy engine at 400 GB/s.
+  for (int i = 0; i < 16; ++i) {
+    const CopyPathChooser::Choice c = chooser.Choose(t);
+    ASSERT_EQ(c.arm, CopyPathChooser::kKernel);
+    chooser.OnChosen(c.arm, 256 << 20);
+    ASSERT_TRUE(chooser.OnLaunch(c.arm, t));
+  }
+  // The kernel's window is chosen: the copy engine serves while its launches complete.
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);
   t += std::chrono::milliseconds(4);
   for (int i = 0; i < 16; ++i) chooser.OnDone(CopyPathChooser::kKernel, true, 256 << 20, t);
-  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);  // the kernel's window is full
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel) << chooser.Describe();
 }
 
 TEST(CopyPathChooserTest, LaunchesQueuedBehindTheOtherArmAreNotMeasured) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
-  // The kernel's window, its last launch still in flight when the copy engine's begins.
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes - (64 << 20), 300, 350);
-  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel);
-  ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kKernel, t));
-  t += std::chrono::microseconds(224);
-  chooser.OnDone(CopyPathChooser::kKernel, true, 64 << 20, t);
-  ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kKernel, t));  // a straggler from the window
+  // The copy engine's window at 300 GB/s, its last launch still in flight when the kernel's
+  // window begins.
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes - (64 << 20), 0, 300);
   ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);
-  // An engine launch issued now waits behind the straggler (10 ms): not measured.
-  EXPECT_FALSE(chooser.OnLaunch(CopyPathChooser::kEngine, t));
+  ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kEngine, t));
+  t += std::chrono::microseconds(224);
+  chooser.OnDone(CopyPathChooser::kEngine, true, 64 << 20, t);
+  ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kEngine, t));  // a straggler from the window
+  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel);
+  // A kernel launch issued now waits behind the straggler (10 ms): not measured.
+  chooser.OnChosen(CopyPathChooser::kKernel, 64 << 20);
+  EXPECT_FALSE(chooser.OnLaunch(CopyPathChooser::kKernel, t));
   t += std::chrono::milliseconds(10);
-  chooser.OnDone(CopyPathChooser::kKernel, true, 64 << 20, t);
-  chooser.OnDone(CopyPathChooser::kEngine, false, 64 << 20, t);
-  // The rest of the engine's window runs alone at 350 GB/s: the engine is chosen.
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 300, 350);
-  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
+  chooser.OnDone(CopyPathChooser::kEngine, true, 64 << 20, t);
+  chooser.OnDone(CopyPathChooser::kKernel, false, 64 << 20, t);
+  // The rest of the kernel's window runs alone at 400 GB/s, more than kKernelMargin times the
+  // copy engine's 300 (charged the 10 ms, it would read about 200): the kernel is chosen.
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes - (64 << 20), 400, 0);
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel) << chooser.Describe();
 }
 
 TEST(CopyPathChooserTest, TheKernelsWindowEndsOnceItsBytesAreIssued) {
   for (const int kernel_ms : {14, 4}) {
     CopyPathChooser chooser(0);
     Clock::time_point t = Clock::now();
+    Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
     // 32 submissions of 256 MiB queued before any completes (4 threads x 4 batches of 64
-    // blocks of 4 MiB, twice): the kernel takes its window's 4 GiB, the copy engine's window
-    // the rest, which is not measured while the kernel's launches are in flight.
+    // blocks of 4 MiB, twice): the kernel takes its window's 4 GiB, the copy engine the rest
+    // while the kernel's launches complete (not measured: they queue behind them).
     int kernel = 0, engine = 0;
     for (int i = 0; i < 32; ++i) {
       const CopyPathChooser::Choice c = chooser.Choose(t);
@@ -174,24 +184,24 @@ TEST(CopyPathChooserTest, TheKernelsWindowEndsOnceItsBytesAreIssued) {
     }
     EXPECT_EQ(kernel, 16);
     EXPECT_EQ(engine, 16);
-    // The kernel's 4 GiB took `kernel_ms` (307 or 1074 GB/s), then the queued copy-engine
-    // launches finish, then the copy engine's window runs alone at 400 GB/s.
+    // The kernel's 4 GiB took `kernel_ms` (307 or 1074 GB/s): the decision follows.
     t += std::chrono::milliseconds(kernel_ms);
     for (int i = 0; i < kernel; ++i) chooser.OnDone(CopyPathChooser::kKernel, true, 256 << 20, t);
-    t += std::chrono::milliseconds(10);
-    for (int i = 0; i < engine; ++i) chooser.OnDone(CopyPathChooser::kEngine, false, 256 << 20, t);
-    Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
     EXPECT_EQ(chooser.Choose(t).arm,
               kernel_ms == 4 ? CopyPathChooser::kKernel : CopyPathChooser::kEngine)
         << chooser.Describe();
+    t += std::chrono::milliseconds(10);
+    for (int i = 0; i < engine; ++i) chooser.OnDone(CopyPathChooser::kEngine, false, 256 << 20, t);
   }
 }
 
 TEST(CopyPathChooserTest, AKernelWindowQueuedBehindTheCopyEngineLeavesItTheExploitation) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
-  // A copy-engine launch still in flight from before: every launch of the kernel's window
-  // queues behind it, none is measured, and the window still ends once its bytes are issued.
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 300);
+  // A copy-engine launch still in flight: every launch of the kernel's window queues behind
+  // it, none is measured, and the window still ends once its bytes are issued.
+  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel);
   ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kEngine, t));
   for (int i = 0; i < 16; ++i) {
     const CopyPathChooser::Choice c = chooser.Choose(t);
@@ -199,12 +209,35 @@ TEST(CopyPathChooserTest, AKernelWindowQueuedBehindTheCopyEngineLeavesItTheExplo
     chooser.OnChosen(c.arm, 256 << 20);
     EXPECT_FALSE(chooser.OnLaunch(c.arm, t));
   }
-  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);
+  // Nothing of the kernel's was measured: the copy engine serves the exploitation.
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
   t += std::chrono::milliseconds(14);
   chooser.OnDone(CopyPathChooser::kEngine, true, 256 << 20, t);
   for (int i = 0; i < 16; ++i) chooser.OnDone(CopyPathChooser::kKernel, false, 256 << 20, t);
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 300);
+  Carried exploit = Drive(chooser, &t, 64 << 20, 4 * kGiB, 0, 300);
+  EXPECT_EQ(exploit.engine, 4 * kGiB) << chooser.Describe();
+}
+
+// The copy engine's window ends with launches still in flight: its rate is taken over the
+// time up to its last completion, not up to the decision.
+TEST(CopyPathChooserTest, TheCopyEnginesRateEndsAtItsLastCompletion) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  // Four launches of 1 GiB in flight from t; they complete 2.68 ms apart (400 GB/s), and a
+  // fifth is issued and still running when the window's 4 GiB are in.
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kEngine, t));
+  for (int i = 0; i < 4; ++i) {
+    t += std::chrono::microseconds(2684);
+    chooser.OnDone(CopyPathChooser::kEngine, true, 1ull << 30, t);
+  }
+  t += std::chrono::milliseconds(20);  // the decision comes later
+  ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel);
+  chooser.OnDone(CopyPathChooser::kEngine, true, 1ull << 30, t);  // the fifth
+  // A kernel at 460 GB/s is less than kKernelMargin x 400 (500): the copy engine is kept.
+  // (Charged up to the decision, the copy engine would read 140 GB/s and lose.)
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 460, 0);
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
+  EXPECT_NE(chooser.Describe().find("copy engine 400"), std::string::npos) << chooser.Describe();
 }
 
 }  // namespace

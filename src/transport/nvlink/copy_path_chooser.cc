@@ -9,10 +9,13 @@ namespace kvferry {
 CopyPathChooser::CopyPathChooser(uint64_t fixed_threshold_bytes)
     : fixed_threshold_bytes_(fixed_threshold_bytes) {}
 
-double CopyPathChooser::Meter::BusySeconds(Clock::time_point now) const {
-  Clock::duration d = busy;
-  if (in_flight > 0) d += now - busy_since;
-  return std::chrono::duration<double>(d).count();
+CopyPathChooser::Clock::duration CopyPathChooser::Meter::Busy(Clock::time_point now) const {
+  return in_flight > 0 ? busy + (now - busy_since) : busy;
+}
+
+double CopyPathChooser::Meter::Rate() const {
+  const double seconds = std::chrono::duration<double>(busy_at_done).count();
+  return bytes > 0 && seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
 }
 
 CopyPathChooser::Choice CopyPathChooser::Choose(Clock::time_point now) {
@@ -25,7 +28,7 @@ CopyPathChooser::Choice CopyPathChooser::Choose(Clock::time_point now) {
 void CopyPathChooser::OnChosen(Arm arm, uint64_t bytes) {
   if (arm != kKernel) return;
   std::lock_guard<std::mutex> lock(mu_);
-  if (phase_ == kExplore && current_ == kKernel) kernel_issued_ += bytes;
+  if (phase_ == kKernelWindow) kernel_issued_ += bytes;
 }
 
 bool CopyPathChooser::OnLaunch(Arm arm, Clock::time_point now) {
@@ -51,6 +54,7 @@ void CopyPathChooser::OnDone(Arm arm, bool measured, uint64_t bytes, Clock::time
     return;
   }
   m.bytes += bytes;
+  m.busy_at_done = m.Busy(now);
   if (m.in_flight > 0 && --m.in_flight == 0) m.busy += now - m.busy_since;
 }
 
@@ -60,41 +64,49 @@ void CopyPathChooser::AdvanceLocked(Clock::time_point now) {
     Meter& m = meters_[arm];
     m.bytes = 0;
     m.busy = Clock::duration{};
+    m.busy_at_done = Clock::duration{};
     if (m.in_flight > 0) m.busy_since = now;
   };
-  Meter& m = meters_[current_];
-  if (phase_ == kExplore) {
-    if (current_ == kKernel) {
-      // The kernel's window ends once its submissions carry kExploreBytes, issued or completed
-      // (launches measured while it runs), whichever comes first; the copy engine's next.
-      if (kernel_issued_ < kExploreBytes && m.bytes < kExploreBytes) return;
+  switch (phase_) {
+    case kEngineWindow: {
+      Meter& engine = meters_[kEngine];
+      if (engine.bytes < kExploreBytes) return;
+      engine.rate_gbps = engine.Rate();
+      phase_ = kKernelWindow;
+      current_ = kKernel;
+      kernel_issued_ = 0;
+      restart(kKernel);
+      return;
+    }
+    case kKernelWindow:
+      // Ends once its submissions carry kExploreBytes, issued or completed (launches measured
+      // while it runs), whichever comes first.
+      if (kernel_issued_ < kExploreBytes && meters_[kKernel].bytes < kExploreBytes) return;
+      phase_ = kSettle;
+      current_ = kEngine;
+      [[fallthrough]];
+    case kSettle: {
+      Meter& kernel = meters_[kKernel];
+      if (kernel.in_flight > 0) return;  // its measured launches complete first
+      kernel.rate_gbps = kernel.Rate();
+      const double engine_gbps = meters_[kEngine].rate_gbps;
+      current_ = kernel.rate_gbps > kKernelMargin * engine_gbps ? kKernel : kEngine;
+      KVF_LOG_DEBUG(
+          "nvlink copy path: copy engine {:.1f} GB/s, kernel {:.1f} GB/s: the {} for the "
+          "next {} GiB",
+          engine_gbps, kernel.rate_gbps, current_ == kEngine ? "copy engine" : "kernel",
+          kExploitBytes >> 30);
+      phase_ = kExploit;
+      exploit_bytes_ = 0;
+      return;
+    }
+    case kExploit:
+      if (exploit_bytes_ < kExploitBytes) return;
+      phase_ = kEngineWindow;
       current_ = kEngine;
       restart(kEngine);
       return;
-    }
-    if (m.bytes < kExploreBytes) return;
-    // Both rates now: the copy engine's launches were measured only while none of the kernel's
-    // were in flight, so the kernel's window has completed.
-    for (Meter& arm : meters_) {
-      const double seconds = arm.BusySeconds(now);
-      arm.rate_gbps = seconds > 0 ? static_cast<double>(arm.bytes) / seconds / 1e9 : 0;
-    }
-    current_ =
-        meters_[kKernel].rate_gbps > kKernelMargin * meters_[kEngine].rate_gbps ? kKernel : kEngine;
-    KVF_LOG_DEBUG(
-        "nvlink copy path: kernel {:.1f} GB/s, copy engine {:.1f} GB/s: the {} for the "
-        "next {} GiB",
-        meters_[kKernel].rate_gbps, meters_[kEngine].rate_gbps,
-        current_ == kEngine ? "copy engine" : "kernel", kExploitBytes >> 30);
-    phase_ = kExploit;
-    exploit_bytes_ = 0;
-    return;
   }
-  if (exploit_bytes_ < kExploitBytes) return;
-  phase_ = kExplore;
-  current_ = kKernel;
-  kernel_issued_ = 0;
-  restart(kKernel);
 }
 
 std::string CopyPathChooser::Describe() const {

@@ -10,23 +10,28 @@
 // while on a GPU whose SMs are busy (prefill's model, a replay's fill kernels) the kernel gets
 // what the other kernels leave and the copy engine does not compete for SMs (87% against 66%
 // of the link in a 500-request replay). So the chooser measures: blocks of at least
-// kMinEngineBytes are eligible; submissions with such blocks run on one path (an arm) for a
-// window of kExploreBytes, then on the other, and the copy engine serves the next
+// kMinEngineBytes are eligible; submissions with such blocks run on the copy engine for a
+// window of kExploreBytes, then on the kernel for one, and the copy engine serves the next
 // kExploitBytes unless the kernel was kKernelMargin times faster, after which both are
 // measured again.
-// The kernel's window ends once the submissions chosen for it carry kExploreBytes (OnChosen),
-// not when its launches have completed that much, so that deep queues (16 batches of 4 GiB in
-// flight) do not put far more than kExploreBytes on the path being tried; its rate is taken
-// when the copy engine's window ends, after its launches completed.
+// The copy engine is measured first, while its own launches (or the kernel's, after a kernel
+// exploitation) fill the queues, so that its rate is its steady one; the kernel's window ends
+// once the submissions chosen for it carry kExploreBytes (OnChosen), not when its launches have
+// completed that much, so that deep queues (16 batches of 4 GiB in flight) do not put far more
+// than kExploreBytes on the path being tried; the decision waits until the kernel's measured
+// launches completed, the copy engine serving meanwhile.
 // A rate is bytes over the time at least one launch of that arm was in flight (launch call
-// to completion seen by the progress thread), so host call costs and contention both count.
-// Launches issued while the other arm still has launches in flight are not measured: they
-// would queue behind them on the shared streams and charge that wait to their own arm. (A
-// kernel window whose launches all queued behind the copy engine's measures nothing: the
-// copy engine then serves the exploitation.) With deep queues the rates are rough: launches
-// of one arm measured behind unmeasured ones of the same arm are charged for their wait, and
-// a stream reports its launches in order, so a launch that finished may be seen late
-// (docs/perf/nvlink-h100.md, "The kernel's measuring window with deep queues").
+// to completion seen by the progress thread), up to the last completion counted, so host call
+// costs and contention both count. Launches issued while the other arm still has launches in
+// flight are not measured: they would queue behind them on the shared streams and charge that
+// wait to their own arm. With deep queues the kernel's window is measured behind the copy
+// engine's queued launches: its launches issued before those drained are not measured, and
+// measured ones still queue behind them on the same streams and are charged for that wait, so
+// the kernel's rate reads low and the copy engine keeps the exploitation; a kernel window whose
+// launches all queued measures nothing. (Measured in the other order, the copy engine read
+// 51-88 GB/s behind 64 GiB of queued kernel launches and lost 64 MiB x 64 at 4 x 4 to the
+// kernel: docs/perf/nvlink-h100.md, "The copy engine measured first".) Rates with deep queues
+// are rough: a stream reports its launches in order, so a launch that finished may be seen late.
 //
 // Thread-safety: every method from any thread (one mutex, taken once per submission, once more
 // for a submission the chooser decides about, and twice per measured launch).
@@ -87,23 +92,28 @@ class CopyPathChooser {
   std::string Describe() const;
 
  private:
-  enum Phase : uint8_t { kExplore, kExploit };
+  // kEngineWindow, kKernelWindow: that arm is measured; kSettle: the kernel's window is
+  // chosen, its measured launches are completing (the copy engine serves); kExploit.
+  enum Phase : uint8_t { kEngineWindow, kKernelWindow, kSettle, kExploit };
   struct Meter {
     int in_flight = 0;   // measured launches
     int unmeasured = 0;  // launches issued while the other arm had some in flight
     Clock::time_point busy_since;
-    Clock::duration busy{};
-    uint64_t bytes = 0;    // completed in the current window
-    double rate_gbps = 0;  // of the last finished window; 0: none yet
-    double BusySeconds(Clock::time_point now) const;
+    Clock::duration busy{};          // closed busy periods of the current window
+    Clock::duration busy_at_done{};  // busy time up to the last measured completion
+    uint64_t bytes = 0;              // completed in the current window
+    double rate_gbps = 0;            // of the last finished window; 0: none yet
+    Clock::duration Busy(Clock::time_point now) const;
+    // bytes over busy_at_done (0 when nothing completed): this window's rate.
+    double Rate() const;
   };
   // Ends the current arm's window if it carried enough; moves the phase on. Holds mu_.
   void AdvanceLocked(Clock::time_point now);
 
   const uint64_t fixed_threshold_bytes_;
   mutable std::mutex mu_;
-  Phase phase_ = kExplore;
-  Arm current_ = kKernel;
+  Phase phase_ = kEngineWindow;
+  Arm current_ = kEngine;
   uint64_t exploit_bytes_ = 0;  // completed since the exploit phase began
   uint64_t kernel_issued_ = 0;  // bytes chosen for the kernel in its current window
   Meter meters_[2];
