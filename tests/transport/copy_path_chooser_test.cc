@@ -13,7 +13,7 @@ constexpr uint64_t kGiB = 1ull << 30;
 
 // Runs launches of `bytes` each, one after another, of whatever arm the chooser picks, each
 // taking bytes / (rate of its arm) from `*t`, until `total` bytes ran; returns the bytes each
-// arm carried.
+// arm carried. (An arm a test does not expect to run gets 1 GB/s, not 0.)
 struct Carried {
   uint64_t kernel = 0, engine = 0;
 };
@@ -88,7 +88,7 @@ TEST(CopyPathChooserTest, IdleTimeBetweenLaunchesDoesNotCount) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
   // The copy engine at 200 GB/s, back to back.
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 200);
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 1, 200);
   // Kernel launches separated by long idle gaps (a lightly loaded server): its rate is the
   // copies' own (300 GB/s), not bytes over wall time.
   for (uint64_t done = 0; done < CopyPathChooser::kExploreBytes; done += 64 << 20) {
@@ -121,7 +121,7 @@ TEST(CopyPathChooserTest, TheKernelNeedsItsMarginOverTheCopyEngine) {
 TEST(CopyPathChooserTest, OverlappingLaunchesCountTheirUnionOnce) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 1, 400);
   // Sixteen kernel launches of 256 MiB in flight together for 4 ms each, the window's busy
   // time is 4 ms (4 GiB in 4 ms: ~1074 GB/s), far above the copy engine at 400 GB/s.
   for (int i = 0; i < 16; ++i) {
@@ -142,7 +142,7 @@ TEST(CopyPathChooserTest, LaunchesQueuedBehindTheOtherArmAreNotMeasured) {
   Clock::time_point t = Clock::now();
   // The copy engine's window at 300 GB/s, its last launch still in flight when the kernel's
   // window begins.
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes - (64 << 20), 0, 300);
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes - (64 << 20), 1, 300);
   ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);
   ASSERT_TRUE(chooser.OnLaunch(CopyPathChooser::kEngine, t));
   t += std::chrono::microseconds(224);
@@ -157,7 +157,7 @@ TEST(CopyPathChooserTest, LaunchesQueuedBehindTheOtherArmAreNotMeasured) {
   chooser.OnDone(CopyPathChooser::kKernel, false, 64 << 20, t);
   // The rest of the kernel's window runs alone at 400 GB/s, more than kKernelMargin times the
   // copy engine's 300 (charged the 10 ms, it would read about 200): the kernel is chosen.
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes - (64 << 20), 400, 0);
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes - (64 << 20), 400, 1);
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel) << chooser.Describe();
 }
 
@@ -165,7 +165,7 @@ TEST(CopyPathChooserTest, TheKernelsWindowEndsOnceItsBytesAreIssued) {
   for (const int kernel_ms : {14, 4}) {
     CopyPathChooser chooser(0);
     Clock::time_point t = Clock::now();
-    Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 400);
+    Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 1, 400);
     // 32 submissions of 256 MiB queued before any completes (4 threads x 4 batches of 64
     // blocks of 4 MiB, twice): the kernel takes its window's 4 GiB, the copy engine the rest
     // while the kernel's launches complete (not measured: they queue behind them).
@@ -198,7 +198,7 @@ TEST(CopyPathChooserTest, TheKernelsWindowEndsOnceItsBytesAreIssued) {
 TEST(CopyPathChooserTest, AKernelWindowQueuedBehindTheCopyEngineLeavesItTheExploitation) {
   CopyPathChooser chooser(0);
   Clock::time_point t = Clock::now();
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 0, 300);
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 1, 300);
   // A copy-engine launch still in flight: every launch of the kernel's window queues behind
   // it, none is measured, and the window still ends once its bytes are issued.
   ASSERT_EQ(chooser.Choose(t).arm, CopyPathChooser::kKernel);
@@ -211,10 +211,11 @@ TEST(CopyPathChooserTest, AKernelWindowQueuedBehindTheCopyEngineLeavesItTheExplo
   }
   // Nothing of the kernel's was measured: the copy engine serves the exploitation.
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
+  EXPECT_NE(chooser.Describe().find("kernel 0.0 GB/s"), std::string::npos) << chooser.Describe();
   t += std::chrono::milliseconds(14);
   chooser.OnDone(CopyPathChooser::kEngine, true, 256 << 20, t);
   for (int i = 0; i < 16; ++i) chooser.OnDone(CopyPathChooser::kKernel, false, 256 << 20, t);
-  Carried exploit = Drive(chooser, &t, 64 << 20, 4 * kGiB, 0, 300);
+  Carried exploit = Drive(chooser, &t, 64 << 20, 4 * kGiB, 1, 300);
   EXPECT_EQ(exploit.engine, 4 * kGiB) << chooser.Describe();
 }
 
@@ -235,9 +236,30 @@ TEST(CopyPathChooserTest, TheCopyEnginesRateEndsAtItsLastCompletion) {
   chooser.OnDone(CopyPathChooser::kEngine, true, 1ull << 30, t);  // the fifth
   // A kernel at 460 GB/s is less than kKernelMargin x 400 (500): the copy engine is kept.
   // (Charged up to the decision, the copy engine would read 140 GB/s and lose.)
-  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 460, 0);
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 460, 1);
   EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine) << chooser.Describe();
   EXPECT_NE(chooser.Describe().find("copy engine 400"), std::string::npos) << chooser.Describe();
+}
+
+// A measured kernel launch that fails reports its time and no bytes: the decision is taken
+// when it is done, and the copy engine keeps the exploitation.
+TEST(CopyPathChooserTest, AFailedKernelLaunchEndsItsWindow) {
+  CopyPathChooser chooser(0);
+  Clock::time_point t = Clock::now();
+  Drive(chooser, &t, 64 << 20, CopyPathChooser::kExploreBytes, 1, 300);
+  const CopyPathChooser::Choice c = chooser.Choose(t);
+  ASSERT_EQ(c.arm, CopyPathChooser::kKernel);
+  chooser.OnChosen(c.arm, CopyPathChooser::kExploreBytes);
+  ASSERT_TRUE(chooser.OnLaunch(c.arm, t));
+  // The window's bytes are issued: the copy engine serves while the launch is in flight.
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);
+  t += std::chrono::milliseconds(1);
+  chooser.OnDone(c.arm, true, 0, t);
+  EXPECT_EQ(chooser.Choose(t).arm, CopyPathChooser::kEngine);
+  Carried exploit = Drive(chooser, &t, 64 << 20, 4 * kGiB, 1, 300);
+  EXPECT_EQ(exploit.engine, 4 * kGiB) << chooser.Describe();
+  EXPECT_NE(chooser.Describe().find("kernel 0.0 GB/s, copy engine 300"), std::string::npos)
+      << chooser.Describe();
 }
 
 }  // namespace

@@ -14,27 +14,29 @@
 // window of kExploreBytes, then on the kernel for one, and the copy engine serves the next
 // kExploitBytes unless the kernel was kKernelMargin times faster, after which both are
 // measured again.
-// The copy engine is measured first, while its own launches (or the kernel's, after a kernel
-// exploitation) fill the queues, so that its rate is its steady one; the kernel's window ends
-// once the submissions chosen for it carry kExploreBytes (OnChosen), not when its launches have
-// completed that much, so that deep queues (16 batches of 4 GiB in flight) do not put far more
-// than kExploreBytes on the path being tried; the decision waits until the kernel's measured
-// launches completed, the copy engine serving meanwhile.
-// A rate is bytes over the time at least one launch of that arm was in flight (launch call
-// to completion seen by the progress thread), up to the last completion counted, so host call
-// costs and contention both count. Launches issued while the other arm still has launches in
-// flight are not measured: they would queue behind them on the shared streams and charge that
-// wait to their own arm. With deep queues the kernel's window is measured behind the copy
-// engine's queued launches: its launches issued before those drained are not measured, and
-// measured ones still queue behind them on the same streams and are charged for that wait, so
-// the kernel's rate reads low and the copy engine keeps the exploitation; a kernel window whose
-// launches all queued measures nothing. (Measured in the other order, the copy engine read
-// 51-88 GB/s behind 64 GiB of queued kernel launches and lost 64 MiB x 64 at 4 x 4 to the
+// The copy engine is measured first, so that after its own exploitation its window starts in
+// its steady state; the kernel's window ends once the submissions chosen for it carry
+// kExploreBytes (OnChosen), not when its launches have completed that much, so that deep queues
+// (16 batches of 4 GiB in flight) do not put far more than kExploreBytes on the path being
+// tried; the decision waits until the kernel's measured launches completed, the copy engine
+// serving meanwhile.
+// A rate is bytes over the time at least one measured launch of that arm was in flight (launch
+// call to completion seen by the progress thread), up to the last completion counted, so host
+// call costs and contention both count. Launches issued while the other arm still has launches
+// in flight are not measured: they would queue behind them on the shared streams and charge
+// that wait to their own arm. Measured launches still queue behind unmeasured ones of their own
+// arm and are charged for that wait: with deep queues the window after a switch of arms reads
+// low. For the kernel's window (after the copy engine's) that leaves the copy engine the
+// exploitation (a kernel window whose launches all queued measures nothing); after a kernel
+// exploitation the copy engine's window reads low the same way, so a kernel that won once keeps
+// the exploitation more easily than it won it. (Measured in the other order, the copy engine
+// read 51-88 GB/s behind 64 GiB of queued kernel launches and lost 64 MiB x 64 at 4 x 4 to the
 // kernel: docs/perf/nvlink-h100.md, "The copy engine measured first".) Rates with deep queues
 // are rough: a stream reports its launches in order, so a launch that finished may be seen late.
 //
-// Thread-safety: every method from any thread (one mutex, taken once per submission, once more
-// for a submission the chooser decides about, and twice per measured launch).
+// Thread-safety: every method from any thread (one mutex: taken by Choose for each submission
+// with an eligible block, by OnChosen for the kernel's, and by OnLaunch and OnDone for each
+// launch of a submission the chooser decided about).
 #pragma once
 
 #include <chrono>
@@ -88,7 +90,8 @@ class CopyPathChooser {
   bool OnLaunch(Arm arm, Clock::time_point now);
   void OnDone(Arm arm, bool measured, uint64_t bytes, Clock::time_point now);
 
-  // For logs: "kernel X GB/s, copy engine Y GB/s, using Z" (or the fixed threshold).
+  // For logs: "... kernel X GB/s, copy engine Y GB/s, now Z" (a rate of 0: nothing measured
+  // yet), or the fixed threshold.
   std::string Describe() const;
 
  private:
@@ -102,7 +105,7 @@ class CopyPathChooser {
     Clock::duration busy{};          // closed busy periods of the current window
     Clock::duration busy_at_done{};  // busy time up to the last measured completion
     uint64_t bytes = 0;              // completed in the current window
-    double rate_gbps = 0;            // of the last finished window; 0: none yet
+    double rate_gbps = 0;            // of the last finished window; 0: none, or it measured nothing
     Clock::duration Busy(Clock::time_point now) const;
     // bytes over busy_at_done (0 when nothing completed): this window's rate.
     double Rate() const;
