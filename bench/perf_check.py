@@ -35,6 +35,8 @@ FIGURES = [
     ("small_2k_8192_submit_ns", "lower", 1.20, "ns/req", "bench 2 KiB x 8192 submit per request"),
     ("small_2k_8192_cpu_ns", "lower", 1.20, "ns/req", "bench 2 KiB x 8192 process CPU per req"),
     ("write_4k_p50_us", "lower", 1.15, "us", "one 4 KiB WRITE submit->complete p50"),
+    ("large_64m_4x4_gbps", "higher", 0.93, "GB/s", "bench 64 MiB x 64, 4 thr x 4 in flight"),
+    ("large_4m_4x4_gbps", "higher", 0.93, "GB/s", "bench 4 MiB x 64, 4 thr x 4 in flight"),
 ]
 for _ps in (64, 1):
     FIGURES.append((f"hetero_p{_ps}_equal_gbps", "higher", 0.93, "GB/s",
@@ -100,6 +102,11 @@ def measure(results):
     c = bench_config(load(results, "latency"), 4096, 1)
     if c:
         v["write_4k_p50_us"] = c["latency_us"]["p50"]
+    large = load(results, "large")
+    for mb in (64, 4):
+        c = bench_config(large, mb << 20, 64)
+        if c:
+            v[f"large_{mb}m_4x4_gbps"] = c["gbps"]
     for ps in (64, 1):
         r = verified(load(results, f"replay_p{ps}"))
         if r:

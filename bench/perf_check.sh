@@ -14,6 +14,9 @@
 #   small     kvferry bench, NVLink, 2 KiB x 8192, 4 threads x 4 in flight: GB/s and host ns
 #             per request
 #   latency   one 4 KiB WRITE, submit to completion seen, p50
+#   large     kvferry bench, NVLink, 64 MiB and 4 MiB x 64, 4 threads x 4 in flight: deep
+#             queues, where the copy path chooser once measured the copy engine behind the
+#             kernel's queue and chose the kernel (docs/perf/nvlink-h100.md, session 23)
 #   hetero    300 requests, page sizes 64 and 1: unequal TP 2 -> 1 and 1 -> 2, staging and
 #             fused, as % of equal TP in the same run
 #   tcp       GPU memory over TCP against host memory over TCP, 1 and 4 MiB x 64, 4 threads,
@@ -38,7 +41,7 @@ TRACE=$B/traces/conversation_trace.jsonl
 FINAL_OUT=${OUT:-/tmp/out}
 mkdir -p "$FINAL_OUT"
 W=$(mktemp -d)
-STEPS=${STEPS:-ceiling replay small latency hetero tcp mps}
+STEPS=${STEPS:-ceiling replay small latency large hetero tcp mps}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo "=== $* ($(date -u +%T))"; }
 MPS_UP=""  # set while this run's MPS daemon is up: stopped on any exit
@@ -87,6 +90,11 @@ if has latency; then
   step "bench NVLink one 4 KiB WRITE"
   bench latency 60 --device cuda --transport nvlink --block-size 4KiB --batch-size 1 \
     --threads 1 --duration 2
+fi
+if has large; then
+  step "bench NVLink 64 MiB and 4 MiB x 64, 4 threads x 4 in flight"
+  bench large 120 --device cuda --transport nvlink --block-size 64MiB,4MiB --batch-size 64 \
+    --threads 4 --inflight 4 --duration 1
 fi
 if has replay; then
   for ps in 64 1; do
