@@ -56,7 +56,20 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
   size_t num_tiles = 0, engine_blocks = 0;
   uint64_t bytes = 0;
   bool eligible = false;  // a block the chooser decides about
-  std::vector<uint8_t> to_engine(requests.size(), 0);
+  // The small-block case (thousands of single blocks of a few KiB: pages at page size 1) in
+  // one pass: when every request is a single block of at most one tile that neither the copy
+  // engine nor the chooser takes, each is one tile and no per-request arm is kept.
+  const uint64_t one_tile_below =
+      std::min({threshold, CopyPathChooser::kMinEngineBytes, cuda::kCopyTileBytes + 1});
+  bool one_tile_each = true;
+  for (const TransferRequest& r : requests) {
+    if (r.num_rows > 1 || r.length_bytes >= one_tile_below) {
+      one_tile_each = false;
+      break;
+    }
+    bytes += r.length_bytes;
+  }
+  std::vector<uint8_t> to_engine;
   // Counts request `i` as a copy-engine block or as the kernel tiles it makes.
   auto tally = [&](size_t i) {
     if (to_engine[i] != 0) {
@@ -65,12 +78,18 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
       num_tiles += cuda::TileCount(requests[i].length_bytes, requests[i].num_rows);
     }
   };
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const TransferRequest& r = requests[i];
-    bytes += r.total_bytes();
-    eligible = eligible || UsesCopyEngine(r, CopyPathChooser::kMinEngineBytes);
-    to_engine[i] = UsesCopyEngine(r, threshold) ? 1 : 0;
-    tally(i);
+  if (one_tile_each) {
+    num_tiles = requests.size();
+  } else {
+    bytes = 0;
+    to_engine.assign(requests.size(), 0);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const TransferRequest& r = requests[i];
+      bytes += r.total_bytes();
+      eligible = eligible || UsesCopyEngine(r, CopyPathChooser::kMinEngineBytes);
+      to_engine[i] = UsesCopyEngine(r, threshold) ? 1 : 0;
+      tally(i);
+    }
   }
   // After a split, the two shares counted again.
   auto recount = [&] {
@@ -120,7 +139,7 @@ BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPar
       return Classify(requests, missing, &cache);
     }
     const uint64_t remote = reinterpret_cast<uint64_t>(mapped);
-    if (to_engine[i] != 0) {
+    if (!one_tile_each && to_engine[i] != 0) {
       part->engine.push_back({write ? local : remote, write ? remote : local, r.length_bytes,
                               r.num_rows, write ? r.local_stride : r.remote_stride,
                               write ? r.remote_stride : r.local_stride});
