@@ -71,8 +71,8 @@ enum class BulkFit {
 
 // Counts for the debug log at close.
 struct BulkStats {
-  // Bulk parts, their launches, launches of several parts, submissions refused for want of
-  // table space.
+  // Bulk parts, their launches, launches of several parts, submissions that waited (parked)
+  // for table space.
   std::atomic<uint64_t> parts{0}, launches{0}, combined{0}, no_slot{0};
   std::atomic<uint64_t> parked{0};  // bulk submissions that waited for a mapping
   std::atomic<uint64_t> gated{0};   // bulk submissions that waited on the GPU for a start event

@@ -107,8 +107,8 @@ class NvlinkChannel : public PeerChannel {
     }
     KVF_LOG_DEBUG(
         "nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
-        "waited on the GPU for a start event), {} fell back to items (no free table "
-        "space), {} waited for a mapping; {} through the resident kernel in {} "
+        "waited on the GPU for a start event), {} waited for table space, {} waited for a "
+        "mapping; {} through the resident kernel in {} "
         "launches, {} found its ring full; copy path: {}",
         mappings_.peer_name(), stats_.parts.load(), stats_.launches.load(), stats_.combined.load(),
         stats_.gated.load(), stats_.no_slot.load(), stats_.parked.load(),
@@ -159,6 +159,17 @@ class NvlinkChannel : public PeerChannel {
           LaunchPart(std::move(part), bulk);
           taken = true;
           break;
+        case BulkFit::kNoSpace:
+          // The arena is full for now: wait until copies in flight give space back rather
+          // than go the item path, which moves a large strided submission (a fused
+          // unequal-TP room) far slower: with each TP 2 -> 1 prefill rank on its own H200,
+          // fused moved 39-58% of equal TP's rate falling back, 94-100% waiting
+          // (docs/perf/hetero-tp.md, "Fused 2 -> 1 on three GPUs").
+          stats_.no_slot.fetch_add(1, std::memory_order_relaxed);
+          bulk.Own();
+          parked_.Push(std::move(bulk));
+          taken = true;
+          break;
         case BulkFit::kUnmapped:
           // Its peer region is being (or about to be) mapped: wait for that here rather than
           // go the item path, which took a whole fused unequal-TP room at a time through the
@@ -169,9 +180,6 @@ class NvlinkChannel : public PeerChannel {
           bulk.Own();
           parked_.Push(std::move(bulk));
           taken = true;
-          break;
-        case BulkFit::kNoSpace:
-          stats_.no_slot.fetch_add(1, std::memory_order_relaxed);
           break;
         case BulkFit::kItemPath:
           break;
