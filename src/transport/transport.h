@@ -143,8 +143,9 @@ class PeerChannel {
   // Takes every request of `bulk` and later calls bulk.owner->OnBulkDone exactly once (true),
   // or takes none and starts nothing (false: the caller submits WorkItems instead). Channels
   // without a bulk path, and channels that cannot take this one (a range outside what they
-  // can reach, no table space left), return false. A channel may hold a taken submission
-  // queued (NVLink: until the peer memory it needs is mapped). Never blocks on the device.
+  // can reach; NVLink: no table space while gated copies hold some), return false. A channel
+  // may hold a taken submission queued (NVLink: until the peer memory it needs is mapped, or
+  // until copies in flight give table space back). Never blocks on the device.
   virtual bool TrySubmitBulk(BulkSubmission& bulk) {
     (void)bulk;
     return false;

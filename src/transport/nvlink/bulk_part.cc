@@ -45,13 +45,15 @@ BulkFit BulkPreparer::Classify(std::span<const TransferRequest> requests,
 
 BulkFit BulkPreparer::Prepare(std::span<const TransferRequest> requests, BulkPart* part,
                               const RegionDescriptor** missing, bool take_space,
-                              bool allow_engine) {
+                              EngineUse engine_use) {
   // The table's size first (arithmetic on the requests), then, with its space taken, one pass
   // that translates each remote range and writes its tiles; a range that does not translate
   // gives the space back and the requests are classified (Classify) to say why.
   const CopyPathChooser::Choice choice =
-      allow_engine ? chooser_.Choose()
-                   : CopyPathChooser::Choice{UINT64_MAX, CopyPathChooser::kNone};
+      engine_use == EngineUse::kChooser ? chooser_.Choose()
+      : engine_use == EngineUse::kUnmeasured
+          ? chooser_.Unmeasured()
+          : CopyPathChooser::Choice{UINT64_MAX, CopyPathChooser::kNone};
   const uint64_t threshold = choice.engine_threshold_bytes;
   size_t num_tiles = 0, engine_blocks = 0;
   uint64_t bytes = 0;

@@ -94,12 +94,18 @@ class BulkPreparer {
   // Reads the longest stride cudaMemcpy2DAsync takes on `device`.
   Status Init(int device);
 
+  // Which blocks may go to the copy engine: as the chooser says (kChooser); none, every block
+  // to the copy kernel (kNone); or every block the chooser could give it, without measuring
+  // (kUnmeasured: a parked submission retried while the chooser's arm is the kernel, whose
+  // table could then outgrow the arena it fitted when parked).
+  enum class EngineUse { kChooser, kNone, kUnmeasured };
+
   // Translates every request into tiles in a run of arena units (host memory). Anything but
   // kPrepared leaves nothing taken. `missing` (optional) receives the first region found
-  // unmapped. Without `take_space` it stops at kFits; without `allow_engine` every block goes
-  // to the copy kernel.
+  // unmapped. Without `take_space` it stops at kFits.
   BulkFit Prepare(std::span<const TransferRequest> requests, BulkPart* part,
-                  const RegionDescriptor** missing, bool take_space, bool allow_engine = true);
+                  const RegionDescriptor** missing, bool take_space,
+                  EngineUse engine_use = EngineUse::kChooser);
 
  private:
   // Why requests that did not all translate cannot be prepared: kItemPath (a range outside

@@ -44,6 +44,9 @@ class GatedLauncher {
   // arena) and a gate (part->gate). False when gated parts hold half the arena already or no
   // gate is free: then nothing is taken and the part's arena units are given back.
   bool Admit(BulkPart* part, WorkOwner* owner, uint32_t tag);
+  // Arena units gated parts hold now (until their copies end, or their start events fire
+  // after a withdrawal).
+  uint32_t units_held() const { return units_.load(); }
   // Launches an admitted part (its owner, tag and keepalive set) on a gate stream: its table
   // (upload or launch parameters) and its gate's reset go first, then the wait for `start`,
   // then the kernel, whose first block decides whether it still copies (CopyGates). Each

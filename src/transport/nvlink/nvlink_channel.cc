@@ -35,10 +35,10 @@ namespace {
 
 // The channel: the submitting threads' entry points and the progress thread, which dispatches
 // WorkItems (ItemPath), launches parked bulk submissions (ParkedQueue) once their peer regions
-// are mapped (PeerMappings), completes bulk launches (BulkFlights) and resident-kernel jobs
-// (ResidentKernel), and closes. A bulk submission is translated into the tile arena by the
-// submitting thread (BulkPreparer) and launched there: through the resident kernel's ring,
-// by BulkLauncher, or behind its start event by GatedLauncher.
+// are mapped (PeerMappings) and their tables fit the arena, completes bulk launches (BulkFlights)
+// and resident-kernel jobs (ResidentKernel), and closes. A bulk submission is translated into the
+// tile arena by the submitting thread (BulkPreparer) and launched there: through the resident
+// kernel's ring, by BulkLauncher, or behind its start event by GatedLauncher.
 class NvlinkChannel : public PeerChannel {
  public:
   explicit NvlinkChannel(const NvlinkChannelOptions& options)
@@ -107,8 +107,8 @@ class NvlinkChannel : public PeerChannel {
     }
     KVF_LOG_DEBUG(
         "nvlink: channel to {}: {} bulk submissions in {} launches ({} combined, {} "
-        "waited on the GPU for a start event), {} waited for table space, {} waited for a "
-        "mapping; {} through the resident kernel in {} "
+        "waited on the GPU for a start event), {} found the tile table full on submission, {} "
+        "waited for a mapping; {} through the resident kernel in {} "
         "launches, {} found its ring full; copy path: {}",
         mappings_.peer_name(), stats_.parts.load(), stats_.launches.load(), stats_.combined.load(),
         stats_.gated.load(), stats_.no_slot.load(), stats_.parked.load(),
@@ -164,8 +164,11 @@ class NvlinkChannel : public PeerChannel {
           // than go the item path, which moves a large strided submission (a fused
           // unequal-TP room) far slower: with each TP 2 -> 1 prefill rank on its own H200,
           // fused moved 39-58% of equal TP's rate falling back, 94-100% waiting
-          // (docs/perf/hetero-tp.md, "Fused 2 -> 1 on three GPUs").
+          // (docs/perf/hetero-tp.md, "Fused 2 -> 1 on three GPUs"). Not while gated copies
+          // hold table space: they give it back only once their start events fired, which
+          // depends on the caller's compute, and everything parked behind would wait too.
           stats_.no_slot.fetch_add(1, std::memory_order_relaxed);
+          if (gated_.units_held() > 0) break;
           bulk.Own();
           parked_.Push(std::move(bulk));
           taken = true;
@@ -200,6 +203,7 @@ class NvlinkChannel : public PeerChannel {
     // unless it still waits on the GPU for its start event, not started (then withdrawn).
     parked_.FailWhere([&](const BulkSubmission& b) { return b.owner == owner && b.tag == tag; },
                       why);
+    space_seen_.store(kNoGeneration);  // the front may have gone: try the next one
     for (int n = gated_.Withdraw(owner, tag, why); n > 0; --n) owner->OnBulkDone(why, tag);
   }
 
@@ -244,7 +248,7 @@ class NvlinkChannel : public PeerChannel {
     if (parked_.has_parked()) return false;
     BulkPart part;
     if (preparer_.Prepare(bulk.requests, &part, nullptr, /*take_space=*/true,
-                          /*allow_engine=*/false) != BulkFit::kPrepared) {
+                          BulkPreparer::EngineUse::kNone) != BulkFit::kPrepared) {
       return false;
     }
     if (!gated_.Admit(&part, bulk.owner, bulk.tag)) return false;
@@ -265,20 +269,33 @@ class NvlinkChannel : public PeerChannel {
   // region.
   bool ServiceParked() {
     if (!parked_.has_parked()) return false;
+    // The front waits for table space and none was given back since it last tried.
+    if (space_seen_.load() == arena_.generation()) return false;
     bool mapped_one = false;
     while (true) {
       BulkSubmission bulk;
       if (!parked_.PopFront(&bulk)) return mapped_one;
       BulkPart part;
       const RegionDescriptor* missing = nullptr;
-      const BulkFit fit = preparer_.Prepare(bulk.requests, &part, &missing, /*take_space=*/true);
+      const uint64_t generation = arena_.generation();
+      BulkFit fit = preparer_.Prepare(bulk.requests, &part, &missing, /*take_space=*/true);
+      if (fit == BulkFit::kItemPath) {
+        // Under the chooser's current arm its table may be too large for the arena where it
+        // fitted when it parked (the kernel's takes every block as tiles): again with the
+        // copy engine for every eligible block before taking it for a changed descriptor.
+        fit = preparer_.Prepare(bulk.requests, &part, &missing, /*take_space=*/true,
+                                BulkPreparer::EngineUse::kUnmeasured);
+      }
       if (fit == BulkFit::kNoSpace || fit == BulkFit::kUnmapped) {
         // Nothing was taken for it: back to the front, unless withdrawn meanwhile.
         if (Status withdrawn = parked_.Repark(bulk); !withdrawn.ok()) {
           bulk.owner->OnBulkDone(withdrawn, bulk.tag);
           continue;
         }
-        if (fit == BulkFit::kNoSpace) return mapped_one;  // copies in flight give space back
+        if (fit == BulkFit::kNoSpace) {
+          space_seen_.store(generation);  // copies in flight give space back
+          return mapped_one;
+        }
         if (mapped_one) return true;
         mapped_one = true;
         StatusOr<uint8_t*> imported = mappings_.Import(*missing);
@@ -294,6 +311,7 @@ class NvlinkChannel : public PeerChannel {
         }
         continue;
       }
+      space_seen_.store(kNoGeneration);
       // Prepared (its arena space taken) it is launched even if withdrawn just now: like any
       // launched submission it completes with its real outcome, shortly.
       (void)parked_.EndService();
@@ -448,6 +466,11 @@ class NvlinkChannel : public PeerChannel {
   std::atomic<int64_t> bulk_tiles_in_flight_{0};  // tiles of bulk parts not completed yet
   BulkFlights flights_;
   ParkedQueue parked_;
+  // The arena's generation when the front parked submission last found no table space
+  // (kNoGeneration: it does not wait for space). AbandonBulk resets it; the progress thread
+  // sets and reads it.
+  static constexpr uint64_t kNoGeneration = UINT64_MAX;
+  std::atomic<uint64_t> space_seen_{kNoGeneration};
 
   // The pieces owning CUDA objects. Members are destroyed bottom-up, so once the destructor's
   // body ran (every copy finished, the thread's device set) they free in this order: the

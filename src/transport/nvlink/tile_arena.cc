@@ -20,6 +20,7 @@ std::optional<uint32_t> TileArena::Take(uint32_t units) {
 void TileArena::Give(uint32_t first, uint32_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   units_.Give(first, n);
+  generation_.fetch_add(1, std::memory_order_release);
 }
 
 cudaEvent_t TileArena::TakeEvent() {

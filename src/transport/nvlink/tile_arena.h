@@ -13,6 +13,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -42,6 +43,9 @@ class TileArena {
   std::optional<uint32_t> Take(uint32_t units);
   // Frees units [first, first + n), which must have been taken.
   void Give(uint32_t first, uint32_t n);
+  // How many times units were given back (Give, GiveBack): a run that was not free may be
+  // free once this changed.
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
   // A finished launch's return: the units of each of its parts (`first_unit`, `num_units`;
   // none when num_units is 0) and its completion events (those not null), under one lock.
   template <typename Parts>
@@ -50,6 +54,7 @@ class TileArena {
     for (const auto& p : parts) {
       if (p.num_units > 0) units_.Give(p.first_unit, p.num_units);
     }
+    generation_.fetch_add(1, std::memory_order_release);
     if (event != nullptr) free_events_.Give(event);
     if (engine_event != nullptr) free_events_.Give(engine_event);
   }
@@ -79,6 +84,7 @@ class TileArena {
   cuda::PinnedMemory<cuda::CopyTile> host_;
   std::mutex mu_;  // guards units_ and free_events_
   UnitRuns units_{kUnits};
+  std::atomic<uint64_t> generation_{0};
 };
 
 }  // namespace kvferry
