@@ -50,6 +50,24 @@ VethNamespace::VethNamespace(const std::string& tag) {
                " 2>/dev/null");
     return;
   }
+  // Both ends operationally up (RUNNING) before anyone looks for them: the kernel marks a
+  // veth running a moment after `ip link set up` (its link watch runs later), and UCX's tcp
+  // transport leaves out devices that are not running yet ("network device ... is not
+  // available", seen once in CI).
+  const std::string running = "ip -o link show dev " + local_device_ +
+                              " | grep -q 'state UP' && ip -n " + ns_ + " -o link show dev " +
+                              ns_device_ + " | grep -q 'state UP'";
+  bool up = false;
+  for (int i = 0; i < 300 && !up; ++i) {
+    up = RunCommand(running).exit_code == 0;
+    if (!up) ::usleep(10000);
+  }
+  if (!up) {
+    why_ = "the veth pair " + local_device_ + " / " + ns_device_ + " did not come up in 3 s";
+    RunCommand("ip netns del " + ns_ + " 2>/dev/null; ip link del " + local_device_ +
+               " 2>/dev/null");
+    return;
+  }
   ok_ = true;
 }
 
