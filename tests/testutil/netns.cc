@@ -63,7 +63,10 @@ VethNamespace::VethNamespace(const std::string& tag) {
     if (!up) ::usleep(10000);
   }
   if (!up) {
-    why_ = "the veth pair " + local_device_ + " / " + ns_device_ + " did not come up in 3 s";
+    why_ = "the veth pair " + local_device_ + " / " + ns_device_ + " did not come up: " +
+           RunCommand("ip -o link show dev " + local_device_ + "; ip -n " + ns_ +
+                      " -o link show dev " + ns_device_ + " 2>&1")
+               .output;
     RunCommand("ip netns del " + ns_ + " 2>/dev/null; ip link del " + local_device_ +
                " 2>/dev/null");
     return;

@@ -71,8 +71,8 @@ enum class BulkFit {
 
 // Counts for the debug log at close.
 struct BulkStats {
-  // Bulk parts, their launches, launches of several parts, submissions that waited (parked)
-  // for table space.
+  // Bulk parts, their launches, launches of several parts, submissions that found no table
+  // space when submitted (parked, or sent to the item path while gated copies held some).
   std::atomic<uint64_t> parts{0}, launches{0}, combined{0}, no_slot{0};
   std::atomic<uint64_t> parked{0};  // bulk submissions that waited for a mapping
   std::atomic<uint64_t> gated{0};   // bulk submissions that waited on the GPU for a start event
@@ -95,9 +95,9 @@ class BulkPreparer {
   Status Init(int device);
 
   // Which blocks may go to the copy engine: as the chooser says (kChooser); none, every block
-  // to the copy kernel (kNone); or every block the chooser could give it, without measuring
-  // (kUnmeasured: a parked submission retried while the chooser's arm is the kernel, whose
-  // table could then outgrow the arena it fitted when parked).
+  // to the copy kernel (kNone); or those its copy-engine arm would give it (the split still
+  // shares them), without measuring (kUnmeasured: a parked submission retried while the
+  // chooser's arm is the kernel, whose table could then outgrow the arena it fitted in).
   enum class EngineUse { kChooser, kNone, kUnmeasured };
 
   // Translates every request into tiles in a run of arena units (host memory). Anything but

@@ -78,8 +78,8 @@ class CopyPathChooser {
   // The path for the next submission's eligible blocks, at `now`.
   Choice Choose(Clock::time_point now);
   Choice Choose() { return Choose(Clock::now()); }
-  // The copy engine for every eligible block (or the fixed choice), not measured: for a
-  // submission that must not depend on the current arm.
+  // The copy engine's arm's threshold (or the fixed choice), not measured: for a submission
+  // that must not depend on the current arm.
   Choice Unmeasured() const {
     return {fixed_threshold_bytes_ != 0 ? fixed_threshold_bytes_ : kMinEngineBytes, kNone};
   }

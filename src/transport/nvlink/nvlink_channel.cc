@@ -166,7 +166,9 @@ class NvlinkChannel : public PeerChannel {
           // fused moved 39-58% of equal TP's rate falling back, 94-100% waiting
           // (docs/perf/hetero-tp.md, "Fused 2 -> 1 on three GPUs"). Not while gated copies
           // hold table space: they give it back only once their start events fired, which
-          // depends on the caller's compute, and everything parked behind would wait too.
+          // depends on the caller's compute, and everything parked behind would wait too. (A
+          // submission parked for a mapping, or behind another, still waits for space at the
+          // front whatever holds it.)
           stats_.no_slot.fetch_add(1, std::memory_order_relaxed);
           if (gated_.units_held() > 0) break;
           bulk.Own();
@@ -282,20 +284,21 @@ class NvlinkChannel : public PeerChannel {
       if (fit == BulkFit::kItemPath) {
         // Under the chooser's current arm its table may be too large for the arena where it
         // fitted when it parked (the kernel's takes every block as tiles): again with the
-        // copy engine for every eligible block before taking it for a changed descriptor.
+        // copy engine's threshold, unmeasured, before taking it for a changed descriptor.
         fit = preparer_.Prepare(bulk.requests, &part, &missing, /*take_space=*/true,
                                 BulkPreparer::EngineUse::kUnmeasured);
       }
       if (fit == BulkFit::kNoSpace || fit == BulkFit::kUnmapped) {
-        // Nothing was taken for it: back to the front, unless withdrawn meanwhile.
+        // Nothing was taken for it: back to the front, unless withdrawn meanwhile. The
+        // generation is noted before it is back, so that an AbandonBulk that removes it from
+        // the front afterwards also clears the note.
+        space_seen_.store(fit == BulkFit::kNoSpace ? generation : kNoGeneration);
         if (Status withdrawn = parked_.Repark(bulk); !withdrawn.ok()) {
+          space_seen_.store(kNoGeneration);
           bulk.owner->OnBulkDone(withdrawn, bulk.tag);
           continue;
         }
-        if (fit == BulkFit::kNoSpace) {
-          space_seen_.store(generation);  // copies in flight give space back
-          return mapped_one;
-        }
+        if (fit == BulkFit::kNoSpace) return mapped_one;  // copies in flight give space back
         if (mapped_one) return true;
         mapped_one = true;
         StatusOr<uint8_t*> imported = mappings_.Import(*missing);
@@ -467,8 +470,8 @@ class NvlinkChannel : public PeerChannel {
   BulkFlights flights_;
   ParkedQueue parked_;
   // The arena's generation when the front parked submission last found no table space
-  // (kNoGeneration: it does not wait for space). AbandonBulk resets it; the progress thread
-  // sets and reads it.
+  // (kNoGeneration: try the front whatever the generation). AbandonBulk clears it; the
+  // progress thread sets and reads it.
   static constexpr uint64_t kNoGeneration = UINT64_MAX;
   std::atomic<uint64_t> space_seen_{kNoGeneration};
 
