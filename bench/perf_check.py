@@ -9,10 +9,12 @@ tolerance the ratio past which the figure counts as regressed (0.90: more than 1
 'higher' baseline; 1.15: more than 15% above a 'lower' one).
 
 Verdicts: ok; REGRESSED (past the tolerance); better (past the tolerance the other way);
-no baseline; missing (the run produced no figure: its step failed or did not run).
-Exit status 1 when any figure REGRESSED, else 0.
+no baseline; skipped (perf_check.sh skipped its step on this machine and said why: RESULTS/
+skipped.txt names such steps); missing (the run produced no figure: its step failed or did not
+run). Exit status 1 when any figure REGRESSED, else 0.
 With --record, writes this run's figures as a new baseline file OUT/perf-check-KIND.tsv,
-keeping each figure's direction and tolerance.
+keeping each figure's direction and tolerance, and the old baseline of figures this run did
+not produce (a two-GPU run keeps the three-GPU rows).
 """
 
 import argparse
@@ -38,13 +40,15 @@ FIGURES = [
     ("large_64m_4x4_gbps", "higher", 0.93, "GB/s", "bench 64 MiB x 64, 4 thr x 4 in flight"),
     ("large_4m_4x4_gbps", "higher", 0.93, "GB/s", "bench 4 MiB x 64, 4 thr x 4 in flight"),
 ]
-for _ps in (64, 1):
-    FIGURES.append((f"hetero_p{_ps}_equal_gbps", "higher", 0.93, "GB/s",
-                    f"equal TP 300 req, page {_ps}"))
-    for _pd in ("2to1", "1to2"):
-        for _kp in ("staging", "fused"):
-            FIGURES.append((f"hetero_p{_ps}_{_pd}_{_kp}_pct_equal", "higher", 0.93, "%",
-                            f"TP {_pd.replace('to', '->')} {_kp} / equal, page {_ps}"))
+for _prefix, _where in (("hetero", "GPUs 0-1"), ("hetero3", "a GPU per rank")):
+    for _ps in (64, 1):
+        FIGURES.append((f"{_prefix}_p{_ps}_equal_gbps", "higher", 0.93, "GB/s",
+                        f"equal TP 300 req, page {_ps}, {_where}"))
+        for _pd in ("2to1", "1to2"):
+            for _kp in ("staging", "fused"):
+                FIGURES.append((f"{_prefix}_p{_ps}_{_pd}_{_kp}_pct_equal", "higher", 0.93, "%",
+                                f"TP {_pd.replace('to', '->')} {_kp} / equal, page {_ps}, "
+                                f"{_where}"))
 for _ps in (64, 1):
     for _kp in ("staging", "fused"):
         FIGURES.append((f"hetero_mps_p{_ps}_2to1_{_kp}_pct_equal", "higher", 0.93, "%",
@@ -113,10 +117,13 @@ def measure(results):
             v[f"replay_p{ps}_gbps"] = r["gbps"]
             if r.get("transfer_gbps") is not None:
                 v[f"replay_p{ps}_transfer_gbps"] = r["transfer_gbps"]
-        eq = verified(load(results, f"hetero_p{ps}_equal"))
-        if eq:
-            v[f"hetero_p{ps}_equal_gbps"] = eq["gbps"]
-        for prefix, pds in ((f"hetero_p{ps}", ("2to1", "1to2")), (f"hetero_mps_p{ps}", ("2to1",))):
+        for prefix in ("hetero", "hetero3"):
+            eq = verified(load(results, f"{prefix}_p{ps}_equal"))
+            if eq:
+                v[f"{prefix}_p{ps}_equal_gbps"] = eq["gbps"]
+        for prefix, pds in ((f"hetero_p{ps}", ("2to1", "1to2")),
+                            (f"hetero3_p{ps}", ("2to1", "1to2")),
+                            (f"hetero_mps_p{ps}", ("2to1",))):
             eq = verified(load(results, f"{prefix}_equal"))
             for pd in pds:
                 for kp in ("staging", "fused"):
@@ -168,6 +175,19 @@ def read_baseline(path):
     return base, comments
 
 
+# perf_check.sh's steps that may be skipped on a machine -> the prefix of their figures.
+SKIPPABLE = {"hetero3": "hetero3_", "mps": "hetero_mps_"}
+
+
+def skipped_prefixes(results):
+    """The figure prefixes of the steps perf_check.sh skipped on this machine."""
+    try:
+        with open(os.path.join(results, "skipped.txt")) as f:
+            return tuple(SKIPPABLE[s] for s in f.read().split() if s in SKIPPABLE)
+    except OSError:
+        return ()
+
+
 def verdict(value, baseline, better, tol):
     if value is None:
         return None, "missing"
@@ -189,11 +209,14 @@ def main():
     args = p.parse_args()
     values = measure(args.results)
     base, _ = read_baseline(args.baseline)
+    skipped = skipped_prefixes(args.results)
     rows = [("figure", "unit", "value", "baseline", "ratio", "verdict")]
     regressed = missing = 0
     for name, better, tol, unit, _desc in FIGURES:
         b = base.get(name, (None, better, tol, ""))
         r, what = verdict(values.get(name), b[0], b[1], b[2])
+        if what == "missing" and name.startswith(skipped):
+            what = "skipped"
         regressed += what == "REGRESSED"
         missing += what == "missing"
         rows.append((name, unit, "-" if name not in values else f"{values[name]:.2f}",
@@ -207,6 +230,8 @@ def main():
             print("  ".join("-" * w for w in widths))
     print(f"{regressed} regressed, {missing} missing (their step failed or did not run); "
           f"baseline {args.baseline} (kind {args.kind})")
+    for prefix in skipped:
+        print(f"skipped on this machine: the {prefix}* figures (see the step's message above)")
     if args.record:
         machine = ""
         try:
@@ -223,8 +248,11 @@ def main():
             for name, better, tol, _unit, _desc in FIGURES:
                 old = base.get(name, (None, better, tol, ""))
                 value = values.get(name)
-                f.write(f"{name}\t{'-' if value is None else f'{value:.2f}'}\t{old[1]}\t"
-                        f"{old[2]}\tperf_check --record {day}\n")
+                if value is None:  # not measured here: the old baseline stays
+                    f.write(f"{name}\t{'-' if old[0] is None else f'{old[0]:.2f}'}\t{old[1]}\t"
+                            f"{old[2]}\t{old[3]}\n")
+                    continue
+                f.write(f"{name}\t{value:.2f}\t{old[1]}\t{old[2]}\tperf_check --record {day}\n")
         print(f"recorded {path}: copy it over {args.baseline} to adopt it")
     return 1 if regressed else 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The performance regression guard (issue 21): on a GPU machine with two GPUs, one run of a
-# fixed set of figures (about 4 minutes), each compared with the baseline recorded in
+# The performance regression guard (issue 21): on a GPU machine with two GPUs or more, one run
+# of a fixed set of figures (about 4 minutes; one more with three GPUs), each compared with the baseline recorded in
 # docs/perf/perf-check-<kind>.tsv for this machine kind (h100, h200), printed as a table of
 # figure, value, baseline, ratio and verdict. Exits 1 when a figure regressed past its
 # tolerance, 0 otherwise.
@@ -18,7 +18,12 @@
 #             queues, where the copy path chooser once measured the copy engine behind the
 #             kernel's queue and chose the kernel (docs/perf/nvlink-h100.md, session 23)
 #   hetero    300 requests, page sizes 64 and 1: unequal TP 2 -> 1 and 1 -> 2, staging and
-#             fused, as % of equal TP in the same run
+#             fused, as % of equal TP in the same run, on GPUs 0 and 1 (so 2 -> 1's prefill
+#             ranks share GPU 0 and 1 -> 2's decode ranks GPU 1, on any machine)
+#   hetero3   where the machine has three GPUs or more: the same on GPUs 0, 1 and 2, every rank
+#             on its own GPU, as in a deployment (fused 2 -> 1 ran at half speed there, unseen by
+#             the two-GPU steps, until waiting for table space replaced the item path);
+#             skipped, said so, elsewhere
 #   tcp       GPU memory over TCP against host memory over TCP, 1 and 4 MiB x 64, 4 threads,
 #             4 lanes (fixed: the default lanes follow the host's CPUs)
 #   mps       where the machine has CUDA MPS (nvidia-cuda-mps-control): unequal TP 2 -> 1 and
@@ -41,7 +46,7 @@ TRACE=$B/traces/conversation_trace.jsonl
 FINAL_OUT=${OUT:-/tmp/out}
 mkdir -p "$FINAL_OUT"
 W=$(mktemp -d)
-STEPS=${STEPS:-ceiling replay small latency large hetero tcp mps}
+STEPS=${STEPS:-ceiling replay small latency large hetero hetero3 tcp mps}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo "=== $* ($(date -u +%T))"; }
 MPS_UP=""  # set while this run's MPS daemon is up: stopped on any exit
@@ -63,9 +68,14 @@ fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   git -C "$PWD" rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
 } | tee "$W/machine.txt"
-if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$NGPU" -lt 2 ]; then
   echo "perf_check: needs two GPUs"; exit 2
 fi
+skipped() {  # skipped STEP WHY: said, and noted for perf_check.py (its figures: skipped)
+  echo "$1 step skipped: $2"
+  echo "$1" >> "$W/skipped.txt"
+}
 
 bench() {  # bench NAME TIMEOUT ARGS...
   local name=$1 limit=$2; shift 2
@@ -102,18 +112,29 @@ if has replay; then
     replay "replay_p$ps" 150 --limit 500 --page-size "$ps" --pool-size 40GiB
   done
 fi
-if has hetero; then
+hetero_runs() {  # hetero_runs PREFIX GPUS: equal TP, 2 -> 1 and 1 -> 2, staging and fused
+  local prefix=$1 ps pd kp
   for ps in 64 1; do
-    step "unequal TP, 300 requests, page size $ps"
+    step "unequal TP on GPUs $2, 300 requests, page size $ps"
     common=(--limit 300 --page-size "$ps" --pool-size 16GiB)
-    replay "hetero_p${ps}_equal" 90 "${common[@]}"
+    CUDA_VISIBLE_DEVICES=$2 replay "${prefix}_p${ps}_equal" 90 "${common[@]}"
     for pd in 2:1 1:2; do
       for kp in staging fused; do
-        replay "hetero_p${ps}_${pd/:/to}_$kp" 90 "${common[@]}" --prefill-tp "${pd%:*}" \
-          --decode-tp "${pd#*:}" --kv-path "$kp"
+        CUDA_VISIBLE_DEVICES=$2 replay "${prefix}_p${ps}_${pd/:/to}_$kp" 90 "${common[@]}" \
+          --prefill-tp "${pd%:*}" --decode-tp "${pd#*:}" --kv-path "$kp"
       done
     done
   done
+}
+if has hetero; then
+  hetero_runs hetero 0,1
+fi
+if has hetero3; then
+  if [ "$NGPU" -ge 3 ]; then
+    hetero_runs hetero3 0,1,2
+  else
+    skipped hetero3 "$NGPU GPUs (every rank on its own GPU needs three)"
+  fi
 fi
 if has tcp; then
   for dev in cpu cuda; do
@@ -126,7 +147,7 @@ fi
 if has mps; then
   step "unequal TP 2 -> 1 under MPS, 300 requests, page sizes 64 and 1"
   if ! command -v nvidia-cuda-mps-control >/dev/null; then
-    echo "no nvidia-cuda-mps-control on this machine: MPS step skipped"
+    skipped mps "no nvidia-cuda-mps-control on this machine"
   else
     # The daemon's sockets go outside $W (which is archived at the end), its log inside.
     export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$W/mps-log
@@ -135,16 +156,16 @@ if has mps; then
       MPS_UP=1
       for ps in 64 1; do
         common=(--limit 300 --page-size "$ps" --pool-size 16GiB)
-        replay "hetero_mps_p${ps}_equal" 90 "${common[@]}"
+        CUDA_VISIBLE_DEVICES=0,1 replay "hetero_mps_p${ps}_equal" 90 "${common[@]}"
         for kp in staging fused; do
-          replay "hetero_mps_p${ps}_2to1_$kp" 90 "${common[@]}" --prefill-tp 2 --decode-tp 1 \
-            --kv-path "$kp"
+          CUDA_VISIBLE_DEVICES=0,1 replay "hetero_mps_p${ps}_2to1_$kp" 90 "${common[@]}" \
+            --prefill-tp 2 --decode-tp 1 --kv-path "$kp"
         done
       done
       echo quit | nvidia-cuda-mps-control
       MPS_UP=""
     else
-      echo "the MPS daemon did not start: MPS step skipped"
+      skipped mps "the MPS daemon did not start"
     fi
     rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
