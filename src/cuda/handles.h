@@ -149,7 +149,14 @@ class EventPool {
   EventPool(const EventPool&) = delete;
   EventPool& operator=(const EventPool&) = delete;
 
-  // An idle event, or null when none is left (the caller creates one).
+  // A new event of the kind the pool holds (timing disabled) on the current device; null when
+  // creating one failed. For a caller whose Take found none.
+  static cudaEvent_t Create() {
+    cudaEvent_t event = nullptr;
+    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) return nullptr;
+    return event;
+  }
+  // An idle event, or null when none is left (the caller creates one: Create).
   cudaEvent_t Take() {
     if (free_.empty()) return nullptr;
     cudaEvent_t event = free_.back();

@@ -171,9 +171,7 @@ int ItemPath::AcquireSlot() {
 
 cudaEvent_t ItemPath::AcquireEvent() {
   if (cudaEvent_t e = free_events_.Take()) return e;
-  cudaEvent_t e = nullptr;
-  cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-  return e;
+  return cuda::EventPool::Create();
 }
 
 }  // namespace kvferry

@@ -28,9 +28,7 @@ cudaEvent_t TileArena::TakeEvent() {
     std::lock_guard<std::mutex> lock(mu_);
     if (cudaEvent_t idle = free_events_.Take(); idle != nullptr) return idle;
   }
-  cudaEvent_t created = nullptr;
-  if (cudaEventCreateWithFlags(&created, cudaEventDisableTiming) != cudaSuccess) return nullptr;
-  return created;
+  return cuda::EventPool::Create();
 }
 
 void TileArena::GiveEvent(cudaEvent_t event) {
