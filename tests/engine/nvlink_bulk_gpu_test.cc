@@ -1,8 +1,8 @@
 // Two-process NVLink tests of the channel's bulk submissions on real GPUs: waiting for the
-// peer's regions to be mapped, copy-engine and kernel blocks in one submission (reported only
-// once both engines' shares landed), parked submissions failing on abandon and close, and
-// submissions gated on a CUDA event that wait on the GPU and can be withdrawn until they
-// start. Skips without a GPU.
+// peer's regions to be mapped, waiting for table space, copy-engine and kernel blocks in one
+// submission (reported only once both engines' shares landed), parked submissions failing on
+// abandon and close, and submissions gated on a CUDA event that wait on the GPU and can be
+// withdrawn until they start. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #ifdef KVFERRY_WITH_CUDA
@@ -403,6 +403,85 @@ TEST_F(NvlinkGpuTest, ParkedBulkSubmissionsFailAbandonAndCloseCleanly) {
   ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, got.size()).ok());
   ASSERT_EQ(cudaMemcpy(got.data(), back_, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], Pattern(i)) << i;
+}
+
+// A submission that finds the tile arena full waits in the channel until copies in flight
+// give the space back, instead of being declined to the item path, and lands: the first
+// submission takes 1000 of the arena's 1024 units with slow copies (rows of 16 bytes a page
+// apart), the second (200 units) finds no run free, is taken, and lands beside the first's rows
+// (batches in flight are not ordered with each other, so the two write disjoint bytes). Closing
+// while one waits fails it with the close, after the copies in flight finished. A small
+// submission first maps the peer's region, so that the two are prepared when submitted (not
+// parked for the mapping). With KVFERRY_LOG_LEVEL=debug the channel's closing line counts the
+// submission that found the tile table full.
+TEST_F(NvlinkGpuTest, BulkSubmissionsThatFindTheTableFullWaitForSpace) {
+  auto descriptor = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(descriptor.ok());
+  NvlinkChannelOptions options;
+  options.peer = *descriptor;
+  constexpr uint32_t kRows = 1024;    // 16-byte rows: one 16 KiB tile per request
+  constexpr uint64_t kPitch = 4096;   // a page apart in the peer's region
+  constexpr uint64_t kRowBytes = 16;  // under every copy-engine floor: the copy kernel's
+  const std::vector<uint8_t> src = FillRandom(local_, 2 * kRows * kRowBytes, 43);
+  auto* local = static_cast<uint8_t*>(local_);
+  // `count` identical requests writing source block `block` (16 KiB) onto bytes
+  // [block * 16, + 16) of each of the peer's first kRows pages.
+  auto rows_from = [&](int block, int count) {
+    TransferRequest r{TransferOp::kWrite, local + block * kRows * kRowBytes, segment_,
+                      peer_.vmm_base + block * kRowBytes, kRowBytes};
+    r.num_rows = kRows;
+    r.local_stride = kRowBytes;
+    r.remote_stride = kPitch;
+    return std::vector<TransferRequest>(count, r);
+  };
+  const auto warm_up = rows_from(0, 1);
+  const auto first = rows_from(0, 1000 * 256);  // 1000 units of 256 tiles
+  const auto second = rows_from(1, 200 * 256);
+  BulkRecorder first_done, second_done;
+  {
+    auto channel = CreateNvlinkChannel(options);
+    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+    ASSERT_TRUE(SubmitAndWait(**channel, warm_up, 9).ok());  // maps the peer's region
+    BulkSubmission a{first, &first_done, nullptr, 1}, b{second, &second_done, nullptr, 2};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(a));
+    ASSERT_TRUE((*channel)->TrySubmitBulk(b)) << "declined while the arena was full";
+    uint32_t tag = 0;
+    Status s = first_done.Wait(&tag);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    s = second_done.Wait(&tag);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(tag, 2u);
+    (*channel)->Close();
+  }
+  EXPECT_EQ(first_done.calls(), 1);
+  EXPECT_EQ(second_done.calls(), 1);
+  std::vector<uint8_t> mirror = PatternMirror(kRows * kPitch);
+  for (uint32_t row = 0; row < kRows; ++row) {
+    for (int block = 0; block < 2; ++block) {
+      std::memcpy(mirror.data() + row * kPitch + block * kRowBytes,
+                  src.data() + (block * kRows + row) * kRowBytes, kRowBytes);
+    }
+  }
+  ExpectPeerRegionEquals(mirror);
+  if (HasFatalFailure()) return;
+  // Closed while the second waits: it fails with the close; the first lands.
+  BulkRecorder again_done, at_close;
+  {
+    auto channel = CreateNvlinkChannel(options);
+    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
+    ASSERT_TRUE(SubmitAndWait(**channel, warm_up, 9).ok());  // maps the peer's region
+    BulkSubmission a{first, &again_done, nullptr, 3}, b{second, &at_close, nullptr, 4};
+    ASSERT_TRUE((*channel)->TrySubmitBulk(a));
+    ASSERT_TRUE((*channel)->TrySubmitBulk(b));
+    (*channel)->Close();
+  }
+  ASSERT_EQ(again_done.calls(), 1);
+  ASSERT_EQ(at_close.calls(), 1);
+  uint32_t tag = 0;
+  Status s = again_done.Wait(&tag);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  s = at_close.Wait(&tag);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
 }
 
 // The peer's fd socket serves a cuMem descriptor only to a channel that proves the peer
