@@ -2,7 +2,7 @@
 // cudaMemcpy3DBatchAsync calls of 16 or 128 copies of 64 rows each (one row per 64 MiB
 // "buffer", at random places in it), 8 GiB per point, then cudaMemcpyPeer as the ceiling.
 // The figures behind EngineSplitCosts (src/transport/nvlink/engine_split.h); a diagnostic, not
-// a kvferry figure (docs/perf/nvlink-h100.md, "Session 21").
+// a kvferry figure (docs/perf/nvlink-h100-s21-s22.md, "Session 21").
 // Build (CUDA 13: cudaMemcpy3DBatchAsync's four-argument form):
 //   nvcc -O2 -arch=sm_90 -cudart static -o ce_rows bench/cuda/ce_rows.cu
 // Run on a machine with two GPUs joined by NVLink: ./ce_rows

@@ -3,7 +3,7 @@
 // (cudaMemcpy3DBatchAsync), a copy kernel (warps over tiles of at most 16 KiB), or both at
 // once on two streams with rows from a length up to the copy engine, over a 40 GiB and a
 // 1 GiB range per side. A diagnostic behind EngineSplitCosts
-// (src/transport/nvlink/engine_split.h; docs/perf/nvlink-h100.md, "Session 21").
+// (src/transport/nvlink/engine_split.h; docs/perf/nvlink-h100-s21-s22.md, "Session 21").
 // Build (CUDA 13: cudaMemcpy3DBatchAsync's four-argument form):
 //   nvcc -O2 -arch=sm_90 -cudart static -o split_rows bench/cuda/split_rows.cu
 #include <cuda_runtime.h>

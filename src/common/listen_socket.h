@@ -13,8 +13,8 @@
 // ACK and first data segment, so the client believes it is connected and sends; a later
 // segment (httplib writes a request's headers and body separately) cannot complete a cookie,
 // and the kernel resets the connection. The client sees a read error, the server never sees
-// the request (docs/perf/nvlink-h100.md, "A stall at concurrency 32"). Our servers raise the
-// backlog after binding.
+// the request (docs/perf/nvlink-h100-s21-s22.md, "A stall at concurrency 32"). Our servers raise
+// the backlog after binding.
 //
 // Thread-safety: plain functions.
 #pragma once

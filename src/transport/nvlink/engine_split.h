@@ -5,7 +5,7 @@
 // The two engines cost differently per byte. The copy engine pays a fixed cost per row besides
 // the row's bytes; the kernel moves rows of any length near the link's rate but shares the
 // SMs with whatever else runs on the GPU (prefill's model, a replay's fill kernels). Measured
-// on 2 x H200 (docs/perf/nvlink-h100.md, "The copy engine's cost per row"): GPU-to-GPU 2D
+// on 2 x H200 (docs/perf/nvlink-h100-s21-s22.md, "The copy engine's cost per row"): GPU-to-GPU 2D
 // copies by cudaMemcpy3DBatchAsync moved 2 / 64 / 128 / 1024 KiB rows at 45 / 317 / 348 / 389 GB/s
 // against 396 for cudaMemcpyPeer, whatever the number of streams (about 45 ns, 18 KiB at link
 // speed, per row over a 1 GiB range; 27 KiB over a 40 GiB range); the copy kernel alone moved
