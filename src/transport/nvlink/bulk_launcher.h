@@ -22,6 +22,7 @@
 #include "kvferry/status.h"
 #include "transport/nvlink/bulk_flights.h"
 #include "transport/nvlink/bulk_part.h"
+#include "transport/nvlink/copy_block_share.h"
 #include "transport/nvlink/tile_arena.h"
 
 namespace kvferry {
@@ -35,8 +36,9 @@ class BulkLauncher {
   BulkLauncher& operator=(const BulkLauncher&) = delete;
 
   // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
-  // device; its copy kernels run at most `max_blocks` thread blocks.
-  Status Init(int stream_priority, int max_blocks);
+  // device; its copy kernels run at most `blocks->Blocks()` thread blocks when launched
+  // (`blocks` outlives this).
+  Status Init(int stream_priority, const CopyBlockShare* blocks);
 
   // Launches `part` (its owner, tag and keepalive set), with any others pending; or leaves it
   // pending for the thread launching now.
@@ -71,7 +73,7 @@ class BulkLauncher {
   BulkFlights& flights_;
   BulkStats& stats_;
   CopyPathChooser& chooser_;
-  int max_blocks_ = 1;  // thread blocks per copy kernel (Init)
+  const CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
   std::array<cuda::Stream, kBulkStreams> streams_;
   // Beside each stream, one for the copy-engine blocks of a part that also has kernel tiles,
   // so that the two engines copy at the same time.

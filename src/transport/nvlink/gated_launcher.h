@@ -24,6 +24,7 @@
 #include "kvferry/status.h"
 #include "transport/nvlink/bulk_flights.h"
 #include "transport/nvlink/bulk_part.h"
+#include "transport/nvlink/copy_block_share.h"
 #include "transport/nvlink/copy_gates.h"
 #include "transport/nvlink/tile_arena.h"
 #include "transport/transport.h"
@@ -37,8 +38,10 @@ class GatedLauncher {
   GatedLauncher& operator=(const GatedLauncher&) = delete;
 
   // Creates the gate streams (at `stream_priority`: cudaStreamCreateWithPriority) and the
-  // gates on the current device; its copy kernels run at most `max_blocks` thread blocks.
-  Status Init(int stream_priority, int max_blocks);
+  // gates on the current device; its copy kernels run at most `blocks->Blocks()` thread blocks when
+  // launched
+  // (`blocks` outlives this).
+  Status Init(int stream_priority, const CopyBlockShare* blocks);
 
   // Takes room for a prepared part of (owner, tag) (its arena units count against half the
   // arena) and a gate (part->gate). False when gated parts hold half the arena already or no
@@ -83,7 +86,7 @@ class GatedLauncher {
   TileArena& arena_;
   BulkFlights& flights_;
   BulkStats& stats_;
-  int max_blocks_ = 1;  // thread blocks per copy kernel (Init)
+  const CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
   // Members are destroyed bottom-up: the gate streams, then the gates.
   std::unique_ptr<CopyGates> gates_;
   std::array<cuda::Stream, kGateStreams> streams_;

@@ -18,6 +18,7 @@
 #include "cuda/copy_kernels.h"
 #include "cuda/handles.h"
 #include "kvferry/status.h"
+#include "transport/nvlink/copy_block_share.h"
 #include "transport/nvlink/peer_mappings.h"
 #include "transport/transport.h"
 
@@ -32,8 +33,10 @@ class ItemPath {
   ItemPath& operator=(const ItemPath&) = delete;
 
   // Creates the stream (at `stream_priority`: cudaStreamCreateWithPriority) and the table
-  // slots on the current device; its copy kernels run at most `max_blocks` thread blocks.
-  Status Init(int stream_priority, int max_blocks);
+  // slots on the current device; its copy kernels run at most `blocks->Blocks()` thread blocks when
+  // launched
+  // (`blocks` outlives this).
+  Status Init(int stream_priority, const CopyBlockShare* blocks);
 
   // Translates and launches `batch`: items no longer queued (abandoned) are skipped, items
   // that cannot be copied complete at once with the reason.
@@ -71,7 +74,7 @@ class ItemPath {
 
   PeerMappings& mappings_;
   const uint64_t copy_engine_threshold_bytes_;
-  int max_blocks_ = 1;  // thread blocks per copy kernel (Init)
+  const CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
   // Members are destroyed bottom-up: the slots' memory, then the idle events, then the
   // stream (idle by then: no flight is left once the progress thread ended).
   cuda::Stream stream_;

@@ -22,6 +22,7 @@
 #include "transport/nvlink/bulk_flights.h"
 #include "transport/nvlink/bulk_launcher.h"
 #include "transport/nvlink/bulk_part.h"
+#include "transport/nvlink/copy_block_share.h"
 #include "transport/nvlink/cuda_error.h"
 #include "transport/nvlink/gated_launcher.h"
 #include "transport/nvlink/item_path.h"
@@ -72,9 +73,11 @@ class NvlinkChannel : public PeerChannel {
       return InvalidArgumentError("nvlink: copy_blocks_per_sm must be at least 1, got " +
                                   std::to_string(copy_blocks_per_sm_));
     }
-    RETURN_IF_ERROR(item_path_.Init(priority, max_blocks));
-    RETURN_IF_ERROR(bulk_launcher_.Init(priority, max_blocks));
-    RETURN_IF_ERROR(gated_.Init(priority, max_blocks));
+    // The grid is shared with this process's other channels from the same GPU.
+    blocks_.Join(local_device_, max_blocks);
+    RETURN_IF_ERROR(item_path_.Init(priority, &blocks_));
+    RETURN_IF_ERROR(bulk_launcher_.Init(priority, &blocks_));
+    RETURN_IF_ERROR(gated_.Init(priority, &blocks_));
     RETURN_IF_ERROR(arena_.Init());
     RETURN_IF_ERROR(preparer_.Init(local_device_));
     RETURN_IF_ERROR(resident_.Init(sms));
@@ -451,6 +454,7 @@ class NvlinkChannel : public PeerChannel {
   const int local_device_;
   const bool high_priority_streams_;  // copy streams at the device's greatest priority
   const int copy_blocks_per_sm_;      // copy kernels' thread blocks per SM, at most
+  CopyBlockShare blocks_;             // this channel's share of the GPU's copy-kernel grid
 
   // The progress thread's wake-ups and the WorkItem queue.
   std::atomic<bool> queued_{false};       // items in queue_ or flights handed in (WakeProgress)
