@@ -53,12 +53,12 @@ for _ps in (64, 1):
     for _kp in ("staging", "fused"):
         FIGURES.append((f"hetero_mps_p{_ps}_2to1_{_kp}_pct_equal", "higher", 0.93, "%",
                         f"TP 2->1 {_kp} / equal, both under MPS, page {_ps}"))
-# Loopback TCP's own rate follows the lease's host CPUs (15-19 GB/s on H200 leases of one
+# Loopback TCP's own rate follows the lease's host CPUs (14-19 GB/s on H200 leases of one
 # kind), hence the wide tolerance; the same-run ratio judges kvferry's GPU path.
 for _mb in (1, 4):
-    FIGURES.append((f"tcp_gpu_{_mb}m_gbps", "higher", 0.75, "GB/s",
+    FIGURES.append((f"tcp_gpu_{_mb}m_gbps", "higher", 0.70, "GB/s",
                     f"GPU memory over TCP, {_mb} MiB x 64"))
-    FIGURES.append((f"tcp_host_{_mb}m_gbps", "higher", 0.75, "GB/s",
+    FIGURES.append((f"tcp_host_{_mb}m_gbps", "higher", 0.70, "GB/s",
                     f"host memory over TCP, {_mb} MiB x 64"))
     FIGURES.append((f"tcp_gpu_{_mb}m_pct_host", "higher", 0.93, "%",
                     f"GPU / host memory over TCP, {_mb} MiB"))
