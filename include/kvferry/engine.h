@@ -106,10 +106,11 @@ struct EngineOptions {
   // 16 KiB to 4 MiB blocks on idle GPUs) while leaving 7/8 of the SMs' thread slots to the
   // model's kernels beside it, which would otherwise wait for the copy's blocks to leave (and
   // the copy for theirs; measured in docs/perf/nvlink-h100-earlier.md). The grid this gives
-  // (SMs x blocks per SM) is shared by the process's NVLink channels from the same GPU: with n
-  // channels open there, each copy kernel runs at most 1/n of it (at least one block), since
-  // two channels' kernels at the full grid each moved less than one (fused TP 1 -> 2 on H200:
-  // 88-94% of equal TP, 95-97% sharing; docs/perf/nvlink-h100.md, session 25).
+  // (SMs x blocks per SM) is shared by the process's NVLink channels copying from the same GPU
+  // (those that launched a copy kernel in the last 5 ms): with n of them, each batched copy
+  // kernel runs at most 1/n of it (at least one block), since two channels' kernels at the full
+  // grid each moved less than one (fused TP 1 -> 2 on H200: 88-95% of equal TP, 95-97%
+  // sharing; docs/perf/nvlink-h100.md, session 25). The resident kernel is not shared.
   // KVFERRY_NVLINK_BLOCKS_PER_SM overrides it.
   int nvlink_copy_blocks_per_sm = 1;
   // TCP connections (lanes) per peer. More lanes spread large requests over several

@@ -1,6 +1,7 @@
-// The copy-kernel grid shared by a process's NVLink channels from one GPU: a channel alone
-// keeps the whole grid, channels from the same GPU divide it (never below one block), channels
-// from other GPUs do not count, and a channel that goes gives its share back.
+// The copy-kernel grid shared by a process's copying NVLink channels from one GPU: a channel
+// copying alone keeps the whole grid, channels copying at once from the same GPU divide it
+// (rounded down, never below one block), channels that launched nothing for the window,
+// channels from other GPUs and channels that went do not count.
 #include "transport/nvlink/copy_block_share.h"
 
 #include <gtest/gtest.h>
@@ -11,64 +12,88 @@
 namespace kvferry {
 namespace {
 
-// Devices no other test of this binary counts channels on.
+// Devices no other test of this binary counts channels on; times in steady-clock ns.
 constexpr int kDevice = 101;
 constexpr int kOtherDevice = 102;
+constexpr int64_t kT0 = 1'000'000'000'000;
+constexpr int64_t kWindow = CopyBlockShare::kActiveWindowNs;
 
-TEST(CopyBlockShareTest, ChannelsFromOneGpuDivideItsGrid) {
+TEST(CopyBlockShareTest, ChannelsCopyingFromOneGpuDivideItsGrid) {
   ASSERT_EQ(CopyBlockShare::ChannelsOn(kDevice), 0);
   auto first = std::make_unique<CopyBlockShare>();
-  EXPECT_EQ(first->Blocks(), 1);  // not joined yet
   first->Join(kDevice, 132);
-  EXPECT_EQ(first->Blocks(), 132);
+  EXPECT_EQ(first->ForLaunchAt(kT0), 132);
   {
-    CopyBlockShare second;
+    CopyBlockShare second, elsewhere, third;
     second.Join(kDevice, 132);
-    EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 2);
-    EXPECT_EQ(first->Blocks(), 66);
-    EXPECT_EQ(second.Blocks(), 66);
-    CopyBlockShare elsewhere;
     elsewhere.Join(kOtherDevice, 132);
-    EXPECT_EQ(elsewhere.Blocks(), 132);
-    EXPECT_EQ(first->Blocks(), 66);
-    CopyBlockShare third;
     third.Join(kDevice, 132);
-    EXPECT_EQ(first->Blocks(), 44);
+    EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 3);
+    // Joined but not copying: the first still has the whole grid.
+    EXPECT_EQ(first->ForLaunchAt(kT0 + 1), 132);
+    EXPECT_EQ(second.ForLaunchAt(kT0 + 2), 66);
+    EXPECT_EQ(first->ForLaunchAt(kT0 + 3), 66);
+    EXPECT_EQ(elsewhere.ForLaunchAt(kT0 + 4), 132);  // another GPU
+    EXPECT_EQ(third.ForLaunchAt(kT0 + 5), 44);
+    EXPECT_EQ(CopyBlockShare::CopyingOn(kDevice, kT0 + 5), 3);
+    // The second and third stop launching: after the window the first has it all again.
+    EXPECT_EQ(first->ForLaunchAt(kT0 + 2 + kWindow), 132 / 2);  // the third still counts
+    EXPECT_EQ(first->ForLaunchAt(kT0 + 5 + kWindow), 132);
   }
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 1);
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kOtherDevice), 0);
-  EXPECT_EQ(first->Blocks(), 132);
   first.reset();
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 0);
 }
 
-TEST(CopyBlockShareTest, NeverBelowOneBlock) {
+TEST(CopyBlockShareTest, RoundsDownAndNeverBelowOneBlock) {
   std::vector<std::unique_ptr<CopyBlockShare>> shares;
   for (int i = 0; i < 5; ++i) {
     shares.push_back(std::make_unique<CopyBlockShare>());
-    shares.back()->Join(kDevice, 3);
+    shares.back()->Join(kDevice, 132);
+    shares.back()->ForLaunchAt(kT0);
   }
-  for (const auto& s : shares) EXPECT_EQ(s->Blocks(), 1);
-  shares.resize(1);
-  EXPECT_EQ(shares[0]->Blocks(), 3);
+  EXPECT_EQ(shares[0]->ForLaunchAt(kT0 + 1), 26);  // 132 / 5
+  for (auto& s : shares) s = std::make_unique<CopyBlockShare>();
+  CopyBlockShare zero;
+  zero.Join(kDevice, 0);  // a grid of at least one block
+  EXPECT_EQ(zero.ForLaunchAt(kT0), 1);
+  std::vector<std::unique_ptr<CopyBlockShare>> small;
+  for (int i = 0; i < 5; ++i) {
+    small.push_back(std::make_unique<CopyBlockShare>());
+    small.back()->Join(kDevice, 3);
+    small.back()->ForLaunchAt(kT0 + 10);
+  }
+  for (auto& s : small) EXPECT_EQ(s->ForLaunchAt(kT0 + 11), 1);
 }
 
-TEST(CopyBlockShareTest, DevicesOutOfRangeShareNothing) {
-  CopyBlockShare a, b;
-  a.Join(-1, 8);
-  b.Join(CopyBlockShare::kMaxDevices, 8);
-  EXPECT_EQ(a.Blocks(), 8);
-  EXPECT_EQ(b.Blocks(), 8);
+TEST(CopyBlockShareTest, ChannelsWithoutSlotsStillCountThemselves) {
+  CopyBlockShare out_of_range;
+  out_of_range.Join(-1, 8);
+  EXPECT_EQ(out_of_range.ForLaunchAt(kT0), 8);
   EXPECT_EQ(CopyBlockShare::ChannelsOn(-1), 0);
   EXPECT_EQ(CopyBlockShare::ChannelsOn(CopyBlockShare::kMaxDevices), 0);
+  std::vector<std::unique_ptr<CopyBlockShare>> full;
+  for (int i = 0; i < CopyBlockShare::kSlotsPerDevice; ++i) {
+    full.push_back(std::make_unique<CopyBlockShare>());
+    full.back()->Join(kDevice, 128);
+  }
+  CopyBlockShare extra;  // no slot left: it sees the others, they do not see it
+  extra.Join(kDevice, 128);
+  EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), CopyBlockShare::kSlotsPerDevice);
+  full[0]->ForLaunchAt(kT0);
+  EXPECT_EQ(extra.ForLaunchAt(kT0 + 1), 64);
+  EXPECT_EQ(full[0]->ForLaunchAt(kT0 + 2), 128);
+  full.clear();
+  EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 0);
 }
 
-TEST(CopyBlockShareTest, JoiningTwiceCountsOnce) {
+TEST(CopyBlockShareTest, JoiningTwiceKeepsOneSlot) {
   CopyBlockShare a;
   a.Join(kDevice, 10);
   a.Join(kDevice, 10);
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 1);
-  EXPECT_EQ(a.Blocks(), 10);
+  EXPECT_EQ(a.ForLaunchAt(kT0), 10);
 }
 
 }  // namespace

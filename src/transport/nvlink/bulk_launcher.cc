@@ -16,7 +16,7 @@ BulkLauncher::BulkLauncher(int device, TileArena& arena, BulkFlights& flights, B
                            CopyPathChooser& chooser)
     : device_(device), arena_(arena), flights_(flights), stats_(stats), chooser_(chooser) {}
 
-Status BulkLauncher::Init(int stream_priority, const CopyBlockShare* blocks) {
+Status BulkLauncher::Init(int stream_priority, CopyBlockShare* blocks) {
   blocks_ = blocks;
   for (cuda::Stream& st : streams_) {
     CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking, stream_priority));
@@ -236,7 +236,7 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
     // Copy-engine blocks only: below.
   } else if (parts.size() == 1) {
     e = UploadTable(arena_, parts[0], stream);
-    if (e == cudaSuccess) e = LaunchTable(arena_, parts[0], stream, blocks_->Blocks());
+    if (e == cudaSuccess) e = LaunchTable(arena_, parts[0], stream, blocks_->ForLaunch());
   } else {
     cuda::HostTables tables;
     uint32_t end = 0;
@@ -246,7 +246,7 @@ void BulkLauncher::LaunchGroup(std::vector<BulkPart> parts) {
       tables.end[tables.count] = end;
       ++tables.count;
     }
-    e = cuda::LaunchBatchedCopyHostTables(tables, stream, blocks_->Blocks());
+    e = cuda::LaunchBatchedCopyHostTables(tables, stream, blocks_->ForLaunch());
   }
   for (const BulkPart& p : parts) {  // (a part with copy-engine blocks launches alone)
     if (!beside && e == cudaSuccess && !p.engine.empty()) e = IssueEngineCopies(p.engine, stream);

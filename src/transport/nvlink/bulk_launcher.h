@@ -36,9 +36,9 @@ class BulkLauncher {
   BulkLauncher& operator=(const BulkLauncher&) = delete;
 
   // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
-  // device; its copy kernels run at most `blocks->Blocks()` thread blocks when launched
-  // (`blocks` outlives this).
-  Status Init(int stream_priority, const CopyBlockShare* blocks);
+  // device; its copy kernels run the thread blocks
+  // `blocks->ForLaunch()` gives at each launch (`blocks` outlives this).
+  Status Init(int stream_priority, CopyBlockShare* blocks);
 
   // Launches `part` (its owner, tag and keepalive set), with any others pending; or leaves it
   // pending for the thread launching now.
@@ -73,7 +73,7 @@ class BulkLauncher {
   BulkFlights& flights_;
   BulkStats& stats_;
   CopyPathChooser& chooser_;
-  const CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
+  CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
   std::array<cuda::Stream, kBulkStreams> streams_;
   // Beside each stream, one for the copy-engine blocks of a part that also has kernel tiles,
   // so that the two engines copy at the same time.

@@ -14,7 +14,7 @@ namespace kvferry {
 GatedLauncher::GatedLauncher(int device, TileArena& arena, BulkFlights& flights, BulkStats& stats)
     : device_(device), arena_(arena), flights_(flights), stats_(stats) {}
 
-Status GatedLauncher::Init(int stream_priority, const CopyBlockShare* blocks) {
+Status GatedLauncher::Init(int stream_priority, CopyBlockShare* blocks) {
   blocks_ = blocks;
   for (cuda::Stream& st : streams_) {
     CUDA_RETURN_IF_ERROR(st.Create(cudaStreamNonBlocking, stream_priority));
@@ -67,7 +67,7 @@ void GatedLauncher::Launch(BulkPart&& part, cudaEvent_t start) {
   if (e == cudaSuccess) e = cudaMemsetAsync(gate.decision, 0, sizeof(uint32_t), stream);
   if (e == cudaSuccess) e = UploadTable(arena_, part, stream);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, start, 0);
-  if (e == cudaSuccess) e = LaunchTable(arena_, part, stream, blocks_->Blocks(), gate);
+  if (e == cudaSuccess) e = LaunchTable(arena_, part, stream, blocks_->ForLaunch(), gate);
   if (e != cudaSuccess) flight.status = InternalError(CudaError("gated bulk copy launch", e));
   // The event marks the end of whatever was queued, also after a failed step: the flight
   // reports the error once the stream is past it, whether or not anything copied.

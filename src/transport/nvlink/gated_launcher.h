@@ -38,10 +38,9 @@ class GatedLauncher {
   GatedLauncher& operator=(const GatedLauncher&) = delete;
 
   // Creates the gate streams (at `stream_priority`: cudaStreamCreateWithPriority) and the
-  // gates on the current device; its copy kernels run at most `blocks->Blocks()` thread blocks when
-  // launched
-  // (`blocks` outlives this).
-  Status Init(int stream_priority, const CopyBlockShare* blocks);
+  // gates on the current device; its copy kernels run the thread blocks
+  // `blocks->ForLaunch()` gives at each launch (`blocks` outlives this).
+  Status Init(int stream_priority, CopyBlockShare* blocks);
 
   // Takes room for a prepared part of (owner, tag) (its arena units count against half the
   // arena) and a gate (part->gate). False when gated parts hold half the arena already or no
@@ -86,7 +85,7 @@ class GatedLauncher {
   TileArena& arena_;
   BulkFlights& flights_;
   BulkStats& stats_;
-  const CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
+  CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
   // Members are destroyed bottom-up: the gate streams, then the gates.
   std::unique_ptr<CopyGates> gates_;
   std::array<cuda::Stream, kGateStreams> streams_;

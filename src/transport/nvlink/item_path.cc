@@ -14,7 +14,7 @@ namespace kvferry {
 ItemPath::ItemPath(PeerMappings& mappings, uint64_t copy_engine_threshold_bytes)
     : mappings_(mappings), copy_engine_threshold_bytes_(copy_engine_threshold_bytes) {}
 
-Status ItemPath::Init(int stream_priority, const CopyBlockShare* blocks) {
+Status ItemPath::Init(int stream_priority, CopyBlockShare* blocks) {
   blocks_ = blocks;
   CUDA_RETURN_IF_ERROR(stream_.Create(cudaStreamNonBlocking, stream_priority));
   for (Slot& slot : slots_) {
@@ -93,7 +93,7 @@ void ItemPath::Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
       if (n <= cuda::kInlineTiles) {
         cuda::InlineTiles inline_tiles;
         std::memcpy(inline_tiles.tiles, tiles, n * sizeof(cuda::CopyTile));
-        e = cuda::LaunchBatchedCopyInline(inline_tiles, n, stream, blocks_->Blocks());
+        e = cuda::LaunchBatchedCopyInline(inline_tiles, n, stream, blocks_->ForLaunch());
       } else {
         // Every busy slot belongs to a flight already queued, so this always makes progress.
         const int slot = AcquireSlot();
@@ -102,7 +102,7 @@ void ItemPath::Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
         e = cudaMemcpyAsync(slots_[slot].device.get(), slots_[slot].host.get(),
                             n * sizeof(cuda::CopyTile), cudaMemcpyHostToDevice, stream);
         if (e == cudaSuccess)
-          e = cuda::LaunchBatchedCopy(slots_[slot].device.get(), n, stream, blocks_->Blocks());
+          e = cuda::LaunchBatchedCopy(slots_[slot].device.get(), n, stream, blocks_->ForLaunch());
       }
       if (e != cudaSuccess) status = InternalError(CudaError("batched copy launch", e));
     }

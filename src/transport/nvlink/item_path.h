@@ -33,10 +33,9 @@ class ItemPath {
   ItemPath& operator=(const ItemPath&) = delete;
 
   // Creates the stream (at `stream_priority`: cudaStreamCreateWithPriority) and the table
-  // slots on the current device; its copy kernels run at most `blocks->Blocks()` thread blocks when
-  // launched
-  // (`blocks` outlives this).
-  Status Init(int stream_priority, const CopyBlockShare* blocks);
+  // slots on the current device; its copy kernels run the thread blocks
+  // `blocks->ForLaunch()` gives at each launch (`blocks` outlives this).
+  Status Init(int stream_priority, CopyBlockShare* blocks);
 
   // Translates and launches `batch`: items no longer queued (abandoned) are skipped, items
   // that cannot be copied complete at once with the reason.
@@ -74,7 +73,7 @@ class ItemPath {
 
   PeerMappings& mappings_;
   const uint64_t copy_engine_threshold_bytes_;
-  const CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
+  CopyBlockShare* blocks_ = nullptr;  // thread blocks per copy kernel (Init)
   // Members are destroyed bottom-up: the slots' memory, then the idle events, then the
   // stream (idle by then: no flight is left once the progress thread ended).
   cuda::Stream stream_;

@@ -73,7 +73,7 @@ class NvlinkChannel : public PeerChannel {
       return InvalidArgumentError("nvlink: copy_blocks_per_sm must be at least 1, got " +
                                   std::to_string(copy_blocks_per_sm_));
     }
-    // The grid is shared with this process's other channels from the same GPU.
+    // The grid is shared with this process's other channels copying from the same GPU.
     blocks_.Join(local_device_, max_blocks);
     RETURN_IF_ERROR(item_path_.Init(priority, &blocks_));
     RETURN_IF_ERROR(bulk_launcher_.Init(priority, &blocks_));
