@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -42,22 +43,27 @@ TEST(CopyBlockShareTest, ChannelsCopyingFromOneGpuDivideItsGrid) {
   }
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 1);
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kOtherDevice), 0);
+  {
+    // A channel that goes stops counting at once, inside the window of its last launch.
+    CopyBlockShare brief;
+    brief.Join(kDevice, 132);
+    EXPECT_EQ(first->ForLaunchAt(kT0 + 10 * kWindow), 132);
+    EXPECT_EQ(brief.ForLaunchAt(kT0 + 10 * kWindow + 1), 66);
+  }
+  EXPECT_EQ(first->ForLaunchAt(kT0 + 10 * kWindow + 2), 132);
   first.reset();
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 0);
 }
 
 TEST(CopyBlockShareTest, RoundsDownAndNeverBelowOneBlock) {
   std::vector<std::unique_ptr<CopyBlockShare>> shares;
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < 7; ++i) {
     shares.push_back(std::make_unique<CopyBlockShare>());
     shares.back()->Join(kDevice, 132);
     shares.back()->ForLaunchAt(kT0);
   }
-  EXPECT_EQ(shares[0]->ForLaunchAt(kT0 + 1), 26);  // 132 / 5
-  for (auto& s : shares) s = std::make_unique<CopyBlockShare>();
-  CopyBlockShare zero;
-  zero.Join(kDevice, 0);  // a grid of at least one block
-  EXPECT_EQ(zero.ForLaunchAt(kT0), 1);
+  EXPECT_EQ(shares[0]->ForLaunchAt(kT0 + 1), 18);  // 132 / 7 = 18.86
+  shares.clear();
   std::vector<std::unique_ptr<CopyBlockShare>> small;
   for (int i = 0; i < 5; ++i) {
     small.push_back(std::make_unique<CopyBlockShare>());
@@ -88,12 +94,34 @@ TEST(CopyBlockShareTest, ChannelsWithoutSlotsStillCountThemselves) {
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 0);
 }
 
-TEST(CopyBlockShareTest, JoiningTwiceKeepsOneSlot) {
-  CopyBlockShare a;
+TEST(CopyBlockShareTest, JoiningTwiceKeepsTheFirst) {
+  CopyBlockShare a, b;
   a.Join(kDevice, 10);
-  a.Join(kDevice, 10);
+  a.Join(kDevice, 20);
   EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 1);
   EXPECT_EQ(a.ForLaunchAt(kT0), 10);
+  b.Join(-1, 8);  // out of range, still joined: a later Join is ignored
+  b.Join(kDevice, 8);
+  EXPECT_EQ(CopyBlockShare::ChannelsOn(kDevice), 1);
+}
+
+TEST(CopyBlockShareTest, ForLaunchReadsTheSteadyClock) {
+  CopyBlockShare a, b;
+  a.Join(kDevice, 100);
+  b.Join(kDevice, 100);
+  // Two launches within the window see each other; a pair the scheduler held apart longer
+  // than the window is tried again.
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const auto start = std::chrono::steady_clock::now();
+    a.ForLaunch();
+    const int blocks = b.ForLaunch();
+    if (std::chrono::steady_clock::now() - start <
+        std::chrono::nanoseconds(CopyBlockShare::kActiveWindowNs)) {
+      EXPECT_EQ(blocks, 50);
+      return;
+    }
+  }
+  FAIL() << "no two launches within " << CopyBlockShare::kActiveWindowNs << " ns in 5 tries";
 }
 
 }  // namespace

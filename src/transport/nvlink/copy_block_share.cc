@@ -5,17 +5,22 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdint>
 
 namespace kvferry {
 namespace {
 
-// A slot's value: free, joined (no launch yet), or the steady-clock time of its last launch.
-constexpr int64_t kFree = 0;
-constexpr int64_t kJoined = 1;
+// A slot's value: free, joined (no launch yet), or the steady-clock time of its last launch
+// (any other value).
+constexpr int64_t kFree = INT64_MIN;
+constexpr int64_t kJoined = INT64_MIN + 1;
 
 // A device's slots, and how many of the first ones were ever taken (the ones to look at).
 struct DeviceSlots {
-  std::array<std::atomic<int64_t>, CopyBlockShare::kSlotsPerDevice> slots{};
+  DeviceSlots() {
+    for (auto& s : slots) s.store(kFree, std::memory_order_relaxed);
+  }
+  std::array<std::atomic<int64_t>, CopyBlockShare::kSlotsPerDevice> slots;
   std::atomic<int> used{0};
 
   template <typename F>
@@ -35,7 +40,7 @@ DeviceSlots* SlotsOf(int device) {
 }
 
 bool Copying(int64_t value, int64_t now_ns) {
-  return value > kJoined && now_ns - value < CopyBlockShare::kActiveWindowNs;
+  return value != kFree && value != kJoined && now_ns - value < CopyBlockShare::kActiveWindowNs;
 }
 
 }  // namespace
@@ -45,7 +50,8 @@ CopyBlockShare::~CopyBlockShare() {
 }
 
 void CopyBlockShare::Join(int device, int blocks) {
-  if (device_ >= 0) return;
+  if (joined_) return;
+  joined_ = true;
   device_ = device;
   blocks_ = std::max(1, blocks);
   DeviceSlots* d = SlotsOf(device);

@@ -11,12 +11,15 @@
 // whole grid) the same; half the grid alone was as fast as the whole for equal TP too
 // (docs/perf/nvlink-h100.md, session 25).
 //
-// A channel counts while it copies: from each launch for kActiveWindowNs. Channels open to peers
-// they are not sending to (a prefill rank that served other decode instances before) take no
-// share, and a channel copying alone keeps the whole grid. The resident kernel (persistent
-// blocks for small latency-bound jobs, gone when idle) is not shared.
+// A channel counts while it copies: from each launch, however small, for kActiveWindowNs.
+// Channels open to peers they are not sending to (a prefill rank that served other decode
+// instances before) take no share, and a channel copying alone keeps the whole grid. The
+// resident kernel (persistent blocks for small latency-bound jobs, gone when idle) is not
+// shared. Two channels whose first launches coincide may each take the whole grid for that
+// launch (relaxed atomics); their next launches see each other.
 //
-// Thread-safety: every method from any thread; the slots are process-wide atomics.
+// Thread-safety: Join once, before any ForLaunch (the owner's Init); then ForLaunch and the
+// static counts from any thread (the slots are process-wide atomics).
 #pragma once
 
 #include <atomic>
@@ -48,7 +51,7 @@ class CopyBlockShare {
   // that launched in the last kActiveWindowNs (this one included), rounded down, at least 1.
   // Clock: std::chrono::steady_clock.
   int ForLaunch();
-  // As ForLaunch at `now_ns` (steady-clock nanoseconds, > 1).
+  // As ForLaunch at `now_ns` (steady-clock nanoseconds).
   int ForLaunchAt(int64_t now_ns);
 
   // Channels of this process joined on `device` / copying there at `now_ns` (0 out of range).
@@ -57,6 +60,7 @@ class CopyBlockShare {
 
  private:
   std::atomic<int64_t>* slot_ = nullptr;  // this channel's slot; null: none
+  bool joined_ = false;
   int device_ = -1;
   int blocks_ = 1;
 };
