@@ -36,8 +36,8 @@ class BulkLauncher {
   BulkLauncher& operator=(const BulkLauncher&) = delete;
 
   // Creates its streams at `stream_priority` (cudaStreamCreateWithPriority) on the current
-  // device; its copy kernels run the thread blocks
-  // `blocks->ForLaunch()` gives at each launch (`blocks` outlives this).
+  // device; each copy kernel runs the thread blocks `blocks->ForLaunch()` gives at its launch
+  // (`blocks` outlives this).
   Status Init(int stream_priority, CopyBlockShare* blocks);
 
   // Launches `part` (its owner, tag and keepalive set), with any others pending; or leaves it

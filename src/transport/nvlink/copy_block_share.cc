@@ -32,7 +32,7 @@ struct DeviceSlots {
   }
 };
 
-// Every device's slots, for the life of the process (zero: free).
+// Every device's slots, for the life of the process.
 DeviceSlots* SlotsOf(int device) {
   static std::array<DeviceSlots, CopyBlockShare::kMaxDevices> devices{};
   if (device < 0 || device >= CopyBlockShare::kMaxDevices) return nullptr;

@@ -38,8 +38,8 @@ class GatedLauncher {
   GatedLauncher& operator=(const GatedLauncher&) = delete;
 
   // Creates the gate streams (at `stream_priority`: cudaStreamCreateWithPriority) and the
-  // gates on the current device; its copy kernels run the thread blocks
-  // `blocks->ForLaunch()` gives at each launch (`blocks` outlives this).
+  // gates on the current device; each copy kernel runs the thread blocks `blocks->ForLaunch()`
+  // gives at its launch (`blocks` outlives this).
   Status Init(int stream_priority, CopyBlockShare* blocks);
 
   // Takes room for a prepared part of (owner, tag) (its arena units count against half the

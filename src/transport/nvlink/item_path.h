@@ -33,8 +33,8 @@ class ItemPath {
   ItemPath& operator=(const ItemPath&) = delete;
 
   // Creates the stream (at `stream_priority`: cudaStreamCreateWithPriority) and the table
-  // slots on the current device; its copy kernels run the thread blocks
-  // `blocks->ForLaunch()` gives at each launch (`blocks` outlives this).
+  // slots on the current device; each copy kernel runs the thread blocks `blocks->ForLaunch()`
+  // gives at its launch (`blocks` outlives this).
   Status Init(int stream_priority, CopyBlockShare* blocks);
 
   // Translates and launches `batch`: items no longer queued (abandoned) are skipped, items
