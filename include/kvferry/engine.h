@@ -110,7 +110,8 @@ struct EngineOptions {
   // (those that launched a copy kernel in the last 5 ms): with n of them, each batched copy
   // kernel runs at most 1/n of it (at least one block), since two channels' kernels at the full
   // grid each moved less than one (fused TP 1 -> 2 on H200: 88-95% of equal TP, 95-97%
-  // sharing; docs/perf/nvlink-h100.md, session 25). The resident kernel is not shared.
+  // sharing; docs/perf/nvlink-h100.md, "The copy-kernel grid shared by a process's channels
+  // on one GPU"). The resident kernel is not shared.
   // KVFERRY_NVLINK_BLOCKS_PER_SM overrides it.
   int nvlink_copy_blocks_per_sm = 1;
   // TCP connections (lanes) per peer. More lanes spread large requests over several

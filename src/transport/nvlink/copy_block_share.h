@@ -9,7 +9,7 @@
 // and 92-95% at page size 64. With the grid (SMs x blocks per SM) divided between the two,
 // fused 1 -> 2 moved 95-97% and 95%, staging 1 -> 2 4-7% more, and equal TP (one channel, the
 // whole grid) the same; half the grid alone was as fast as the whole for equal TP too
-// (docs/perf/nvlink-h100.md, session 25).
+// (docs/perf/nvlink-h100.md, "The copy-kernel grid shared by a process's channels on one GPU").
 //
 // A channel counts while it copies: from each launch, however small, for kActiveWindowNs.
 // Channels open to peers they are not sending to (a prefill rank that served other decode
