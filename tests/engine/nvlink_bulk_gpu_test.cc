@@ -437,21 +437,31 @@ TEST_F(NvlinkGpuTest, BulkSubmissionsThatFindTheTableFullWaitForSpace) {
   const auto warm_up = rows_from(0, 1);
   const auto first = rows_from(0, 1000 * 256);  // 1000 units of 256 tiles
   const auto second = rows_from(1, 200 * 256);
-  BulkRecorder first_done, second_done;
-  {
-    auto channel = CreateNvlinkChannel(options);
-    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
-    ASSERT_TRUE(SubmitAndWait(**channel, warm_up, 9).ok());  // maps the peer's region
-    BulkSubmission a{first, &first_done, nullptr, 1}, b{second, &second_done, nullptr, 2};
+  // Opens `*channel`, maps the peer's region through it (one request, waited for), and has it
+  // take `first` then `second`, recorded by `first_rec` and `second_rec` with tags `tag` and
+  // `tag + 1`.
+  auto open_and_fill = [&](BulkRecorder* first_rec, BulkRecorder* second_rec, uint32_t tag,
+                           std::unique_ptr<PeerChannel>* channel) {
+    auto opened = CreateNvlinkChannel(options);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    *channel = std::move(*opened);
+    ASSERT_TRUE(SubmitAndWait(**channel, warm_up, 9).ok());
+    BulkSubmission a{first, first_rec, nullptr, tag}, b{second, second_rec, nullptr, tag + 1};
     ASSERT_TRUE((*channel)->TrySubmitBulk(a));
     ASSERT_TRUE((*channel)->TrySubmitBulk(b)) << "declined while the arena was full";
+  };
+  BulkRecorder first_done, second_done;
+  {
+    std::unique_ptr<PeerChannel> channel;
+    open_and_fill(&first_done, &second_done, 1, &channel);
+    if (HasFatalFailure()) return;
     uint32_t tag = 0;
     Status s = first_done.Wait(&tag);
     EXPECT_TRUE(s.ok()) << s.ToString();
     s = second_done.Wait(&tag);
     EXPECT_TRUE(s.ok()) << s.ToString();
     EXPECT_EQ(tag, 2u);
-    (*channel)->Close();
+    channel->Close();
   }
   EXPECT_EQ(first_done.calls(), 1);
   EXPECT_EQ(second_done.calls(), 1);
@@ -467,13 +477,10 @@ TEST_F(NvlinkGpuTest, BulkSubmissionsThatFindTheTableFullWaitForSpace) {
   // Closed while the second waits: it fails with the close; the first lands.
   BulkRecorder again_done, at_close;
   {
-    auto channel = CreateNvlinkChannel(options);
-    ASSERT_TRUE(channel.ok()) << channel.status().ToString();
-    ASSERT_TRUE(SubmitAndWait(**channel, warm_up, 9).ok());  // maps the peer's region
-    BulkSubmission a{first, &again_done, nullptr, 3}, b{second, &at_close, nullptr, 4};
-    ASSERT_TRUE((*channel)->TrySubmitBulk(a));
-    ASSERT_TRUE((*channel)->TrySubmitBulk(b));
-    (*channel)->Close();
+    std::unique_ptr<PeerChannel> channel;
+    open_and_fill(&again_done, &at_close, 3, &channel);
+    if (HasFatalFailure()) return;
+    channel->Close();
   }
   ASSERT_EQ(again_done.calls(), 1);
   ASSERT_EQ(at_close.calls(), 1);
