@@ -8,6 +8,14 @@
 #include "testutil/run_command.h"
 
 namespace kvferry::testutil {
+namespace {
+
+// Deletes namespace `ns` (its veth end with it) and the host's end `device`, whichever exist.
+void Remove(const std::string& ns, const std::string& device) {
+  RunCommand("ip netns del " + ns + " 2>/dev/null; ip link del " + device + " 2>/dev/null");
+}
+
+}  // namespace
 
 VethNamespace::VethNamespace(const std::string& tag) {
   const int pid = static_cast<int>(::getpid());
@@ -46,8 +54,7 @@ VethNamespace::VethNamespace(const std::string& tag) {
   CommandResult r = RunCommand(script + " 2>&1");
   if (r.exit_code != 0) {
     why_ = "cannot create a network namespace: " + r.output;
-    RunCommand("ip netns del " + ns_ + " 2>/dev/null; ip link del " + local_device_ +
-               " 2>/dev/null");
+    Remove(ns_, local_device_);
     return;
   }
   // Both ends operationally up (RUNNING) before anyone looks for them: the kernel marks a
@@ -67,16 +74,13 @@ VethNamespace::VethNamespace(const std::string& tag) {
            RunCommand("ip -o link show dev " + local_device_ + "; ip -n " + ns_ +
                       " -o link show dev " + ns_device_ + " 2>&1")
                .output;
-    RunCommand("ip netns del " + ns_ + " 2>/dev/null; ip link del " + local_device_ +
-               " 2>/dev/null");
+    Remove(ns_, local_device_);
     return;
   }
   ok_ = true;
 }
 
-VethNamespace::~VethNamespace() {
-  RunCommand("ip netns del " + ns_ + " 2>/dev/null; ip link del " + local_device_ + " 2>/dev/null");
-}
+VethNamespace::~VethNamespace() { Remove(ns_, local_device_); }
 
 std::string EnterNetnsInChild(const std::string& name) {
   const std::string path = "/var/run/netns/" + name;
