@@ -2,8 +2,8 @@
 # The performance regression guard (issue 21): on a GPU machine with two GPUs or more, one run
 # of a fixed set of figures (about 4 minutes; one more with three GPUs), each compared with the
 # baseline recorded in docs/perf/perf-check-<kind>.tsv for this machine kind (h100, h200),
-# printed as a table of figure, value, baseline, ratio and verdict. Exits 1 when a figure regressed past its
-# tolerance, 0 otherwise.
+# printed as a table of figure, value, baseline, ratio and verdict. Exits 1 when a figure
+# regressed past its tolerance, 0 otherwise.
 #
 # Runs from the repository root with .devbuild/ carried (scripts/device_bundle.sh BUILD: the
 # stripped kvferry, its shared libraries in .devbuild/lib and the conversation trace in
