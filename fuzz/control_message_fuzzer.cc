@@ -1,6 +1,6 @@
 // Fuzzes DecodeControl, which reads every connector control message a peer's engine delivers
-// (decode -> prefill: register, transfer info, abort, heartbeat, staging grants; prefill ->
-// decode: chunk landed, room done or failed, staging requests).
+// (decode -> prefill: register, transfer info, abort, heartbeat, staging grants, pull answers;
+// prefill -> decode: chunk landed, room done or failed, staging requests, pull requests).
 //
 // Input: a message without its checksum trailer; the target appends the right XXH3-64
 // checksum (so that mutations reach the fields) and decodes that, then checks that the same
@@ -9,8 +9,10 @@
 // Invariants: an accepted message re-encodes to exactly the input bytes and checksum; its strings
 // are at most 4096 bytes and its lists within their limits; each type's numbers are within the
 // bounds the decoder promises its handlers (page size > 0, TP size >= 1, no negative count, page,
-// head, slot or layer, state parts inside their counts, staging and fused not both); fields of
-// other types keep their defaults; a refusal is kInvalidArgument naming the control message.
+// head, slot or layer, state parts inside their counts, staging with neither fused nor pull;
+// a pull request's copies 1..kMaxPullCopies, none empty, its notice chunk landed, room done or
+// none; a pull answer's status a known code); fields of other types keep their defaults; a refusal
+// is kInvalidArgument naming the control message.
 #include <xxhash.h>
 
 #include <cstdint>
@@ -45,7 +47,7 @@ void CheckTransferInfo(const ControlMessage& m) {
   const SliceInfo& s = m.slice;
   FUZZ_CHECK(s.src_head_start >= 0 && s.dst_head_start >= 0 && s.num_heads >= 0);
   FUZZ_CHECK(s.decode_ranks >= 1);
-  FUZZ_CHECK(!(s.staging && s.fused));
+  FUZZ_CHECK(!(s.staging && s.fused) && !(s.staging && s.pull));
   FUZZ_CHECK(m.state_slot >= -1);
   FUZZ_CHECK(s.state_src_parts >= 1 && s.state_src_part >= 0 &&
              s.state_src_part < s.state_src_parts);
@@ -59,6 +61,13 @@ void CheckStaging(const StagingChunk& c) {
   FUZZ_CHECK(c.first_layer >= 0 && c.num_layers >= 0);
 }
 
+void CheckPullRequest(const ControlMessage& m) {
+  FUZZ_CHECK(!m.pulls.empty() && m.pulls.size() <= kMaxPullCopies);
+  for (const PullCopy& c : m.pulls) FUZZ_CHECK(c.length > 0 && c.rows > 0);
+  FUZZ_CHECK(m.note == ControlType::kHeartbeat || m.note == ControlType::kChunkLanded ||
+             m.note == ControlType::kRoomDone);
+}
+
 void CheckAccepted(const ControlMessage& m) {
   const ControlMessage defaults;
   FUZZ_CHECK(m.decode_address.size() <= kMaxString && m.reason.size() <= kMaxString);
@@ -68,9 +77,14 @@ void CheckAccepted(const ControlMessage& m) {
   const bool staging =
       m.type == ControlType::kStagingRequest || m.type == ControlType::kStagingGrant ||
       m.type == ControlType::kStagingReady || m.type == ControlType::kStagingCancel;
-  FUZZ_CHECK(registers || transfer || fails || staging || m.type == ControlType::kHeartbeat ||
-             m.type == ControlType::kChunkLanded || m.type == ControlType::kRoomDone);
+  const bool pull = m.type == ControlType::kPullRequest;
+  const bool answer = m.type == ControlType::kPullDone;
+  FUZZ_CHECK(registers || transfer || fails || staging || pull || answer ||
+             m.type == ControlType::kHeartbeat || m.type == ControlType::kChunkLanded ||
+             m.type == ControlType::kRoomDone);
   if (registers) CheckRegister(m.kv_args);
+  if (pull) CheckPullRequest(m);
+  if (answer) FUZZ_CHECK(m.status_code < kNumStatusCodes);
   if (transfer) CheckTransferInfo(m);
   if (staging) CheckStaging(m.chunk);
   // Fields of other types keep their defaults.
@@ -82,7 +96,9 @@ void CheckAccepted(const ControlMessage& m) {
     FUZZ_CHECK(m.dst_pages.empty() && m.aux_row == defaults.aux_row);
     FUZZ_CHECK(m.state_slot == defaults.state_slot);
   }
-  if (!fails) FUZZ_CHECK(m.status_code == 0 && m.reason.empty());
+  if (!fails && !answer) FUZZ_CHECK(m.status_code == 0 && m.reason.empty());
+  if (!pull && !answer) FUZZ_CHECK(m.pull_id == 0);
+  if (!pull) FUZZ_CHECK(m.pulls.empty() && m.note == defaults.note);
   if (!staging) FUZZ_CHECK(m.chunk.bytes == 0 && m.chunk.num_pages == 0);
 }
 

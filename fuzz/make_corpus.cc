@@ -217,6 +217,24 @@ void ControlMessages(Corpus& c) {
   info.slice.sends_state = false;
   info.state_slot = -1;
   AddControl(c, "transfer_info_staging", info);
+  info.slice.staging = false;
+  info.slice.fused = true;
+  info.slice.pull = true;
+  AddControl(c, "transfer_info_pull", info);
+
+  ControlMessage pull = m;
+  pull.type = ControlType::kPullRequest;
+  pull.pull_id = 91;
+  pull.note = ControlType::kRoomDone;
+  pull.pulls = {{0x7f0000001000, 0x7e0000000400, 1024, 64, 2048, 4096},
+                {0x7f0000400000, 0x7e0000800000, 8192, 1, 0, 0}};
+  AddControl(c, "pull_request", pull);
+  ControlMessage answer = m;
+  answer.type = ControlType::kPullDone;
+  answer.pull_id = 91;
+  answer.status_code = static_cast<uint32_t>(StatusCode::kInvalidArgument);
+  answer.reason = "copy 1: destination outside this decode rank's KV pool";
+  AddControl(c, "pull_done", answer);
 
   ControlMessage abort = m;
   abort.type = ControlType::kAbort;

@@ -94,6 +94,11 @@ struct PrefillConnectorOptions {
   // long fail; a room never fails for silence from before it had that decode rank. Default
   // 30 s.
   std::chrono::milliseconds heartbeat_timeout{30000};
+  // Decode ranks that ask to pull (DecodeConnectorOptions::pull) READ this rank's pools, aux
+  // rows and state, which are then registered for remote reads: any peer that passed the
+  // engine's handshake may read them (docs/security.md). false (default): nothing here is
+  // readable by peers, and every destination is written to, also one that asked to pull.
+  bool allow_pull = false;
 };
 
 class PrefillConnector {
@@ -244,6 +249,16 @@ struct DecodeConnectorOptions {
   // 50,000 times a second, which cost 15% of replay throughput on a 2-core machine.
   // Env KVFERRY_DONE_POLL_US overrides.
   int done_poll_us = -1;
+  // Pull: this rank READs each chunk (KV, state, aux row) from the prefill ranks' pools with
+  // its own engine, on the copies prefill plans and sends it (a kPullRequest per batch),
+  // instead of prefill WRITing them. Over NVLink the copy kernels then run on this rank's GPU:
+  // use it when several prefill ranks share one GPU without MPS (their processes' kernels
+  // take turns there; one decode process pulling from them does not; docs/perf/hetero-tp.md
+  // "Pull"). Not with the staging path; layerwise passes still WRITE; a prefill rank without
+  // allow_pull, and a batch of more than 262,144 requests (kMaxPullCopies), WRITE as well. Every
+  // copy must land inside this rank's registered pools, aux rows or state (else the pull fails
+  // naming it, and with it the room). Default false.
+  bool pull = false;
 };
 
 class DecodeConnector {

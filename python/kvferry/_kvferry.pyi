@@ -303,6 +303,7 @@ class PrefillConnector(_Connector):
         bootstrap_timeout: float = 60.0,
         transfer_timeout: float = 60.0,
         heartbeat_timeout: float = 30.0,
+        allow_pull: bool = False,
     ) -> None: ...
     @property
     def bootstrap_address(self) -> str: ...
@@ -341,6 +342,7 @@ class DecodeConnector(_Connector):
         bootstrap_timeout: float = 30.0,
         waiting_timeout: float = 60.0,
         heartbeat_interval: float = 2.0,
+        pull: bool = False,
     ) -> None: ...
     def create_receiver(
         self, room: int, bootstrap_address: str, pages: Any, aux_row: int, state_slot: int = -1

@@ -326,8 +326,9 @@ class KVManager:
     SGLang's disaggregation_bootstrap_port); blocks meanwhile. Options (keywords): host (the
     engine's listen host, default 127.0.0.1), transport ("auto", "tcp", "nvlink"),
     auth_secret, faults, bootstrap_timeout, transfer_timeout (prefill), waiting_timeout,
-    kv_path, staging_bytes (decode), all timeouts in seconds. Raises kvferry.Error subclasses
-    naming what did not fit.
+    kv_path, staging_bytes (decode), all timeouts in seconds, pull (decode READs each batch
+    from prefill; give it to both sides: prefill then allows it). Raises kvferry.Error
+    subclasses naming what did not fit.
     """
 
     def __init__(
@@ -348,6 +349,7 @@ class KVManager:
         heartbeat_timeout: float = 30.0,
         kv_path: str = "auto",
         staging_bytes: int = 1 << 30,
+        pull: bool = False,
     ):
         self.kv_args = args
         self._bootstrap_timeout = float(bootstrap_timeout)
@@ -387,6 +389,7 @@ class KVManager:
                 bootstrap_timeout=bootstrap_timeout,
                 transfer_timeout=transfer_timeout,
                 heartbeat_timeout=heartbeat_timeout,
+                allow_pull=bool(pull),
             )
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             self.bootstrap_address = None
@@ -399,6 +402,7 @@ class KVManager:
                 staging_bytes=int(staging_bytes),
                 bootstrap_timeout=bootstrap_timeout,
                 waiting_timeout=waiting_timeout,
+                pull=bool(pull),
             )
         else:
             raise kvferry.InvalidArgumentError("KVManager needs PREFILL or DECODE mode")

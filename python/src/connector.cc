@@ -275,7 +275,7 @@ std::unique_ptr<PyPrefill> MakePrefill(
     std::optional<int> device, std::optional<int> aux_device, std::string bootstrap_address,
     bool start_bootstrap_server, int tp_rank, int tp_size, int cp_rank, int cp_size, int pp_rank,
     int total_kv_heads, py::object engine, double bootstrap_timeout, double transfer_timeout,
-    double heartbeat_timeout) {
+    double heartbeat_timeout, bool allow_pull) {
   PrefillConnectorOptions o;
   o.engine = EngineOptionsFromDict(engine);
   o.bootstrap_address = std::move(bootstrap_address);
@@ -289,6 +289,7 @@ std::unique_ptr<PyPrefill> MakePrefill(
   o.bootstrap_timeout = Millis(bootstrap_timeout, "bootstrap_timeout");
   o.transfer_timeout = Millis(transfer_timeout, "transfer_timeout");
   o.heartbeat_timeout = Millis(heartbeat_timeout, "heartbeat_timeout");
+  o.allow_pull = allow_pull;
   Pools pools = WrapPools(PoolArgsOf(std::move(geometry), page_size, num_pages, std::move(kv_bases),
                                      std::move(aux_field_bytes), std::move(aux_bases), num_aux_rows,
                                      aux_room_field, std::move(state_bases), num_state_slots,
@@ -309,7 +310,7 @@ std::unique_ptr<PyDecode> MakeDecode(
     int aux_room_field, std::vector<uint64_t> state_bases, int32_t num_state_slots,
     std::optional<int> device, std::optional<int> aux_device, int tp_rank, int tp_size,
     py::object engine, std::string kv_path, uint64_t staging_bytes, double bootstrap_timeout,
-    double waiting_timeout, double heartbeat_interval) {
+    double waiting_timeout, double heartbeat_interval, bool pull) {
   DecodeConnectorOptions o;
   o.engine = EngineOptionsFromDict(engine);
   o.tp_rank = tp_rank;
@@ -319,6 +320,7 @@ std::unique_ptr<PyDecode> MakeDecode(
   o.bootstrap_timeout = Millis(bootstrap_timeout, "bootstrap_timeout");
   o.waiting_timeout = Millis(waiting_timeout, "waiting_timeout");
   o.heartbeat_interval = Millis(heartbeat_interval, "heartbeat_interval");
+  o.pull = pull;
   Pools pools = WrapPools(PoolArgsOf(std::move(geometry), page_size, num_pages, std::move(kv_bases),
                                      std::move(aux_field_bytes), std::move(aux_bases), num_aux_rows,
                                      aux_room_field, std::move(state_bases), num_state_slots,
@@ -419,7 +421,8 @@ void BindConnectors(py::module_& m) {
            py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("cp_rank") = 0,
            py::arg("cp_size") = 1, py::arg("pp_rank") = 0, py::arg("total_kv_heads") = 0,
            py::arg("engine") = py::none(), py::arg("bootstrap_timeout") = 60.0,
-           py::arg("transfer_timeout") = 60.0, py::arg("heartbeat_timeout") = 30.0)
+           py::arg("transfer_timeout") = 60.0, py::arg("heartbeat_timeout") = 30.0,
+           py::arg("allow_pull") = false)
       .def_property_readonly(
           "bootstrap_address",
           [](PyPrefill& h) { return h.Call([](auto& x) { return x.bootstrap_address(); }); })
@@ -499,7 +502,7 @@ void BindConnectors(py::module_& m) {
            py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("engine") = py::none(),
            py::arg("kv_path") = "auto", py::arg("staging_bytes") = uint64_t{1} << 30,
            py::arg("bootstrap_timeout") = 30.0, py::arg("waiting_timeout") = 60.0,
-           py::arg("heartbeat_interval") = 2.0)
+           py::arg("heartbeat_interval") = 2.0, py::arg("pull") = false)
       .def(
           "create_receiver",
           [](PyDecode& h, uint64_t room, const std::string& bootstrap_address,

@@ -26,7 +26,7 @@ inline constexpr const char* kPrefillDoc =
     "aux_device=None, bootstrap_address='127.0.0.1:0', start_bootstrap_server=False, tp_rank=0, "
     "tp_size=1, "
     "cp_rank=0, cp_size=1, pp_rank=0, total_kv_heads=0, engine=None, bootstrap_timeout=60.0, "
-    "transfer_timeout=60.0, heartbeat_timeout=30.0)\n\n"
+    "transfer_timeout=60.0, heartbeat_timeout=30.0, allow_pull=False)\n\n"
     "A prefill rank's connector (kvferry::PrefillConnector) over buffers the caller owns:\n"
     "- kv_bases: one address per layer buffer (K of every layer, then V of every layer; MLA: "
     "one latent per layer), each num_pages pages of page_size tokens x this rank's KV heads x "
@@ -44,19 +44,24 @@ inline constexpr const char* kPrefillDoc =
     "listen_port, transport, default_deadline, connect_timeout, auth_secret, insecure, "
     "tcp_lanes_per_peer, faults). Timeouts in seconds. Registers this rank with the bootstrap "
     "server at bootstrap_address (start_bootstrap_server=True runs one). Blocks while the "
-    "engine starts. Raises kvferry.InvalidArgumentError for buffers or a geometry that do not "
-    "fit, and the engine's and bootstrap server's errors.";
+    "engine starts. allow_pull=True registers the buffers for remote reads, so that decode "
+    "ranks created with pull=True READ their KV from here (any peer that passed the engine's "
+    "handshake may then read them). Raises kvferry.InvalidArgumentError for buffers or a "
+    "geometry that do not fit, and the engine's and bootstrap server's errors.";
 
 inline constexpr const char* kDecodeDoc =
     "DecodeConnector(*, geometry, page_size, num_pages, kv_bases, aux_field_bytes, aux_bases, "
     "num_aux_rows, aux_room_field=-1, state_bases=[], num_state_slots=0, device=None, "
     "aux_device=None, tp_rank=0, tp_size=1, engine=None, kv_path='auto', staging_bytes=1<<30, "
-    "bootstrap_timeout=30.0, waiting_timeout=60.0, heartbeat_interval=2.0)\n\n"
+    "bootstrap_timeout=30.0, waiting_timeout=60.0, heartbeat_interval=2.0, pull=False)\n\n"
     "A decode rank's connector (kvferry::DecodeConnector) over buffers the caller owns; the "
     "buffer arguments are as PrefillConnector's. kv_path chooses how unequal TP moves head "
     "slices: 'direct', 'staging', 'fused', 'auto'. "
-    "staging_bytes: the staging ring, allocated by kvferry when first needed. Timeouts in "
-    "seconds. Raises as PrefillConnector.";
+    "staging_bytes: the staging ring, allocated by kvferry when first needed. pull=True: this "
+    "rank READs each batch from prefill ranks created with allow_pull=True (over NVLink, or "
+    "slices of whole tokens; the copy kernels then run on this rank's GPU: for prefill ranks "
+    "that share a GPU without MPS); others still write. Timeouts in seconds. Raises as "
+    "PrefillConnector.";
 
 inline constexpr const char* kCreateSenderDoc =
     "create_sender(room, num_pages, state_slot=-1)\n\n"

@@ -155,6 +155,7 @@ def run_prefill(spec: dict) -> None:
         DisaggregationMode.PREFILL,
         bootstrap_address=spec["bootstrap"],
         bootstrap_timeout=spec.get("bootstrap_timeout", 30.0),
+        pull=spec.get("pull", False),
     )
     print(json.dumps({"address": mgr.engine_address}), flush=True)
     rng = np.random.default_rng(spec["seed"] + spec["tp_rank"])

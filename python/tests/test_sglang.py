@@ -70,7 +70,7 @@ def server():
 
 def run_pair(server, geometry, prefill_tp, decode_tp, rooms, *, layerwise=False, seed=1,
              abort_on_decode=(), decode_pages=512, prefill_device=None, decode_device=None,
-             prefill_bootstrap_timeout=30.0):
+             prefill_bootstrap_timeout=30.0, pull=False):
     """Prefill ranks (processes) and decode ranks (here) move `rooms`; returns the decode ranks,
     their receivers' final states and the prefill results."""
     prefills = []
@@ -78,12 +78,13 @@ def run_pair(server, geometry, prefill_tp, decode_tp, rooms, *, layerwise=False,
         for r in range(prefill_tp):
             spec = dict(geometry, tp_rank=r, tp_size=prefill_tp, num_pages=256,
                         bootstrap=server.address, seed=seed, rooms=rooms, layerwise=layerwise,
-                        device=prefill_device, bootstrap_timeout=prefill_bootstrap_timeout)
+                        device=prefill_device, bootstrap_timeout=prefill_bootstrap_timeout,
+                        pull=pull)
             prefills.append(PrefillProcess(spec))
         decode = []
         for r in range(decode_tp):
             rank = Rank(geometry, r, decode_tp, decode_pages, device=decode_device)
-            decode.append((rank, KVManager(rank.args(), DisaggregationMode.DECODE)))
+            decode.append((rank, KVManager(rank.args(), DisaggregationMode.DECODE, pull=pull)))
         rng = np.random.default_rng(seed + 100)
         free = list(range(decode_pages))
         receivers = {}
@@ -159,6 +160,20 @@ def test_unequal_tp(server, prefill_tp, decode_tp):
         check_landed(decode, receivers, final, rooms)
         for r in results:
             assert all(v[0] == KVPoll.Success for v in r.values()), r
+    finally:
+        close_all(decode)
+
+
+@pytest.mark.parametrize("geometry", [GQA, MLA], ids=["gqa", "mla"])
+def test_decode_pulls_the_rooms(server, geometry):
+    # Decode READs every batch from the prefill process (over TCP here: whole tokens): its
+    # engine issues the requests, and every byte lands as when prefill writes.
+    rooms = rooms_of(5, base=2500)
+    decode, receivers, final, results = run_pair(server, geometry, 1, 1, rooms, pull=True)
+    try:
+        check_landed(decode, receivers, final, rooms)
+        assert all(v[0] == KVPoll.Success for v in results[0].values()), results
+        assert decode[0][1].stats()["transfer_requests"] > 0
     finally:
         close_all(decode)
 

@@ -7,7 +7,7 @@
 namespace kvferry {
 namespace {
 constexpr uint32_t kControlMagic = 0x4346564Bu;  // "KVFC"
-constexpr uint16_t kControlVersion = 5;
+constexpr uint16_t kControlVersion = 6;
 constexpr size_t kChecksumBytes = 8;
 
 uint64_t Checksum(std::span<const uint8_t> bytes) {
@@ -67,7 +67,8 @@ std::string EncodeControl(const ControlMessage& m) {
       w.U32(static_cast<uint32_t>(m.slice.dst_head_start));
       w.U32(static_cast<uint32_t>(m.slice.num_heads));
       w.U8(static_cast<uint8_t>((m.slice.sends ? 1 : 0) | (m.slice.sends_aux ? 2 : 0) |
-                                (m.slice.staging ? 4 : 0) | (m.slice.fused ? 8 : 0)));
+                                (m.slice.staging ? 4 : 0) | (m.slice.fused ? 8 : 0) |
+                                (m.slice.pull ? 16 : 0)));
       w.U32(static_cast<uint32_t>(m.slice.decode_ranks));
       w.U32(static_cast<uint32_t>(m.state_slot));
       w.U8(m.slice.sends_state ? 1 : 0);
@@ -78,6 +79,24 @@ std::string EncodeControl(const ControlMessage& m) {
       break;
     case ControlType::kAbort:
     case ControlType::kRoomFailed:
+      w.U32(m.status_code);
+      w.Str(m.reason);
+      break;
+    case ControlType::kPullRequest:
+      w.U64(m.pull_id);
+      w.U8(static_cast<uint8_t>(m.note));
+      w.U32(static_cast<uint32_t>(m.pulls.size()));
+      for (const PullCopy& c : m.pulls) {
+        w.U64(c.src);
+        w.U64(c.dst);
+        w.U64(c.length);
+        w.U32(c.rows);
+        w.U64(c.src_stride);
+        w.U64(c.dst_stride);
+      }
+      break;
+    case ControlType::kPullDone:
+      w.U64(m.pull_id);
       w.U32(m.status_code);
       w.Str(m.reason);
       break;
@@ -133,7 +152,7 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> message) {
   if (!r.U16(&version)) return bad("");
   if (version != kControlVersion) return bad("version " + std::to_string(version));
   if (!r.U8(&type)) return bad("");
-  if (type < 1 || type > static_cast<uint8_t>(ControlType::kStagingCancel)) {
+  if (type < 1 || type > static_cast<uint8_t>(ControlType::kPullDone)) {
     return bad("unknown type " + std::to_string(type));
   }
   m.type = static_cast<ControlType>(type);
@@ -228,9 +247,11 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> message) {
       m.slice.sends_aux = (flags & 2) != 0;
       m.slice.staging = (flags & 4) != 0;
       m.slice.fused = (flags & 8) != 0;
+      m.slice.pull = (flags & 16) != 0;
       m.slice.decode_ranks = static_cast<int32_t>(ranks);
       if (m.slice.src_head_start < 0 || m.slice.dst_head_start < 0 || m.slice.num_heads < 0 ||
-          m.slice.decode_ranks < 1 || (flags & ~15u) != 0 || (m.slice.staging && m.slice.fused)) {
+          m.slice.decode_ranks < 1 || (flags & ~31u) != 0 || (m.slice.staging && m.slice.fused) ||
+          (m.slice.staging && m.slice.pull)) {
         return bad("bad head slice");
       }
       uint32_t slot = 0, sp = 0, sps = 0, dp = 0, dps = 0;
@@ -256,6 +277,34 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> message) {
     case ControlType::kAbort:
     case ControlType::kRoomFailed:
       if (!r.U32(&m.status_code) || !r.Str(&m.reason, "reason")) return bad("");
+      break;
+    case ControlType::kPullRequest: {
+      uint8_t note = 0;
+      uint32_t n = 0;
+      if (!r.U64(&m.pull_id) || !r.U8(&note) || !r.U32(&n)) return bad("");
+      m.note = static_cast<ControlType>(note);
+      if (m.note != ControlType::kHeartbeat && m.note != ControlType::kChunkLanded &&
+          m.note != ControlType::kRoomDone) {
+        return bad("pull notice of type " + std::to_string(note));
+      }
+      if (n == 0 || n > kMaxPullCopies) return bad(std::to_string(n) + " pull copies");
+      if (!r.Fits(n, 44, "pull copies")) return bad("");
+      m.pulls.resize(n);
+      for (PullCopy& c : m.pulls) {
+        if (!r.U64(&c.src) || !r.U64(&c.dst) || !r.U64(&c.length) || !r.U32(&c.rows) ||
+            !r.U64(&c.src_stride) || !r.U64(&c.dst_stride)) {
+          return bad("");
+        }
+        if (c.length == 0 || c.rows == 0) return bad("empty pull copy");
+      }
+      break;
+    }
+    case ControlType::kPullDone:
+      if (!r.U64(&m.pull_id) || !r.U32(&m.status_code) || !r.Str(&m.reason, "reason")) {
+        return bad("");
+      }
+      if (m.status_code >= kNumStatusCodes)
+        return bad("status code " + std::to_string(m.status_code));
       break;
     case ControlType::kStagingRequest:
     case ControlType::kStagingGrant:

@@ -10,6 +10,10 @@
 //                                       attached to that chunk's batch)
 //                      kRoomDone        the last chunk and the aux row landed
 //                      kRoomFailed      prefill failed or refused the room (reason)
+//                      kPullRequest     copies for decode to READ from prefill's pools (rooms
+//                                       whose decode rank pulls, SliceInfo::pull), with the
+//                                       notice (kChunkLanded / kRoomDone) they stand for
+//   decode -> prefill  kPullDone        how decode's READ batch of a kPullRequest ended
 //
 // Encoding: magic "KVFC", version, type, then fields, little-endian; every count bounded;
 // then an 8-byte XXH3-64 checksum of everything before it, so that a message corrupted on the
@@ -39,6 +43,8 @@ enum class ControlType : uint8_t {
   kStagingGrant = 9,    // decode -> prefill: the region (round, offset)
   kStagingReady = 10,   // prefill -> decode, with the region's WRITE: scatter it
   kStagingCancel = 11,  // prefill -> decode: a granted region will not be written; free it
+  kPullRequest = 12,    // prefill -> decode: READ these copies, then take `note` as sent
+  kPullDone = 13,       // decode -> prefill: the copies of pull_id landed (or why not)
 };
 
 // One aux field of decode's rows: row r's bytes of the field are [base + r * stride, + bytes).
@@ -109,6 +115,10 @@ struct SliceInfo {
   bool sends_state = false;
   int32_t state_src_part = 0, state_src_parts = 1;
   int32_t state_dst_part = 0, state_dst_parts = 1;
+  // Decode READs the room's KV, state and aux row from this prefill rank's pools (prefill
+  // plans the copies and sends them in kPullRequest) instead of prefill WRITing them. Layerwise
+  // passes still WRITE. Not with staging.
+  bool pull = false;
 };
 
 // A staging region of one chunk (kStagingRequest / kStagingGrant / kStagingReady).
@@ -126,6 +136,18 @@ struct StagingChunk {
   int32_t num_layers = 0;
 };
 
+// One copy of a kPullRequest, as prefill planned it: `rows` rows of `length` bytes from
+// prefill's memory at src + i * src_stride into decode's at dst + i * dst_stride
+// (TransferRequest's strided form, seen from prefill: src local, dst remote).
+struct PullCopy {
+  uint64_t src = 0;
+  uint64_t dst = 0;
+  uint64_t length = 0;
+  uint32_t rows = 1;
+  uint64_t src_stride = 0;
+  uint64_t dst_stride = 0;
+};
+
 struct ControlMessage {
   ControlType type = ControlType::kHeartbeat;
   uint64_t room = 0;
@@ -136,11 +158,19 @@ struct ControlMessage {
   int32_t state_slot = -1;         // kTransferInfo: decode's state slot (-1: none)
   SliceInfo slice;                 // kTransferInfo
   StagingChunk chunk;              // kStaging*
-  uint32_t status_code = 0;        // kRoomFailed
-  std::string reason;              // kAbort, kRoomFailed
+  uint32_t status_code = 0;        // kRoomFailed, kPullDone (0: the copies landed)
+  std::string reason;              // kAbort, kRoomFailed, kPullDone
+  uint64_t pull_id = 0;            // kPullRequest, kPullDone
+  std::vector<PullCopy> pulls;     // kPullRequest
+  // kPullRequest: the notice the copies stand for once landed (kChunkLanded, kRoomDone), or
+  // kHeartbeat for none.
+  ControlType note = ControlType::kHeartbeat;
 };
 
 inline constexpr uint32_t kMaxControlPages = 1u << 22;  // 4M pages (page size 1 at 4M tokens)
+// Copies of one kPullRequest (44 bytes each: 11.5 MiB, inside the engines' message limit of
+// 4 * kMaxControlPages + 4 KiB); a batch of more goes as WRITEs.
+inline constexpr uint32_t kMaxPullCopies = 1u << 18;
 
 std::string EncodeControl(const ControlMessage& message);
 // Errors: kInvalidArgument naming what is malformed.

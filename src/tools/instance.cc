@@ -455,6 +455,7 @@ int RunPrefillInstance(const InstanceFlags& flags) {
   o.cp_rank = flags.cp_rank;
   o.cp_size = flags.cp_size;
   o.cp_all_ranks_send = !flags.cp_rank0_only;
+  o.allow_pull = flags.pull;
   o.total_kv_heads = in.total_kv_heads;
   if (flags.join_bootstrap.empty()) {
     o.bootstrap_address = flags.host + ":" + std::to_string(flags.bootstrap_port);
@@ -680,6 +681,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   o.tp_rank = flags.tp_rank;
   o.tp_size = flags.tp_size;
   o.kv_path = flags.kv_path;
+  o.pull = flags.pull;
   auto staging = ParseByteSize(flags.staging_size);
   if (!staging.ok()) {
     std::fprintf(stderr, "kvferry decode: --staging-size: %s\n",

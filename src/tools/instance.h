@@ -52,6 +52,9 @@ struct InstanceFlags {
   // staging_size).
   std::string kv_path = "auto";
   std::string staging_size = "1GiB";
+  // Decode pulls each batch (READs it from prefill's pools); prefill allows it
+  // (DecodeConnectorOptions::pull, PrefillConnectorOptions::allow_pull).
+  bool pull = false;
   int exit_with_parent = 0;  // pid of the replay that spawned this instance; 0: none
   AuthFlags auth;            // --auth-token-file, --insecure
   // Prefill context parallelism: rank cp_rank of cp_size sends its share of each request's

@@ -59,6 +59,7 @@ std::vector<std::string> InstanceChildArgs(const InstanceFlags& f, bool prefill,
   if (prefill && !f.join_bootstrap.empty())
     a.insert(a.end(), {"--join-bootstrap", f.join_bootstrap});
   if (!prefill) a.insert(a.end(), {"--kv-path", f.kv_path, "--staging-size", f.staging_size});
+  if (f.pull) a.push_back("--pull");
   if (prefill && f.cp_size > 1) {
     a.insert(a.end(),
              {"--cp-rank", std::to_string(f.cp_rank), "--cp-size", std::to_string(f.cp_size)});
@@ -117,6 +118,10 @@ void AddInstanceFlags(CLI::App* cmd, InstanceFlags* f, bool prefill) {
     cmd->add_option("--staging-size", f->staging_size, "Staging ring bytes for --kv-path staging")
         ->capture_default_str();
   }
+  cmd->add_flag("--pull", f->pull,
+                prefill ? "Let decode ranks that pull READ this instance's pools"
+                        : "READ each batch from prefill's pools (prefill plans it) instead of "
+                          "prefill WRITing it");
   cmd->add_option("--faults", f->faults,
                   "Fault-injection plan of this instance's engine (kvferry/faults.h), e.g. "
                   "drop=0.01,fail=0.02,delay_us=500; for tests and drills");

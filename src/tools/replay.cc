@@ -652,6 +652,7 @@ int RunReplay(ReplayFlags flags) {
       {"prefill_tp", flags.prefill_tp},
       {"decode_tp", flags.decode_tp},
       {"kv_path", flags.kv_path},
+      {"pull", flags.instance.pull},
       {"prefill_cp", flags.prefill_cp},
       {"pages_sent_per_cp_rank",
        [&] {
@@ -779,6 +780,9 @@ void AddReplayCommand(CLI::App& app, RunFn* run) {
          "Unequal-TP data path: auto (staging for host pools, fused for GPU pools), direct, "
          "staging or fused")
       ->capture_default_str();
+  cmd->add_flag("--pull", flags->instance.pull,
+                "Decode READs each batch from prefill's pools (prefill plans the copies) instead "
+                "of prefill WRITing it: copy kernels on decode's GPU");
   cmd->add_option("--device", flags->instance.device,
                   "Pools on cpu, or on cuda (each rank its own GPU where they fit, see ReplayGpu; "
                   "verified on the GPU)")

@@ -176,8 +176,8 @@ TEST_F(ControlAuthTest, ThePairedDecodeRankStillAborts) {
   EXPECT_EQ(prefill_conn_->stats().control_messages_refused, 0u);
 }
 
-// Least access: prefill publishes none of its pools (decode never reads them); decode
-// publishes its pools and aux rows for WRITE only.
+// Least access: prefill publishes none of its pools (decode never reads them unless prefill
+// allows pulls); decode publishes its pools and aux rows for WRITE only.
 TEST_F(ControlAuthTest, ConnectorsPublishOnlyWhatTheProtocolNeeds) {
   auto prefill_seg = intruder_->OpenSegment(prefill_conn_->engine_address());
   ASSERT_TRUE(prefill_seg.ok());

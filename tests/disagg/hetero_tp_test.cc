@@ -20,6 +20,10 @@ bool g_hybrid = false;
 // Layerwise runs send each chunk as a layerwise pass: the first chunk's layers are marked in
 // reverse order (they must still leave in layer order), the last chunk's in order.
 bool g_layerwise = false;
+// Pull runs: decode ranks pull (prefill ranks allow it); g_decode_requests then adds up the
+// READs the decode ranks issued.
+bool g_pull = false;
+uint64_t g_decode_requests = 0;
 
 ModelGeometry Geometry(AttentionKind kind, int rank_heads) {
   ModelGeometry g = testutil::SlicedGeometry("hetero", kind, 2, rank_heads, 8, 16);
@@ -83,6 +87,7 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds,
     o.tp_size = ps;
     o.total_kv_heads = heads;
     o.start_bootstrap_server = r == 0;
+    o.allow_pull = g_pull;
     if (r > 0) o.bootstrap_address = bootstrap;
     auto c = PrefillConnector::Create(o, prefill[r]->pool.get(), prefill[r]->aux.get());
     EXPECT_TRUE(c.ok()) << c.status().ToString();
@@ -98,6 +103,7 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds,
     o.tp_rank = d;
     o.tp_size = ds;
     o.kv_path = kv_path;
+    o.pull = g_pull;
     o.staging_bytes = staging_bytes;
     // Decode's Wait polls the same-node done mailbox here also on small machines (where it
     // is off by default): rooms with several prefill ranks, replicas and staging pins
@@ -199,6 +205,7 @@ uint64_t RunRoom(AttentionKind kind, int heads, int ps, int ds,
   }
   uint64_t requests = 0;
   for (auto& c : pconn) requests += c->stats().transfer_requests;
+  for (auto& c : dconn) g_decode_requests += c->stats().transfer_requests;
   return requests;
 }
 
@@ -309,6 +316,44 @@ TEST(LayerwiseTest, SameBytesAsChunkedSends) {
 TEST(HeteroTpTest, MlaTp2ToTp1AndTp1ToTp2) {
   RunRoom(AttentionKind::kMla, 1, 2, 1);
   RunRoom(AttentionKind::kMla, 1, 1, 2);
+}
+
+// Pull: decode READs every batch prefill plans (KV, state, aux row) and the same bytes land;
+// the READs are decode's requests, as many as prefill planned. Over TCP decode pulls only
+// slices of whole tokens (equal TP, MLA's replicated latent): head slices, whose rows TCP
+// would READ one by one, are written, as are staged slices and layerwise passes (decode then
+// issues no READ for them). PullReaderTest reads strided rows.
+TEST(HeteroTpTest, PullPathDecodeReadsWhatPrefillPlanned) {
+  g_pull = true;
+  struct Case {
+    AttentionKind kind;
+    int heads, ps, ds;
+    std::string path;
+    bool pulled;
+  };
+  for (const Case& c : {Case{AttentionKind::kMha, 8, 1, 1, "fused", true},
+                        Case{AttentionKind::kMla, 1, 2, 1, "fused", true},
+                        Case{AttentionKind::kMla, 1, 1, 2, "fused", true},
+                        Case{AttentionKind::kMha, 2, 4, 1, "fused", false},
+                        Case{AttentionKind::kMha, 8, 2, 1, "fused", false},
+                        Case{AttentionKind::kMha, 8, 2, 1, "staging", false}}) {
+    SCOPED_TRACE(c.path);
+    g_decode_requests = 0;
+    const uint64_t planned = RunRoom(c.kind, c.heads, c.ps, c.ds, c.path, 64 << 10, 2);
+    EXPECT_GT(planned, 0u);
+    EXPECT_EQ(g_decode_requests, c.pulled ? planned : 0u);
+  }
+  g_hybrid = true;
+  g_decode_requests = 0;
+  EXPECT_EQ(RunRoom(AttentionKind::kMha, 8, 1, 1, "fused", 0, 1), g_decode_requests);
+  EXPECT_GT(g_decode_requests, 0u);
+  g_hybrid = false;
+  g_layerwise = true;
+  g_decode_requests = 0;
+  EXPECT_GT(RunRoom(AttentionKind::kMha, 8, 1, 1, "fused", 0, 1), 0u);
+  EXPECT_EQ(g_decode_requests, 0u);
+  g_layerwise = false;
+  g_pull = false;
 }
 
 }  // namespace

@@ -3,7 +3,7 @@
 // and heartbeat threads. Its pieces: PrefillPairing
 // (decode/pairing.h) pairs with prefill instances, ReceiverCompletion (decode/completion.h)
 // decides when rooms succeed or fail, StagingReceiver (decode/staging.h) runs the unequal-TP
-// staging ring.
+// staging ring, PullReader (decode/pull_reader.h) reads the batches prefill asks it to pull.
 #include "kvferry/connector.h"
 
 #include <algorithm>
@@ -22,6 +22,7 @@
 #include "disagg/control_message.h"
 #include "disagg/decode/completion.h"
 #include "disagg/decode/pairing.h"
+#include "disagg/decode/pull_reader.h"
 #include "disagg/decode/room.h"
 #include "disagg/decode/staging.h"
 #include "disagg/done_mailbox.h"
@@ -93,6 +94,11 @@ class DecodeConnectorImpl : public DecodeConnector {
                                                  options_.staging_bytes, options_.waiting_timeout);
     pairing_ = std::make_unique<PrefillPairing>(options_, *pool_, *aux_, *engine_, mailbox_.get(),
                                                 use_staging_ ? staging_.get() : nullptr);
+    pulls_ = std::make_unique<PullReader>(
+        *engine_, *pool_, *aux_, options_.state_pool, rooms_, engine_address(),
+        options_.waiting_timeout, [this](uint64_t room, ControlType note, const std::string& from) {
+          HandleNotice(room, note, from);
+        });
     engine_->SetNotificationHandler([this](const Notification& n) { OnNotification(n); });
     timer_ = std::thread([this] { TimerLoop(); });
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
@@ -110,9 +116,12 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (heartbeat_.joinable()) heartbeat_.join();
     if (engine_ != nullptr) engine_->SetNotificationHandler(nullptr);
     if (bootstrap_ != nullptr) bootstrap_->Close();
+    if (pairing_ != nullptr) pairing_->Close();
     // Scatters free regions (may post grants and aborts), and a failed grant posts its abort
     // notice on control_: staging closes first.
     if (staging_ != nullptr) staging_->Close();
+    // Its notices may post to the control queue: it closes first.
+    if (pulls_ != nullptr) pulls_->Close();
     control_->Close();
     engine_.reset();
   }
@@ -176,6 +185,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   ConnectorStats stats() const override {
     ConnectorStats s = completion_->stats();
     s.control_messages_refused = refused_.load();
+    s.transfer_requests = pulls_->requests();  // the READs of pulls: decode issues no other
     return s;
   }
 
@@ -226,6 +236,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       info.slice.decode_ranks = g.decode_ranks_of_prefill[i];
       info.slice.staging = g.staged[i];
       info.slice.fused = use_fused_ && !g.staged[i];
+      info.slice.pull = g.pulled[i];
       info.state_slot = copy.state_slot;
       info.slice.sends_state = g.state[i].sends_state;
       info.slice.state_src_part = g.state[i].state_src_part;
@@ -257,16 +268,40 @@ class DecodeConnectorImpl : public DecodeConnector {
   }
 
   // Whether `room` is known here and the engine at `address` is one of the prefill ranks it is
-  // paired with.
+  // paired with (then `*peer` is that rank).
   enum class Pairing { kUnknownRoom, kPaired, kNotPaired };
-  Pairing PairedWith(uint64_t room, const std::string& address) {
-    bool paired = false;
+  Pairing PairedWith(uint64_t room, const std::string& address,
+                     std::shared_ptr<PrefillPeer>* peer) {
     Status known = rooms_.With(room, [&](ReceiverRooms::Room& r) -> Status {
-      for (const auto& p : r.data.prefills) paired = paired || p->engine_address == address;
+      for (const auto& p : r.data.prefills) {
+        if (p->engine_address == address) *peer = p;
+      }
       return OkStatus();
     });
     if (!known.ok()) return Pairing::kUnknownRoom;
-    return paired ? Pairing::kPaired : Pairing::kNotPaired;
+    return *peer != nullptr ? Pairing::kPaired : Pairing::kNotPaired;
+  }
+
+  // A prefill notice about `room` from the engine at `from` (paired with the room): sent by
+  // prefill, or taken from a pull once its copies landed.
+  void HandleNotice(uint64_t room, ControlType type, const std::string& from) {
+    if (type == ControlType::kChunkLanded) {
+      rooms_.Advance(room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
+                     WaitingReason(options_.waiting_timeout));
+      return;
+    }
+    // kRoomDone: every prefill rank of the room reports done; only one of them carries the aux
+    // row, and the others may report first, so the row is checked once all have.
+    if (completion_->NoteQuiet(room, from, nullptr)) return;  // failing: it only counts as quiet
+    completion_->FinishIfComplete(room, 1, /*may_wait=*/true);
+  }
+
+  // The segment of the paired prefill rank at `address` (any room), or none.
+  SegmentHandle PrefillSegment(const std::string& address) {
+    for (const auto& p : pairing_->Peers()) {
+      if (p->engine_address == address) return p->segment;
+    }
+    return {};
   }
 
   void OnNotification(const Notification& n) {
@@ -279,13 +314,21 @@ class DecodeConnectorImpl : public DecodeConnector {
     // Every message prefill sends is about a room: only the room's own prefill ranks may
     // advance, finish, fail or stage it (the sender's address is the one its engine
     // authenticated with).
-    switch (PairedWith(room, n.peer_address)) {
+    std::shared_ptr<PrefillPeer> peer;
+    switch (PairedWith(room, n.peer_address, &peer)) {
       case Pairing::kPaired:
         break;
       case Pairing::kUnknownRoom:
         // Released already (a late report), or never here. A staging region granted for it
         // is still freed by the writer it was granted to (StagingReceiver checks the sender).
         if (m->type == ControlType::kStagingCancel || m->type == ControlType::kStagingReady) break;
+        // A pull is answered, so that prefill's room need not wait out the pull's deadline.
+        if (m->type == ControlType::kPullRequest) {
+          if (SegmentHandle segment = PrefillSegment(n.peer_address); segment.value != 0) {
+            pulls_->Handle(*m, nullptr, segment, n.peer_address);
+          }
+          return;
+        }
         KVF_LOG_DEBUG("decode: control message type {} for unknown room {} from {}",
                       static_cast<int>(m->type), room, n.peer_address);
         return;
@@ -296,16 +339,15 @@ class DecodeConnectorImpl : public DecodeConnector {
     }
     switch (m->type) {
       case ControlType::kChunkLanded:
-        rooms_.Advance(room, RoomState::kTransferring, Clock::now() + options_.waiting_timeout,
-                       WaitingReason(options_.waiting_timeout));
-        break;
       case ControlType::kRoomDone:
-        // Every prefill rank of the room reports done; only one of them carries the aux row,
-        // and the others may report first, so the row is checked once all have.
-        if (completion_->NoteQuiet(room, n.peer_address, nullptr)) {
-          break;  // failing: it only counts as quiet
+        HandleNotice(room, m->type, n.peer_address);
+        break;
+      case ControlType::kPullRequest:
+        if (!options_.pull) {
+          Refuse(n, "a pull request, but this decode rank does not pull");
+          break;
         }
-        completion_->FinishIfComplete(room, 1, /*may_wait=*/true);
+        pulls_->Handle(*m, peer, peer->segment, n.peer_address);
         break;
       case ControlType::kStagingRequest:
         // Allocation may wait for ring space: off the connection's thread.
@@ -432,6 +474,7 @@ class DecodeConnectorImpl : public DecodeConnector {
   std::unique_ptr<ReceiverCompletion> completion_;
   std::unique_ptr<StagingReceiver> staging_;
   std::unique_ptr<PrefillPairing> pairing_;
+  std::unique_ptr<PullReader> pulls_;
 
   std::atomic<uint64_t> refused_{0};  // control messages dropped (Refuse)
   LogLimiter refused_log_;

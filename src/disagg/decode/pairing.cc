@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "common/checks.h"
+#include "common/logging.h"
 #include "kvferry/bootstrap.h"
 
 namespace kvferry {
@@ -107,6 +108,11 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
     return slice.src_head_start == 0 && slice.dst_head_start == 0 &&
            slice.num_heads == plan.prefill_heads && slice.num_heads == plan.decode_heads;
   };
+  // NVLink copies a strided request's rows in one kernel pass, whichever side runs it.
+  auto RouteIsNvlink = [&](SegmentHandle segment) {
+    auto route = engine_.DescribeRoute(segment, pool_.location().kind);
+    return route.ok() && route->rfind("nvlink", 0) == 0;
+  };
   bool need_ring = false;
   for (const HeadSlice& slice : slices) need_ring = need_ring || (!is_whole(slice) && slice.sends);
   const bool staged_group = staging_ != nullptr && need_ring;
@@ -133,11 +139,24 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
       peer->segment = segment;
       auto descriptor = engine_.GetSegmentDescriptor(segment);
       peer->same_node = descriptor.ok() && descriptor->node_id == node_id_;
+      if (options_.pull) {
+        // Pulling reads this rank's pools: open the channel and map them now, off the room's
+        // bootstrap (opening takes milliseconds, mapping tens), not when its first KV is ready.
+        setup_.Post([this, segment, address = rank.engine_address] {
+          Status prepared = engine_.PrepareTransfers(segment, pool_.BufferBase(0));
+          if (!prepared.ok()) {
+            KVF_LOG_DEBUG("decode: prefill {}: no early transfer setup: {}", address,
+                          prepared.message());
+          }
+        });
+      }
     }
     peers.push_back(peer);
     group->decode_ranks_of_prefill.push_back(
         static_cast<int>(plan.ForPrefillRank(slice.prefill_rank).size()));
     group->staged.push_back(staged_group && !is_whole(slice) && slice.sends);
+    group->pulled.push_back(options_.pull && !group->staged.back() &&
+                            (is_whole(slice) || RouteIsNvlink(peer->segment)));
     group->state.push_back(StateSlice(topology.tp_size, slice.prefill_rank, cp_ranks[e]));
   }
   group->aux_slice = 0;  // the first sending slice of CP rank 0 (entries start with CP rank 0)

@@ -20,6 +20,7 @@
 #include "disagg/decode/room.h"
 #include "disagg/decode/staging.h"
 #include "disagg/done_mailbox.h"
+#include "disagg/task_queue.h"
 #include "kvferry/aux_buffer.h"
 #include "kvferry/connector.h"
 #include "kvferry/engine.h"
@@ -38,8 +39,11 @@ struct PrefillGroup {
   std::vector<std::shared_ptr<PrefillPeer>> peers;  // per slice
   std::vector<int> decode_ranks_of_prefill;         // per slice: decode ranks its rank serves
   std::vector<bool> staged;                         // per slice: through the staging ring
-  std::vector<SliceInfo> state;                     // per slice: its linear-attention state part
-  int aux_slice = 0;                                // the slice whose rank writes the aux row
+  // Per slice: this rank pulls it (DecodeConnectorOptions::pull): over NVLink, or when it is
+  // whole tokens (other routes READ a head slice's rows one by one; those slices are written).
+  std::vector<bool> pulled;
+  std::vector<SliceInfo> state;  // per slice: its linear-attention state part
+  int aux_slice = 0;             // the slice whose rank writes the aux row
 };
 
 class PrefillPairing {
@@ -60,6 +64,8 @@ class PrefillPairing {
   std::vector<std::shared_ptr<PrefillPeer>> Peers();
   // Drops the group of `bootstrap_address`: later rooms bound for it pair afresh.
   void Forget(const std::string& bootstrap_address);
+  // Runs the transfer setups still queued and stops taking more (before the engine goes).
+  void Close() { setup_.Close(); }
 
  private:
   // Which part of prefill rank `prefill_rank`'s state this rank takes, split along the state's
@@ -78,6 +84,9 @@ class PrefillPairing {
 
   std::mutex groups_mu_;
   std::map<std::string, std::shared_ptr<PrefillGroup>> groups_;  // by bootstrap address
+  // Transfer setup toward prefill ranks this rank pulls from (PrepareTransfers), off the
+  // bootstrap threads; closed (queued setups run) before the engine goes.
+  TaskQueue setup_{1};
 };
 
 }  // namespace kvferry

@@ -73,6 +73,23 @@ void BatchSender::Complete(BatchId id, const BatchStatus& status,
   });
 }
 
+void BatchSender::Finish(const BatchStatus& status,
+                         const std::function<void(const BatchStatus&)>& done) {
+  if (status.state == TransferState::kCompleted && EnterInline()) {
+    done(status);
+    LeaveInline();
+    return;
+  }
+  completion_->Post([done, status] { done(status); });
+}
+
+void BatchSender::CountPulled(std::span<const TransferRequest> requests) {
+  uint64_t bytes = 0;
+  for (const auto& r : requests) bytes += r.total_bytes();
+  transfer_requests_ += requests.size();
+  bytes_ += bytes;
+}
+
 Status BatchSender::TransferNow(const TransferRequest& request) {
   Status s = TransferSync(*engine_, std::span(&request, 1));
   ++transfer_requests_;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,13 @@ class BatchSender {
   void Complete(BatchId id, const BatchStatus& status,
                 const std::function<void(const BatchStatus&)>& done,
                 const std::shared_ptr<void>& keepalive, bool inline_success);
+
+  // Runs `done` with `status` as Complete does for a batch already released: inline when it
+  // completed (unless StopInline began), else on the completion queue.
+  void Finish(const BatchStatus& status, const std::function<void(const BatchStatus&)>& done);
+
+  // Counts requests that decode issues on this rank's behalf (pulls) in the stats.
+  void CountPulled(std::span<const TransferRequest> requests);
 
   // One synchronous transfer (a READ of decode's staging watermark), counted in the stats.
   Status TransferNow(const TransferRequest& request);

@@ -33,6 +33,7 @@
 #include "disagg/prefill/failure_notices.h"
 #include "disagg/prefill/layerwise.h"
 #include "disagg/prefill/plan.h"
+#include "disagg/prefill/pull_sender.h"
 #include "disagg/prefill/room.h"
 #include "disagg/prefill/staging_writer.h"
 #include "disagg/task_queue.h"
@@ -54,14 +55,15 @@ class PrefillConnectorImpl : public PrefillConnector {
         source_{pool, aux, options.state_pool, options.tp_size},
         engine_(std::move(engine)),
         batches_(engine_.get(), control_.get(), completion_.get(), options_.transfer_timeout),
+        pulls_(&batches_, options_.transfer_timeout),
         failures_(&rooms_, &batches_),
-        done_(source_, &rooms_, &batches_, &failures_),
+        done_(source_, &rooms_, &batches_, &pulls_, &failures_),
         staging_(pool_, engine_.get(), control_.get(), options_.transfer_timeout, &rooms_,
                  &decodes_, &batches_, &failures_, &done_),
         layerwise_(source_, options_.transfer_timeout, &rooms_, &batches_, &failures_, &done_,
                    &staging_),
         control_handler_(source_, engine_.get(), control_.get(), setup_.get(), &rooms_, &decodes_,
-                         &early_, &batches_, &failures_, &staging_) {}
+                         &early_, &batches_, &pulls_, &failures_, &staging_, options_.allow_pull) {}
 
   // The engine options PrefillConnector::Create starts the engine with.
   static void AdjustEngineOptions(PrefillConnectorOptions& options) {
@@ -74,10 +76,11 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
   Status Init() {
-    // Decode ranks only take KV from here (prefill WRITEs into them): nothing of this rank's
-    // pools is exposed to peers.
+    // Decode ranks that pull READ this rank's pools; without allow_pull nothing of them is
+    // exposed to peers (prefill WRITEs into decode).
     RETURN_IF_ERROR(RegisterConnectorPools(*engine_, *pool_, *aux_, options_.state_pool,
-                                           options_.tp_size, kAccessNone));
+                                           options_.tp_size,
+                                           options_.allow_pull ? kAccessRemoteRead : kAccessNone));
     engine_->SetNotificationHandler(
         [this](const Notification& n) { control_handler_.OnNotification(n); });
     if (options_.start_bootstrap_server) {
@@ -128,6 +131,7 @@ class PrefillConnectorImpl : public PrefillConnector {
     }
     timer_cv_.notify_all();
     if (timer_.joinable()) timer_.join();
+    pulls_.Close();  // their continuations go to the completion queue, closed below
     // Queues close while the engine still lives (their tasks use it); the engine's final
     // callbacks then post into closed queues and are dropped.
     engine_->SetNotificationHandler(nullptr);
@@ -232,21 +236,18 @@ class PrefillConnectorImpl : public PrefillConnector {
     RETURN_IF_ERROR(s);
     rooms_.Advance(room, RoomState::kTransferring);
     for (Work& w : work) {
-      ControlMessage note;
-      note.room = room;
-      note.type = w.finishing ? ControlType::kRoomDone : ControlType::kChunkLanded;
       if (w.staged) {
         for (const auto& [first_layer, num_layers] : w.pieces) {
           staging_.RequestStaging(room, w.dest, first_page, static_cast<int64_t>(src_pages.size()),
                                   first_layer, num_layers);
         }
         if (!w.requests.empty() || w.finishing) {
-          done_.Submit(room, w.dest, std::move(w.requests), EncodeControl(note), w.finishing);
+          done_.Submit(room, w.dest, std::move(w.requests), w.finishing);
         }
       } else if (w.notify_only) {
         done_.NotifyDone(room, w.dest);
       } else {
-        done_.Submit(room, w.dest, std::move(w.requests), EncodeControl(note), w.finishing);
+        done_.Submit(room, w.dest, std::move(w.requests), w.finishing);
       }
     }
     return OkStatus();
@@ -308,7 +309,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   }
 
  private:
-  // Every 20 ms: room and pass deadlines, failure notices overdue, early arrivals nobody
+  // Every 20 ms: room, pass and pull deadlines, failure notices overdue, early arrivals nobody
   // collected, and decode ranks silent for longer than the heartbeat timeout (their rooms
   // fail).
   void TimerLoop() {
@@ -320,6 +321,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       auto now = Clock::now();
       rooms_.ExpireDeadlines(now);
       layerwise_.ExpirePasses(now);
+      pulls_.Expire(now);
       failures_.TellOverdue(now);
       early_.Expire(now, options_.bootstrap_timeout);
       for (const auto& peer : decodes_.Silent(now, options_.heartbeat_timeout)) {
@@ -353,6 +355,7 @@ class PrefillConnectorImpl : public PrefillConnector {
   prefill::DecodeRegistry decodes_;
   mutable prefill::EarlyArrivals early_;
   prefill::BatchSender batches_;
+  prefill::PullSender pulls_;
   prefill::FailureNotices failures_;
   prefill::DoneNotices done_;
   prefill::StagingWriter staging_;

@@ -8,8 +8,8 @@ namespace kvferry::prefill {
 
 ControlHandler::ControlHandler(const PlanSource& source, TransferEngine* engine, TaskQueue* control,
                                TaskQueue* setup, SenderRooms* rooms, DecodeRegistry* decodes,
-                               EarlyArrivals* early, BatchSender* batches, FailureNotices* failures,
-                               StagingWriter* staging)
+                               EarlyArrivals* early, BatchSender* batches, PullSender* pulls,
+                               FailureNotices* failures, StagingWriter* staging, bool allow_pull)
     : source_(source),
       engine_(engine),
       control_(control),
@@ -18,8 +18,10 @@ ControlHandler::ControlHandler(const PlanSource& source, TransferEngine* engine,
       decodes_(decodes),
       early_(early),
       batches_(batches),
+      pulls_(pulls),
       failures_(failures),
-      staging_(staging) {}
+      staging_(staging),
+      allow_pull_(allow_pull) {}
 
 void ControlHandler::Refuse(const Notification& n, const std::string& why) {
   const uint64_t total = ++refused_;
@@ -63,6 +65,12 @@ void ControlHandler::OnNotification(const Notification& n) {
   // rank, which heartbeats only while it has rooms here.
   if (!m->decode_address.empty()) decodes_->Heartbeat(m->decode_address);
   if (m->type == ControlType::kHeartbeat) return;
+  if (m->type == ControlType::kPullDone) {
+    if (!pulls_->OnPullDone(n.peer_address, *m)) {
+      KVF_LOG_DEBUG("prefill: answer to unknown pull {} from {}", m->pull_id, n.peer_address);
+    }
+    return;
+  }
   KVF_LOG_DEBUG("prefill: control message type {} for room {} from {}", static_cast<int>(m->type),
                 m->room, n.peer_address);
   control_->Post([this, msg = std::move(*m)] {
@@ -166,6 +174,7 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
     dest.dst_aux_row = m.aux_row;
     dest.dst_state_slot = m.state_slot;
     dest.slice = m.slice;
+    dest.slice.pull = m.slice.pull && allow_pull_;
     d.destinations.push_back(std::move(dest));
     all_arrived = d.all_arrived();
     return OkStatus();

@@ -6,7 +6,8 @@
 // on the control queue: a decode rank's registration (kRegisterDecode: pairing checks, its
 // engine segment, its done mailbox on this node), a room's destination (kTransferInfo: checked
 // and added to the room, or kept until the room exists), decode's abort (kAbort), and its
-// staging grants (kStagingGrant, handed to the StagingWriter's threads).
+// staging grants (kStagingGrant, handed to the StagingWriter's threads). Decode's answers to
+// pulls (kPullDone) end their pulls at once, on the engine thread (PullSender).
 //
 // Thread-safety: OnNotification may run on any engine thread; the Handle* methods run on the
 // control queue (one thread), so control messages are handled in arrival order.
@@ -23,6 +24,7 @@
 #include "disagg/prefill/early_arrivals.h"
 #include "disagg/prefill/failure_notices.h"
 #include "disagg/prefill/plan.h"
+#include "disagg/prefill/pull_sender.h"
 #include "disagg/prefill/room.h"
 #include "disagg/prefill/staging_writer.h"
 #include "disagg/task_queue.h"
@@ -37,8 +39,8 @@ class ControlHandler {
   // NVLink channel), off the control queue that bootstraps rooms.
   ControlHandler(const PlanSource& source, TransferEngine* engine, TaskQueue* control,
                  TaskQueue* setup, SenderRooms* rooms, DecodeRegistry* decodes,
-                 EarlyArrivals* early, BatchSender* batches, FailureNotices* failures,
-                 StagingWriter* staging);
+                 EarlyArrivals* early, BatchSender* batches, PullSender* pulls,
+                 FailureNotices* failures, StagingWriter* staging, bool allow_pull);
   ControlHandler(const ControlHandler&) = delete;
   ControlHandler& operator=(const ControlHandler&) = delete;
 
@@ -84,8 +86,10 @@ class ControlHandler {
   DecodeRegistry* const decodes_;
   EarlyArrivals* const early_;
   BatchSender* const batches_;
+  PullSender* const pulls_;
   FailureNotices* const failures_;
   StagingWriter* const staging_;
+  const bool allow_pull_;  // a destination asking to pull gets it; else it is written to
   std::atomic<uint64_t> refused_{0};
   LogLimiter refused_log_;
 };

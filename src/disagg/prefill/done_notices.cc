@@ -10,18 +10,34 @@
 namespace kvferry::prefill {
 
 DoneNotices::DoneNotices(const PlanSource& source, SenderRooms* rooms, BatchSender* batches,
-                         FailureNotices* failures)
-    : source_(source), rooms_(rooms), batches_(batches), failures_(failures) {}
+                         PullSender* pulls, FailureNotices* failures)
+    : source_(source), rooms_(rooms), batches_(batches), pulls_(pulls), failures_(failures) {}
 
 void DoneNotices::Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
-                         std::string notification, bool finishing) {
-  batches_->SubmitThen(
-      std::move(requests), std::move(notification), nullptr,
-      [this, room, dest, finishing](const BatchStatus& status) {
-        OnBatchDone(room, dest, finishing, status);
-      },
-      nullptr, /*inline_success=*/true,
-      finishing ? MailboxReport(room, dest, /*announce=*/true) : nullptr);
+                         bool finishing) {
+  auto done = [this, room, dest, finishing](const BatchStatus& status) {
+    OnBatchDone(room, dest, finishing, status);
+  };
+  const ControlType note = finishing ? ControlType::kRoomDone : ControlType::kChunkLanded;
+  std::shared_ptr<DecodePeer> puller;
+  rooms_
+      ->With(room,
+             [&](SenderRooms::Room& r) -> Status {
+               const Destination& d = r.data.destinations[dest];
+               if (d.slice.pull) puller = d.decode;
+               return OkStatus();
+             })
+      .IgnoreError();
+  if (puller != nullptr && PullSender::Fits(requests)) {
+    pulls_->Send(puller, room, std::move(requests), note, std::move(done));
+    return;
+  }
+  ControlMessage notice;
+  notice.type = note;
+  notice.room = room;
+  batches_->SubmitThen(std::move(requests), EncodeControl(notice), nullptr, std::move(done),
+                       nullptr, /*inline_success=*/true,
+                       finishing ? MailboxReport(room, dest, /*announce=*/true) : nullptr);
 }
 
 std::function<void()> DoneNotices::MailboxReport(uint64_t room, size_t dest, bool announce) {
@@ -108,10 +124,7 @@ void DoneNotices::OnBatchDone(uint64_t room, size_t dest, bool finishing, const 
   }
   if (all_done) KVF_LOG_DEBUG("prefill: room {} done", room);
   if (finish_now && !aux.empty()) {
-    ControlMessage note;
-    note.type = ControlType::kRoomDone;
-    note.room = room;
-    Submit(room, dest, std::move(aux), EncodeControl(note), true);
+    Submit(room, dest, std::move(aux), true);
   } else if (finish_now && notify_only) {
     NotifyDone(room, dest);
   }

@@ -4,6 +4,8 @@
 // with the done notice (kRoomDone), or the notice alone (NotifyDone). A same-node decode also
 // gets the report in its done mailbox once everything of the destination landed. The room
 // succeeds when every destination is done; a failed batch fails the room (FailureNotices).
+// Toward a decode rank that pulls (SliceInfo::pull) a batch goes as a pull (PullSender):
+// decode READs it and takes its notice itself, so no mailbox report is made for it.
 //
 // Thread-safety: all methods are thread-safe; they take the room table's lock for short
 // steps and never hold it while submitting.
@@ -19,23 +21,24 @@
 #include "disagg/prefill/batches.h"
 #include "disagg/prefill/failure_notices.h"
 #include "disagg/prefill/plan.h"
+#include "disagg/prefill/pull_sender.h"
 #include "disagg/prefill/room.h"
 
 namespace kvferry::prefill {
 
 class DoneNotices {
  public:
-  DoneNotices(const PlanSource& source, SenderRooms* rooms, BatchSender* batches,
+  DoneNotices(const PlanSource& source, SenderRooms* rooms, BatchSender* batches, PullSender* pulls,
               FailureNotices* failures);
   DoneNotices(const DoneNotices&) = delete;
   DoneNotices& operator=(const DoneNotices&) = delete;
 
   // Submits a batch of the room toward destination `dest` (already counted in its
-  // outstanding_batches), completing inline on success; its end comes to OnBatchDone.
-  // `finishing`: it carries the done notice (`notification`), and a same-node decode's
-  // mailbox is told the room is imminent now and done once it landed.
-  void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
-              std::string notification, bool finishing);
+  // outstanding_batches), completing inline on success; its end comes to OnBatchDone. It
+  // carries notice `note` (kChunkLanded; kRoomDone when `finishing`: a same-node decode's
+  // mailbox is then told the room is imminent now and done once it landed). A pulling
+  // destination gets it as a pull when it fits one (PullSender::Fits).
+  void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests, bool finishing);
 
   // A destination that receives no data this time (a replica, or no aux row to carry):
   // its done notice travels alone.
@@ -59,6 +62,7 @@ class DoneNotices {
   const PlanSource source_;
   SenderRooms* const rooms_;
   BatchSender* const batches_;
+  PullSender* const pulls_;
   FailureNotices* const failures_;
 };
 

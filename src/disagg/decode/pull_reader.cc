@@ -1,0 +1,143 @@
+// Decode's side of pulls (see decode/pull_reader.h).
+#include "disagg/decode/pull_reader.h"
+
+#include <utility>
+
+#include "common/logging.h"
+
+namespace kvferry {
+
+PullReader::PullReader(TransferEngine& engine, const KvPool& pool, const AuxBuffer& aux,
+                       const StatePool* state, ReceiverRooms& rooms, std::string self,
+                       std::chrono::milliseconds deadline, NoticeHook on_notice)
+    : engine_(engine),
+      rooms_(rooms),
+      self_(std::move(self)),
+      deadline_(deadline),
+      on_notice_(std::move(on_notice)) {
+  // The regions RegisterConnectorPools registers: the pool whole when contiguous (a strided
+  // copy may cover every buffer, a row per buffer), else buffer by buffer.
+  auto add = [&](const void* base, uint64_t bytes) {
+    regions_.push_back({reinterpret_cast<uint64_t>(base), bytes});
+  };
+  if (pool.contiguous()) {
+    add(pool.data(), pool.size_bytes());
+  } else {
+    for (int b = 0; b < pool.layout().num_buffers(); ++b) add(pool.BufferBase(b), pool.buffer_bytes());
+  }
+  for (const AuxBuffer::Region& r : aux.regions()) add(r.base, r.size_bytes);
+  if (state != nullptr) {
+    if (state->contiguous()) {
+      add(state->data(), state->size_bytes());
+    } else {
+      for (int b = 0; b < state->layout().num_buffers(); ++b) {
+        add(state->BufferBase(b), state->buffer_bytes(b));
+      }
+    }
+  }
+}
+
+std::string PullReader::CheckCopy(const PullCopy& c) const {
+  const uint64_t stride = c.rows > 1 ? c.dst_stride : c.length;
+  if (c.rows > 1 && (c.dst_stride < c.length || c.src_stride < c.length)) {
+    return "rows overlap (strides " + std::to_string(c.src_stride) + " / " +
+           std::to_string(c.dst_stride) + " under the row length " + std::to_string(c.length) +
+           ")";
+  }
+  // Extent of the rows here, (rows - 1) * stride + length, without overflow.
+  const uint64_t rows_before = c.rows - 1;
+  if (rows_before != 0 && stride > (UINT64_MAX - c.length) / rows_before) {
+    return "extent overflows";
+  }
+  const uint64_t extent = rows_before * stride + c.length;
+  for (const Region& r : regions_) {
+    if (c.dst >= r.base && c.dst - r.base <= r.bytes && extent <= r.bytes - (c.dst - r.base)) {
+      return "";
+    }
+  }
+  return "destination [" + std::to_string(c.dst) + ", +" + std::to_string(extent) +
+         ") is outside this decode rank's KV pool, aux rows and state";
+}
+
+void PullReader::Handle(const ControlMessage& m, const std::shared_ptr<PrefillPeer>& from,
+                        SegmentHandle segment, const std::string& from_address) {
+  const std::string where = "pull " + std::to_string(m.pull_id) + " of room " +
+                            std::to_string(m.room) + " from " + from_address + ": ";
+  if (from == nullptr) {
+    Answer(segment, m.room, m.pull_id, NotFoundError(where + "room unknown here (released?)"));
+    return;
+  }
+  auto room = rooms_.Get(m.room);
+  if (!room.ok() || IsFinal(room->state)) {
+    Answer(segment, m.room, m.pull_id,
+           FailedPreconditionError(where + "room is " +
+                                   (room.ok() ? std::string(RoomStateName(room->state))
+                                              : std::string("gone")) +
+                                   " here: nothing read"));
+    return;
+  }
+  std::vector<TransferRequest> reads;
+  reads.reserve(m.pulls.size());
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < m.pulls.size(); ++i) {
+    const PullCopy& c = m.pulls[i];
+    if (std::string why = CheckCopy(c); !why.empty()) {
+      KVF_LOG_WARN_LIMITED("decode: refusing {}copy {}: {}", where, i, why);
+      Answer(segment, m.room, m.pull_id,
+             InvalidArgumentError(where + "copy " + std::to_string(i) + ": " + why));
+      return;
+    }
+    TransferRequest r;
+    r.op = TransferOp::kRead;
+    r.local_addr = reinterpret_cast<const void*>(c.dst);
+    r.segment = from->segment;
+    r.remote_addr = c.src;
+    r.length_bytes = c.length;
+    r.num_rows = c.rows;
+    r.local_stride = c.dst_stride;
+    r.remote_stride = c.src_stride;
+    bytes += r.total_bytes();
+    reads.push_back(r);
+  }
+  requests_ += reads.size();
+  bytes_ += bytes;
+  BatchOptions o;
+  o.deadline = deadline_;
+  o.on_complete = [this, room = m.room, id = m.pull_id, note = m.note, segment = from->segment,
+                   from_address](BatchId batch, const BatchStatus& status) {
+    queue_.Post([this, batch, status, room, id, note, segment, from_address] {
+      engine_.ReleaseBatch(batch).IgnoreError();
+      if (status.state == TransferState::kCompleted && note != ControlType::kHeartbeat) {
+        on_notice_(room, note, from_address);
+      }
+      Answer(segment, room, id,
+             status.state == TransferState::kCompleted ? OkStatus()
+                                                       : status.error.WithContext("reading"));
+    });
+  };
+  auto batch = engine_.SubmitBatch(reads, o);
+  if (!batch.ok()) {
+    Answer(segment, m.room, m.pull_id, batch.status().WithContext(where + "reading"));
+  }
+}
+
+void PullReader::Answer(SegmentHandle segment, uint64_t room, uint64_t id, const Status& status) {
+  ControlMessage done;
+  done.type = ControlType::kPullDone;
+  done.room = room;
+  done.decode_address = self_;
+  done.pull_id = id;
+  done.status_code = static_cast<uint32_t>(status.code());
+  done.reason = status.message().substr(0, 1024);
+  BatchOptions o;
+  o.deadline = std::chrono::milliseconds(2000);
+  o.on_complete = [this](BatchId batch, const BatchStatus&) {
+    engine_.ReleaseBatch(batch).IgnoreError();
+  };
+  auto sent = engine_.SubmitNotification(segment, EncodeControl(done), o);
+  if (!sent.ok()) {
+    KVF_LOG_DEBUG("decode: answering pull {} of room {}: {}", id, room, sent.status().message());
+  }
+}
+
+}  // namespace kvferry
