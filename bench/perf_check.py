@@ -50,6 +50,9 @@ for _prefix, _where in (("hetero", "GPUs 0-1"), ("hetero3", "a GPU per rank")):
                                 f"TP {_pd.replace('to', '->')} {_kp} / equal, page {_ps}, "
                                 f"{_where}"))
 for _ps in (64, 1):
+    FIGURES.append((f"hetero_p{_ps}_2to1_fused_pull_pct_equal", "higher", 0.93, "%",
+                    f"TP 2->1 fused pulled / equal, page {_ps}, GPUs 0-1"))
+for _ps in (64, 1):
     for _kp in ("staging", "fused"):
         FIGURES.append((f"hetero_mps_p{_ps}_2to1_{_kp}_pct_equal", "higher", 0.93, "%",
                         f"TP 2->1 {_kp} / equal, both under MPS, page {_ps}"))
@@ -130,6 +133,10 @@ def measure(results):
                     h = verified(load(results, f"{prefix}_{pd}_{kp}"))
                     if eq and h:
                         v[f"{prefix}_{pd}_{kp}_pct_equal"] = ratio(h["gbps"], eq["gbps"])
+        pulled = verified(load(results, f"hetero_p{ps}_2to1_fused_pull"))
+        eq = verified(load(results, f"hetero_p{ps}_equal"))
+        if eq and pulled:
+            v[f"hetero_p{ps}_2to1_fused_pull_pct_equal"] = ratio(pulled["gbps"], eq["gbps"])
     for mb in (1, 4):
         gpu = bench_config(load(results, "tcp_cuda"), mb << 20, 64)
         host = bench_config(load(results, "tcp_cpu"), mb << 20, 64)

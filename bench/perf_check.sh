@@ -19,7 +19,8 @@
 #             kernel's queue and chose the kernel (docs/perf/nvlink-h100.md, session 23)
 #   hetero    300 requests, page sizes 64 and 1: unequal TP 2 -> 1 and 1 -> 2, staging and
 #             fused, as % of equal TP in the same run, on GPUs 0 and 1 (so 2 -> 1's prefill
-#             ranks share GPU 0 and 1 -> 2's decode ranks GPU 1, on any machine)
+#             ranks share GPU 0 and 1 -> 2's decode ranks GPU 1, on any machine); and fused
+#             2 -> 1 pulled (--pull: decode's one process READs, docs/perf/hetero-tp.md "Pull")
 #   hetero3   where the machine has three GPUs or more: the same on GPUs 0, 1 and 2, every rank
 #             on its own GPU, as in a deployment (fused 2 -> 1 ran at half speed there, unseen by
 #             the two-GPU steps, until waiting for table space replaced the item path);
@@ -124,6 +125,10 @@ hetero_runs() {  # hetero_runs PREFIX GPUS: equal TP, 2 -> 1 and 1 -> 2, staging
           --prefill-tp "${pd%:*}" --decode-tp "${pd#*:}" --kv-path "$kp"
       done
     done
+    if [ "$prefix" = hetero ]; then
+      CUDA_VISIBLE_DEVICES=$2 replay "${prefix}_p${ps}_2to1_fused_pull" 90 "${common[@]}" \
+        --prefill-tp 2 --decode-tp 1 --kv-path fused --pull
+    fi
   done
 }
 if has hetero; then

@@ -705,6 +705,7 @@ int RunDecodeInstance(const InstanceFlags& flags) {
   auto stats = [&] {
     ConnectorStats st = c.stats();
     return json{{"bytes", st.bytes},
+                {"transfer_requests", st.transfer_requests},
                 {"rooms_succeeded", st.rooms_succeeded},
                 {"rooms_failed", st.rooms_failed},
                 {"rooms_done_by_mailbox", st.rooms_done_by_mailbox}};

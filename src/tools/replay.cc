@@ -594,6 +594,7 @@ int RunReplay(ReplayFlags flags) {
   };
   const uint64_t transfer_requests = sum_stat(prefill_ctl, "transfer_requests");
   const uint64_t done_by_mailbox = sum_stat(decode_ctl, "rooms_done_by_mailbox");
+  const uint64_t pulled_requests = sum_stat(decode_ctl, "transfer_requests");
   if (stopping) {
     std::fprintf(stderr, "kvferry replay: stopped early: %s; %llu requests not sent\n",
                  stop_reason.c_str(), static_cast<unsigned long long>(totals.not_sent.load()));
@@ -653,6 +654,7 @@ int RunReplay(ReplayFlags flags) {
       {"decode_tp", flags.decode_tp},
       {"kv_path", flags.kv_path},
       {"pull", flags.instance.pull},
+      {"pulled_requests", pulled_requests},
       {"prefill_cp", flags.prefill_cp},
       {"pages_sent_per_cp_rank",
        [&] {

@@ -22,18 +22,18 @@ class PullReaderTest : public ::testing::Test {
   void SetUp() override {
     layout_ = std::make_unique<KvLayout>(*KvLayout::Create(testutil::TinyGeometry(), 4));
     pool_ = std::move(*KvPool::Create(*layout_, 8));
-    aux_ = std::move(*AuxBuffer::Create(*AuxLayout::Create(testutil::TinyGeometry().hidden_size,
-                                                           testutil::TinyGeometry().dtype),
-                                        4));
+    aux_ = std::move(*AuxBuffer::Create(
+        *AuxLayout::Create(testutil::TinyGeometry().hidden_size, testutil::TinyGeometry().dtype),
+        4));
     EngineOptions po;
     po.name = "prefill";
     prefill_ = std::move(*TransferEngine::Create(po));
     source_.resize(64 << 10);
     for (size_t i = 0; i < source_.size(); ++i) source_[i] = static_cast<uint8_t>(i * 7 + 3);
-    ASSERT_TRUE(prefill_
-                    ->RegisterMemory(source_.data(), source_.size(), MemoryLocation{},
-                                     kAccessRemoteRead)
-                    .ok());
+    ASSERT_TRUE(
+        prefill_
+            ->RegisterMemory(source_.data(), source_.size(), MemoryLocation{}, kAccessRemoteRead)
+            .ok());
     EngineOptions d;
     d.name = "decode";
     decode_ = std::move(*TransferEngine::Create(d));
@@ -48,9 +48,10 @@ class PullReaderTest : public ::testing::Test {
     peer_->segment = *seg;
     ReceiverRoom room;
     room.prefills = {peer_};
-    ASSERT_TRUE(rooms_.Create(kRoom, room, std::chrono::steady_clock::now() + std::chrono::hours(1),
-                              "never")
-                    .ok());
+    ASSERT_TRUE(
+        rooms_
+            .Create(kRoom, room, std::chrono::steady_clock::now() + std::chrono::hours(1), "never")
+            .ok());
     reader_ = std::make_unique<PullReader>(
         *decode_, *pool_, *aux_, nullptr, rooms_, decode_->LocalDescriptor().Address(),
         milliseconds(5000), [this](uint64_t room, ControlType note, const std::string& from) {
@@ -89,7 +90,9 @@ class PullReaderTest : public ::testing::Test {
     return AnswerTo(id);
   }
 
-  uint64_t Src(uint64_t offset) const { return reinterpret_cast<uint64_t>(source_.data()) + offset; }
+  uint64_t Src(uint64_t offset) const {
+    return reinterpret_cast<uint64_t>(source_.data()) + offset;
+  }
   uint64_t Dst(uint64_t offset) const { return reinterpret_cast<uint64_t>(pool_->data()) + offset; }
   bool PoolUntouched() const {
     const uint8_t* p = pool_->data();

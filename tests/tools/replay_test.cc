@@ -142,6 +142,34 @@ TEST(ReplayTest, UnequalTensorParallelismVerifiesEveryRanksHeads) {
   EXPECT_NE(bad.output.find("TP 3"), std::string::npos) << bad.output;
 }
 
+// Pull: decode ranks READ every batch from prefill's processes (over TCP here, where only
+// slices of whole tokens are pulled: equal TP, MLA's replicated latent) and verify every byte;
+// written, decode issues no request.
+TEST(ReplayTest, DecodePullsAndVerifiesEveryByte) {
+  for (const char* config : {"tiny-gqa-config.json", "tiny-mla-config.json"}) {
+    SCOPED_TRACE(config);
+    const std::string args = std::string("--synthetic 4 --seed 9 --model-config ") +
+                             Config(config) + " --page-size 16 --pool-size 64MiB";
+    json pulled = Replay(args + " --prefill-tp 2 --decode-tp 1 --pull");
+    ASSERT_FALSE(pulled.is_null());
+    ExpectEveryPageVerified(pulled);
+    EXPECT_EQ(pulled["pull"], true);
+    if (std::string(config) == "tiny-mla-config.json") {
+      EXPECT_GT(pulled["pulled_requests"].get<uint64_t>(), 0u);
+    } else {
+      EXPECT_EQ(pulled["pulled_requests"], 0);  // head slices over TCP: written
+    }
+    json equal = Replay(args + " --pull");
+    ASSERT_FALSE(equal.is_null());
+    ExpectEveryPageVerified(equal);
+    EXPECT_GT(equal["pulled_requests"].get<uint64_t>(), 0u);
+    json written = Replay(args);
+    ASSERT_FALSE(written.is_null());
+    ExpectEveryPageVerified(written);
+    EXPECT_EQ(written["pulled_requests"], 0);
+  }
+}
+
 // Hybrid models: each request's linear-attention state (a slot per request on both sides)
 // travels with its last chunk, split along its TP dimension, and is verified byte for byte.
 TEST(ReplayTest, HybridStateAtEqualAndUnequalTp) {

@@ -23,7 +23,8 @@ PullReader::PullReader(TransferEngine& engine, const KvPool& pool, const AuxBuff
   if (pool.contiguous()) {
     add(pool.data(), pool.size_bytes());
   } else {
-    for (int b = 0; b < pool.layout().num_buffers(); ++b) add(pool.BufferBase(b), pool.buffer_bytes());
+    for (int b = 0; b < pool.layout().num_buffers(); ++b)
+      add(pool.BufferBase(b), pool.buffer_bytes());
   }
   for (const AuxBuffer::Region& r : aux.regions()) add(r.base, r.size_bytes);
   if (state != nullptr) {
@@ -41,8 +42,7 @@ std::string PullReader::CheckCopy(const PullCopy& c) const {
   const uint64_t stride = c.rows > 1 ? c.dst_stride : c.length;
   if (c.rows > 1 && (c.dst_stride < c.length || c.src_stride < c.length)) {
     return "rows overlap (strides " + std::to_string(c.src_stride) + " / " +
-           std::to_string(c.dst_stride) + " under the row length " + std::to_string(c.length) +
-           ")";
+           std::to_string(c.dst_stride) + " under the row length " + std::to_string(c.length) + ")";
   }
   // Extent of the rows here, (rows - 1) * stride + length, without overflow.
   const uint64_t rows_before = c.rows - 1;
@@ -70,10 +70,10 @@ void PullReader::Handle(const ControlMessage& m, const std::shared_ptr<PrefillPe
   auto room = rooms_.Get(m.room);
   if (!room.ok() || IsFinal(room->state)) {
     Answer(segment, m.room, m.pull_id,
-           FailedPreconditionError(where + "room is " +
-                                   (room.ok() ? std::string(RoomStateName(room->state))
-                                              : std::string("gone")) +
-                                   " here: nothing read"));
+           FailedPreconditionError(
+               where + "room is " +
+               (room.ok() ? std::string(RoomStateName(room->state)) : std::string("gone")) +
+               " here: nothing read"));
     return;
   }
   std::vector<TransferRequest> reads;

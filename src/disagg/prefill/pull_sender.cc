@@ -43,10 +43,10 @@ void PullSender::Send(const std::shared_ptr<DecodePeer>& decode, uint64_t room,
   {
     std::lock_guard<std::mutex> lock(mu_);
     m.pull_id = next_id_++;
-    pending_[m.pull_id] = {decode->args.decode_address, room,
-                           std::chrono::steady_clock::now() + transfer_timeout_ +
-                               std::chrono::seconds(2),
-                           std::move(done)};
+    pending_[m.pull_id] = {
+        decode->args.decode_address, room,
+        std::chrono::steady_clock::now() + transfer_timeout_ + std::chrono::seconds(2),
+        std::move(done)};
   }
   const uint64_t id = m.pull_id;
   // Acknowledged once decode's handler took the request (its READs run after that): only a
@@ -86,9 +86,9 @@ void PullSender::Expire(std::chrono::steady_clock::time_point now) {
     }
   }
   for (uint64_t id : late) {
-    End(id, Failed(DeadlineExceededError("decode did not answer the pull request within " +
-                                         std::to_string(transfer_timeout_.count()) +
-                                         " ms (and 2 s)")));
+    End(id,
+        Failed(DeadlineExceededError("decode did not answer the pull request within " +
+                                     std::to_string(transfer_timeout_.count()) + " ms (and 2 s)")));
   }
 }
 
