@@ -10,9 +10,9 @@
 // are at most 4096 bytes and its lists within their limits; each type's numbers are within the
 // bounds the decoder promises its handlers (page size > 0, TP size >= 1, no negative count, page,
 // head, slot or layer, state parts inside their counts, staging with neither fused nor pull;
-// a pull request's copies 1..kMaxPullCopies, none empty, its notice chunk landed, room done or
-// none; a pull answer's status a known code); fields of other types keep their defaults; a refusal
-// is kInvalidArgument naming the control message.
+// a pull request's copies 1..kMaxPullCopies, none empty, its deadline > 0, its notice chunk
+// landed, room done or none; a pull answer's status a known code); fields of other types keep their
+// defaults; a refusal is kInvalidArgument naming the control message.
 #include <xxhash.h>
 
 #include <cstdint>
@@ -64,6 +64,7 @@ void CheckStaging(const StagingChunk& c) {
 void CheckPullRequest(const ControlMessage& m) {
   FUZZ_CHECK(!m.pulls.empty() && m.pulls.size() <= kMaxPullCopies);
   for (const PullCopy& c : m.pulls) FUZZ_CHECK(c.length > 0 && c.rows > 0);
+  FUZZ_CHECK(m.deadline_ms > 0);
   FUZZ_CHECK(m.note == ControlType::kHeartbeat || m.note == ControlType::kChunkLanded ||
              m.note == ControlType::kRoomDone);
 }
@@ -98,7 +99,7 @@ void CheckAccepted(const ControlMessage& m) {
   }
   if (!fails && !answer) FUZZ_CHECK(m.status_code == 0 && m.reason.empty());
   if (!pull && !answer) FUZZ_CHECK(m.pull_id == 0);
-  if (!pull) FUZZ_CHECK(m.pulls.empty() && m.note == defaults.note);
+  if (!pull) FUZZ_CHECK(m.pulls.empty() && m.note == defaults.note && m.deadline_ms == 0);
   if (!staging) FUZZ_CHECK(m.chunk.bytes == 0 && m.chunk.num_pages == 0);
 }
 

@@ -226,6 +226,7 @@ void ControlMessages(Corpus& c) {
   pull.type = ControlType::kPullRequest;
   pull.pull_id = 91;
   pull.note = ControlType::kRoomDone;
+  pull.deadline_ms = 60000;
   pull.pulls = {{0x7f0000001000, 0x7e0000000400, 1024, 64, 2048, 4096},
                 {0x7f0000400000, 0x7e0000800000, 8192, 1, 0, 0}};
   AddControl(c, "pull_request", pull);

@@ -18,7 +18,8 @@
 // most, decode 3 s: a copy still running after that can land late),
 // so that nothing of a room lands in its pages after decode saw it fail (the replay's
 // --abort-every drill checks this). A decode-side abort or timeout fails the room at once:
-// copies then on the wire may still land.
+// copies then on the wire may still land (a room decode pulls fails once its READs in flight
+// ended, and nothing lands after that; DecodeConnectorOptions::pull).
 //
 // Thread-safety: all methods are thread-safe. Pools and aux buffers are owned by the caller
 // and must outlive the connector.
@@ -46,8 +47,10 @@ namespace kvferry {
 // that a binding can hand them on as a dict or dataclass. Rooms count once they are final
 // (released or not).
 struct ConnectorStats {
-  uint64_t transfer_requests = 0;  // engine-level requests issued (KV blocks + aux rows)
-  uint64_t bytes = 0;              // bytes of those requests
+  // Engine-level requests issued (KV blocks + aux rows). Prefill also counts the requests of
+  // batches decode pulled (as planned here); decode counts the READs it issued for pulls.
+  uint64_t transfer_requests = 0;
+  uint64_t bytes = 0;  // bytes of those requests
   uint64_t rooms_succeeded = 0;
   uint64_t rooms_failed = 0;  // the sum of rooms_failed_by_code
   // Rooms that turned Failed, by the code of their failure (index: StatusCode): kAborted for
@@ -257,7 +260,9 @@ struct DecodeConnectorOptions {
   // "Pull"). Not with the staging path; layerwise passes still WRITE; a prefill rank without
   // allow_pull, and a batch of more than 262,144 requests (kMaxPullCopies), WRITE as well. Every
   // copy must land inside this rank's registered pools, aux rows or state (else the pull fails
-  // naming it, and with it the room). Default false.
+  // naming it, and with it the room). A room's READs in flight hold it: Abort and other
+  // failures of the room wait for them (their deadline: the shorter of waiting_timeout and
+  // prefill's transfer_timeout), so nothing lands after the room failed here. Default false.
   bool pull = false;
 };
 

@@ -85,6 +85,7 @@ std::string EncodeControl(const ControlMessage& m) {
     case ControlType::kPullRequest:
       w.U64(m.pull_id);
       w.U8(static_cast<uint8_t>(m.note));
+      w.U32(m.deadline_ms);
       w.U32(static_cast<uint32_t>(m.pulls.size()));
       for (const PullCopy& c : m.pulls) {
         w.U64(c.src);
@@ -281,7 +282,10 @@ StatusOr<ControlMessage> DecodeControl(std::span<const uint8_t> message) {
     case ControlType::kPullRequest: {
       uint8_t note = 0;
       uint32_t n = 0;
-      if (!r.U64(&m.pull_id) || !r.U8(&note) || !r.U32(&n)) return bad("");
+      if (!r.U64(&m.pull_id) || !r.U8(&note) || !r.U32(&m.deadline_ms) || !r.U32(&n)) {
+        return bad("");
+      }
+      if (m.deadline_ms == 0) return bad("pull deadline of 0 ms");
       m.note = static_cast<ControlType>(note);
       if (m.note != ControlType::kHeartbeat && m.note != ControlType::kChunkLanded &&
           m.note != ControlType::kRoomDone) {

@@ -162,6 +162,9 @@ struct ControlMessage {
   std::string reason;              // kAbort, kRoomFailed, kPullDone
   uint64_t pull_id = 0;            // kPullRequest, kPullDone
   std::vector<PullCopy> pulls;     // kPullRequest
+  // kPullRequest: how long decode may take to read the copies, in milliseconds (prefill's
+  // transfer timeout; its own wait for the answer ends 2 s later). At least 1.
+  uint32_t deadline_ms = 0;
   // kPullRequest: the notice the copies stand for once landed (kChunkLanded, kRoomDone), or
   // kHeartbeat for none.
   ControlType note = ControlType::kHeartbeat;

@@ -324,6 +324,9 @@ TEST(HeteroTpTest, MlaTp2ToTp1AndTp1ToTp2) {
 // would READ one by one, are written, as are staged slices and layerwise passes (decode then
 // issues no READ for them). PullReaderTest reads strided rows.
 TEST(HeteroTpTest, PullPathDecodeReadsWhatPrefillPlanned) {
+  struct Reset {  // the other tests run with the defaults, also after a failed assertion here
+    ~Reset() { g_pull = g_hybrid = g_layerwise = false; }
+  } reset;
   g_pull = true;
   struct Case {
     AttentionKind kind;
@@ -352,8 +355,6 @@ TEST(HeteroTpTest, PullPathDecodeReadsWhatPrefillPlanned) {
   g_decode_requests = 0;
   EXPECT_GT(RunRoom(AttentionKind::kMha, 8, 1, 1, "fused", 0, 1), 0u);
   EXPECT_EQ(g_decode_requests, 0u);
-  g_layerwise = false;
-  g_pull = false;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <thread>
 
+#include "kvferry/faults.h"
 #include "testutil/tiny_model.h"
 
 namespace kvferry {
@@ -19,7 +20,10 @@ using std::chrono::milliseconds;
 
 class PullReaderTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { Start(""); }
+
+  // Creates both engines and the reader; `decode_faults`: decode's fault plan (faults.h).
+  void Start(const std::string& decode_faults) {
     layout_ = std::make_unique<KvLayout>(*KvLayout::Create(testutil::TinyGeometry(), 4));
     pool_ = std::move(*KvPool::Create(*layout_, 8));
     aux_ = std::move(*AuxBuffer::Create(
@@ -36,6 +40,7 @@ class PullReaderTest : public ::testing::Test {
             .ok());
     EngineOptions d;
     d.name = "decode";
+    if (!decode_faults.empty()) d.faults = *ParseFaultPlan(decode_faults);
     decode_ = std::move(*TransferEngine::Create(d));
     ASSERT_TRUE(decode_
                     ->RegisterMemory(pool_->data(), pool_->size_bytes(), MemoryLocation{},
@@ -85,6 +90,7 @@ class PullReaderTest : public ::testing::Test {
     m.room = room;
     m.pull_id = id;
     m.note = note;
+    m.deadline_ms = 5000;
     m.pulls = std::move(copies);
     reader_->Handle(m, paired ? peer_ : nullptr, peer_->segment, peer_->engine_address);
     return AnswerTo(id);
@@ -140,6 +146,7 @@ TEST_F(PullReaderTest, CopiesLandThenTheNoticeIsTakenAndAnswered) {
   }
   EXPECT_EQ(std::memcmp(p + 4096, source_.data() + 5000, 1000), 0);
   ASSERT_EQ(NumNotices(), 1u);
+  std::lock_guard<std::mutex> lock(mu_);
   EXPECT_EQ(notices_[0].room, kRoom);
   EXPECT_EQ(notices_[0].note, ControlType::kRoomDone);
   EXPECT_EQ(notices_[0].from, peer_->engine_address);
@@ -191,6 +198,31 @@ TEST_F(PullReaderTest, FailedOrUnknownRoomsReadNothing) {
   EXPECT_EQ(a.status_code, static_cast<uint32_t>(StatusCode::kNotFound)) << a.reason;
   EXPECT_TRUE(PoolUntouched());
   EXPECT_EQ(NumNotices(), 0u);
+}
+
+// The room is pinned while its READs are in flight: failing it (an abort) waits until they
+// landed, so that its pages are never handed back with a READ still writing them.
+TEST_F(PullReaderTest, FailingARoomWaitsForItsReadsInFlight) {
+  reader_.reset();
+  decode_.reset();
+  prefill_.reset();
+  rooms_.Fail(kRoom, AbortedError("reset"));
+  ASSERT_TRUE(rooms_.Release(kRoom).ok());
+  Start("delay_us=300000");  // each READ waits 300 ms before it moves
+  ControlMessage m;
+  m.type = ControlType::kPullRequest;
+  m.room = kRoom;
+  m.pull_id = 11;
+  m.note = ControlType::kChunkLanded;
+  m.deadline_ms = 5000;
+  m.pulls = {{Src(0), Dst(0), 256, 1, 0, 0}};
+  reader_->Handle(m, peer_, peer_->segment, peer_->engine_address);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(rooms_.Fail(kRoom, AbortedError("aborted by decode: test")));
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(waited, milliseconds(200));
+  EXPECT_EQ(std::memcmp(pool_->data(), source_.data(), 256), 0) << "the READ had not landed";
+  EXPECT_EQ(AnswerTo(11).status_code, 0u);
 }
 
 }  // namespace

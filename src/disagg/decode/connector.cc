@@ -213,10 +213,14 @@ class DecodeConnectorImpl : public DecodeConnector {
               [&](ReceiverRooms::Room& r) -> Status {
                 r.data.prefills = g.peers;
                 r.data.expected_responses = static_cast<int>(g.slices.size());
+                // Pulled slices complete here, never through the mailbox: Wait then has
+                // nothing to poll for.
                 r.data.mailbox = mailbox_ != nullptr &&
                                  r.data.expected_responses <= DoneMailbox::kMaxCount &&
                                  std::all_of(g.peers.begin(), g.peers.end(),
-                                             [](const auto& p) { return p->same_node; });
+                                             [](const auto& p) { return p->same_node; }) &&
+                                 std::none_of(g.pulled.begin(), g.pulled.end(),
+                                              [](bool pulled) { return pulled; });
                 return OkStatus();
               })
         .IgnoreError();
@@ -335,6 +339,12 @@ class DecodeConnectorImpl : public DecodeConnector {
       case Pairing::kNotPaired:
         Refuse(n, "type " + std::to_string(static_cast<int>(m->type)) + " about room " +
                       std::to_string(room) + ", which is not paired with it");
+        // A prefill rank paired with other rooms hears that this pull was not read.
+        if (m->type == ControlType::kPullRequest) {
+          if (SegmentHandle segment = PrefillSegment(n.peer_address); segment.value != 0) {
+            pulls_->Handle(*m, nullptr, segment, n.peer_address);
+          }
+        }
         return;
     }
     switch (m->type) {
@@ -345,6 +355,7 @@ class DecodeConnectorImpl : public DecodeConnector {
       case ControlType::kPullRequest:
         if (!options_.pull) {
           Refuse(n, "a pull request, but this decode rank does not pull");
+          pulls_->Handle(*m, nullptr, peer->segment, n.peer_address);  // answered: not read
           break;
         }
         pulls_->Handle(*m, peer, peer->segment, n.peer_address);

@@ -1,6 +1,7 @@
 // Decode's side of pulls (see decode/pull_reader.h).
 #include "disagg/decode/pull_reader.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "common/logging.h"
@@ -64,16 +65,9 @@ void PullReader::Handle(const ControlMessage& m, const std::shared_ptr<PrefillPe
   const std::string where = "pull " + std::to_string(m.pull_id) + " of room " +
                             std::to_string(m.room) + " from " + from_address + ": ";
   if (from == nullptr) {
-    Answer(segment, m.room, m.pull_id, NotFoundError(where + "room unknown here (released?)"));
-    return;
-  }
-  auto room = rooms_.Get(m.room);
-  if (!room.ok() || IsFinal(room->state)) {
     Answer(segment, m.room, m.pull_id,
-           FailedPreconditionError(
-               where + "room is " +
-               (room.ok() ? std::string(RoomStateName(room->state)) : std::string("gone")) +
-               " here: nothing read"));
+           NotFoundError(where + "room unknown here, not paired with the sender, or this rank "
+                                 "does not pull: nothing read"));
     return;
   }
   std::vector<TransferRequest> reads;
@@ -99,29 +93,42 @@ void PullReader::Handle(const ControlMessage& m, const std::shared_ptr<PrefillPe
     bytes += r.total_bytes();
     reads.push_back(r);
   }
-  requests_ += reads.size();
-  bytes_ += bytes;
+  // Pinned while the READs may write its pages and aux row: the room neither fails (an abort
+  // waits) nor is released meanwhile, so nothing lands in memory it no longer owns.
+  if (!rooms_.Pin(m.room, [](ReceiverRooms::Room&) {})) {
+    auto room = rooms_.Get(m.room);
+    Answer(
+        segment, m.room, m.pull_id,
+        FailedPreconditionError(where + "room is " +
+                                (room.ok() ? std::string(RoomStateName(room->state)) + " or failing"
+                                           : std::string("gone")) +
+                                " here: nothing read"));
+    return;
+  }
   BatchOptions o;
-  o.deadline = deadline_;
+  o.deadline = std::min(deadline_, std::chrono::milliseconds(m.deadline_ms));
   o.on_complete = [this, room = m.room, id = m.pull_id, note = m.note, segment = from->segment,
                    from_address](BatchId batch, const BatchStatus& status) {
-    queue_.Post([this, batch, status, room, id, note, segment, from_address] {
+    const bool landed = status.state == TransferState::kCompleted;
+    rooms_.Unpin(room, !landed);  // here, not behind the queue: a failure may wait for it
+    queue_.Post([this, batch, status, landed, room, id, note, segment, from_address] {
       engine_.ReleaseBatch(batch).IgnoreError();
-      if (status.state == TransferState::kCompleted && note != ControlType::kHeartbeat) {
-        on_notice_(room, note, from_address);
-      }
-      Answer(segment, room, id,
-             status.state == TransferState::kCompleted ? OkStatus()
-                                                       : status.error.WithContext("reading"));
+      if (landed && note != ControlType::kHeartbeat) on_notice_(room, note, from_address);
+      Answer(segment, room, id, landed ? OkStatus() : status.error.WithContext("reading"));
     });
   };
   auto batch = engine_.SubmitBatch(reads, o);
   if (!batch.ok()) {
+    rooms_.Unpin(m.room, /*failed=*/true);
     Answer(segment, m.room, m.pull_id, batch.status().WithContext(where + "reading"));
+    return;
   }
+  requests_ += reads.size();
+  bytes_ += bytes;
 }
 
-void PullReader::Answer(SegmentHandle segment, uint64_t room, uint64_t id, const Status& status) {
+void PullReader::Answer(SegmentHandle segment, uint64_t room, uint64_t id, const Status& status,
+                        bool retry) {
   ControlMessage done;
   done.type = ControlType::kPullDone;
   done.room = room;
@@ -131,12 +138,21 @@ void PullReader::Answer(SegmentHandle segment, uint64_t room, uint64_t id, const
   done.reason = status.message().substr(0, 1024);
   BatchOptions o;
   o.deadline = std::chrono::milliseconds(2000);
-  o.on_complete = [this](BatchId batch, const BatchStatus&) {
+  // A lost answer would hold prefill's batch until its pull deadline: once more on failure.
+  o.on_complete = [this, segment, room, id, status, retry](BatchId batch, const BatchStatus& s) {
     engine_.ReleaseBatch(batch).IgnoreError();
+    if (s.state == TransferState::kCompleted) return;
+    if (retry) {
+      Answer(segment, room, id, status, false);
+    } else {
+      KVF_LOG_WARN_LIMITED("decode: could not answer pull {} of room {}: {}", id, room,
+                           s.error.ToString());
+    }
   };
   auto sent = engine_.SubmitNotification(segment, EncodeControl(done), o);
   if (!sent.ok()) {
-    KVF_LOG_DEBUG("decode: answering pull {} of room {}: {}", id, room, sent.status().message());
+    KVF_LOG_WARN_LIMITED("decode: could not answer pull {} of room {}: {}", id, room,
+                         sent.status().message());
   }
 }
 

@@ -1,16 +1,17 @@
 // PullReader: the decode side of pulls (DecodeConnectorOptions::pull). A prefill rank sends
 // each batch of a room as a kPullRequest: the copies it planned, from its pools into this
 // rank's. The reader checks that every copy lands inside this rank's registered memory (KV
-// pool, aux rows, state pool), READs them from the prefill rank's segment in one engine batch
-// (deadline: the waiting timeout), and once they landed hands the notice they stand for
-// (kChunkLanded, kRoomDone) to the connector as if prefill had sent it, then answers kPullDone
-// with the outcome. A request for a room that is unknown or already final here is answered
-// failed without reading anything, so nothing of a failed room lands once decode knows it
-// failed.
+// pool, aux rows, state pool), pins the room (RoomTable::Pin: it neither fails nor is released
+// while the READs may write its memory; an abort waits for them), READs the copies from the
+// prefill rank's segment in one engine batch (deadline: the waiting timeout or the pull's own,
+// the shorter), and once they landed hands the notice they stand for (kChunkLanded, kRoomDone)
+// to the connector as if prefill had sent it, then answers kPullDone with the outcome (once
+// more if the answer fails). A request for a room that is unknown, final or failing here is
+// answered failed without reading anything.
 //
 // Thread-safety: Handle may run on any engine thread; the notice hook and the answers run on
-// the reader's own queue, one at a time. Close stops that queue (answers not sent yet are
-// dropped; prefill's pull deadline ends them).
+// the reader's own queue, one at a time. Close runs what is queued and stops the queue; READs
+// that complete after it are neither taken nor answered (prefill's pull deadline ends them).
 #pragma once
 
 #include <cstdint>
@@ -45,12 +46,13 @@ class PullReader {
   PullReader& operator=(const PullReader&) = delete;
   ~PullReader() { Close(); }
 
-  // A kPullRequest `m` from prefill rank `from` (paired with the room, or the room unknown:
-  // `from` then is null and the request is answered failed to `segment`). Never blocks.
+  // A kPullRequest `m` from prefill rank `from`, paired with the room; null `from` (the room
+  // unknown here, not paired with the sender, or this rank does not pull): the request is
+  // answered failed to `segment`, nothing read. Never blocks.
   void Handle(const ControlMessage& m, const std::shared_ptr<PrefillPeer>& from,
               SegmentHandle segment, const std::string& from_address);
 
-  // Requests read so far and their bytes (every row).
+  // READ requests submitted so far and their bytes (every row).
   uint64_t requests() const { return requests_.load(); }
   uint64_t bytes() const { return bytes_.load(); }
 
@@ -59,8 +61,10 @@ class PullReader {
  private:
   // Why copy `c` may not be written here, or empty: it must lie in one registered region.
   std::string CheckCopy(const PullCopy& c) const;
-  // Sends kPullDone for pull `id` of `room` with `status`, without waiting.
-  void Answer(SegmentHandle segment, uint64_t room, uint64_t id, const Status& status);
+  // Sends kPullDone for pull `id` of `room` with `status`, without waiting; with `retry`, once
+  // more if that send fails.
+  void Answer(SegmentHandle segment, uint64_t room, uint64_t id, const Status& status,
+              bool retry = true);
 
   struct Region {
     uint64_t base = 0, bytes = 0;

@@ -55,7 +55,8 @@ class PrefillConnectorImpl : public PrefillConnector {
         source_{pool, aux, options.state_pool, options.tp_size},
         engine_(std::move(engine)),
         batches_(engine_.get(), control_.get(), completion_.get(), options_.transfer_timeout),
-        pulls_(&batches_, options_.transfer_timeout),
+        pulls_(&batches_, options_.transfer_timeout.count() > 0 ? options_.transfer_timeout
+                                                                : options_.engine.default_deadline),
         failures_(&rooms_, &batches_),
         done_(source_, &rooms_, &batches_, &pulls_, &failures_),
         staging_(pool_, engine_.get(), control_.get(), options_.transfer_timeout, &rooms_,

@@ -69,7 +69,7 @@ void ControlHandler::OnNotification(const Notification& n) {
     if (!pulls_->OnPullDone(n.peer_address, *m)) {
       KVF_LOG_DEBUG("prefill: answer to unknown pull {} from {}", m->pull_id, n.peer_address);
     }
-    return;
+    return;  // answers end their pulls here: nothing of them waits on the control queue
   }
   KVF_LOG_DEBUG("prefill: control message type {} for room {} from {}", static_cast<int>(m->type),
                 m->room, n.peer_address);

@@ -35,7 +35,7 @@ class DoneNotices {
 
   // Submits a batch of the room toward destination `dest` (already counted in its
   // outstanding_batches), completing inline on success; its end comes to OnBatchDone. It
-  // carries notice `note` (kChunkLanded; kRoomDone when `finishing`: a same-node decode's
+  // carries the notice kChunkLanded, or kRoomDone when `finishing` (a same-node decode's
   // mailbox is then told the room is imminent now and done once it landed). A pulling
   // destination gets it as a pull when it fits one (PullSender::Fits).
   void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests, bool finishing);

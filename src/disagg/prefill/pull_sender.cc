@@ -2,6 +2,7 @@
 #include "disagg/prefill/pull_sender.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "common/logging.h"
@@ -39,9 +40,15 @@ void PullSender::Send(const std::shared_ptr<DecodePeer>& decode, uint64_t room,
     m.pulls.push_back({reinterpret_cast<uint64_t>(r.local_addr), r.remote_addr, r.length_bytes,
                        r.num_rows, r.local_stride, r.remote_stride});
   }
+  m.deadline_ms = static_cast<uint32_t>(
+      std::clamp<int64_t>(transfer_timeout_.count(), 1, std::numeric_limits<uint32_t>::max()));
   batches_->CountPulled(requests);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      batches_->Finish(Failed(CancelledError("prefill connector closing")), done);
+      return;
+    }
     m.pull_id = next_id_++;
     pending_[m.pull_id] = {
         decode->args.decode_address, room,
@@ -96,6 +103,7 @@ void PullSender::Close() {
   std::vector<uint64_t> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
     for (const auto& [id, p] : pending_) all.push_back(id);
   }
   for (uint64_t id : all) End(id, Failed(CancelledError("prefill connector closing")));

@@ -6,8 +6,9 @@
 // decode's GPU: prefill ranks that share one GPU without MPS (whose copy kernels would take
 // turns there) are read by the one decode process instead ("Pull" in docs/perf/hetero-tp.md).
 //
-// A pull that decode does not answer within the transfer timeout (plus 2 s for the answer to
-// come back) fails, as a batch past its deadline does; decode's READs may then still land.
+// Each pull carries the transfer timeout as decode's deadline for its READs; a pull that
+// decode does not answer within it plus 2 s (for the answer to come back) fails here, as a
+// batch past its deadline does, by which time decode's READ batch is final.
 //
 // Thread-safety: all methods are thread-safe; `done` continuations run without the lock held.
 #pragma once
@@ -31,6 +32,7 @@ namespace kvferry::prefill {
 class PullSender {
  public:
   // `batches` sends the requests and runs the continuations; it must outlive this object.
+  // `transfer_timeout`: decode's deadline for each pull's READs (> 0).
   PullSender(BatchSender* batches, std::chrono::milliseconds transfer_timeout);
   PullSender(const PullSender&) = delete;
   PullSender& operator=(const PullSender&) = delete;
@@ -53,7 +55,8 @@ class PullSender {
   // Fails the pulls whose deadline passed.
   void Expire(std::chrono::steady_clock::time_point now);
 
-  // Fails every pull still waiting (the connector is going away).
+  // Fails every pull still waiting, and every later Send at once (the connector is going
+  // away).
   void Close();
 
  private:
@@ -70,6 +73,7 @@ class PullSender {
   const std::chrono::milliseconds transfer_timeout_;
   std::mutex mu_;
   uint64_t next_id_ = 1;
+  bool closed_ = false;
   std::unordered_map<uint64_t, Pending> pending_;
 };
 
