@@ -59,9 +59,9 @@ class PullReaderTest : public ::testing::Test {
             .ok());
     reader_ = std::make_unique<PullReader>(
         *decode_, *pool_, *aux_, nullptr, rooms_, decode_->LocalDescriptor().Address(),
-        milliseconds(5000), [this](uint64_t room, ControlType note, const std::string& from) {
+        milliseconds(5000), [this](uint64_t id, ControlType note, const std::string& from) {
           std::lock_guard<std::mutex> lock(mu_);
-          notices_.push_back({room, note, from});
+          notices_.push_back({id, note, from});
         });
   }
 
