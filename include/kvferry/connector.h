@@ -18,8 +18,8 @@
 // most, decode 3 s: a copy still running after that can land late),
 // so that nothing of a room lands in its pages after decode saw it fail (the replay's
 // --abort-every drill checks this). A decode-side abort or timeout fails the room at once:
-// copies then on the wire may still land (a room decode pulls fails once its READs in flight
-// ended, and nothing lands after that; DecodeConnectorOptions::pull).
+// copies then on the wire may still land (of the slices decode pulls, nothing: such a room
+// fails once its READs in flight ended; DecodeConnectorOptions::pull).
 //
 // Thread-safety: all methods are thread-safe. Pools and aux buffers are owned by the caller
 // and must outlive the connector.
@@ -91,7 +91,8 @@ struct PrefillConnectorOptions {
   StatePool* state_pool = nullptr;
   // How long a sender waits for decode's destination before failing. Default 60 s.
   std::chrono::milliseconds bootstrap_timeout{60000};
-  // Deadline of each chunk's transfer batch. Default 60 s.
+  // Deadline of each chunk's transfer batch, also of the READs a pulling decode rank runs for
+  // it (0: engine.default_deadline). Default 60 s.
   std::chrono::milliseconds transfer_timeout{60000};
   // Rooms of a decode rank that sent nothing (no heartbeat, no other control message) for this
   // long fail; a room never fails for silence from before it had that decode rank. Default
@@ -294,7 +295,8 @@ class DecodeConnector {
   // meanwhile (restored before returning). Errors: kNotFound.
   virtual StatusOr<RoomStatus> Wait(uint64_t room, RoomState state,
                                     std::chrono::milliseconds timeout) = 0;
-  // Fails the room and tells prefill to stop. Errors: kNotFound.
+  // Fails the room and tells prefill to stop. Blocks while the room's pulled READs are in
+  // flight (pull; up to their deadline). Errors: kNotFound.
   virtual Status Abort(uint64_t room, const std::string& reason) = 0;
   virtual Status Release(uint64_t room) = 0;
   // Never blocks; takes no lock the data path takes.

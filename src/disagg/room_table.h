@@ -45,6 +45,7 @@ class RoomTable {
     T data;
     int pins = 0;               // Pin: while > 0 the room does not become final and is not released
     bool fail_pending = false;  // a failure waits for the pins: no new pin, no success
+    Status deferred_failure;    // FailOrDefer's failure, made once the pins are gone
   };
 
   // Errors: kAlreadyExists when the room is active (not yet released).
@@ -86,7 +87,7 @@ class RoomTable {
       return true;
     }
     it->second.status.state = state;
-    if (deadline) {
+    if (deadline && !it->second.fail_pending) {  // a failure waiting for pins keeps its time
       it->second.deadline = *deadline;
       it->second.deadline_reason = std::move(deadline_reason);
     }
@@ -124,6 +125,24 @@ class RoomTable {
     it->second.status.error = why;
     FinishLocked(it->second, RoomState::kFailed);
     if (on_fail) on_fail(it->second);
+    return true;
+  }
+
+  // As Fail, but never waits: a pinned room is marked failing (no new pin, no success) and
+  // turns Failed with `why` once its pins are gone, by the next ExpireDeadlines. Returns
+  // whether it failed now.
+  bool FailOrDefer(uint64_t room, const Status& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || IsFinal(it->second.status.state)) return false;
+    if (it->second.pins > 0) {
+      it->second.fail_pending = true;
+      if (it->second.deferred_failure.ok()) it->second.deferred_failure = why;
+      it->second.deadline = Clock::time_point::min();
+      return false;
+    }
+    it->second.status.error = why;
+    FinishLocked(it->second, RoomState::kFailed);
     return true;
   }
 
@@ -207,8 +226,8 @@ class RoomTable {
     return OkStatus();
   }
 
-  // Fails every non-final room whose deadline passed, with its deadline reason; returns them.
-  // A pinned room is left for a later call.
+  // Fails every non-final room whose deadline passed, with its deadline reason (or the failure
+  // FailOrDefer deferred); returns them. A pinned room is left for a later call.
   std::vector<uint64_t> ExpireDeadlines(Clock::time_point now) {
     std::vector<uint64_t> expired;
     std::lock_guard<std::mutex> lock(mu_);
@@ -219,8 +238,10 @@ class RoomTable {
       }
       if (!IsFinal(r.status.state) && r.deadline <= now) {
         r.status.state = RoomState::kFailed;
-        r.status.error = DeadlineExceededError("bootstrap room " + std::to_string(id) + ": " +
-                                               r.deadline_reason);
+        r.status.error = !r.deferred_failure.ok()
+                             ? r.deferred_failure
+                             : DeadlineExceededError("bootstrap room " + std::to_string(id) + ": " +
+                                                     r.deadline_reason);
         r.deadline = Clock::time_point::max();
         CountLocked(r.status);
         expired.push_back(id);

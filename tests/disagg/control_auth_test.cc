@@ -109,9 +109,9 @@ class ControlAuthTest : public ::testing::Test {
   int32_t src_row_ = -1, dst_row_ = -1;
 };
 
-// "Room done", "room failed", "chunk landed" and staging notices about a room, from an engine
-// that is not one of its prefill ranks: decode counts and drops them, the room keeps waiting,
-// and the real transfer then succeeds with every byte.
+// "Room done", "room failed", "chunk landed", staging notices and pull requests about a room,
+// from an engine that is not one of its prefill ranks: decode counts and drops them, the room keeps
+// waiting, and the real transfer then succeeds with every byte.
 TEST_F(ControlAuthTest, DecodeIgnoresRoomMessagesFromAnUnpairedEngine) {
   OpenRoom(31, 40);
   for (ControlType type :
@@ -124,11 +124,21 @@ TEST_F(ControlAuthTest, DecodeIgnoresRoomMessagesFromAnUnpairedEngine) {
     m.reason = "forged";
     Forge(decode_conn_->engine_address(), m);
   }
+  // A pull request: decode would READ the intruder's bytes into the room's pages.
+  ControlMessage pull;
+  pull.type = ControlType::kPullRequest;
+  pull.room = 31;
+  pull.pull_id = 1;
+  pull.deadline_ms = 1000;
+  pull.note = ControlType::kRoomDone;
+  pull.pulls = {{0x1000, reinterpret_cast<uint64_t>(decode_->pool->data()), 64, 1, 0, 0}};
+  Forge(decode_conn_->engine_address(), pull);
   std::this_thread::sleep_for(milliseconds(300));
   auto st = decode_conn_->Poll(31);
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->state, RoomState::kWaitingForInput) << st->error.ToString();
-  EXPECT_EQ(decode_conn_->stats().control_messages_refused, 5u);
+  EXPECT_EQ(decode_conn_->stats().control_messages_refused, 6u);
+  EXPECT_EQ(decode_conn_->stats().transfer_requests, 0u);
   FinishRoom(31);
 }
 

@@ -21,6 +21,13 @@ using std::chrono::milliseconds;
 class PullReaderTest : public ::testing::Test {
  protected:
   void SetUp() override { Start(""); }
+  // The engines go first (their last callbacks still reach the reader), the reader last.
+  void TearDown() override {
+    if (reader_ != nullptr) reader_->Close();
+    decode_.reset();
+    prefill_.reset();
+    reader_.reset();
+  }
 
   // Creates both engines and the reader; `decode_faults`: decode's fault plan (faults.h).
   void Start(const std::string& decode_faults) {
@@ -203,12 +210,10 @@ TEST_F(PullReaderTest, FailedOrUnknownRoomsReadNothing) {
 // The room is pinned while its READs are in flight: failing it (an abort) waits until they
 // landed, so that its pages are never handed back with a READ still writing them.
 TEST_F(PullReaderTest, FailingARoomWaitsForItsReadsInFlight) {
-  reader_.reset();
-  decode_.reset();
-  prefill_.reset();
+  TearDown();
   rooms_.Fail(kRoom, AbortedError("reset"));
   ASSERT_TRUE(rooms_.Release(kRoom).ok());
-  Start("delay_us=300000");  // each READ waits 300 ms before it moves
+  ASSERT_NO_FATAL_FAILURE(Start("delay_us=300000"));  // each READ waits 300 ms first
   ControlMessage m;
   m.type = ControlType::kPullRequest;
   m.room = kRoom;
@@ -216,13 +221,36 @@ TEST_F(PullReaderTest, FailingARoomWaitsForItsReadsInFlight) {
   m.note = ControlType::kChunkLanded;
   m.deadline_ms = 5000;
   m.pulls = {{Src(0), Dst(0), 256, 1, 0, 0}};
-  reader_->Handle(m, peer_, peer_->segment, peer_->engine_address);
   const auto start = std::chrono::steady_clock::now();
+  reader_->Handle(m, peer_, peer_->segment, peer_->engine_address);
   ASSERT_TRUE(rooms_.Fail(kRoom, AbortedError("aborted by decode: test")));
   const auto waited = std::chrono::steady_clock::now() - start;
-  EXPECT_GE(waited, milliseconds(200));
+  EXPECT_GE(waited, milliseconds(280));
   EXPECT_EQ(std::memcmp(pool_->data(), source_.data(), 256), 0) << "the READ had not landed";
   EXPECT_EQ(AnswerTo(11).status_code, 0u);
+}
+
+// A pull's own deadline bounds decode's READs (shorter than decode's waiting timeout here): a
+// READ still waiting when it passes fails the pull, which is answered so, and leaves the room
+// unpinned and unable to succeed.
+TEST_F(PullReaderTest, ThePullsDeadlineBoundsTheReads) {
+  TearDown();
+  rooms_.Fail(kRoom, AbortedError("reset"));
+  ASSERT_TRUE(rooms_.Release(kRoom).ok());
+  ASSERT_NO_FATAL_FAILURE(Start("delay_us=300000"));
+  ControlMessage m;
+  m.type = ControlType::kPullRequest;
+  m.room = kRoom;
+  m.pull_id = 12;
+  m.note = ControlType::kRoomDone;
+  m.deadline_ms = 100;
+  m.pulls = {{Src(0), Dst(0), 256, 1, 0, 0}};
+  reader_->Handle(m, peer_, peer_->segment, peer_->engine_address);
+  const ControlMessage a = AnswerTo(12);
+  EXPECT_EQ(a.status_code, static_cast<uint32_t>(StatusCode::kDeadlineExceeded)) << a.reason;
+  EXPECT_EQ(NumNotices(), 0u);
+  EXPECT_FALSE(rooms_.TrySucceed(kRoom));                         // failing: it cannot succeed
+  EXPECT_TRUE(rooms_.Fail(kRoom, AbortedError("then aborted")));  // unpinned: at once
 }
 
 }  // namespace

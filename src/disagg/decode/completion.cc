@@ -216,12 +216,12 @@ bool ReceiverCompletion::NoteQuiet(uint64_t room, const std::string& from, const
             })
       .IgnoreError();
   if (first && !quiet) abort_prefill_(room, why.message(), quiet_ranks);
-  if (quiet) Fail(room, why, false);
+  if (quiet) Fail(room, why, false, /*wait=*/false);  // on a connection's thread
   return failing;
 }
 
-void ReceiverCompletion::Fail(uint64_t room, const Status& why, bool tell_prefill) {
-  if (!rooms_.Fail(room, why)) return;
+void ReceiverCompletion::Fail(uint64_t room, const Status& why, bool tell_prefill, bool wait) {
+  if (!(wait ? rooms_.Fail(room, why) : rooms_.FailOrDefer(room, why))) return;
   KVF_LOG_DEBUG("decode: room {} failed: {}", room, why.ToString());
   if (tell_prefill) abort_prefill_(room, why.message(), {});
 }
@@ -248,7 +248,7 @@ void ReceiverCompletion::ExpireQuiesceWaits(Clock::time_point now) {
     Fail(room,
          why.WithContext("other prefill ranks did not confirm within " +
                          std::to_string(kQuiesceWait.count()) + " ms"),
-         false);
+         false, /*wait=*/false);  // on the timer thread
   }
 }
 

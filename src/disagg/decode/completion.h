@@ -70,8 +70,12 @@ class ReceiverCompletion {
   // report then only counts as that rank being quiet.
   bool NoteQuiet(uint64_t room, const std::string& from, const Status* failed);
 
-  // Fails the room; with `tell_prefill`, asks its prefill ranks to abort it too.
-  void Fail(uint64_t room, const Status& why, bool tell_prefill);
+  // Fails the room; with `tell_prefill`, asks its prefill ranks to abort it too. A room pinned
+  // by work on its memory (a staged scatter, pulled READs) is waited for; without `wait` it is
+  // marked failing instead and fails once unpinned, on the timer's next ExpireDeadlines (which
+  // then asks its prefill ranks to abort it): for threads that others wait on (a connection's,
+  // the timer, the heartbeat).
+  void Fail(uint64_t room, const Status& why, bool tell_prefill, bool wait = true);
 
   // Fails the rooms whose deadline passed (RoomTable::ExpireDeadlines) and asks their prefill
   // ranks to abort them.

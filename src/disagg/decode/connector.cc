@@ -465,7 +465,9 @@ class DecodeConnectorImpl : public DecodeConnector {
                       " heartbeats: " + s.message();
         KVF_LOG_WARN("decode: {}", why);
         pairing_->Forget(peer->bootstrap_address);  // later rooms bootstrap afresh
-        for (uint64_t room : rooms) completion_->Fail(room, UnavailableError(why), false);
+        for (uint64_t room : rooms) {
+          completion_->Fail(room, UnavailableError(why), false, /*wait=*/false);
+        }
       }
     }
   }

@@ -106,7 +106,10 @@ void PullReader::Handle(const ControlMessage& m, const std::shared_ptr<PrefillPe
     return;
   }
   BatchOptions o;
-  o.deadline = std::min(deadline_, std::chrono::milliseconds(m.deadline_ms));
+  const std::chrono::milliseconds pull_deadline(m.deadline_ms);
+  o.deadline = deadline_.count() > 0 ? std::min(deadline_, pull_deadline) : pull_deadline;
+  requests_ += reads.size();  // before the READs can land and the room succeed
+  bytes_ += bytes;
   o.on_complete = [this, room = m.room, id = m.pull_id, note = m.note, segment = from->segment,
                    from_address](BatchId batch, const BatchStatus& status) {
     const bool landed = status.state == TransferState::kCompleted;
@@ -119,12 +122,11 @@ void PullReader::Handle(const ControlMessage& m, const std::shared_ptr<PrefillPe
   };
   auto batch = engine_.SubmitBatch(reads, o);
   if (!batch.ok()) {
+    requests_ -= reads.size();
+    bytes_ -= bytes;
     rooms_.Unpin(m.room, /*failed=*/true);
     Answer(segment, m.room, m.pull_id, batch.status().WithContext(where + "reading"));
-    return;
   }
-  requests_ += reads.size();
-  bytes_ += bytes;
 }
 
 void PullReader::Answer(SegmentHandle segment, uint64_t room, uint64_t id, const Status& status,
@@ -142,7 +144,8 @@ void PullReader::Answer(SegmentHandle segment, uint64_t room, uint64_t id, const
   o.on_complete = [this, segment, room, id, status, retry](BatchId batch, const BatchStatus& s) {
     engine_.ReleaseBatch(batch).IgnoreError();
     if (s.state == TransferState::kCompleted) return;
-    if (retry) {
+    // Not again once closing: the engine cancels what it still holds as it goes.
+    if (retry && !closed_.load() && s.error.code() != StatusCode::kCancelled) {
       Answer(segment, room, id, status, false);
     } else {
       KVF_LOG_WARN_LIMITED("decode: could not answer pull {} of room {}: {}", id, room,

@@ -9,11 +9,16 @@
 // more if the answer fails). A request for a room that is unknown, final or failing here is
 // answered failed without reading anything.
 //
-// Thread-safety: Handle may run on any engine thread; the notice hook and the answers run on
-// the reader's own queue, one at a time. Close runs what is queued and stops the queue; READs
-// that complete after it are neither taken nor answered (prefill's pull deadline ends them).
+// Thread-safety: Handle may run on any engine thread, and answers what it refuses there; a
+// READ batch's end unpins its room on the engine thread that saw it, then the notice hook and
+// the answer run on the reader's own queue, one at a time; a failed answer is sent once more
+// from the engine thread that saw it fail. Close runs what is queued and stops the queue and
+// the retries; READs that complete after it are neither taken nor answered (prefill's pull
+// deadline ends them).
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -56,7 +61,10 @@ class PullReader {
   uint64_t requests() const { return requests_.load(); }
   uint64_t bytes() const { return bytes_.load(); }
 
-  void Close() { queue_.Close(); }
+  void Close() {
+    closed_.store(true);
+    queue_.Close();
+  }
 
  private:
   // Why copy `c` may not be written here, or empty: it must lie in one registered region.
@@ -77,6 +85,7 @@ class PullReader {
   std::vector<Region> regions_;  // where pulls may write
   std::atomic<uint64_t> requests_{0};
   std::atomic<uint64_t> bytes_{0};
+  std::atomic<bool> closed_{false};
   TaskQueue queue_{1};
 };
 

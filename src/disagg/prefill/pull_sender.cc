@@ -42,27 +42,34 @@ void PullSender::Send(const std::shared_ptr<DecodePeer>& decode, uint64_t room,
   }
   m.deadline_ms = static_cast<uint32_t>(
       std::clamp<int64_t>(transfer_timeout_.count(), 1, std::numeric_limits<uint32_t>::max()));
-  batches_->CountPulled(requests);
+  const auto deadline = [this] {
+    return std::chrono::steady_clock::now() + transfer_timeout_ + std::chrono::seconds(2);
+  };
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (closed_) {
+      lock.unlock();
       batches_->Finish(Failed(CancelledError("prefill connector closing")), done);
       return;
     }
     m.pull_id = next_id_++;
-    pending_[m.pull_id] = {
-        decode->args.decode_address, room,
-        std::chrono::steady_clock::now() + transfer_timeout_ + std::chrono::seconds(2),
-        std::move(done)};
+    pending_[m.pull_id] = {decode->args.decode_address, room, deadline(), std::move(done), {}};
   }
+  batches_->CountPulled(requests);
   const uint64_t id = m.pull_id;
-  // Acknowledged once decode's handler took the request (its READs run after that): only a
-  // failure matters here; success comes with kPullDone.
-  batches_->NotifyThen(decode->segment, EncodeControl(m), [this, id](const BatchStatus& s) {
-    if (s.state != TransferState::kCompleted) {
-      End(id, Failed(s.error.WithContext("sending the pull request to decode")));
-    }
-  });
+  // Acknowledged once decode's handler took the request and submitted its READs, which then
+  // end within the transfer timeout: the wait for the answer counts from here. A send that
+  // failed may still have been delivered (a lost acknowledgement): it waits as long.
+  batches_->NotifyThen(
+      decode->segment, EncodeControl(m), [this, id, deadline](const BatchStatus& s) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = pending_.find(id);
+        if (it == pending_.end()) return;
+        it->second.deadline = deadline();
+        if (s.state != TransferState::kCompleted) {
+          it->second.send_error = s.error.WithContext("sending the pull request to decode");
+        }
+      });
 }
 
 bool PullSender::OnPullDone(const std::string& from, const ControlMessage& m) {
@@ -93,9 +100,16 @@ void PullSender::Expire(std::chrono::steady_clock::time_point now) {
     }
   }
   for (uint64_t id : late) {
-    End(id,
-        Failed(DeadlineExceededError("decode did not answer the pull request within " +
-                                     std::to_string(transfer_timeout_.count()) + " ms (and 2 s)")));
+    Status why = DeadlineExceededError("decode did not answer the pull request within " +
+                                       std::to_string(transfer_timeout_.count()) + " ms (and 2 s)");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(id);
+      if (it != pending_.end() && !it->second.send_error.ok()) {
+        why = it->second.send_error.WithContext(why.message());
+      }
+    }
+    End(id, Failed(why));
   }
 }
 

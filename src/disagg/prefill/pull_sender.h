@@ -6,9 +6,11 @@
 // decode's GPU: prefill ranks that share one GPU without MPS (whose copy kernels would take
 // turns there) are read by the one decode process instead ("Pull" in docs/perf/hetero-tp.md).
 //
-// Each pull carries the transfer timeout as decode's deadline for its READs; a pull that
-// decode does not answer within it plus 2 s (for the answer to come back) fails here, as a
-// batch past its deadline does, by which time decode's READ batch is final.
+// Each pull carries the transfer timeout as decode's deadline for its READs, which decode
+// submits before it acknowledges the request; a pull that decode does not answer within the
+// transfer timeout plus 2 s of that acknowledgement (or of a failed send, which may still
+// have been delivered) fails here, as a batch past its deadline does, by which time decode's
+// READ batch is final.
 //
 // Thread-safety: all methods are thread-safe; `done` continuations run without the lock held.
 #pragma once
@@ -65,6 +67,7 @@ class PullSender {
     uint64_t room = 0;
     std::chrono::steady_clock::time_point deadline;
     std::function<void(const BatchStatus&)> done;
+    Status send_error;  // the request's send failed (it may still have arrived)
   };
   // Ends pull `id` with `status` unless it ended already.
   void End(uint64_t id, const BatchStatus& status);
