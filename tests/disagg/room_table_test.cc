@@ -158,5 +158,29 @@ TEST(RoomTableTest, SuccessWaitsForPinsAndNotAfterFailedWork) {
   EXPECT_EQ(t.Get(10)->state, RoomState::kSuccess);
 }
 
+// FailOrDefer never waits: a pinned room is marked failing (no new pin, no success, its time
+// kept) and turns Failed with that error at the first ExpireDeadlines after its last Unpin.
+TEST(RoomTableTest, DeferredFailureLandsOnceUnpinned) {
+  RoomTable<int> t;
+  ASSERT_TRUE(t.Create(11, 0, Clock::time_point::max(), "").ok());
+  EXPECT_TRUE(t.FailOrDefer(11, AbortedError("unpinned: at once")));
+  EXPECT_EQ(t.Get(11)->state, RoomState::kFailed);
+
+  ASSERT_TRUE(t.Create(12, 0, Clock::time_point::max(), "").ok());
+  ASSERT_TRUE(t.Pin(12, [](RoomTable<int>::Room&) {}));
+  EXPECT_FALSE(t.FailOrDefer(12, UnavailableError("prefill gone")));
+  EXPECT_FALSE(t.FailOrDefer(12, AbortedError("second")));  // the first failure is kept
+  EXPECT_EQ(t.Get(12)->state, RoomState::kBootstrapping);
+  EXPECT_FALSE(t.Pin(12, [](RoomTable<int>::Room&) {}));
+  EXPECT_FALSE(t.TrySucceed(12));
+  EXPECT_TRUE(t.ExpireDeadlines(Clock::now()).empty());  // still pinned
+  t.Advance(12, RoomState::kTransferring, Clock::time_point::max(), "later");
+  t.Unpin(12);
+  EXPECT_EQ(t.ExpireDeadlines(Clock::now()), std::vector<uint64_t>{12});
+  auto st = t.Get(12);
+  EXPECT_EQ(st->state, RoomState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable) << st->error.ToString();
+}
+
 }  // namespace
 }  // namespace kvferry
