@@ -7,35 +7,44 @@
 
 namespace kvferry {
 
-Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& aux,
-                              StatePool* state, int tp_size, uint32_t access) {
+std::vector<ConnectorRegion> ConnectorRegions(const KvPool& pool, const AuxBuffer& aux,
+                                              const StatePool* state) {
+  // Registration takes non-const addresses; nothing here writes through them.
+  auto mut = [](const uint8_t* p) { return const_cast<uint8_t*>(p); };
+  std::vector<ConnectorRegion> regions;
   if (pool.contiguous()) {
-    RETURN_IF_ERROR(engine.RegisterMemory(pool.data(), pool.size_bytes(), pool.location(), access));
+    regions.push_back({mut(pool.data()), pool.size_bytes(), pool.location(), ""});
   } else {
     for (int b = 0; b < pool.layout().num_buffers(); ++b) {
-      RETURN_IF_ERROR(
-          engine.RegisterMemory(pool.BufferBase(b), pool.buffer_bytes(), pool.location(), access)
-              .WithContext("KV buffer " + std::to_string(b)));
+      regions.push_back({mut(pool.BufferBase(b)), pool.buffer_bytes(), pool.location(),
+                         "KV buffer " + std::to_string(b)});
     }
   }
   for (const AuxBuffer::Region& region : aux.regions()) {
-    RETURN_IF_ERROR(engine.RegisterMemory(region.base, region.size_bytes, aux.location(), access)
-                        .WithContext("aux rows"));
+    regions.push_back({region.base, region.size_bytes, aux.location(), "aux rows"});
   }
-  if (state == nullptr) return OkStatus();
-  if (state->layout().tp_size() != tp_size) {
+  if (state == nullptr) return regions;
+  if (state->contiguous()) {
+    regions.push_back({mut(state->data()), state->size_bytes(), state->location(), ""});
+  } else {
+    for (int b = 0; b < state->layout().num_buffers(); ++b) {
+      regions.push_back({mut(state->BufferBase(b)), state->buffer_bytes(b), state->location(),
+                         "state buffer " + std::to_string(b)});
+    }
+  }
+  return regions;
+}
+
+Status RegisterConnectorPools(TransferEngine& engine, KvPool& pool, AuxBuffer& aux,
+                              StatePool* state, int tp_size, uint32_t access) {
+  if (state != nullptr && state->layout().tp_size() != tp_size) {
     return InvalidArgumentError("state pool holds the share of TP " +
                                 std::to_string(state->layout().tp_size()) +
                                 ", connector runs at TP " + std::to_string(tp_size));
   }
-  if (state->contiguous()) {
-    return engine.RegisterMemory(state->data(), state->size_bytes(), state->location(), access);
-  }
-  for (int b = 0; b < state->layout().num_buffers(); ++b) {
-    RETURN_IF_ERROR(
-        engine
-            .RegisterMemory(state->BufferBase(b), state->buffer_bytes(b), state->location(), access)
-            .WithContext("state buffer " + std::to_string(b)));
+  for (const ConnectorRegion& r : ConnectorRegions(pool, aux, state)) {
+    Status s = engine.RegisterMemory(r.base, r.bytes, r.location, access);
+    RETURN_IF_ERROR(r.what.empty() ? s : s.WithContext(r.what));
   }
   return OkStatus();
 }

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "cuda/device_ops.h"
 #include "cuda/pool_geometry.h"
@@ -12,6 +14,20 @@
 #include "kvferry/state_pool.h"
 
 namespace kvferry {
+
+// One block of a connector's memory as it is registered with its engine.
+struct ConnectorRegion {
+  uint8_t* base = nullptr;
+  uint64_t bytes = 0;
+  MemoryLocation location;
+  std::string what;  // names the block in registration errors ("KV buffer 3"); empty: the pool
+};
+
+// The blocks RegisterConnectorPools registers, in its order: the KV pool whole when contiguous
+// (a strided request may then span its buffers), else one per buffer; the aux buffer's
+// regions; the state pool (null: none) whole or per buffer. Non-owning.
+std::vector<ConnectorRegion> ConnectorRegions(const KvPool& pool, const AuxBuffer& aux,
+                                              const StatePool* state);
 
 // Registers the KV pool, the aux buffer and (when not null) the state pool with `engine` for
 // remote `access` (a pool that wraps separate buffers, KvPool::Wrap, as one region per buffer).

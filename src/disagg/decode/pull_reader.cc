@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "common/logging.h"
+#include "disagg/connector_pools.h"
 
 namespace kvferry {
 
@@ -16,26 +17,9 @@ PullReader::PullReader(TransferEngine& engine, const KvPool& pool, const AuxBuff
       self_(std::move(self)),
       deadline_(deadline),
       on_notice_(std::move(on_notice)) {
-  // The regions RegisterConnectorPools registers: the pool whole when contiguous (a strided
-  // copy may cover every buffer, a row per buffer), else buffer by buffer.
-  auto add = [&](const void* base, uint64_t bytes) {
-    regions_.push_back({reinterpret_cast<uint64_t>(base), bytes});
-  };
-  if (pool.contiguous()) {
-    add(pool.data(), pool.size_bytes());
-  } else {
-    for (int b = 0; b < pool.layout().num_buffers(); ++b)
-      add(pool.BufferBase(b), pool.buffer_bytes());
-  }
-  for (const AuxBuffer::Region& r : aux.regions()) add(r.base, r.size_bytes);
-  if (state != nullptr) {
-    if (state->contiguous()) {
-      add(state->data(), state->size_bytes());
-    } else {
-      for (int b = 0; b < state->layout().num_buffers(); ++b) {
-        add(state->BufferBase(b), state->buffer_bytes(b));
-      }
-    }
+  // Exactly what the connector registered: pulls may write nowhere else.
+  for (const ConnectorRegion& r : ConnectorRegions(pool, aux, state)) {
+    regions_.push_back({reinterpret_cast<uint64_t>(r.base), r.bytes});
   }
 }
 
