@@ -184,10 +184,11 @@ class PrefillConnectorImpl : public PrefillConnector {
     struct Work {
       size_t dest = 0;
       std::vector<TransferRequest> requests;
-      bool finishing = false;                   // the batch carries the done notice
-      bool notify_only = false;                 // no data: the done notice goes on its own
-      bool staged = false;                      // the chunk waits for a staging region instead
-      std::vector<std::pair<int, int>> pieces;  // staged: (first layer, layers) per region
+      bool finishing = false;                       // the batch carries the done notice
+      bool notify_only = false;                     // no data: the done notice goes on its own
+      bool staged = false;                          // the chunk waits for a staging region instead
+      std::vector<std::pair<int, int>> pieces;      // staged: (first layer, layers) per region
+      std::shared_ptr<prefill::DecodePeer> puller;  // the decode rank, when it pulls
     };
     std::vector<Work> work;
     const bool last = aux_row.has_value();
@@ -202,6 +203,7 @@ class PrefillConnectorImpl : public PrefillConnector {
         prefill::Destination& dest = d.destinations[k];
         Work w;
         w.dest = k;
+        if (dest.slice.pull) w.puller = dest.decode;
         if (dest.slice.sends && dest.slice.staging) {
           // Counted as in flight until its staging WRITE lands, so the done notice waits.
           w.pieces =
@@ -243,12 +245,12 @@ class PrefillConnectorImpl : public PrefillConnector {
                                   first_layer, num_layers);
         }
         if (!w.requests.empty() || w.finishing) {
-          done_.Submit(room, w.dest, std::move(w.requests), w.finishing);
+          done_.Submit(room, w.dest, std::move(w.requests), w.finishing, std::move(w.puller));
         }
       } else if (w.notify_only) {
         done_.NotifyDone(room, w.dest);
       } else {
-        done_.Submit(room, w.dest, std::move(w.requests), w.finishing);
+        done_.Submit(room, w.dest, std::move(w.requests), w.finishing, std::move(w.puller));
       }
     }
     return OkStatus();

@@ -14,20 +14,11 @@ DoneNotices::DoneNotices(const PlanSource& source, SenderRooms* rooms, BatchSend
     : source_(source), rooms_(rooms), batches_(batches), pulls_(pulls), failures_(failures) {}
 
 void DoneNotices::Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests,
-                         bool finishing) {
+                         bool finishing, std::shared_ptr<DecodePeer> puller) {
   auto done = [this, room, dest, finishing](const BatchStatus& status) {
     OnBatchDone(room, dest, finishing, status);
   };
   const ControlType note = finishing ? ControlType::kRoomDone : ControlType::kChunkLanded;
-  std::shared_ptr<DecodePeer> puller;
-  rooms_
-      ->With(room,
-             [&](SenderRooms::Room& r) -> Status {
-               const Destination& d = r.data.destinations[dest];
-               if (d.slice.pull) puller = d.decode;
-               return OkStatus();
-             })
-      .IgnoreError();
   if (puller != nullptr && PullSender::Fits(requests)) {
     pulls_->Send(puller, room, std::move(requests), note, std::move(done));
     return;
@@ -94,7 +85,8 @@ void DoneNotices::OnBatchDone(uint64_t room, size_t dest, bool finishing, const 
     return;
   }
   bool finish_now = false, notify_only = false, all_done = false, idle = false;
-  std::vector<TransferRequest> aux;  // the aux row's requests, when it leaves now
+  std::vector<TransferRequest> aux;    // the aux row's requests, when it leaves now
+  std::shared_ptr<DecodePeer> puller;  // the destination's decode rank when it pulls
   Status found = rooms_->With(room, [&](SenderRooms::Room& r) -> Status {
     SenderRoom& d = r.data;
     Destination& t = d.destinations[dest];
@@ -110,6 +102,7 @@ void DoneNotices::OnBatchDone(uint64_t room, size_t dest, bool finishing, const 
       if (t.slice.sends && t.slice.sends_aux && !t.aux_sent) {
         ++t.outstanding_batches;
         AppendAuxRequests(source_, t.plan(), d.src_aux_row, &aux);
+        if (t.slice.pull) puller = t.decode;
       } else {
         notify_only = true;
       }
@@ -124,7 +117,7 @@ void DoneNotices::OnBatchDone(uint64_t room, size_t dest, bool finishing, const 
   }
   if (all_done) KVF_LOG_DEBUG("prefill: room {} done", room);
   if (finish_now && !aux.empty()) {
-    Submit(room, dest, std::move(aux), true);
+    Submit(room, dest, std::move(aux), true, std::move(puller));
   } else if (finish_now && notify_only) {
     NotifyDone(room, dest);
   }

@@ -36,9 +36,11 @@ class DoneNotices {
   // Submits a batch of the room toward destination `dest` (already counted in its
   // outstanding_batches), completing inline on success; its end comes to OnBatchDone. It
   // carries the notice kChunkLanded, or kRoomDone when `finishing` (a same-node decode's
-  // mailbox is then told the room is imminent now and done once it landed). A pulling
-  // destination gets it as a pull when it fits one (PullSender::Fits).
-  void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests, bool finishing);
+  // mailbox is then told the room is imminent now and done once it landed). `puller`: the
+  // destination's decode rank when it pulls (SliceInfo::pull), else null; the batch then goes
+  // as a pull when it fits one (PullSender::Fits).
+  void Submit(uint64_t room, size_t dest, std::vector<TransferRequest> requests, bool finishing,
+              std::shared_ptr<DecodePeer> puller);
 
   // A destination that receives no data this time (a replica, or no aux row to carry):
   // its done notice travels alone.
