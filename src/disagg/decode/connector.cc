@@ -300,12 +300,15 @@ class DecodeConnectorImpl : public DecodeConnector {
     completion_->FinishIfComplete(room, 1, /*may_wait=*/true);
   }
 
-  // The segment of the paired prefill rank at `address` (any room), or none.
-  SegmentHandle PrefillSegment(const std::string& address) {
+  // Answers pull request `m` from the engine at `address` as not read, when that engine is a
+  // prefill rank paired with any room here (else there is no segment to answer on).
+  void AnswerUnread(const ControlMessage& m, const std::string& address) {
     for (const auto& p : pairing_->Peers()) {
-      if (p->engine_address == address) return p->segment;
+      if (p->engine_address == address) {
+        pulls_->Handle(m, nullptr, p->segment, address);
+        return;
+      }
     }
-    return {};
   }
 
   void OnNotification(const Notification& n) {
@@ -328,9 +331,7 @@ class DecodeConnectorImpl : public DecodeConnector {
         if (m->type == ControlType::kStagingCancel || m->type == ControlType::kStagingReady) break;
         // A pull is answered, so that prefill's room need not wait out the pull's deadline.
         if (m->type == ControlType::kPullRequest) {
-          if (SegmentHandle segment = PrefillSegment(n.peer_address); segment.value != 0) {
-            pulls_->Handle(*m, nullptr, segment, n.peer_address);
-          }
+          AnswerUnread(*m, n.peer_address);
           return;
         }
         KVF_LOG_DEBUG("decode: control message type {} for unknown room {} from {}",
@@ -340,11 +341,7 @@ class DecodeConnectorImpl : public DecodeConnector {
         Refuse(n, "type " + std::to_string(static_cast<int>(m->type)) + " about room " +
                       std::to_string(room) + ", which is not paired with it");
         // A prefill rank paired with other rooms hears that this pull was not read.
-        if (m->type == ControlType::kPullRequest) {
-          if (SegmentHandle segment = PrefillSegment(n.peer_address); segment.value != 0) {
-            pulls_->Handle(*m, nullptr, segment, n.peer_address);
-          }
-        }
+        if (m->type == ControlType::kPullRequest) AnswerUnread(*m, n.peer_address);
         return;
     }
     switch (m->type) {
