@@ -89,18 +89,35 @@ class PullReaderTest : public ::testing::Test {
     return {};
   }
 
-  ControlMessage Pull(uint64_t id, std::vector<PullCopy> copies,
-                      ControlType note = ControlType::kRoomDone, uint64_t room = kRoom,
-                      bool paired = true) {
+  // Pull `id` of `room` standing for `note`, its READs due within `deadline_ms`.
+  static ControlMessage Request(uint64_t id, std::vector<PullCopy> copies, ControlType note,
+                                uint64_t room = kRoom, uint32_t deadline_ms = 5000) {
     ControlMessage m;
     m.type = ControlType::kPullRequest;
     m.room = room;
     m.pull_id = id;
     m.note = note;
-    m.deadline_ms = 5000;
+    m.deadline_ms = deadline_ms;
     m.pulls = std::move(copies);
-    reader_->Handle(m, paired ? peer_ : nullptr, peer_->segment, peer_->engine_address);
+    return m;
+  }
+
+  // Hands Request(...) to the reader (from the room's prefill rank, or `paired` false: from
+  // none) and returns its answer.
+  ControlMessage Pull(uint64_t id, std::vector<PullCopy> copies,
+                      ControlType note = ControlType::kRoomDone, uint64_t room = kRoom,
+                      bool paired = true) {
+    reader_->Handle(Request(id, std::move(copies), note, room), paired ? peer_ : nullptr,
+                    peer_->segment, peer_->engine_address);
     return AnswerTo(id);
+  }
+
+  // Starts afresh (engines, reader, the room) with decode's fault plan `decode_faults`.
+  void Restart(const std::string& decode_faults) {
+    TearDown();
+    rooms_.Fail(kRoom, AbortedError("restart"));
+    ASSERT_TRUE(rooms_.Release(kRoom).ok());
+    ASSERT_NO_FATAL_FAILURE(Start(decode_faults));
   }
 
   uint64_t Src(uint64_t offset) const {
@@ -210,19 +227,10 @@ TEST_F(PullReaderTest, FailedOrUnknownRoomsReadNothing) {
 // The room is pinned while its READs are in flight: failing it (an abort) waits until they
 // landed, so that its pages are never handed back with a READ still writing them.
 TEST_F(PullReaderTest, FailingARoomWaitsForItsReadsInFlight) {
-  TearDown();
-  rooms_.Fail(kRoom, AbortedError("reset"));
-  ASSERT_TRUE(rooms_.Release(kRoom).ok());
-  ASSERT_NO_FATAL_FAILURE(Start("delay_us=300000"));  // each READ waits 300 ms first
-  ControlMessage m;
-  m.type = ControlType::kPullRequest;
-  m.room = kRoom;
-  m.pull_id = 11;
-  m.note = ControlType::kChunkLanded;
-  m.deadline_ms = 5000;
-  m.pulls = {{Src(0), Dst(0), 256, 1, 0, 0}};
+  ASSERT_NO_FATAL_FAILURE(Restart("delay_us=300000"));  // each READ waits 300 ms first
   const auto start = std::chrono::steady_clock::now();
-  reader_->Handle(m, peer_, peer_->segment, peer_->engine_address);
+  reader_->Handle(Request(11, {{Src(0), Dst(0), 256, 1, 0, 0}}, ControlType::kChunkLanded), peer_,
+                  peer_->segment, peer_->engine_address);
   ASSERT_TRUE(rooms_.Fail(kRoom, AbortedError("aborted by decode: test")));
   const auto waited = std::chrono::steady_clock::now() - start;
   EXPECT_GE(waited, milliseconds(280));
@@ -234,18 +242,10 @@ TEST_F(PullReaderTest, FailingARoomWaitsForItsReadsInFlight) {
 // READ still waiting when it passes fails the pull, which is answered so, and leaves the room
 // unpinned and unable to succeed.
 TEST_F(PullReaderTest, ThePullsDeadlineBoundsTheReads) {
-  TearDown();
-  rooms_.Fail(kRoom, AbortedError("reset"));
-  ASSERT_TRUE(rooms_.Release(kRoom).ok());
-  ASSERT_NO_FATAL_FAILURE(Start("delay_us=300000"));
-  ControlMessage m;
-  m.type = ControlType::kPullRequest;
-  m.room = kRoom;
-  m.pull_id = 12;
-  m.note = ControlType::kRoomDone;
-  m.deadline_ms = 100;
-  m.pulls = {{Src(0), Dst(0), 256, 1, 0, 0}};
-  reader_->Handle(m, peer_, peer_->segment, peer_->engine_address);
+  ASSERT_NO_FATAL_FAILURE(Restart("delay_us=300000"));
+  reader_->Handle(
+      Request(12, {{Src(0), Dst(0), 256, 1, 0, 0}}, ControlType::kRoomDone, kRoom, /*ms=*/100),
+      peer_, peer_->segment, peer_->engine_address);
   const ControlMessage a = AnswerTo(12);
   EXPECT_EQ(a.status_code, static_cast<uint32_t>(StatusCode::kDeadlineExceeded)) << a.reason;
   EXPECT_EQ(NumNotices(), 0u);
