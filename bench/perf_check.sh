@@ -26,6 +26,7 @@
 #             the two-GPU steps, until waiting for table space replaced the item path);
 #             skipped, said so, elsewhere
 #   tcp       GPU memory over TCP against host memory over TCP, 1 and 4 MiB x 64, 4 threads,
+#             three rounds alternating, medians compared,
 #             4 lanes (fixed: the default lanes follow the host's CPUs)
 #   mps       where the machine has CUDA MPS (nvidia-cuda-mps-control): unequal TP 2 -> 1 and
 #             equal TP again with the MPS daemon running, so that 2 -> 1's two prefill
@@ -142,10 +143,14 @@ if has hetero3; then
   fi
 fi
 if has tcp; then
-  for dev in cpu cuda; do
-    step "bench TCP, $dev memory, 1 and 4 MiB x 64"
-    bench "tcp_$dev" 120 --device "$dev" --transport tcp --block-size 1MiB,4MiB --batch-size 64 \
-      --threads 4 --lanes 4 --duration 1
+  # Host and GPU memory alternate over three rounds (perf_check.py takes each one's median):
+  # one second of loopback TCP varies by 10% from run to run on one lease.
+  for round in 1 2 3; do
+    for dev in cpu cuda; do
+      step "bench TCP, $dev memory, 1 and 4 MiB x 64, round $round"
+      bench "tcp_${dev}_$round" 120 --device "$dev" --transport tcp --block-size 1MiB,4MiB \
+        --batch-size 64 --threads 4 --lanes 4 --duration 1
+    done
   done
 fi
 
