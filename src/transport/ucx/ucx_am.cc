@@ -54,7 +54,7 @@ void SendReply(ucp_ep_h ep, unsigned id, const AmReply& reply, const void* data,
 }
 
 void LogRefused(const char* op, const AmRequest& req) {
-  KVF_LOG_WARN(
+  KVF_LOG_WARN_LIMITED(
       "ucx: refused a peer's {} of {}: not inside a region registered here with remote {} access",
       op, RangeText(req.addr, req.length), op);
 }
@@ -147,7 +147,7 @@ ucs_status_t OnRead(void* arg, const void* header, size_t header_length, void*, 
   AmRequest req;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 || param->reply_ep == nullptr ||
       !ReadHeader(header, header_length, &req)) {
-    KVF_LOG_WARN("ucx: dropped a malformed READ request");
+    KVF_LOG_WARN_LIMITED("ucx: dropped a malformed READ request");
     return UCS_OK;
   }
   ucs_memory_type_t type = UCS_MEMORY_TYPE_HOST;

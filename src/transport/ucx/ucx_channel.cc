@@ -190,10 +190,14 @@ class UcxChannel : public PeerChannel,
     Settle(f);
   }
   void FlushDone(FlushContext* ctx, ucs_status_t status) {
+    // A flush of an endpoint that was force-closed meanwhile may complete OK although the
+    // close cancelled puts that had only completed locally: their bytes did not land.
+    const bool landed = status == UCS_OK && ctx->ep->reset.ok();
     for (auto& f : ctx->writes) {
       f->flush_pending = false;
-      f->flushed = status == UCS_OK;
-      if (status != UCS_OK && f->error.ok()) f->error = OpError(*f, status);
+      f->flushed = landed;
+      if (!landed && f->error.ok())
+        f->error = OpError(*f, status == UCS_OK ? UCS_ERR_CANCELED : status);
       Settle(f.get());
     }
     delete ctx;
@@ -538,8 +542,10 @@ class UcxChannel : public PeerChannel,
     std::shared_ptr<Flight> f = it->second;
     if (f->completed) return;
     if (f->abandoned.ok()) f->abandoned = why;
-    if (f->outstanding > 0) {
-      // Its puts or gets may still touch local memory: only a forced close stops them.
+    if (f->outstanding > 0 && f->ep == ep_) {
+      // Its puts or gets may still touch local memory: only a forced close stops them. An
+      // endpoint already closed (its operations are being cancelled) is not the current one,
+      // which later items use and which stays open.
       ResetEndpoint(UnavailableError(Name() + ": endpoint closed to abandon a request (" +
                                      why.ToString() + ")"));
     }
