@@ -19,8 +19,8 @@ buffers of `state_data_ptrs`. kvferry registers them with its engine and never f
     sender.send(chunk_pages)                                      # once per prefill chunk
     # decode:
     mgr = KVManager(args, DisaggregationMode.DECODE)
-    receiver = KVReceiver(mgr, server.address, bootstrap_room=17)
-    receiver.init(decode_pages, aux_index=aux_row)
+    receiver = KVReceiver(mgr, server.address, bootstrap_room=17)  # WaitingForInput at once
+    receiver.send_metadata(decode_pages, aux_index=aux_row)        # or init(pages, aux_index=)
     while receiver.poll() not in (KVPoll.Success, KVPoll.Failed): ...
 
 Layerwise: `mgr.begin_layerwise([(sender, pages), ...])` registers one forward pass's chunks and
@@ -40,15 +40,18 @@ thread at a time (as SGLang's schedulers do).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import enum
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+import types
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
 import kvferry
 from kvferry import _kvferry
+from kvferry._sglang_args import KVArgs, _attention_tp_size, _flat, _pool_kwargs
 
 __all__ = [
     "DisaggregationMode",
@@ -59,6 +62,7 @@ __all__ = [
     "KVReceiver",
     "KVSender",
     "KVTransferError",
+    "KVTransferMetric",
     "LayerwisePass",
 ]
 
@@ -104,192 +108,16 @@ class KVTransferError(Exception):
         return f"KVTransferError(bootstrap_room={self.bootstrap_room}): {self.failure_reason}"
 
 
-class KVArgs:
-    """The buffers and geometry of one rank, shaped as SGLang's KVArgs (plain attributes).
+@dataclasses.dataclass
+class KVTransferMetric:
+    """SGLang's KVTransferMetric: what KVSender.get_transfer_metric() reports for a room.
+    transfer_latency_s: seconds from the first chunk handed to kvferry to Success seen by
+    poll() (None until then); alloc_latency_s: None (kvferry does not see decode's allocation);
+    transfer_total_bytes: KV and aux bytes this rank sends for the room."""
 
-    kv_data_ptrs / kv_data_lens / kv_item_lens: per layer buffer (K of every layer, then V of
-      every layer for MHA/GQA; one latent per layer for MLA) its address, its bytes, and the
-      bytes of one page (page_size * kv_head_num * head_dim * element size).
-    aux_data_ptrs / aux_data_lens / aux_item_lens: per aux field (SGLang's MetadataBuffers
-      order) its address, bytes, and bytes of one row. Field aux_room_field (default -1: the
-      last, SGLang's bootstrap_room) holds the room as a 64-bit integer at offset 0.
-    state_data_ptrs / state_data_lens / state_item_lens: hybrid models' state buffers, the
-      convolution state of each linear-attention layer then the recurrent state of each; item
-      = bytes of one slot. Flat lists (a list of lists, SGLang's per-type form, is flattened).
-    page_size, kv_head_num (heads in this rank's buffers; 1 for MLA), total_kv_head_num,
-    head_dim (MLA: kv_lora_rank + qk_rope_head_dim), kv_dtype ("bfloat16", "float16",
-    "float32", "float8_e4m3fn"), is_mla, kv_lora_rank, qk_rope_head_dim.
-    hf_config: optional config.json text or dict; hybrid models need it (the geometry of their
-      state comes from it).
-    engine_rank / tp_rank, tp_size, cp_rank, cp_size, pp_rank: this rank's attention
-    parallelism. gpu_id: informational (where each buffer lives is looked up from its address).
-    """
-
-    engine_rank: int = 0
-    kv_data_ptrs: List[int] = []
-    kv_data_lens: List[int] = []
-    kv_item_lens: List[int] = []
-    aux_data_ptrs: List[int] = []
-    aux_data_lens: List[int] = []
-    aux_item_lens: List[int] = []
-    aux_room_field: int = -1
-    state_data_ptrs: List[int] = []
-    state_data_lens: List[int] = []
-    state_item_lens: List[int] = []
-    state_type: str = "none"
-    gpu_id: Optional[int] = None
-    ib_device: Optional[str] = None
-    page_size: int = 1
-    kv_head_num: int = 0
-    total_kv_head_num: int = 0
-    head_dim: int = 0
-    kv_dtype: str = "bfloat16"
-    is_mla: bool = False
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    hf_config: Any = None
-    tp_rank: Optional[int] = None
-    tp_size: int = 1
-    cp_rank: int = 0
-    cp_size: int = 1
-    pp_rank: int = 0
-
-    def __init__(self, **values: Any):
-        for key, value in values.items():
-            if not hasattr(KVArgs, key):
-                raise TypeError(f"KVArgs has no field {key!r}")
-            setattr(self, key, value)
-
-
-def _flat(values: Any) -> List[int]:
-    out: List[int] = []
-    for v in values or []:
-        if isinstance(v, (list, tuple)):
-            out.extend(int(x) for x in v)
-        else:
-            out.append(int(v))
-    return out
-
-
-def _rows(what: str, lens: Sequence[int], items: Sequence[int]) -> int:
-    """Rows (pages, aux rows, slots) every buffer holds: each len / item, all equal."""
-    if len(lens) != len(items):
-        raise kvferry.InvalidArgumentError(
-            f"{what}: {len(lens)} data lengths but {len(items)} item lengths"
-        )
-    counts = set()
-    for i, (n, item) in enumerate(zip(lens, items)):
-        if item <= 0 or n < item:
-            raise kvferry.InvalidArgumentError(
-                f"{what} buffer {i}: {n} bytes cannot hold one item of {item} bytes"
-            )
-        counts.add(n // item)
-    if len(counts) != 1:
-        raise kvferry.InvalidArgumentError(
-            f"{what}: buffers hold different numbers of items ({sorted(counts)})"
-        )
-    return counts.pop()
-
-
-def _device_of(what: str, addresses: Sequence[int]) -> Optional[int]:
-    devices = {kvferry.locate_memory(int(a)) for a in addresses}
-    if len(devices) != 1:
-        raise kvferry.InvalidArgumentError(f"{what} buffers lie on different devices: {devices}")
-    return devices.pop()
-
-
-def _geometry(args: KVArgs) -> Dict[str, Any]:
-    """The connector geometry of one rank (num_kv_heads = this rank's heads)."""
-    num_buffers = len(args.kv_data_ptrs)
-    if args.hf_config is not None:
-        text = args.hf_config
-        if not isinstance(text, str):
-            import json
-
-            text = json.dumps(text)
-        g = _kvferry.geometry_from_hf_config(text)
-        if g["attention"] == "mha" and args.kv_head_num:
-            g["num_kv_heads"] = int(args.kv_head_num)
-        return g
-    if args.is_mla:
-        head_dim = args.head_dim or args.kv_lora_rank + args.qk_rope_head_dim
-        return {
-            "attention": "mla",
-            "num_layers": num_buffers,
-            "num_attention_heads": max(1, int(args.total_kv_head_num)),
-            "num_kv_heads": 1,
-            "head_dim": int(head_dim),
-            "kv_lora_rank": int(args.kv_lora_rank),
-            "qk_rope_head_dim": int(args.qk_rope_head_dim),
-            "dtype": args.kv_dtype,
-        }
-    if num_buffers % 2:
-        raise kvferry.InvalidArgumentError(
-            f"an MHA/GQA pool has a K and a V buffer per layer; got {num_buffers} kv_data_ptrs"
-        )
-    return {
-        "attention": "mha",
-        "num_layers": num_buffers // 2,
-        "num_attention_heads": max(1, int(args.total_kv_head_num or args.kv_head_num)),
-        "num_kv_heads": int(args.kv_head_num),
-        "head_dim": int(args.head_dim),
-        "dtype": args.kv_dtype,
-    }
-
-
-def _pool_kwargs(args: KVArgs) -> Dict[str, Any]:
-    kv_ptrs = [int(p) for p in args.kv_data_ptrs]
-    aux_ptrs = [int(p) for p in args.aux_data_ptrs]
-    if not kv_ptrs:
-        raise kvferry.InvalidArgumentError("KVArgs.kv_data_ptrs is empty")
-    if not aux_ptrs:
-        raise kvferry.InvalidArgumentError(
-            "KVArgs.aux_data_ptrs is empty (at least the bootstrap_room field is needed)"
-        )
-    num_pages = _rows("kv", _flat(args.kv_data_lens), _flat(args.kv_item_lens))
-    num_aux_rows = _rows("aux", _flat(args.aux_data_lens), _flat(args.aux_item_lens))
-    geometry = _geometry(args)
-    item = _flat(args.kv_item_lens)
-    elem = np.dtype(_NUMPY_DTYPES.get(geometry["dtype"], "u2")).itemsize
-    expected = args.page_size * geometry["num_kv_heads"] * geometry["head_dim"] * elem
-    if any(i != expected for i in item):
-        raise kvferry.InvalidArgumentError(
-            f"kv_item_lens {sorted(set(item))} differ from page_size {args.page_size} x "
-            f"{geometry['num_kv_heads']} KV heads x head_dim {geometry['head_dim']} x "
-            f"{elem} bytes = {expected}"
-        )
-    state_ptrs = _flat(args.state_data_ptrs)
-    num_slots = 0
-    if state_ptrs:
-        num_slots = _rows("state", _flat(args.state_data_lens), _flat(args.state_item_lens))
-    return dict(
-        geometry=geometry,
-        page_size=int(args.page_size),
-        num_pages=num_pages,
-        kv_bases=kv_ptrs,
-        aux_field_bytes=_flat(args.aux_item_lens),
-        aux_bases=aux_ptrs,
-        num_aux_rows=num_aux_rows,
-        aux_room_field=int(args.aux_room_field),
-        state_bases=state_ptrs,
-        num_state_slots=num_slots,
-        device=_device_of("kv", kv_ptrs + state_ptrs),
-        aux_device=_device_of("aux", aux_ptrs),
-    )
-
-
-_NUMPY_DTYPES = {
-    "float32": "f4",
-    "fp32": "f4",
-    "float": "f4",
-    "float16": "f2",
-    "fp16": "f2",
-    "half": "f2",
-    "bfloat16": "u2",
-    "bf16": "u2",
-    "fp8": "u1",
-    "float8_e4m3fn": "u1",
-}
+    transfer_latency_s: Optional[float] = None
+    alloc_latency_s: Optional[float] = None
+    transfer_total_bytes: Optional[int] = None
 
 
 class KVBootstrapServer:
@@ -358,6 +186,10 @@ class KVManager:
         if self.is_mla_backend:
             args.is_mla = True
         tp_rank = args.tp_rank if args.tp_rank is not None else args.engine_rank
+        tp_size = _attention_tp_size(args, server_args)
+        # SGLang's decode scheduler reads a prefill group's DP layout from here
+        # (try_ensure_parallel_info); kvferry serves one prefill DP group per bootstrap address.
+        self.prefill_info_table: Dict[str, Any] = {}
         engine: Dict[str, Any] = {"listen_host": host, "transport": transport, "faults": faults}
         if auth_secret is not None:
             engine["auth_secret"] = auth_secret
@@ -380,7 +212,7 @@ class KVManager:
                 **pools,
                 bootstrap_address=address,
                 tp_rank=int(tp_rank),
-                tp_size=int(args.tp_size),
+                tp_size=tp_size,
                 cp_rank=int(args.cp_rank),
                 cp_size=int(args.cp_size),
                 pp_rank=int(args.pp_rank),
@@ -396,7 +228,7 @@ class KVManager:
             self._conn = _kvferry.DecodeConnector(
                 **pools,
                 tp_rank=int(tp_rank),
-                tp_size=int(args.tp_size),
+                tp_size=tp_size,
                 engine=engine,
                 kv_path=kv_path,
                 staging_bytes=int(staging_bytes),
@@ -410,6 +242,19 @@ class KVManager:
 
     def register_to_bootstrap(self) -> None:
         """Done when the manager was created; kept for SGLang's interface."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's decode asks this before it opens rooms with a prefill instance. kvferry
+        looks the prefill ranks up at the bootstrap server when a room opens (send_metadata)
+        and fails that room if they cannot be reached, so this only records one DP group
+        (`prefill_info_table[bootstrap_addr].dp_size == 1`) and returns True for a non-empty
+        address. Never blocks."""
+        if not bootstrap_addr:
+            return False
+        self.prefill_info_table.setdefault(
+            bootstrap_addr, types.SimpleNamespace(dp_size=1, follow_bootstrap_room=True)
+        )
+        return True
 
     def stats(self) -> Dict[str, Any]:
         """Connector counters (rooms succeeded/failed by code, requests, bytes)."""
@@ -459,14 +304,27 @@ class KVManager:
         checks and bookkeeping, and returns the pass; nothing moves until its layers are marked
         ready. Prefill only. Blocks (without the GIL) until each room has paired with its decode
         ranks, which a room SGLang schedules has normally done already, for at most
-        bootstrap_timeout. Raises as KVSender.send, and the room's failure."""
-        entries = []
+        bootstrap_timeout. Raises as KVSender.send, and the room's failure; every chunk is
+        checked before any is counted, so a refused pass leaves its senders as they were."""
+        chunks = list(chunks)
+        for sender, _ in chunks:
+            if not sender._opened:
+                raise kvferry.FailedPreconditionError("KVSender.send before init")
+        for sender in {id(s): s for s, _ in chunks}.values():
+            sender._wait_paired()
+        # Every chunk is checked before any sender's bookkeeping moves, so a refused pass
+        # leaves the senders as they were.
+        next_page: Dict[int, int] = {}
+        planned = []
         for sender, pages in chunks:
-            entry = sender._next_chunk(pages)
-            if entry is not None:
-                sender._wait_paired()
-                entries.append(entry)
+            first = next_page.get(id(sender), sender._next_page)
+            entry, end = sender._plan_chunk(pages, first)
+            next_page[id(sender)] = end
+            planned.append((sender, entry, end))
+        entries = [entry for _, entry, _ in planned if entry is not None]
         pass_id = self._conn.begin_layerwise_pass(entries) if entries else None
+        for sender, entry, end in planned:
+            sender._commit_chunk(entry, end)
         return LayerwisePass(self, pass_id)
 
     # The auxiliary row's room field, written by KVSender before the last chunk.
@@ -515,8 +373,10 @@ class _Room:
             return _FAILED, self._error
         if not self._opened:
             return _BOOTSTRAPPING, None
-        state, error = self.kv_mgr._conn.poll(self.bootstrap_room)
-        return state, error
+        try:
+            return self.kv_mgr._conn.poll(self.bootstrap_room)
+        except kvferry.FailedPreconditionError as e:  # the manager was closed: the room failed
+            return _FAILED, e
 
     def poll(self) -> int:
         """The room's KVPoll value. Never blocks."""
@@ -546,18 +406,22 @@ class _Room:
         """Forgets the room once it is final (a room still moving is left alone)."""
         if not self._opened:
             return
-        state, _ = self.kv_mgr._conn.poll(self.bootstrap_room)
+        state, _ = self._status()
         if state in (_SUCCESS, _FAILED):
-            self.kv_mgr._conn.release(self.bootstrap_room)
+            try:
+                self.kv_mgr._conn.release(self.bootstrap_room)
+            except kvferry.FailedPreconditionError:
+                pass  # closed with its manager
             self._opened = False
 
 
 class KVSender(_Room):
     """Prefill side of one request (SGLang's KVSender).
 
-    Created, it is Bootstrapping until init() opens the room and decode's destination
-    arrived, then WaitingForInput; send() once per prefill chunk; Success once every page and
-    the aux row landed on decode.
+    Created, it is Bootstrapping until decode's destination for the room arrived, then
+    WaitingForInput (and stays so once reported, until the room moves on); init() opens the
+    room, send() once per prefill chunk; Success once every page and the aux row landed on
+    decode.
     """
 
     def __init__(
@@ -578,6 +442,9 @@ class KVSender(_Room):
         self._pending: List[Tuple[int, np.ndarray, Optional[int]]] = []
         self._created = time.monotonic()
         self._flush_lock = threading.Lock()
+        self._waiting_seen = False  # WaitingForInput reported: not Bootstrapping again
+        self._first_send: Optional[float] = None
+        self._latency: Optional[float] = None
 
     def init(
         self,
@@ -597,26 +464,27 @@ class KVSender(_Room):
         self._aux_index = aux_index
         self._range = conn.send_range(self._num_pages)
 
-    def _next_chunk(self, kv_indices: Any) -> Optional[Tuple[int, int, np.ndarray, Optional[int]]]:
-        """The connector's (room, first_page, pages, aux_row) for the next chunk, cut to the
-        pages this rank sends; None when nothing of it is this rank's."""
+    def _plan_chunk(
+        self, kv_indices: Any, first: int
+    ) -> Tuple[Optional[Tuple[int, int, np.ndarray, Optional[int]]], int]:
+        """The connector's (room, first_page, pages, aux_row) for a chunk starting at request
+        page `first`, cut to the pages this rank sends (None when nothing of it is this
+        rank's), and the request page after it. Checks only; changes nothing."""
         if not self._opened:
             raise kvferry.FailedPreconditionError("KVSender.send before init")
         pages = np.ascontiguousarray(np.asarray(kv_indices, dtype=np.int32).reshape(-1))
-        first = self._next_page
-        self._next_page += len(pages)
-        if self._next_page > self._num_pages:
+        end = first + len(pages)
+        if end > self._num_pages:
             raise kvferry.InvalidArgumentError(
-                f"room {self.bootstrap_room}: {self._next_page} pages sent, but init said "
-                f"{self._num_pages}"
+                f"room {self.bootstrap_room}: {end} pages sent, but init said {self._num_pages}"
             )
         lo, count = self._range
         hi = lo + count
-        start, end = max(first, lo), min(first + len(pages), hi)
-        last = self._next_page == self._num_pages
-        if start >= end and not last:
-            return None
-        cut = pages[start - first : end - first] if start < end else pages[:0]
+        start, stop = max(first, lo), min(end, hi)
+        last = end == self._num_pages
+        if start >= stop and not last:
+            return None, end
+        cut = pages[start - first : stop - first] if start < stop else pages[:0]
         aux = None
         if last:
             if self._aux_index is None:
@@ -624,16 +492,55 @@ class KVSender(_Room):
                     f"room {self.bootstrap_room}: the last chunk needs init's aux_index"
                 )
             aux = int(self._aux_index)
-            self.kv_mgr._write_room(aux, self.bootstrap_room)
-        return (self.bootstrap_room, max(start, lo) if start < end else hi, cut, aux)
+        return (self.bootstrap_room, start if start < stop else hi, cut, aux), end
 
-    def send(self, kv_indices: Any, state_indices: Any = None) -> None:
+    def _commit_chunk(
+        self, entry: Optional[Tuple[int, int, np.ndarray, Optional[int]]], end: int
+    ) -> None:
+        """Counts a planned chunk as handed over; the last one writes the room into its aux
+        row (host aux fields) before it leaves."""
+        self._next_page = end
+        if self._first_send is None:
+            self._first_send = time.monotonic()
+        if entry is not None and entry[3] is not None:
+            self.kv_mgr._write_room(entry[3], self.bootstrap_room)
+
+    def pop_decode_prefix_len(self) -> int:
+        """Decode-side prefix reuse is not supported: always 0 (SGLang's default)."""
+        return 0
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """Whether SGLang should call send() for a chunk: when it has pages, and always for the
+        last chunk (it carries the aux row, even with no pages of its own)."""
+        return num_pages > 0 or bool(last_chunk)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        """This room's KVTransferMetric (transfer_latency_s once poll() saw Success)."""
+        per_page = sum(_flat(self.kv_mgr.kv_args.kv_item_lens))
+        aux = sum(_flat(self.kv_mgr.kv_args.aux_item_lens)) if self._aux_index is not None else 0
+        return KVTransferMetric(
+            transfer_latency_s=self._latency,
+            transfer_total_bytes=self._range[1] * per_page + aux if self._opened else None,
+        )
+
+    def send(
+        self, kv_indices: Any, state_indices: Any = None, token_position_offset: int = 0
+    ) -> None:
         """Sends the next chunk: kv_indices are this prefill rank's pool pages holding the
         request's next pages (int32, token order). The chunk that completes init's page count
-        carries the aux row. Before the room is WaitingForInput the chunk is kept and sent by
-        a later poll(). Does not block on the network. Raises kvferry errors for pages out of
-        range or a room that failed."""
-        entry = self._next_chunk(kv_indices)
+        carries the aux row (an empty last chunk too). Before the room is WaitingForInput the
+        chunk is kept and sent by a later poll(). Does not block on the network.
+        state_indices: ignored (a hybrid request's state slot is named at init).
+        Raises kvferry.FailedPreconditionError before init, InvalidArgumentError for more
+        pages than init named (nothing is counted then), UnimplementedError for a
+        token_position_offset (decode-side prefix reuse). A chunk the connector refuses (a
+        page outside the pool, a room that failed) fails the room on both sides: poll()
+        reports Failed and failure_exception() raises the reason, as SGLang expects of
+        send()."""
+        if token_position_offset:
+            raise kvferry.UnimplementedError("decode-side prefix reuse is not supported")
+        entry, end = self._plan_chunk(kv_indices, self._next_page)
+        self._commit_chunk(entry, end)
         if entry is None:
             return
         with self._flush_lock:
@@ -670,32 +577,57 @@ class KVSender(_Room):
                     self.kv_mgr._conn.send_chunk(self.bootstrap_room, first, pages, aux)
                 except kvferry.Error as e:
                     self._error = e
+                    self._fail_room(e)
                     return True
                 self._pending.pop(0)
             return True
+
+    def _fail_room(self, why: BaseException) -> None:
+        """Fails the open room on both sides (decode frees its pages, the room turns final)."""
+        try:
+            self.kv_mgr._conn.abort(self.bootstrap_room, f"prefill refused a chunk: {why}")
+        except kvferry.Error:
+            pass  # already final, unknown, or its manager closed
 
     def poll(self) -> int:
         if not self._opened and self._error is None:
             # SGLang polls a sender before init (which names the page count kvferry opens the
             # room with): WaitingForInput once a decode rank's destination is held for it.
-            if self.kv_mgr._conn.pending_destinations(self.bootstrap_room) > 0:
+            try:
+                held = self.kv_mgr._conn.pending_destinations(self.bootstrap_room)
+            except kvferry.FailedPreconditionError as e:  # the manager was closed
+                self._error = e
+                held = 0
+            if held > 0:
+                self._waiting_seen = True
                 return KVPoll.WaitingForInput
-            if time.monotonic() - self._created > self.kv_mgr._bootstrap_timeout:
+            timeout = self.kv_mgr._bootstrap_timeout
+            if self._error is None and time.monotonic() - self._created > timeout:
                 self._error = kvferry.DeadlineExceededError(
-                    f"room {self.bootstrap_room}: no decode destination within "
-                    f"{self.kv_mgr._bootstrap_timeout} s"
+                    f"room {self.bootstrap_room}: no decode destination within {timeout} s"
                 )
             return super().poll()
         if self._pending:
             self._try_flush()
-        return super().poll()
+        state = super().poll()
+        if state == KVPoll.Bootstrapping and self._waiting_seen:
+            # After init the room waits for the rest of its decode ranks' destinations; chunks
+            # sent meanwhile are kept, so SGLang may go on as if it were WaitingForInput.
+            return KVPoll.WaitingForInput
+        if state == KVPoll.WaitingForInput:
+            self._waiting_seen = True
+        if state == KVPoll.Success and self._latency is None and self._first_send is not None:
+            self._latency = time.monotonic() - self._first_send
+        return state
 
 
 class KVReceiver(_Room):
     """Decode side of one request (SGLang's KVReceiver).
 
-    init() (or send_metadata()) names decode's pages and aux row; bootstrapping with the
-    prefill instance runs in the background; Success once every page and the aux row landed.
+    Created, it is WaitingForInput: SGLang's decode reserves pages only for receivers that
+    report it. init() (or send_metadata()) names decode's pages and aux row and opens the room;
+    bootstrapping with the prefill instance runs in the background; Success once every page and
+    the aux row landed.
     """
 
     def __init__(
@@ -709,6 +641,24 @@ class KVReceiver(_Room):
         super().__init__(mgr, bootstrap_room)
         self.bootstrap_addr = bootstrap_addr
         self.prefill_dp_rank = prefill_dp_rank
+
+    def poll(self) -> int:
+        """WaitingForInput until send_metadata (or init with pages) opens the room, then the
+        room's KVPoll value. Never blocks."""
+        if not self._opened and self._error is None:
+            return KVPoll.WaitingForInput
+        return super().poll()
+
+    @property
+    def conclude_state(self) -> Optional[int]:
+        """KVPoll.Success or KVPoll.Failed once the room is final, else None (SGLang's
+        decode scheduler reads it)."""
+        state, _ = self._status()
+        if state == _SUCCESS:
+            return KVPoll.Success
+        if state == _FAILED:
+            return KVPoll.Failed
+        return None
 
     def init(
         self,
@@ -733,14 +683,15 @@ class KVReceiver(_Room):
     ) -> None:
         """Opens the room: kv_indices are this decode rank's pool pages for the request
         (int32, token order), aux_index its aux row, state_indices its state slot (hybrid
-        models: an int or a one-element sequence). Does not block. Raises
+        models: an int or a one-element sequence; None or empty otherwise, as SGLang passes
+        for other models), decode_prefix_len None or 0. Does not block. Raises
         kvferry.AlreadyExistsError (duplicate room), InvalidArgumentError, OutOfRangeError."""
         if aux_index is None:
             raise kvferry.InvalidArgumentError("KVReceiver needs aux_index")
         if decode_prefix_len:
             raise kvferry.UnimplementedError("decode-side prefix reuse is not supported")
         slot = -1
-        if state_indices is not None:
+        if state_indices is not None and np.asarray(state_indices).size > 0:
             flat = np.asarray(state_indices).reshape(-1)
             if len(flat) != 1:
                 raise kvferry.InvalidArgumentError("one state slot per request")

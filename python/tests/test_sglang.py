@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -292,6 +293,155 @@ def test_sender_polled_before_init_waits_for_decode(server):
         assert receiver.poll() == KVPoll.Success
         assert drank.mismatches(91, pages) == 0
         assert drank.aux_ok(5, 91)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def sglang_filled_args(rank: Rank) -> KVArgs:
+    """KVArgs filled only as SGLang's schedulers fill them (prefill.py / decode.py
+    _init_kv_manager): no head_dim, kv_dtype, kv_lora_rank or tp_size; KV heads only for MHA/GQA
+    (decode sets them for unequal TP)."""
+    full = rank.args()
+    a = KVArgs()
+    a.engine_rank = full.engine_rank
+    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (
+        full.kv_data_ptrs, full.kv_data_lens, full.kv_item_lens)
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = (
+        full.aux_data_ptrs, full.aux_data_lens, full.aux_item_lens)
+    a.page_size = full.page_size
+    if not rank.mla:
+        a.kv_head_num = full.kv_head_num
+        a.total_kv_head_num = full.total_kv_head_num
+    return a
+
+
+def wait_final(*rooms, seconds=30):
+    deadline = time.monotonic() + seconds
+    for room in rooms:
+        while room.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+            time.sleep(0.002)
+    return [room.poll() for room in rooms]
+
+
+@pytest.mark.parametrize("geometry", [GQA, MLA], ids=["gqa", "mla"])
+def test_sglang_scheduler_order_and_fields(server, geometry):
+    """A room driven as SGLang's schedulers drive it, from KVArgs as they fill them: decode's
+    receiver is WaitingForInput before it has pages (SGLang reserves pages only then), then
+    init(prefill_dp_rank) and send_metadata(pages, row, [], decode_prefix_len=0); prefill asks
+    should_send_kv_chunk, pop_decode_prefix_len and get_transfer_metric."""
+    host, port = server.address.rsplit(":", 1)
+    server_args = types.SimpleNamespace(tp_size=1, dp_size=1, enable_dp_attention=False,
+                                        host=host, disaggregation_bootstrap_port=int(port))
+    mla = geometry.get("mla", False)
+    prank, drank = Rank(geometry, 0, 1, 64), Rank(geometry, 0, 1, 64)
+    prefill = KVManager(sglang_filled_args(prank), DisaggregationMode.PREFILL, server_args, mla)
+    decode = KVManager(sglang_filled_args(drank), DisaggregationMode.DECODE, server_args, mla)
+    room, row, n = 4242, 3, 9
+    try:
+        assert decode.try_ensure_parallel_info(server.address)
+        assert decode.prefill_info_table[server.address].dp_size == 1
+        receiver = KVReceiver(decode, server.address, room)
+        assert receiver.poll() == KVPoll.WaitingForInput
+        assert receiver.conclude_state is None
+        receiver.init(0)
+        dst = np.array([17, 3, 40, 41, 42, 8, 9, 30, 1], np.int32)
+        receiver.send_metadata(dst, row, [], decode_prefix_len=0)
+
+        sender = KVSender(prefill, server.address, room)
+        deadline = time.monotonic() + 20
+        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert sender.poll() == KVPoll.WaitingForInput
+        assert sender.pop_decode_prefix_len() == 0
+        src = np.arange(20, 20 + n, dtype=np.int32)
+        prank.fill(room, src)
+        prank.write_aux(row, room)
+        sender.init(n, aux_index=row)
+        for chunk, last in ((src[:5], False), (src[5:], True)):
+            assert sender.should_send_kv_chunk(len(chunk), last)
+            sender.send(chunk, state_indices=None)
+        assert not sender.should_send_kv_chunk(0, False)
+        assert sender.should_send_kv_chunk(0, True)  # the last chunk carries the aux row
+        assert wait_final(receiver, sender) == [KVPoll.Success, KVPoll.Success]
+        assert drank.mismatches(room, dst) == 0
+        assert drank.aux_ok(row, room)
+        assert receiver.conclude_state == KVPoll.Success
+        metric = sender.get_transfer_metric()
+        assert metric.transfer_latency_s is not None and metric.transfer_latency_s > 0
+        page_bytes = sum(prank.args().kv_item_lens)
+        aux_bytes = sum(prank.args().aux_item_lens)
+        assert metric.transfer_total_bytes == n * page_bytes + aux_bytes
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_geometry_from_sglang_fields_needs_kv_heads_and_whole_heads():
+    args = sglang_filled_args(Rank(GQA, 0, 1, 8))
+    args.kv_head_num = 0
+    with pytest.raises(kvferry.InvalidArgumentError, match="kv_head_num"):
+        KVManager(args, DisaggregationMode.DECODE)
+    args = sglang_filled_args(Rank(GQA, 0, 1, 8))
+    args.kv_item_lens = [n + 2 for n in args.kv_item_lens]
+    with pytest.raises(kvferry.InvalidArgumentError, match="kv_item_lens"):
+        KVManager(args, DisaggregationMode.DECODE)
+
+
+def test_refused_chunk_fails_the_room_on_both_sides_and_closing_fails_the_rest(server):
+    """send() of a page outside the pool does not raise (SGLang reads failures from poll()):
+    the room fails on prefill and decode; a closed manager's rooms poll Failed."""
+    prank, drank = Rank(GQA, 0, 1, 16), Rank(GQA, 0, 1, 16)
+    prefill = KVManager(prank.args(), DisaggregationMode.PREFILL, bootstrap_address=server.address)
+    decode = KVManager(drank.args(), DisaggregationMode.DECODE)
+    try:
+        receiver = KVReceiver(decode, server.address, 61)
+        receiver.send_metadata(np.array([1, 2], np.int32), 0)
+        sender = KVSender(prefill, server.address, 61)
+        deadline = time.monotonic() + 20
+        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.002)
+        sender.init(2, aux_index=0)
+        sender.send(np.array([3, 10**6], np.int32))
+        assert wait_final(sender, receiver) == [KVPoll.Failed, KVPoll.Failed]
+        with pytest.raises(KVTransferError):
+            sender.failure_exception()
+        sender.clear()
+
+        other = KVReceiver(decode, server.address, 62)
+        other.send_metadata(np.array([4], np.int32), 1)
+        decode.close()
+        assert other.poll() == KVPoll.Failed
+        assert other.conclude_state == KVPoll.Failed
+        other.clear()
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_refused_layerwise_pass_counts_nothing(server):
+    """A pass whose chunks overrun a room's page count is refused before any sender counts a
+    page; the same pages then go as a pass that fits."""
+    prank, drank = Rank(GQA, 0, 1, 32), Rank(GQA, 0, 1, 32)
+    prefill = KVManager(prank.args(), DisaggregationMode.PREFILL, bootstrap_address=server.address)
+    decode = KVManager(drank.args(), DisaggregationMode.DECODE)
+    try:
+        dst = np.array([5, 6, 7, 8], np.int32)
+        receiver = KVReceiver(decode, server.address, 71)
+        receiver.send_metadata(dst, 2)
+        sender = KVSender(prefill, server.address, 71)
+        src = np.array([11, 12, 13, 14], np.int32)
+        prank.fill(71, src)
+        prank.write_aux(2, 71)
+        sender.init(4, aux_index=2)
+        with pytest.raises(kvferry.InvalidArgumentError, match="init said 4"):
+            prefill.begin_layerwise([(sender, src[:2]), (sender, src)])
+        p = prefill.begin_layerwise([(sender, src)])
+        for layer in range(GQA["layers"]):
+            p.layer_ready(layer)
+        assert wait_final(receiver, sender) == [KVPoll.Success, KVPoll.Success]
+        assert drank.mismatches(71, dst) == 0
+        assert drank.aux_ok(2, 71)
     finally:
         decode.close()
         prefill.close()
