@@ -312,8 +312,6 @@ class KVManager:
                 raise kvferry.FailedPreconditionError("KVSender.send before init")
         for sender in {id(s): s for s, _ in chunks}.values():
             sender._wait_paired()
-        # Every chunk is checked before any sender's bookkeeping moves, so a refused pass
-        # leaves the senders as they were.
         next_page: Dict[int, int] = {}
         planned = []
         for sender, pages in chunks:
