@@ -85,9 +85,11 @@ class Rank:
             np.uint16
         )
 
-    def fill(self, room: int, pages: np.ndarray, buffers=None) -> None:
+    def fill(self, room: int, pages: np.ndarray, buffers=None, wait: bool = True) -> None:
         """Writes the request's KV into `pages` (its pages in token order), in every buffer or
-        those listed (GPU buffers: on the current stream)."""
+        those listed. GPU buffers: on the current stream, which this waits for unless `wait` is
+        False (a layer then hands its KV over by an event recorded after it): send() moves
+        pages as they are when it is called, as SGLang calls it after the forward pass."""
         ps = self.page_size
         tokens = np.arange(len(pages) * ps)
         slots = (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1)
@@ -101,6 +103,10 @@ class Rank:
                 index = torch.from_numpy(slots.astype(np.int64)).to(self.kv[b].device)
                 src = torch.from_numpy(values.view(np.float16)).to(self.kv[b].device)
                 self.kv[b][index] = src
+        if self.device is not None and wait:
+            import torch
+
+            torch.cuda.current_stream(self.device).synchronize()
 
     def buffers_of_layer(self, layer: int) -> list:
         return [layer] if self.mla else [layer, self.layers + layer]
@@ -197,7 +203,7 @@ def run_prefill(spec: dict) -> None:
                         # the layer "computes" its KV on the GPU, then is marked by an event
                         import torch
 
-                        rank.fill(room, pages, rank.buffers_of_layer(layer))
+                        rank.fill(room, pages, rank.buffers_of_layer(layer), wait=False)
                         event = torch.cuda.Event()
                         event.record()
                         p.layer_ready(layer, event)
