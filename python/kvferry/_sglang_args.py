@@ -4,6 +4,8 @@ fill (sglang/srt/disaggregation/base/conn.py KVArgs) and those kvferry adds."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -38,7 +40,9 @@ class KVArgs:
     default, bfloat16, where unset: kvferry moves bytes, so only the product matters and both
     sides must derive it alike). An MLA pool's latent is taken as kv_lora_rank = head_dim,
     qk_rope_head_dim = 0. tp_size comes from KVManager's server_args (SGLang's attention TP:
-    tp_size, divided by dp_size under enable_dp_attention).
+    tp_size, divided by dp_size under enable_dp_attention), and the rank is engine_rank modulo
+    it. An MHA/GQA rank without kv_head_num (SGLang's decode) takes it from config.json in
+    server_args.model_path when that is a local directory.
     """
 
     engine_rank: int = 0
@@ -120,7 +124,8 @@ def _derived_head_dim(args: KVArgs, heads: int) -> int:
     if heads <= 0:
         raise kvferry.InvalidArgumentError(
             "KVArgs.kv_head_num is 0 and head_dim is unset: kvferry needs this rank's KV heads "
-            "(SGLang's token_to_kv_pool.head_num) to read one page's layout"
+            "(SGLang's token_to_kv_pool.head_num, or a model_path in server_args whose "
+            "config.json names them) to read one page's layout"
         )
     elem = np.dtype(_NUMPY_DTYPES.get(str(args.kv_dtype).lower().replace("torch.", ""), "u2"))
     per_page = int(args.page_size) * heads * elem.itemsize
@@ -239,3 +244,24 @@ def _attention_tp_size(args: KVArgs, server_args: Any) -> int:
     if getattr(server_args, "enable_dp_attention", False):
         tp //= max(1, int(getattr(server_args, "dp_size", 1) or 1))
     return max(1, tp)
+
+
+def _fill_kv_heads_from_model(args: KVArgs, server_args: Any, tp_size: int) -> None:
+    """Sets args.kv_head_num / total_kv_head_num of an MHA/GQA rank that left them unset (SGLang's
+    decode does) from the model's config.json in server_args.model_path, when that is a local
+    directory: num_key_value_heads (else num_attention_heads) of the model, or of its
+    text_config, split over the attention TP size (replicated where TP exceeds it)."""
+    if args.is_mla or args.kv_head_num or args.hf_config is not None or server_args is None:
+        return
+    path = os.path.join(str(getattr(server_args, "model_path", "") or ""), "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return
+    for c in (config, config.get("text_config") or {}):
+        total = c.get("num_key_value_heads") or c.get("num_attention_heads")
+        if total:
+            args.kv_head_num = max(1, int(total) // tp_size)
+            args.total_kv_head_num = args.total_kv_head_num or int(total)
+            return

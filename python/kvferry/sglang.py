@@ -51,7 +51,13 @@ import numpy as np
 
 import kvferry
 from kvferry import _kvferry
-from kvferry._sglang_args import KVArgs, _attention_tp_size, _flat, _pool_kwargs
+from kvferry._sglang_args import (
+    KVArgs,
+    _attention_tp_size,
+    _fill_kv_heads_from_model,
+    _flat,
+    _pool_kwargs,
+)
 
 __all__ = [
     "DisaggregationMode",
@@ -185,8 +191,11 @@ class KVManager:
         self.is_mla_backend = bool(is_mla_backend or args.is_mla)
         if self.is_mla_backend:
             args.is_mla = True
-        tp_rank = args.tp_rank if args.tp_rank is not None else args.engine_rank
         tp_size = _attention_tp_size(args, server_args)
+        # SGLang's engine_rank is the global TP rank on prefill: its place in the attention TP
+        # group is that modulo the group's size.
+        tp_rank = (args.tp_rank if args.tp_rank is not None else args.engine_rank) % tp_size
+        _fill_kv_heads_from_model(args, server_args, tp_size)
         # SGLang's decode scheduler reads a prefill group's DP layout from here
         # (try_ensure_parallel_info); kvferry serves one prefill DP group per bootstrap address.
         self.prefill_info_table: Dict[str, Any] = {}
@@ -294,7 +303,11 @@ class KVManager:
                     return
                 senders = list(self._waiting_senders)
             for sender in senders:
-                if sender._try_flush():
+                try:
+                    done = sender._try_flush()
+                except Exception:  # never expected; the thread must outlive one sender
+                    done = True
+                if done:
                     with self._waiting_cv:
                         self._waiting_senders.discard(sender)
             time.sleep(0.0005)
@@ -306,12 +319,6 @@ class KVManager:
         ranks, which a room SGLang schedules has normally done already, for at most
         bootstrap_timeout. Raises as KVSender.send, and the room's failure; every chunk is
         checked before any is counted, so a refused pass leaves its senders as they were."""
-        chunks = list(chunks)
-        for sender, _ in chunks:
-            if not sender._opened:
-                raise kvferry.FailedPreconditionError("KVSender.send before init")
-        for sender in {id(s): s for s, _ in chunks}.values():
-            sender._wait_paired()
         next_page: Dict[int, int] = {}
         planned = []
         for sender, pages in chunks:
@@ -319,6 +326,9 @@ class KVManager:
             entry, end = sender._plan_chunk(pages, first)
             next_page[id(sender)] = end
             planned.append((sender, entry, end))
+        sending = {id(s): s for s, entry, _ in planned if entry is not None}
+        for sender in sending.values():
+            sender._wait_paired()
         entries = [entry for _, entry, _ in planned if entry is not None]
         pass_id = self._conn.begin_layerwise_pass(entries) if entries else None
         for sender, entry, end in planned:
@@ -518,7 +528,7 @@ class KVSender(_Room):
         aux = sum(_flat(self.kv_mgr.kv_args.aux_item_lens)) if self._aux_index is not None else 0
         return KVTransferMetric(
             transfer_latency_s=self._latency,
-            transfer_total_bytes=self._range[1] * per_page + aux if self._opened else None,
+            transfer_total_bytes=self._range[1] * per_page + aux if self._num_pages else None,
         )
 
     def send(
@@ -565,7 +575,11 @@ class KVSender(_Room):
         failed: the error is kept for poll())."""
         with self._flush_lock:
             while self._pending and self._error is None:
-                state, _ = self.kv_mgr._conn.poll(self.bootstrap_room)
+                try:
+                    state, _ = self.kv_mgr._conn.poll(self.bootstrap_room)
+                except kvferry.Error as e:  # closed with its manager, or released by clear()
+                    self._error = e
+                    return True
                 if state == _FAILED:
                     return True
                 if state not in (_WAITING, _TRANSFERRING):

@@ -298,19 +298,19 @@ def test_sender_polled_before_init_waits_for_decode(server):
         prefill.close()
 
 
-def sglang_filled_args(rank: Rank) -> KVArgs:
+def sglang_filled_args(rank: Rank, decode: bool = False, engine_rank: int = 0) -> KVArgs:
     """KVArgs filled only as SGLang's schedulers fill them (prefill.py / decode.py
-    _init_kv_manager): no head_dim, kv_dtype, kv_lora_rank or tp_size; KV heads only for MHA/GQA
-    (decode sets them for unequal TP)."""
+    _init_kv_manager): no head_dim, kv_dtype, kv_lora_rank or tp_size; KV heads only on an
+    MHA/GQA prefill rank; engine_rank as given (prefill's is the global TP rank)."""
     full = rank.args()
     a = KVArgs()
-    a.engine_rank = full.engine_rank
+    a.engine_rank = engine_rank
     a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (
         full.kv_data_ptrs, full.kv_data_lens, full.kv_item_lens)
     a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = (
         full.aux_data_ptrs, full.aux_data_lens, full.aux_item_lens)
     a.page_size = full.page_size
-    if not rank.mla:
+    if not rank.mla and not decode:
         a.kv_head_num = full.kv_head_num
         a.total_kv_head_num = full.total_kv_head_num
     return a
@@ -325,18 +325,25 @@ def wait_final(*rooms, seconds=30):
 
 
 @pytest.mark.parametrize("geometry", [GQA, MLA], ids=["gqa", "mla"])
-def test_sglang_scheduler_order_and_fields(server, geometry):
-    """A room driven as SGLang's schedulers drive it, from KVArgs as they fill them: decode's
-    receiver is WaitingForInput before it has pages (SGLang reserves pages only then), then
-    init(prefill_dp_rank) and send_metadata(pages, row, [], decode_prefix_len=0); prefill asks
-    should_send_kv_chunk, pop_decode_prefix_len and get_transfer_metric."""
+def test_sglang_scheduler_order_and_fields(server, geometry, tmp_path):
+    """A room driven as SGLang's schedulers drive it, from KVArgs as they fill them (decode's
+    KV heads from the model's config.json; prefill's engine_rank the global TP rank of the
+    second DP-attention group): decode's receiver is WaitingForInput before it has pages
+    (SGLang reserves pages only then), then init(prefill_dp_rank) and send_metadata(pages, row,
+    [], decode_prefix_len=0); prefill asks should_send_kv_chunk, pop_decode_prefix_len and,
+    after clear(), get_transfer_metric."""
     host, port = server.address.rsplit(":", 1)
-    server_args = types.SimpleNamespace(tp_size=1, dp_size=1, enable_dp_attention=False,
-                                        host=host, disaggregation_bootstrap_port=int(port))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 8, "num_key_value_heads": GQA["heads"]}))
+    server_args = types.SimpleNamespace(tp_size=2, dp_size=2, enable_dp_attention=True,
+                                        host=host, disaggregation_bootstrap_port=int(port),
+                                        model_path=str(tmp_path))
     mla = geometry.get("mla", False)
     prank, drank = Rank(geometry, 0, 1, 64), Rank(geometry, 0, 1, 64)
-    prefill = KVManager(sglang_filled_args(prank), DisaggregationMode.PREFILL, server_args, mla)
-    decode = KVManager(sglang_filled_args(drank), DisaggregationMode.DECODE, server_args, mla)
+    prefill = KVManager(sglang_filled_args(prank, engine_rank=1), DisaggregationMode.PREFILL,
+                        server_args, mla)
+    decode = KVManager(sglang_filled_args(drank, decode=True), DisaggregationMode.DECODE,
+                       server_args, mla)
     room, row, n = 4242, 3, 9
     try:
         assert decode.try_ensure_parallel_info(server.address)
@@ -367,6 +374,8 @@ def test_sglang_scheduler_order_and_fields(server, geometry):
         assert drank.mismatches(room, dst) == 0
         assert drank.aux_ok(row, room)
         assert receiver.conclude_state == KVPoll.Success
+        receiver.clear()
+        sender.clear()  # SGLang clears a room before it reads the metric
         metric = sender.get_transfer_metric()
         assert metric.transfer_latency_s is not None and metric.transfer_latency_s > 0
         page_bytes = sum(prank.args().kv_item_lens)
