@@ -16,8 +16,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "errors.h"
 #include "kvferry/memory.h"
 
 namespace kvferry::python {
@@ -133,6 +135,20 @@ struct type_caster<kvferry::python::U64Values> {
       value.owned.clear();
     }
     if (!convert && !kvferry::python::U64Array::check_(src)) return false;
+    if (pybind11::isinstance<pybind11::array>(src)) {
+      // The cast below turns a signed array's negative values into huge unsigned ones.
+      const auto a = pybind11::reinterpret_borrow<pybind11::array>(src);
+      const char kind = a.dtype().kind();
+      if ((kind == 'i' || kind == 'f') && a.size() > 0) {
+        pybind11::object negative = pybind11::module_::import("numpy").attr("less")(a, 0);
+        if (negative.attr("any")().cast<bool>()) {
+          const auto at = negative.attr("argmax")().cast<int64_t>();
+          throw kvferry::python::StatusError(kvferry::InvalidArgumentError(
+              "element " + std::to_string(at) +
+              " of an address, length or offset array is negative (they are unsigned)"));
+        }
+      }
+    }
     value.array = kvferry::python::U64Array::ensure(src);
     if (!value.array) {
       PyErr_Clear();

@@ -250,6 +250,11 @@ def test_submission_errors(engine, peer):
         engine.submit_write(segment, [local.ctypes.data], [base], [10], deadline=0)
     with pytest.raises(kvferry.InvalidArgumentError):
         engine.submit_write(segment, [local.ctypes.data], [base], [10], num_rows=2)
+    with pytest.raises(kvferry.InvalidArgumentError, match="element 1 .* is negative"):
+        engine.submit_write(segment, np.array([local.ctypes.data, -1], np.int64),
+                            np.array([base, base + 16], np.int64), [10])
+    with pytest.raises(kvferry.InvalidArgumentError, match="element 0 .* is negative"):
+        engine.submit_read(segment, [local.ctypes.data], [base], np.array([-10], np.int32))
     with pytest.raises(kvferry.InvalidArgumentError):
         engine.open_segment("no-port-here")
     with pytest.raises(kvferry.InvalidArgumentError):
