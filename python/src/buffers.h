@@ -84,14 +84,27 @@ using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast
 
 // The same values, taken from a list or tuple of ints by a plain loop (numpy's conversion of a
 // list inspects every element's type first, about 3x slower: SGLang passes lists of 8192
-// addresses per call); anything else (numpy arrays, scalars, lists numpy must convert, such as
-// negative values) goes through U64Array. Loaded by the type caster below.
+// addresses per call); a signed numpy array is read as int64 and checked for negative values
+// in C, its bits then taken as they are; anything else (unsigned or float arrays, scalars,
+// lists numpy must convert) goes through U64Array. Loaded by the type caster below.
 struct U64Values {
   std::vector<uint64_t> owned;  // list or tuple values
-  U64Array array;               // otherwise
+  py::array array;              // otherwise: the array `data` points into
   const uint64_t* data = nullptr;
   size_t size = 0;
 };
+
+// Throws InvalidArgumentError naming the first negative of `n` values, if any.
+template <typename T>
+void RefuseNegative(const T* values, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (values[i] < 0) {
+      throw StatusError(InvalidArgumentError(
+          "element " + std::to_string(i) +
+          " of an address, length or offset array is negative (they are unsigned)"));
+    }
+  }
+}
 
 class Column {
  public:
@@ -136,26 +149,41 @@ struct type_caster<kvferry::python::U64Values> {
     }
     if (!convert && !kvferry::python::U64Array::check_(src)) return false;
     if (pybind11::isinstance<pybind11::array>(src)) {
-      // The cast below turns a signed array's negative values into huge unsigned ones.
-      const auto a = pybind11::reinterpret_borrow<pybind11::array>(src);
-      const char kind = a.dtype().kind();
-      if ((kind == 'i' || kind == 'f') && a.size() > 0) {
-        pybind11::object negative = pybind11::module_::import("numpy").attr("less")(a, 0);
-        if (negative.attr("any")().cast<bool>()) {
-          const auto at = negative.attr("argmax")().cast<int64_t>();
-          throw kvferry::python::StatusError(kvferry::InvalidArgumentError(
-              "element " + std::to_string(at) +
-              " of an address, length or offset array is negative (they are unsigned)"));
+      // The U64Array cast would turn negative values into huge unsigned ones.
+      const char kind = pybind11::reinterpret_borrow<pybind11::array>(src).dtype().kind();
+      if (kind == 'i') {
+        using I64Array =
+            pybind11::array_t<int64_t, pybind11::array::c_style | pybind11::array::forcecast>;
+        I64Array values = I64Array::ensure(src);
+        if (!values) {
+          PyErr_Clear();
+          return false;
+        }
+        value.size = static_cast<size_t>(values.size());
+        kvferry::python::RefuseNegative(values.data(), value.size);
+        value.data = reinterpret_cast<const uint64_t*>(values.data());  // all >= 0: same bits
+        value.array = std::move(values);
+        return true;
+      }
+      if (kind == 'f') {
+        using F64Array =
+            pybind11::array_t<double, pybind11::array::c_style | pybind11::array::forcecast>;
+        F64Array values = F64Array::ensure(src);
+        if (!values) {
+          PyErr_Clear();
+        } else {
+          kvferry::python::RefuseNegative(values.data(), static_cast<size_t>(values.size()));
         }
       }
     }
-    value.array = kvferry::python::U64Array::ensure(src);
-    if (!value.array) {
+    kvferry::python::U64Array values = kvferry::python::U64Array::ensure(src);
+    if (!values) {
       PyErr_Clear();
       return false;
     }
-    value.data = value.array.data();
-    value.size = static_cast<size_t>(value.array.size());
+    value.data = values.data();
+    value.size = static_cast<size_t>(values.size());
+    value.array = std::move(values);
     return true;
   }
 };

@@ -255,6 +255,8 @@ def test_submission_errors(engine, peer):
                             np.array([base, base + 16], np.int64), [10])
     with pytest.raises(kvferry.InvalidArgumentError, match="element 0 .* is negative"):
         engine.submit_read(segment, [local.ctypes.data], [base], np.array([-10], np.int32))
+    with pytest.raises(kvferry.InvalidArgumentError, match="element 2 .* is negative"):
+        engine.submit_read(segment, [local.ctypes.data], [base], np.array([8.0, 4.0, -2.0]))
     with pytest.raises(kvferry.InvalidArgumentError):
         engine.open_segment("no-port-here")
     with pytest.raises(kvferry.InvalidArgumentError):
