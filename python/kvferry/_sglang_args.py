@@ -127,8 +127,7 @@ def _derived_head_dim(args: KVArgs, heads: int) -> int:
             "(SGLang's token_to_kv_pool.head_num, or a model_path in server_args whose "
             "config.json names them) to read one page's layout"
         )
-    elem = np.dtype(_NUMPY_DTYPES.get(str(args.kv_dtype).lower().replace("torch.", ""), "u2"))
-    per_page = int(args.page_size) * heads * elem.itemsize
+    per_page = int(args.page_size) * heads * _element_bytes(args.kv_dtype)
     if not items or items[0] <= 0 or items[0] % per_page:
         raise kvferry.InvalidArgumentError(
             f"kv_item_lens {sorted(set(items))} is not page_size {args.page_size} x {heads} KV "
@@ -143,8 +142,6 @@ def _geometry(args: KVArgs) -> Dict[str, Any]:
     if args.hf_config is not None:
         text = args.hf_config
         if not isinstance(text, str):
-            import json
-
             text = json.dumps(text)
         g = _kvferry.geometry_from_hf_config(text)
         if g["attention"] == "mha" and args.kv_head_num:
@@ -193,7 +190,7 @@ def _pool_kwargs(args: KVArgs) -> Dict[str, Any]:
     num_aux_rows = _rows("aux", _flat(args.aux_data_lens), _flat(args.aux_item_lens))
     geometry = _geometry(args)
     item = _flat(args.kv_item_lens)
-    elem = np.dtype(_NUMPY_DTYPES.get(geometry["dtype"], "u2")).itemsize
+    elem = _element_bytes(geometry["dtype"])
     expected = args.page_size * geometry["num_kv_heads"] * geometry["head_dim"] * elem
     if any(i != expected for i in item):
         raise kvferry.InvalidArgumentError(
@@ -219,6 +216,13 @@ def _pool_kwargs(args: KVArgs) -> Dict[str, Any]:
         device=_device_of("kv", kv_ptrs + state_ptrs),
         aux_device=_device_of("aux", aux_ptrs),
     )
+
+
+def _element_bytes(dtype: Any) -> int:
+    """Bytes of one element of a KV dtype name, read as kvferry's C++ reads it (any case, an
+    optional "torch." prefix); 2 for a name it does not know (the connector refuses it)."""
+    name = str(dtype).lower().removeprefix("torch.")
+    return np.dtype(_NUMPY_DTYPES.get(name, "u2")).itemsize
 
 
 _NUMPY_DTYPES = {

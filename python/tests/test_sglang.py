@@ -388,6 +388,9 @@ def test_sglang_scheduler_order_and_fields(server, geometry, tmp_path):
 
 def test_geometry_from_sglang_fields_needs_kv_heads_and_whole_heads():
     args = sglang_filled_args(Rank(GQA, 0, 1, 8))
+    args.kv_dtype = "torch.float32"  # a dtype named as torch names it counts 4 bytes throughout
+    KVManager(args, DisaggregationMode.DECODE).close()
+    args = sglang_filled_args(Rank(GQA, 0, 1, 8))
     args.kv_head_num = 0
     with pytest.raises(kvferry.InvalidArgumentError, match="kv_head_num"):
         KVManager(args, DisaggregationMode.DECODE)
