@@ -316,6 +316,13 @@ def sglang_filled_args(rank: Rank, decode: bool = False, engine_rank: int = 0) -
     return a
 
 
+def wait_while(room, state, seconds=20):
+    """Polls `room` while it reports `state`, for at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while room.poll() == state and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 def wait_final(*rooms, seconds=30):
     deadline = time.monotonic() + seconds
     for room in rooms:
@@ -356,9 +363,7 @@ def test_sglang_scheduler_order_and_fields(server, geometry, tmp_path):
         receiver.send_metadata(dst, row, [], decode_prefix_len=0)
 
         sender = KVSender(prefill, server.address, room)
-        deadline = time.monotonic() + 20
-        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
-            time.sleep(0.002)
+        wait_while(sender, KVPoll.Bootstrapping)
         assert sender.poll() == KVPoll.WaitingForInput
         assert sender.pop_decode_prefix_len() == 0
         src = np.arange(20, 20 + n, dtype=np.int32)
@@ -410,9 +415,7 @@ def test_refused_chunk_fails_the_room_on_both_sides_and_closing_fails_the_rest(s
         receiver = KVReceiver(decode, server.address, 61)
         receiver.send_metadata(np.array([1, 2], np.int32), 0)
         sender = KVSender(prefill, server.address, 61)
-        deadline = time.monotonic() + 20
-        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
-            time.sleep(0.002)
+        wait_while(sender, KVPoll.Bootstrapping)
         sender.init(2, aux_index=0)
         sender.send(np.array([3, 10**6], np.int32))
         assert wait_final(sender, receiver) == [KVPoll.Failed, KVPoll.Failed]
