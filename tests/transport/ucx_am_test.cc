@@ -3,19 +3,24 @@
 // to answer an error only for a rendezvous (it asserts so in assertion-enabled builds such as
 // Debian's 1.13), so an eager READ answer for an operation that was abandoned, or never
 // existed, must be dropped with UCS_OK: the process survives and the worker keeps serving.
+// Also a frozen initiator's rendezvous WRITE, which an Unregister waits for, and the context's
+// memory mappings, one per registration.
 #include <gtest/gtest.h>
 
 #ifdef KVFERRY_WITH_UCX
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <future>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "transport/memory_registry.h"
 #include "transport/ucx/ucx_am.h"
 #include "transport/ucx/ucx_worker.h"
 
@@ -148,6 +153,140 @@ TEST(UcxAmTest, EagerReadDataForAnOperationNoLongerAwaitedIsDropped) {
     }
   });
   to.Run([&] { to.RemoveAmOp(live_op); });
+}
+
+TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
+  // The target pins a WRITE's range while it receives the row as rendezvous, and an Unregister
+  // waits for the pin. An initiator that stops mid-row (here: its progress thread blocked
+  // right after it sent the request) holds the Unregister until it goes on: UCX cannot cancel
+  // a rendezvous receive, and force-closing the reply endpoint does not stop the row's bytes
+  // from landing once the initiator resumes (a pin released at a deadline would let them land
+  // in memory no longer registered). Once it resumes, the row lands, then the Unregister
+  // returns.
+  PinLoopback();
+  auto context = UcxContext::Create();
+  ASSERT_TRUE(context.ok()) << context.status().ToString();
+  MemoryRegistry registry;
+  std::vector<uint8_t> memory(1 << 20, 0);
+  RegionDescriptor region;
+  region.base = reinterpret_cast<uint64_t>(memory.data());
+  region.length_bytes = memory.size();
+  region.access = kAccessRemoteReadWrite;
+  region.ucx_rkey = {1};  // mapped (PinMapped asks for a key), not used by active messages
+  ASSERT_TRUE(registry.Register(region).ok());
+  (*context)->set_registry(&registry);
+  auto initiator = UcxWorker::Create(context->get(), std::chrono::nanoseconds(0));
+  ASSERT_TRUE(initiator.ok()) << initiator.status().ToString();
+  auto target = UcxWorker::Create(context->get(), std::chrono::nanoseconds(0));
+  ASSERT_TRUE(target.ok()) << target.status().ToString();
+  UcxWorker& from = **initiator;
+  UcxWorker& to = **target;
+
+  RecordingClient client;
+  ucp_ep_h ep = nullptr;
+  from.Run([&] {
+    ucp_ep_params_t p = {};
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.address = reinterpret_cast<const ucp_address_t*>(to.address().data());
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
+    ASSERT_EQ(ucp_ep_create(from.worker(), &p, &ep), UCS_OK);
+  });
+  ASSERT_NE(ep, nullptr);
+  // Sends a WRITE of `data` to the start of the region as operation `op`, flags `flags`.
+  const auto send_write = [&](uint64_t op, const std::vector<uint8_t>& data, uint32_t flags) {
+    auto* header = new AmRequest{op, region.base, data.size()};
+    ucp_request_param_t p = {};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.flags = flags | UCP_AM_SEND_FLAG_REPLY;
+    p.user_data = header;
+    p.cb.send = [](void* request, ucs_status_t, void* user_data) {
+      delete static_cast<AmRequest*>(user_data);
+      ucp_request_free(request);
+    };
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(ep, kAmWrite, header, sizeof(*header), data.data(), data.size(), &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) delete header;
+  };
+  // An eager WRITE first: the endpoint is wired up and the target answers.
+  const std::vector<uint8_t> first(64, 0x11);
+  uint64_t first_op = 0;
+  from.Run([&] {
+    first_op = from.AddAmOp(&client);
+    send_write(first_op, first, UCP_AM_SEND_FLAG_EAGER);
+  });
+  ASSERT_EQ(client.WaitDone(first_op), UCS_OK);
+  ASSERT_EQ(memory[0], 0x11);
+  std::fill(memory.begin(), memory.end(), 0);
+
+  // Then a rendezvous WRITE, and the initiator's thread stops right after sending it.
+  const std::vector<uint8_t> row(512 << 10, 0xA5);
+  uint64_t row_op = 0;
+  std::promise<void> resume;
+  std::shared_future<void> resumed = resume.get_future().share();
+  from.Run([&] { row_op = from.AddAmOp(&client); });
+  from.Post([&, resumed] {
+    send_write(row_op, row, UCP_AM_SEND_FLAG_RNDV);
+    resumed.wait();
+  });
+  // The target received the request and waits for the row: the Unregister waits too.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto unregistered =
+      std::async(std::launch::async, [&] { return registry.Unregister(region.base); });
+  const bool waited =
+      unregistered.wait_for(std::chrono::milliseconds(500)) == std::future_status::timeout;
+  resume.set_value();
+  EXPECT_TRUE(waited) << "Unregister returned while the row was still to come";
+  ASSERT_EQ(unregistered.wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "Unregister still waits after the initiator resumed";
+  EXPECT_TRUE(unregistered.get().ok());
+  // The row landed before the Unregister returned; nothing else did.
+  EXPECT_EQ(std::count(memory.begin(), memory.begin() + row.size(), 0xA5),
+            static_cast<long>(row.size()));
+  EXPECT_EQ(std::count(memory.begin() + row.size(), memory.end(), 0),
+            static_cast<long>(memory.size() - row.size()));
+
+  from.Run([&] {
+    ucp_request_param_t p = {};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(from.worker());
+      ucp_request_free(r);
+    }
+    from.RemoveAmOp(first_op);
+    from.RemoveAmOp(row_op);
+  });
+}
+
+TEST(UcxContextTest, RegistrationsOfOneBaseKeepTheirOwnMappings) {
+  // A registration of an address racing an Unregister of the same address (a framework's
+  // allocator handing the memory out again) maps it while the old mapping is still in place:
+  // each mapping is its registration's, and unmapping one leaves the other.
+  PinLoopback();
+  auto context = UcxContext::Create();
+  ASSERT_TRUE(context.ok()) << context.status().ToString();
+  std::vector<uint8_t> memory(1 << 20);
+  RegionDescriptor old_region;
+  old_region.base = reinterpret_cast<uint64_t>(memory.data());
+  old_region.length_bytes = memory.size();
+  old_region.access = kAccessRemoteReadWrite;
+  old_region.key = 1;
+  RegionDescriptor new_region = old_region;
+  new_region.length_bytes = memory.size() / 2;
+  new_region.key = 2;
+  ASSERT_TRUE((*context)->MapRegion(old_region).ok());
+  ASSERT_TRUE((*context)->MapRegion(new_region).ok());
+  EXPECT_EQ((*context)->num_mapped(), 2u);
+  (*context)->UnmapRegion(old_region);
+  EXPECT_EQ((*context)->num_mapped(), 1u);
+  (*context)->UnmapRegion(old_region);  // already gone: nothing
+  EXPECT_EQ((*context)->num_mapped(), 1u);
+  (*context)->UnmapRegion(new_region);
+  EXPECT_EQ((*context)->num_mapped(), 0u);
 }
 
 }  // namespace

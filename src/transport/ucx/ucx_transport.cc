@@ -152,7 +152,7 @@ class UcxTransport : public Transport, public RegionObserver {
     return OkStatus();
   }
   void OnUnregister(const RegionDescriptor& region) override {
-    if (!region.ucx_rkey.empty()) context_->UnmapRegion(region.base);
+    if (!region.ucx_rkey.empty()) context_->UnmapRegion(region);
   }
 
   // GPU requests go to UCX as GPU memory (else through bounce buffers).

@@ -60,7 +60,7 @@ StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
 UcxContext::~UcxContext() {
   {
     std::lock_guard<std::mutex> lock(map_mu_);
-    for (auto& [base, memh] : mapped_) ucp_mem_unmap(context_, memh);
+    for (auto& [where, memh] : mapped_) ucp_mem_unmap(context_, memh);
     mapped_.clear();
   }
   if (context_ != nullptr) ucp_cleanup(context_);
@@ -216,7 +216,7 @@ StatusOr<std::vector<uint8_t>> UcxContext::MapRegion(const RegionDescriptor& reg
   std::vector<uint8_t> rkey(bytes, bytes + packed_bytes);
   ucp_rkey_buffer_release(packed);
   std::lock_guard<std::mutex> lock(map_mu_);
-  auto [it, inserted] = mapped_.emplace(region.base, memh);
+  auto [it, inserted] = mapped_.emplace(std::make_pair(region.base, region.key), memh);
   if (!inserted) {
     ucp_mem_unmap(context_, it->second);
     it->second = memh;
@@ -224,16 +224,21 @@ StatusOr<std::vector<uint8_t>> UcxContext::MapRegion(const RegionDescriptor& reg
   return rkey;
 }
 
-void UcxContext::UnmapRegion(uint64_t base) {
+void UcxContext::UnmapRegion(const RegionDescriptor& region) {
   ucp_mem_h memh = nullptr;
   {
     std::lock_guard<std::mutex> lock(map_mu_);
-    auto it = mapped_.find(base);
+    auto it = mapped_.find(std::make_pair(region.base, region.key));
     if (it == mapped_.end()) return;
     memh = it->second;
     mapped_.erase(it);
   }
   ucp_mem_unmap(context_, memh);
+}
+
+size_t UcxContext::num_mapped() const {
+  std::lock_guard<std::mutex> lock(map_mu_);
+  return mapped_.size();
 }
 
 uint64_t UcxWorker::AddAmOp(AmClient* client) {

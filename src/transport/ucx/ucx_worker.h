@@ -64,10 +64,14 @@ class UcxContext {
 
   // Maps `region` with UCX (remote read / write as its access allows) and returns the packed
   // rkey, which peers may use on endpoints to any worker of this context; the mapping stays
-  // until UnmapRegion(region.base). Errors: kUnavailable with UCX's reason.
+  // until UnmapRegion(region). Mappings are told apart by base and RegionDescriptor::key (random
+  // per registration), so a registration of the same base racing an Unregister keeps its own.
+  // Errors: kUnavailable with UCX's reason.
   StatusOr<std::vector<uint8_t>> MapRegion(const RegionDescriptor& region);
-  // Unmaps the region mapped at `base`; nothing when none is.
-  void UnmapRegion(uint64_t base);
+  // Unmaps the mapping MapRegion made for `region` (same base and key); nothing when none is.
+  void UnmapRegion(const RegionDescriptor& region);
+  // How many mappings are in place.
+  size_t num_mapped() const;
 
   // The engine's registry (not owned; it outlives the context), which the active-message
   // target pins a range in for as long as UCX writes or reads it, so that an Unregister waits
@@ -90,8 +94,8 @@ class UcxContext {
   bool cuda_memory_ = false;
   std::string version_;
 
-  std::mutex map_mu_;
-  std::map<uint64_t, ucp_mem_h> mapped_;  // by region base
+  mutable std::mutex map_mu_;
+  std::map<std::pair<uint64_t, uint64_t>, ucp_mem_h> mapped_;  // by region base and key
 };
 
 // What a channel implements to hear the replies to its active-message requests (ucx_am.h);
