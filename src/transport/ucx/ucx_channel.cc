@@ -629,7 +629,9 @@ class UcxChannel : public PeerChannel,
     }
   }
 
-  // Re-reads the peer's descriptor on the resolver thread, then processes `item` again.
+  // Re-reads the peer's descriptor on the resolver thread, then processes `item` again. A
+  // read begins after the item came: an item that comes while a read is under way waits for
+  // the next one, since that read may predate the peer registering the item's region.
   void Unresolved(std::shared_ptr<WorkItem> item) {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) {
@@ -646,16 +648,22 @@ class UcxChannel : public PeerChannel,
     while (true) {
       resolver_cv_.wait(lock, [&] { return closed_ || !unresolved_.empty(); });
       if (closed_) return;
+      const size_t waiting = unresolved_.size();
       lock.unlock();
       StatusOr<SegmentDescriptor> fresh =
           o_.refresh ? o_.refresh() : StatusOr<SegmentDescriptor>(o_.peer);
       lock.lock();
-      auto items = std::make_shared<std::deque<std::shared_ptr<WorkItem>>>();
-      items->swap(unresolved_);
       if (closed_) {
-        for (auto& item : *items) item->Complete(UnavailableError(Name() + " closed"));
+        for (auto& item : unresolved_) item->Complete(UnavailableError(Name() + " closed"));
+        unresolved_.clear();
         return;
       }
+      // The first `waiting` items came before the read began (fewer when Abandon took some:
+      // then a later one may go with this read, and fails as unresolved if it was too early).
+      const auto end = unresolved_.begin() + std::min(waiting, unresolved_.size());
+      auto items = std::make_shared<std::deque<std::shared_ptr<WorkItem>>>(
+          std::make_move_iterator(unresolved_.begin()), std::make_move_iterator(end));
+      unresolved_.erase(unresolved_.begin(), end);
       worker_->Post([self = shared_from_this(), fresh, items] {
         if (fresh.ok()) self->SetPeer(*fresh);
         self->Process(*items, /*refreshed=*/true);
