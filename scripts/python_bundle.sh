@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Packs the Python package built here for another machine's interpreter into .devbuild/python
-# (git-ignored): the package with its compiled module, the pytest suite, and the shared
-# libraries the module links that a bare image lacks (into .devbuild/lib, as
-# scripts/device_bundle.sh does for the binaries). The GPU machine (Python 3.12, pybind11 3.x,
+# (git-ignored): the package with its compiled module, the pytest suite (and the model configs
+# it reads from tests/data, into .devbuild/tests/data), and the shared libraries the module
+# links that a bare image lacks (into .devbuild/lib, as scripts/device_bundle.sh does for the
+# binaries). The GPU machine (Python 3.12, pybind11 3.x,
 # no Asio/spdlog/fmt/cpp-httplib headers) cannot build kvferry itself; build the module here
 # for a matching interpreter, e.g. pyenv's 3.12 with pip's pybind11:
 #
@@ -25,6 +26,8 @@ cp -L "$build"/python/kvferry/*.py "$build"/python/kvferry/*.pyi "$build"/python
 cp -rL "$build"/python/kvferry/examples "$out/kvferry/" && rm -rf "$out/kvferry/examples/__pycache__"
 for module in "$build"/python/kvferry/_kvferry*.so; do strip -o "$out/kvferry/$(basename "$module")" "$module"; done
 cp python/tests/*.py "$out/tests/"
+# The model configs some tests read from the repository's tests/data (two levels above them).
+mkdir -p .devbuild/tests/data && cp tests/data/*.json .devbuild/tests/data/
 for lib in libcpp-httplib.so.0.11 libxxhash.so.0 libspdlog.so.1.10 libfmt.so.9 libcrypto.so.3 libbrotlidec.so.1 libbrotlienc.so.1 \
            libbrotlicommon.so.1; do
   cp -L "/lib/x86_64-linux-gnu/$lib" .devbuild/lib/
