@@ -16,7 +16,7 @@
 #   latency   one 4 KiB WRITE, submit to completion seen, p50
 #   large     kvferry bench, NVLink, 64 MiB and 4 MiB x 64, 4 threads x 4 in flight: deep
 #             queues, where the copy path chooser once measured the copy engine behind the
-#             kernel's queue and chose the kernel (docs/perf/nvlink-h100.md, session 23)
+#             kernel's queue and chose the kernel (docs/perf/nvlink-h100-s23-s25.md, session 23)
 #   hetero    300 requests, page sizes 64 and 1: unequal TP 2 -> 1 and 1 -> 2, staging and
 #             fused, as % of equal TP in the same run, on GPUs 0 and 1 (so 2 -> 1's prefill
 #             ranks share GPU 0 and 1 -> 2's decode ranks GPU 1, on any machine); and fused
