@@ -35,6 +35,7 @@
 // plain structs are values.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -162,8 +163,11 @@ class BootstrapClient {
   // Polls GetTopology until complete() or `timeout` passes. While the server is not
   // reachable yet (kUnavailable) it keeps polling; other errors return at once.
   // kDeadlineExceeded on timeout, naming how many ranks registered of how many expected
-  // (or the last connection error when the server never answered).
-  StatusOr<PrefillTopology> WaitForTopology(std::chrono::milliseconds timeout);
+  // (or the last connection error when the server never answered). `cancelled` (not owned;
+  // null: never) is read before each poll, at most 200 ms apart: once true, the wait ends
+  // with kCancelled (its owner is closing).
+  StatusOr<PrefillTopology> WaitForTopology(std::chrono::milliseconds timeout,
+                                            const std::atomic<bool>* cancelled = nullptr);
 
  private:
   std::string address_;

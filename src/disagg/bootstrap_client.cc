@@ -146,7 +146,8 @@ Status BootstrapClient::Health() {
   return OkStatus();
 }
 
-StatusOr<PrefillTopology> BootstrapClient::WaitForTopology(std::chrono::milliseconds timeout) {
+StatusOr<PrefillTopology> BootstrapClient::WaitForTopology(std::chrono::milliseconds timeout,
+                                                           const std::atomic<bool>* cancelled) {
   const Clock::time_point deadline = Clock::now() + timeout;
   ASSIGN_OR_RETURN(std::string secret, ResolveAuthSecret(auth_secret_));
   // Start fast (ranks usually register within milliseconds of each other), back off to 200 ms
@@ -155,6 +156,10 @@ StatusOr<PrefillTopology> BootstrapClient::WaitForTopology(std::chrono::millisec
   std::optional<PrefillTopology> last;
   Status last_error;
   while (true) {
+    if (cancelled != nullptr && cancelled->load()) {
+      return CancelledError("stopped waiting for the prefill topology at " + address_ +
+                            ": closing");
+    }
     // Never let one request run past the caller's deadline (1 ms floor keeps it a real try).
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());

@@ -327,6 +327,27 @@ TEST(BootstrapTest, WaitForTopologyTimesOutWhenIncomplete) {
   EXPECT_LT(waited, milliseconds(3000));
 }
 
+TEST(BootstrapTest, WaitForTopologyEndsWhenCancelled) {
+  // A decode connector closing while a room waits for prefill ranks that never come: the wait
+  // ends at the cancellation, not at its timeout.
+  std::unique_ptr<BootstrapServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  BootstrapClient client(server->address());
+  ASSERT_TRUE(client.RegisterRank(Registration(0, 0)).ok());
+  std::atomic<bool> cancelled{false};
+  std::thread closer([&] {
+    std::this_thread::sleep_for(milliseconds(300));
+    cancelled.store(true);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  StatusOr<PrefillTopology> topology = client.WaitForTopology(milliseconds(30000), &cancelled);
+  const auto waited = std::chrono::steady_clock::now() - start;
+  closer.join();
+  EXPECT_EQ(topology.status().code(), StatusCode::kCancelled) << topology.status().ToString();
+  EXPECT_GE(waited, milliseconds(300));
+  EXPECT_LT(waited, milliseconds(3000));
+}
+
 TEST(BootstrapTest, WaitForTopologySeesLateRanks) {
   std::unique_ptr<BootstrapServer> server = StartServer();
   ASSERT_NE(server, nullptr);

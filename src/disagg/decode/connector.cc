@@ -115,6 +115,8 @@ class DecodeConnectorImpl : public DecodeConnector {
     if (timer_.joinable()) timer_.join();
     if (heartbeat_.joinable()) heartbeat_.join();
     if (engine_ != nullptr) engine_->SetNotificationHandler(nullptr);
+    // Bootstrap tasks waiting for a prefill topology end now rather than at their timeout.
+    if (pairing_ != nullptr) pairing_->Cancel();
     if (bootstrap_ != nullptr) bootstrap_->Close();
     if (pairing_ != nullptr) pairing_->Close();
     // Scatters free regions (may post grants and aborts), and a failed grant posts its abort

@@ -39,7 +39,8 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
   if (group->ready) return group;
   BootstrapClient client(bootstrap_address, options_.bootstrap_timeout,
                          options_.engine.auth_secret);
-  ASSIGN_OR_RETURN(PrefillTopology topology, client.WaitForTopology(options_.bootstrap_timeout));
+  ASSIGN_OR_RETURN(PrefillTopology topology,
+                   client.WaitForTopology(options_.bootstrap_timeout, &cancelled_));
   const KvLayout& layout = pool_.layout();
   RETURN_IF_ERROR(CheckPairing(topology, layout.page_size(), DTypeName(layout.geometry().dtype)));
   if (topology.pp_size != 1) {

@@ -10,6 +10,7 @@
 // a ready group's fields are read-only.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -64,6 +65,10 @@ class PrefillPairing {
   std::vector<std::shared_ptr<PrefillPeer>> Peers();
   // Drops the group of `bootstrap_address`: later rooms bound for it pair afresh.
   void Forget(const std::string& bootstrap_address);
+  // Ends waits for a prefill topology in progress (their GroupFor fails with kCancelled) and
+  // fails later ones at once; called first when the connector closes, so that closing does
+  // not wait out a bootstrap timeout.
+  void Cancel() { cancelled_.store(true); }
   // Runs the transfer setups still queued and stops taking more (before the engine goes).
   void Close() { setup_.Close(); }
 
@@ -82,6 +87,7 @@ class PrefillPairing {
   StagingReceiver* staging_;    // null: no staging ring
   const std::string node_id_;   // this engine's node (engine descriptor)
 
+  std::atomic<bool> cancelled_{false};
   std::mutex groups_mu_;
   std::map<std::string, std::shared_ptr<PrefillGroup>> groups_;  // by bootstrap address
   // Transfer setup toward prefill ranks this rank pulls from (PrepareTransfers), off the
