@@ -3,6 +3,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -213,8 +215,13 @@ std::span<const int32_t> Pages(const I32Array& pages) {
   return {pages.data(), static_cast<size_t>(pages.size())};
 }
 
+// The longest one connector Wait call blocks inside the Python binding's wait.
+constexpr milliseconds kWaitSlice{50};
+
 // A connector and the pools it sends from or lands in. Calls hold a shared lock without the
-// GIL; Close takes it exclusively, so the connector stops before the pools go.
+// GIL; Close takes it exclusively, so the connector stops before the pools go. Once Close
+// began, new calls fail at once, and a wait (done in slices of kWaitSlice) ends within one
+// slice, so Close is not held for a wait's whole timeout.
 template <typename Connector>
 class Holder {
  public:
@@ -225,12 +232,14 @@ class Holder {
   template <typename F>
   auto Call(F&& f) {
     py::gil_scoped_release release;
+    if (closing_.load()) throw StatusError(FailedPreconditionError("the connector is closed"));
     std::shared_lock<std::shared_mutex> lock(mu_);
     if (!connector_) throw StatusError(FailedPreconditionError("the connector is closed"));
     return f(*connector_);
   }
 
   void Close() {
+    closing_.store(true);
     py::gil_scoped_release release;
     std::unique_lock<std::shared_mutex> lock(mu_);
     connector_.reset();
@@ -238,6 +247,7 @@ class Holder {
   }
 
  private:
+  std::atomic<bool> closing_{false};
   std::shared_mutex mu_;
   Pools pools_;
   std::unique_ptr<Connector> connector_;
@@ -356,10 +366,18 @@ void BindRoomMethods(Class& c) {
       .def(
           "wait",
           [](H& h, uint64_t room, int state, double timeout) {
-            const milliseconds t = Millis(timeout, "timeout");
-            RoomStatus s =
-                h.Call([&](auto& x) { return ValueOrThrow(x.Wait(room, StateArg(state), t)); });
-            return StatusTuple(s);
+            const RoomState target = StateArg(state);
+            const auto until = std::chrono::steady_clock::now() + Millis(timeout, "timeout");
+            while (true) {
+              const auto left = std::chrono::duration_cast<milliseconds>(
+                  until - std::chrono::steady_clock::now());
+              const milliseconds slice = std::clamp(left, milliseconds(0), kWaitSlice);
+              RoomStatus s =
+                  h.Call([&](auto& x) { return ValueOrThrow(x.Wait(room, target, slice)); });
+              if (s.state >= target || left <= slice) return StatusTuple(s);
+              // Between slices, with the GIL: Ctrl-C is noticed, and close() may proceed.
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+            }
           },
           py::arg("room"), py::arg("state"), py::arg("timeout"), kWaitDoc)
       .def(

@@ -117,8 +117,9 @@ inline constexpr const char* kPollDoc =
 
 inline constexpr const char* kWaitDoc =
     "wait(room, state, timeout) -> (state, error)\n\n"
-    "Blocks (without the GIL) until the room reaches `state` or later, fails, or timeout "
-    "seconds pass; returns as poll. Raises kvferry.NotFoundError.";
+    "Blocks (without the GIL, in slices of 50 ms between which Ctrl-C is noticed) until the "
+    "room reaches `state` or later, fails, or timeout seconds pass; returns as poll. Raises "
+    "kvferry.NotFoundError, and kvferry.FailedPreconditionError once close() began.";
 
 inline constexpr const char* kAbortDoc =
     "abort(room, reason='aborted by the caller')\n\n"
@@ -141,7 +142,8 @@ inline constexpr const char* kEngineMetricsDoc =
 inline constexpr const char* kCloseDoc =
     "close()\n\n"
     "Stops the connector and its engine (rooms still open fail) and lets go of the wrapped "
-    "buffers; waits for calls in progress. Idempotent; later calls raise "
+    "buffers; waits for calls in progress (a wait() in progress ends within 50 ms, raising "
+    "kvferry.FailedPreconditionError). Idempotent; later calls raise "
     "kvferry.FailedPreconditionError.";
 
 }  // namespace kvferry::python

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -403,6 +404,33 @@ def test_geometry_from_sglang_fields_needs_kv_heads_and_whole_heads():
     args.kv_item_lens = [n + 2 for n in args.kv_item_lens]
     with pytest.raises(kvferry.InvalidArgumentError, match="kv_item_lens"):
         KVManager(args, DisaggregationMode.DECODE)
+
+
+def test_close_ends_a_wait_in_progress(server):
+    """close() from another thread does not wait out a wait() in progress (SGLang's prefill
+    waits up to bootstrap_timeout for decode to pair): the wait raises within its slice."""
+    drank = Rank(GQA, 0, 1, 64)
+    decode = KVManager(drank.args(), DisaggregationMode.DECODE)
+    receiver = KVReceiver(decode, server.address, 95)
+    receiver.init(np.array([1, 2], np.int32), aux_index=0)  # no prefill rank comes
+    raised = []
+
+    def wait():
+        try:
+            decode._conn.wait(95, 3, 30.0)  # Success
+        except kvferry.Error as e:
+            raised.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    decode.close()
+    closed_after = time.monotonic() - start
+    waiter.join(10)
+    assert closed_after < 5, f"close() waited {closed_after:.1f} s for the wait in progress"
+    assert not waiter.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], kvferry.FailedPreconditionError), raised
 
 
 def test_refused_chunk_fails_the_room_on_both_sides_and_closing_fails_the_rest(server):
