@@ -164,8 +164,9 @@ class BootstrapClient {
   // reachable yet (kUnavailable) it keeps polling; other errors return at once.
   // kDeadlineExceeded on timeout, naming how many ranks registered of how many expected
   // (or the last connection error when the server never answered). `cancelled` (not owned;
-  // null: never) is read before each poll, at most 200 ms apart: once true, the wait ends
-  // with kCancelled (its owner is closing).
+  // null: never) is read before each poll: once true, the wait ends with kCancelled (its
+  // owner is closing). Polls are at most 200 ms apart, and with `cancelled` each request
+  // takes at most 1 s, so a cancellation is seen within about 1.2 s.
   StatusOr<PrefillTopology> WaitForTopology(std::chrono::milliseconds timeout,
                                             const std::atomic<bool>* cancelled = nullptr);
 

@@ -146,6 +146,9 @@ Status BootstrapClient::Health() {
   return OkStatus();
 }
 
+// The longest one topology request of a cancellable WaitForTopology may take.
+constexpr std::chrono::milliseconds kCancellablePoll{1000};
+
 StatusOr<PrefillTopology> BootstrapClient::WaitForTopology(std::chrono::milliseconds timeout,
                                                            const std::atomic<bool>* cancelled) {
   const Clock::time_point deadline = Clock::now() + timeout;
@@ -160,11 +163,14 @@ StatusOr<PrefillTopology> BootstrapClient::WaitForTopology(std::chrono::millisec
       return CancelledError("stopped waiting for the prefill topology at " + address_ +
                             ": closing");
     }
-    // Never let one request run past the caller's deadline (1 ms floor keeps it a real try).
+    // Never let one request run past the caller's deadline (1 ms floor keeps it a real try);
+    // a cancellable wait asks at most kCancellablePoll at a time, so that a server that does
+    // not answer does not hold the cancellation (a timed-out request counts as unavailable).
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    const std::chrono::milliseconds request_timeout =
+    std::chrono::milliseconds request_timeout =
         std::max(std::chrono::milliseconds(1), std::min(left, timeout_));
+    if (cancelled != nullptr) request_timeout = std::min(request_timeout, kCancellablePoll);
     StatusOr<PrefillTopology> topology = FetchTopology(address_, secret, request_timeout);
     if (topology.ok()) {
       if (topology->complete()) return topology;
