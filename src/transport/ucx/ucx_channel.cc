@@ -124,6 +124,9 @@ class UcxChannel : public PeerChannel,
       for (auto* list : {&incoming_, &unresolved_}) {
         for (auto it = list->begin(); it != list->end(); ++it) {
           if (it->get() == item) {
+            if (list == &unresolved_ && it - list->begin() < static_cast<ptrdiff_t>(resolving_)) {
+              --resolving_;  // one fewer for the read under way
+            }
             queued = std::move(*it);
             list->erase(it);
             break;
@@ -648,22 +651,18 @@ class UcxChannel : public PeerChannel,
     while (true) {
       resolver_cv_.wait(lock, [&] { return closed_ || !unresolved_.empty(); });
       if (closed_) return;
-      const size_t waiting = unresolved_.size();
+      resolving_ = unresolved_.size();
       lock.unlock();
       StatusOr<SegmentDescriptor> fresh =
           o_.refresh ? o_.refresh() : StatusOr<SegmentDescriptor>(o_.peer);
       lock.lock();
-      if (closed_) {
-        for (auto& item : unresolved_) item->Complete(UnavailableError(Name() + " closed"));
-        unresolved_.clear();
-        return;
-      }
-      // The first `waiting` items came before the read began (fewer when Abandon took some:
-      // then a later one may go with this read, and fails as unresolved if it was too early).
-      const auto end = unresolved_.begin() + std::min(waiting, unresolved_.size());
+      if (closed_) return;  // Close completed every item
+      // The first resolving_ items came before the read began; later ones wait for the next.
+      const auto end = unresolved_.begin() + static_cast<ptrdiff_t>(resolving_);
       auto items = std::make_shared<std::deque<std::shared_ptr<WorkItem>>>(
           std::make_move_iterator(unresolved_.begin()), std::make_move_iterator(end));
       unresolved_.erase(unresolved_.begin(), end);
+      resolving_ = 0;
       worker_->Post([self = shared_from_this(), fresh, items] {
         if (fresh.ok()) self->SetPeer(*fresh);
         self->Process(*items, /*refreshed=*/true);
@@ -684,6 +683,7 @@ class UcxChannel : public PeerChannel,
   std::unordered_map<WorkItem*, std::weak_ptr<WorkItem>> live_;
   std::deque<std::shared_ptr<WorkItem>> incoming_;    // submitted, not yet drained
   std::deque<std::shared_ptr<WorkItem>> unresolved_;  // waiting for a fresh descriptor
+  size_t resolving_ = 0;  // unresolved_'s first items, those the read under way serves
   std::condition_variable resolver_cv_;
   std::thread resolver_;
 
