@@ -317,7 +317,8 @@ class KVManager:
         checks and bookkeeping, and returns the pass; nothing moves until its layers are marked
         ready. Prefill only. Blocks (without the GIL) until each room has paired with its decode
         ranks, which a room SGLang schedules has normally done already, for at most
-        bootstrap_timeout. Raises as KVSender.send, and the room's failure; every chunk is
+        bootstrap_timeout. Raises as KVSender.send, the room's failure, and
+        kvferry.FailedPreconditionError when the manager closes meanwhile; every chunk is
         checked before any is counted, so a refused pass leaves its senders as they were."""
         next_page: Dict[int, int] = {}
         planned = []
@@ -557,10 +558,15 @@ class KVSender(_Room):
             self.kv_mgr._hold_until_ready(self)
 
     def _wait_paired(self) -> None:
-        """Blocks until the room is WaitingForInput or later; raises its failure."""
-        state, error = self.kv_mgr._conn.wait(
-            self.bootstrap_room, _WAITING, self.kv_mgr._bootstrap_timeout
-        )
+        """Blocks until the room is WaitingForInput or later; raises its failure, or
+        kvferry.FailedPreconditionError when the manager closes meanwhile."""
+        try:
+            state, error = self.kv_mgr._conn.wait(
+                self.bootstrap_room, _WAITING, self.kv_mgr._bootstrap_timeout
+            )
+        except kvferry.FailedPreconditionError as e:  # the manager was closed
+            self._error = e
+            raise
         if state == _FAILED:
             self._error = error
             raise error

@@ -375,7 +375,8 @@ void BindRoomMethods(Class& c) {
               RoomStatus s =
                   h.Call([&](auto& x) { return ValueOrThrow(x.Wait(room, target, slice)); });
               if (s.state >= target || left <= slice) return StatusTuple(s);
-              // Between slices, with the GIL: Ctrl-C is noticed, and close() may proceed.
+              // Between slices no lock is held (close() may take it) and, with the GIL, a
+              // Ctrl-C on the main thread is noticed.
               if (PyErr_CheckSignals() != 0) throw py::error_already_set();
             }
           },

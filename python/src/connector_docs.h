@@ -117,9 +117,10 @@ inline constexpr const char* kPollDoc =
 
 inline constexpr const char* kWaitDoc =
     "wait(room, state, timeout) -> (state, error)\n\n"
-    "Blocks (without the GIL, in slices of 50 ms between which Ctrl-C is noticed) until the "
-    "room reaches `state` or later, fails, or timeout seconds pass; returns as poll. Raises "
-    "kvferry.NotFoundError, and kvferry.FailedPreconditionError once close() began.";
+    "Blocks (without the GIL, in slices of 50 ms between which a Ctrl-C on the main thread "
+    "is noticed) until the room reaches `state` or later, fails, or timeout seconds (> 0) "
+    "pass; returns as poll. Raises kvferry.NotFoundError, kvferry.InvalidArgumentError for a "
+    "timeout that is not positive, and kvferry.FailedPreconditionError once close() began.";
 
 inline constexpr const char* kAbortDoc =
     "abort(room, reason='aborted by the caller')\n\n"

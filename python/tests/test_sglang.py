@@ -413,16 +413,20 @@ def test_close_ends_a_wait_in_progress(server):
     decode = KVManager(drank.args(), DisaggregationMode.DECODE)
     receiver = KVReceiver(decode, server.address, 95)
     receiver.init(np.array([1, 2], np.int32), aux_index=0)  # no prefill rank comes
+    assert decode._conn.wait(95, 3, 0.05)[0] == 0  # still Bootstrapping: no prefill rank
     raised = []
+    waiting = threading.Event()
 
     def wait():
+        waiting.set()
         try:
             decode._conn.wait(95, 3, 30.0)  # Success
         except kvferry.Error as e:
             raised.append(e)
 
-    waiter = threading.Thread(target=wait)
+    waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
+    assert waiting.wait(10)
     time.sleep(0.3)
     start = time.monotonic()
     decode.close()
