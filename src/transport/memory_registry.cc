@@ -89,6 +89,12 @@ Status MemoryRegistry::Unregister(uint64_t base) {
   return OkStatus();
 }
 
+int MemoryRegistry::PinsOn(uint64_t base) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(base);
+  return it == regions_.end() ? 0 : it->second->pins;
+}
+
 void MemoryRegistry::SetObserver(RegionObserver* observer) {
   std::lock_guard<std::mutex> lock(mu_);
   observer_ = observer;

@@ -80,6 +80,8 @@ class MemoryRegistry {
   bool Lookup(uint64_t addr, uint64_t length, Span* out) const;
 
   std::vector<RegionDescriptor> Regions() const;
+  // How many pins hold the region registered at `base` now (0 when none is registered there).
+  int PinsOn(uint64_t base) const;
 
   // Sets (or with null clears) the one observer; `observer` (not owned) outlives the setting.
   // Regions registered before are not shown to it.

@@ -231,8 +231,13 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
     send_write(row_op, row, UCP_AM_SEND_FLAG_RNDV);
     resumed.wait();
   });
-  // The target received the request and waits for the row: the Unregister waits too.
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // The target received the request and pinned the range for the row.
+  for (int i = 0; i < 1000 && registry.PinsOn(region.base) == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (registry.PinsOn(region.base) != 1) resume.set_value();
+  ASSERT_EQ(registry.PinsOn(region.base), 1) << "the target never began receiving the row";
+  // The Unregister waits for it.
   auto unregistered =
       std::async(std::launch::async, [&] { return registry.Unregister(region.base); });
   const bool waited =
@@ -242,12 +247,14 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
   ASSERT_EQ(unregistered.wait_for(std::chrono::seconds(10)), std::future_status::ready)
       << "Unregister still waits after the initiator resumed";
   EXPECT_TRUE(unregistered.get().ok());
-  // The row landed before the Unregister returned; nothing else did.
+  // The row landed before the Unregister returned, and only where it was sent.
   EXPECT_EQ(std::count(memory.begin(), memory.begin() + row.size(), 0xA5),
             static_cast<long>(row.size()));
   EXPECT_EQ(std::count(memory.begin() + row.size(), memory.end(), 0),
             static_cast<long>(memory.size() - row.size()));
-
+  // Nothing lands after it: the memory, cleared, stays so while the initiator goes on and
+  // closes its endpoint.
+  std::fill(memory.begin(), memory.end(), 0);
   from.Run([&] {
     ucp_request_param_t p = {};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -260,6 +267,9 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
     from.RemoveAmOp(first_op);
     from.RemoveAmOp(row_op);
   });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(std::count(memory.begin(), memory.end(), 0), static_cast<long>(memory.size()))
+      << "bytes landed after the Unregister returned";
 }
 
 TEST(UcxContextTest, RegistrationsOfOneBaseKeepTheirOwnMappings) {
