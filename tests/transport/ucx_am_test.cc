@@ -90,6 +90,35 @@ ucs_status_t SendEager(UcxWorker& w, ucp_ep_h ep, unsigned id, const AmReply& he
   return result;
 }
 
+// An endpoint from `from` to `to`'s worker (PEER error handling), created on `from`'s
+// progress thread; null when UCX refused it.
+ucp_ep_h Connect(UcxWorker& from, const UcxWorker& to) {
+  ucp_ep_h ep = nullptr;
+  from.Run([&] {
+    ucp_ep_params_t p = {};
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.address = reinterpret_cast<const ucp_address_t*>(to.address().data());
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
+    if (ucp_ep_create(from.worker(), &p, &ep) != UCS_OK) ep = nullptr;
+  });
+  return ep;
+}
+
+// Force-closes `ep` of worker `w` and progresses until the close completed; on w's progress
+// thread.
+void ForceClose(UcxWorker& w, ucp_ep_h ep) {
+  ucp_request_param_t p = {};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+    while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(w.worker());
+    ucp_request_free(r);
+  }
+}
+
 // UCX over tcp on loopback only: other tests running at the same time make and remove veth
 // devices, and a device that vanishes while UCX lists them fails the context ("No such
 // device").
@@ -113,16 +142,7 @@ TEST(UcxAmTest, EagerReadDataForAnOperationNoLongerAwaitedIsDropped) {
   uint64_t live_op = 0;
   to.Run([&] { live_op = to.AddAmOp(&client); });
 
-  ucp_ep_h ep = nullptr;
-  from.Run([&] {
-    ucp_ep_params_t p = {};
-    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    p.address = reinterpret_cast<const ucp_address_t*>(to.address().data());
-    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    p.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
-    ASSERT_EQ(ucp_ep_create(from.worker(), &p, &ep), UCS_OK);
-  });
+  ucp_ep_h ep = Connect(from, to);
   ASSERT_NE(ep, nullptr);
 
   // READ data, eager, for an operation the initiator never had, then for one it dropped
@@ -142,16 +162,7 @@ TEST(UcxAmTest, EagerReadDataForAnOperationNoLongerAwaitedIsDropped) {
   EXPECT_EQ(client.WaitDone(live_op), UCS_ERR_OUT_OF_RANGE);
   EXPECT_EQ(client.read_data(), 0);
 
-  from.Run([&] {
-    ucp_request_param_t p = {};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
-      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(from.worker());
-      ucp_request_free(r);
-    }
-  });
+  from.Run([&] { ForceClose(from, ep); });
   to.Run([&] { to.RemoveAmOp(live_op); });
 }
 
@@ -183,16 +194,7 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
   UcxWorker& to = **target;
 
   RecordingClient client;
-  ucp_ep_h ep = nullptr;
-  from.Run([&] {
-    ucp_ep_params_t p = {};
-    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    p.address = reinterpret_cast<const ucp_address_t*>(to.address().data());
-    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    p.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
-    ASSERT_EQ(ucp_ep_create(from.worker(), &p, &ep), UCS_OK);
-  });
+  ucp_ep_h ep = Connect(from, to);
   ASSERT_NE(ep, nullptr);
   // Sends a WRITE of `data` to the start of the region as operation `op`, flags `flags`.
   const auto send_write = [&](uint64_t op, const std::vector<uint8_t>& data, uint32_t flags) {
@@ -220,6 +222,11 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
   ASSERT_EQ(client.WaitDone(first_op), UCS_OK);
   ASSERT_EQ(memory[0], 0x11);
   std::fill(memory.begin(), memory.end(), 0);
+  // The target answers before its handler returns and releases the WRITE's pin.
+  for (int i = 0; i < 1000 && registry.PinsOn(region.base) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(registry.PinsOn(region.base), 0);
 
   // Then a rendezvous WRITE, and the initiator's thread stops right after sending it.
   const std::vector<uint8_t> row(512 << 10, 0xA5);
@@ -256,14 +263,7 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
   // closes its endpoint.
   std::fill(memory.begin(), memory.end(), 0);
   from.Run([&] {
-    ucp_request_param_t p = {};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
-      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(from.worker());
-      ucp_request_free(r);
-    }
+    ForceClose(from, ep);
     from.RemoveAmOp(first_op);
     from.RemoveAmOp(row_op);
   });
