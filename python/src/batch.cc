@@ -1,10 +1,10 @@
 #include "batch.h"
 
-#include <algorithm>
 #include <chrono>
 #include <string>
 
 #include "errors.h"
+#include "wait_slices.h"
 
 namespace kvferry::python {
 namespace {
@@ -46,20 +46,13 @@ BatchStatus PyBatch::Wait(std::optional<double> timeout_s) {
     until = Clock::now() +
             std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout_s));
   }
-  while (true) {
-    BatchStatus status;
-    {
-      py::gil_scoped_release release;
-      auto slice = kWaitSlice;
-      if (until) {
-        auto left = std::chrono::ceil<std::chrono::milliseconds>(*until - Clock::now());
-        slice = std::clamp(left, std::chrono::milliseconds(0), kWaitSlice);
-      }
-      status = ValueOrThrow(holder_->Acquire()->WaitBatch(id_, slice));
-    }
-    if (IsFinal(status) || (until && Clock::now() >= *until)) return status;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-  }
+  return WaitInSlices(
+      until, kWaitSlice,
+      [&](std::chrono::milliseconds slice) {
+        py::gil_scoped_release release;
+        return ValueOrThrow(holder_->Acquire()->WaitBatch(id_, slice));
+      },
+      IsFinal);
 }
 
 BatchStatus PyBatch::Result(std::optional<double> timeout_s, bool release) {

@@ -3,7 +3,6 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -20,6 +19,7 @@
 #include "kvferry/connector.h"
 #include "kvferry/faults.h"
 #include "metrics.h"
+#include "wait_slices.h"
 
 namespace kvferry::python {
 namespace {
@@ -367,18 +367,13 @@ void BindRoomMethods(Class& c) {
           "wait",
           [](H& h, uint64_t room, int state, double timeout) {
             const RoomState target = StateArg(state);
-            const auto until = std::chrono::steady_clock::now() + Millis(timeout, "timeout");
-            while (true) {
-              const auto left = std::chrono::duration_cast<milliseconds>(
-                  until - std::chrono::steady_clock::now());
-              const milliseconds slice = std::clamp(left, milliseconds(0), kWaitSlice);
-              RoomStatus s =
-                  h.Call([&](auto& x) { return ValueOrThrow(x.Wait(room, target, slice)); });
-              if (s.state >= target || left <= slice) return StatusTuple(s);
-              // Between slices no lock is held (close() may take it) and, with the GIL, a
-              // Ctrl-C on the main thread is noticed.
-              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-            }
+            const RoomStatus s = WaitInSlices(
+                std::chrono::steady_clock::now() + Millis(timeout, "timeout"), kWaitSlice,
+                [&](milliseconds slice) {
+                  return h.Call([&](auto& x) { return ValueOrThrow(x.Wait(room, target, slice)); });
+                },
+                [&](const RoomStatus& status) { return status.state >= target; });
+            return StatusTuple(s);
           },
           py::arg("room"), py::arg("state"), py::arg("timeout"), kWaitDoc)
       .def(
