@@ -9,6 +9,7 @@
 
 #include "cuda/device_memory.h"
 #include "disagg/control_message.h"
+#include "kvferry/bootstrap.h"
 #include "testutil/tiny_model.h"
 #include "tools/kv_pattern.h"
 
@@ -323,6 +324,51 @@ TEST_F(ConnectorTest, DecodeAbortBeforeTheSenderExistsFailsItAtOnce) {
   ASSERT_EQ(st->state, RoomState::kFailed);
   EXPECT_NE(st->error.message().find("aborted by decode: client went away"), std::string::npos)
       << st->error.ToString();
+}
+
+// A decode room that fails while it still waits for its prefill instance to register (an
+// abort during bootstrap; its pages then go back to decode's allocator) sends no destination:
+// the prefill rank that registers later never learns the room, so it cannot write those pages
+// nor report Success; its room ends at its own bootstrap timeout.
+TEST_F(ConnectorTest, DecodeAbortDuringBootstrapSendsNoDestination) {
+  prefill_ = std::make_unique<Side>(TinyGeometry(), 4, 256, 0);
+  decode_ = std::make_unique<Side>(TinyGeometry(), 4, 256, 99);
+  auto server = BootstrapServer::Create(BootstrapServerOptions{});
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  DecodeConnectorOptions dopt;
+  dopt.bootstrap_timeout = milliseconds(10000);
+  auto d = DecodeConnector::Create(dopt, decode_->pool.get(), decode_->aux.get());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  decode_conn_ = std::move(*d);
+  const std::vector<int32_t> dst = {6, 7};
+  // The pages' earlier content (another request's), which must survive the room.
+  FillTokens(decode_->layout, *decode_->pool, 5, dst, 0, 8);
+  ASSERT_TRUE(decode_conn_->CreateReceiver(31, (*server)->address(), dst, 0).ok());
+  std::this_thread::sleep_for(milliseconds(300));  // decode now waits for the topology
+  ASSERT_TRUE(decode_conn_->Abort(31, "client went away").ok());
+  ASSERT_EQ(decode_conn_->Poll(31)->state, RoomState::kFailed);
+  ASSERT_TRUE(decode_conn_->Release(31).ok());
+
+  PrefillConnectorOptions po;
+  po.start_bootstrap_server = false;
+  po.bootstrap_address = (*server)->address();
+  po.bootstrap_timeout = milliseconds(1500);
+  auto p = PrefillConnector::Create(po, prefill_->pool.get(), prefill_->aux.get());
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  prefill_conn_ = std::move(*p);
+  ASSERT_TRUE(prefill_conn_->CreateSender(31, 2).ok());
+  auto st = prefill_conn_->Wait(31, RoomState::kWaitingForInput, milliseconds(5000));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, RoomState::kFailed) << "prefill got the failed room's destination";
+  if (st->state == RoomState::kWaitingForInput) {
+    std::vector<int32_t> src = {1, 2};
+    FillTokens(prefill_->layout, *prefill_->pool, 31, src, 0, 8);
+    FillAuxRow(prefill_->aux->layout(), prefill_->aux->Row(0), 31);
+    ASSERT_TRUE(prefill_conn_->SendChunk(31, 0, src, 0).ok());
+    (void)prefill_conn_->Wait(31, RoomState::kSuccess, milliseconds(5000));
+  }
+  EXPECT_TRUE(VerifyTokens(decode_->layout, *decode_->pool, 5, dst, 8).ok())
+      << "the failed room's pages were written";
 }
 
 TEST_F(ConnectorTest, WrongRoomInAuxRowIsMetadataCorruption) {

@@ -210,22 +210,22 @@ class DecodeConnectorImpl : public DecodeConnector {
       return;
     }
     const PrefillGroup& g = **group;
-    rooms_
-        .With(room,
-              [&](ReceiverRooms::Room& r) -> Status {
-                r.data.prefills = g.peers;
-                r.data.expected_responses = static_cast<int>(g.slices.size());
-                // Pulled slices complete here, never through the mailbox: Wait then has
-                // nothing to poll for.
-                r.data.mailbox = mailbox_ != nullptr &&
-                                 r.data.expected_responses <= DoneMailbox::kMaxCount &&
-                                 std::all_of(g.peers.begin(), g.peers.end(),
-                                             [](const auto& p) { return p->same_node; }) &&
-                                 std::none_of(g.pulled.begin(), g.pulled.end(),
-                                              [](bool pulled) { return pulled; });
-                return OkStatus();
-              })
-        .IgnoreError();
+    // The room may have failed (an abort, its deadline) while it waited for the pairing: then
+    // no destination goes out, since its pages may already be someone else's. The prefill ranks
+    // are recorded in the same step, so a failure after it tells them (TellPrefillAbort).
+    s = rooms_.With(room, [&](ReceiverRooms::Room& r) -> Status {
+      if (IsFinal(r.status.state)) return CancelledError("room already final");
+      r.data.prefills = g.peers;
+      r.data.expected_responses = static_cast<int>(g.slices.size());
+      // Pulled slices complete here, never through the mailbox: Wait then has
+      // nothing to poll for.
+      r.data.mailbox =
+          mailbox_ != nullptr && r.data.expected_responses <= DoneMailbox::kMaxCount &&
+          std::all_of(g.peers.begin(), g.peers.end(), [](const auto& p) { return p->same_node; }) &&
+          std::none_of(g.pulled.begin(), g.pulled.end(), [](bool pulled) { return pulled; });
+      return OkStatus();
+    });
+    if (!s.ok()) return;
     for (size_t i = 0; i < g.slices.size(); ++i) {
       const HeadSlice& slice = g.slices[i];
       ControlMessage info;
