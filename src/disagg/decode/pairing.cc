@@ -36,7 +36,7 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
     group = slot;
   }
   std::lock_guard<std::mutex> setup(group->setup_mu);
-  if (group->ready) return group;
+  if (group->ready.load(std::memory_order_acquire)) return group;
   BootstrapClient client(bootstrap_address, options_.bootstrap_timeout,
                          options_.engine.auth_secret);
   ASSIGN_OR_RETURN(PrefillTopology topology,
@@ -123,7 +123,12 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
     a.staging_bytes = options_.staging_bytes;
     a.watermark_addr = reinterpret_cast<uint64_t>(staging_->watermark_cell());
   }
+  // Per-slice fields are built here and assigned together once every rank answered, so that
+  // an attempt that fails part-way leaves nothing behind for the next one to append to.
   std::vector<std::shared_ptr<PrefillPeer>> peers;
+  std::vector<int> decode_ranks_of_prefill;
+  std::vector<bool> staged, pulled;
+  std::vector<SliceInfo> state;
   std::map<std::pair<int, int>, std::shared_ptr<PrefillPeer>> by_rank;  // (tp, cp)
   for (size_t e = 0; e < slices.size(); ++e) {
     const HeadSlice& slice = slices[e];
@@ -153,12 +158,12 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
       }
     }
     peers.push_back(peer);
-    group->decode_ranks_of_prefill.push_back(
+    decode_ranks_of_prefill.push_back(
         static_cast<int>(plan.ForPrefillRank(slice.prefill_rank).size()));
-    group->staged.push_back(staged_group && !is_whole(slice) && slice.sends);
-    group->pulled.push_back(options_.pull && !group->staged.back() &&
-                            (is_whole(slice) || RouteIsNvlink(peer->segment)));
-    group->state.push_back(StateSlice(topology.tp_size, slice.prefill_rank, cp_ranks[e]));
+    staged.push_back(staged_group && !is_whole(slice) && slice.sends);
+    pulled.push_back(options_.pull && !staged.back() &&
+                     (is_whole(slice) || RouteIsNvlink(peer->segment)));
+    state.push_back(StateSlice(topology.tp_size, slice.prefill_rank, cp_ranks[e]));
   }
   group->aux_slice = 0;  // the first sending slice of CP rank 0 (entries start with CP rank 0)
   for (size_t i = 0; i < slices.size(); ++i) {
@@ -169,7 +174,11 @@ StatusOr<std::shared_ptr<PrefillGroup>> PrefillPairing::GroupFor(
   }
   group->slices = std::move(slices);
   group->peers = std::move(peers);
-  group->ready = true;
+  group->decode_ranks_of_prefill = std::move(decode_ranks_of_prefill);
+  group->staged = std::move(staged);
+  group->pulled = std::move(pulled);
+  group->state = std::move(state);
+  group->ready.store(true, std::memory_order_release);
   return group;
 }
 
@@ -191,6 +200,8 @@ std::vector<std::shared_ptr<PrefillPeer>> PrefillPairing::Peers() {
   std::vector<std::shared_ptr<PrefillPeer>> peers;
   std::lock_guard<std::mutex> lock(groups_mu_);
   for (auto& [addr, g] : groups_) {
+    // A group still pairing is being written under its setup_mu: only ready ones are read.
+    if (!g->ready.load(std::memory_order_acquire)) continue;
     for (auto& p : g->peers) {
       if (std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(p);
     }

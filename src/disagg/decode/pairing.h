@@ -35,7 +35,9 @@ namespace kvferry {
 struct PrefillGroup {
   std::string bootstrap_address;
   std::mutex setup_mu;  // serializes the first bootstrap
-  bool ready = false;   // guarded by setup_mu
+  // Set (release) under setup_mu once every field below is final; a ready group's fields are
+  // read-only, so readers that see it set (acquire) need no lock.
+  std::atomic<bool> ready{false};
   std::vector<HeadSlice> slices;
   std::vector<std::shared_ptr<PrefillPeer>> peers;  // per slice
   std::vector<int> decode_ranks_of_prefill;         // per slice: decode ranks its rank serves

@@ -1,0 +1,102 @@
+"""Connector behaviour after failures, through the module's own connectors (kvferry._kvferry):
+real bootstrap server, real engines over loopback TCP, host pools in numpy arrays."""
+
+import json
+import urllib.request
+
+import numpy as np
+
+from kvferry import _kvferry as K
+
+PAGE_SIZE, NUM_PAGES, AUX_ROWS, STATE_SLOTS = 4, 16, 4, 2
+# Room states as the module numbers them (kvferry.RoomState).
+WAITING_FOR_INPUT, SUCCESS, FAILED = 1, 3, 4
+
+
+def hybrid_geometry(kv_heads):
+    """Two full-attention layers and six linear-attention layers (a Qwen3-Next-like shape)."""
+    return dict(attention="mha", num_layers=2, num_kv_heads=kv_heads, head_dim=8,
+                dtype="bfloat16", num_linear_layers=6, full_attention_interval=4,
+                linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                linear_state_dtype="float32")
+
+
+# Bytes of one state slot of each kind at TP 1 (conv: (2 * 4 * 8 + 8 * 8) channels x 3 taps x
+# 2 bytes; recurrent: 8 heads x 8 x 8 x 4 bytes); a rank at TP t holds 1/t of each.
+CONV_SLOT, RECURRENT_SLOT = 128 * 3 * 2, 8 * 8 * 8 * 4
+
+
+class Pools:
+    """One rank's KV pool, aux rows and state pool, each filled with one byte."""
+
+    def __init__(self, kv_heads, tp, kv_fill, state_fill):
+        page_bytes = PAGE_SIZE * kv_heads * 8 * 2
+        self.kv = [np.full(NUM_PAGES * page_bytes, kv_fill, np.uint8) for _ in range(4)]
+        self.aux = [np.zeros(AUX_ROWS * 8, np.uint8), np.zeros(AUX_ROWS * 8, np.uint8)]
+        self.state = ([np.full(STATE_SLOTS * CONV_SLOT // tp, state_fill, np.uint8)
+                       for _ in range(6)] +
+                      [np.full(STATE_SLOTS * RECURRENT_SLOT // tp, state_fill, np.uint8)
+                       for _ in range(6)])
+        self.args = dict(geometry=hybrid_geometry(kv_heads), page_size=PAGE_SIZE,
+                         num_pages=NUM_PAGES, kv_bases=[a.ctypes.data for a in self.kv],
+                         aux_field_bytes=[8, 8], aux_bases=[a.ctypes.data for a in self.aux],
+                         num_aux_rows=AUX_ROWS, state_bases=[a.ctypes.data for a in self.state],
+                         num_state_slots=STATE_SLOTS)
+
+    def mark_aux_row(self, row, room):
+        self.aux[1][row * 8:(row + 1) * 8] = np.frombuffer(np.uint64(room).tobytes(), np.uint8)
+
+
+def register_unreachable_rank(bootstrap_address, tp_rank):
+    """Registers prefill TP rank `tp_rank` of 2 at an address nothing listens on, as a rank
+    that has since gone away would have."""
+    body = json.dumps(dict(tp_rank=tp_rank, cp_rank=0, pp_rank=0, engine_address="127.0.0.1:1",
+                           name="gone", tp_size=2, cp_size=1, pp_size=1, page_size=PAGE_SIZE,
+                           kv_dtype="bfloat16", num_kv_heads=2)).encode()
+    request = urllib.request.Request("http://" + bootstrap_address + "/route", data=body,
+                                     method="PUT")
+    urllib.request.urlopen(request, timeout=5).read()
+
+
+def test_pairing_retried_after_a_failed_rank_gives_each_rank_its_own_state_part():
+    """Prefill TP 2 -> decode TP 1 of a hybrid model: decode's first pairing fails at the
+    second prefill rank (registered where nothing listens); once that rank registers for real,
+    the next room pairs again and each prefill rank's half of the linear-attention state lands
+    in its own half of decode's slot (a retry once reused the failed attempt's per-rank
+    entries, and rank 1's half landed in rank 0's)."""
+    server = K.BootstrapServer()
+    rank0 = Pools(1, 2, 0x10, 0xA0)
+    prefill0 = K.PrefillConnector(**rank0.args, bootstrap_address=server.address, tp_rank=0,
+                                  tp_size=2, total_kv_heads=2)
+    register_unreachable_rank(server.address, 1)
+    decode_pools = Pools(2, 1, 0, 0)
+    decode = K.DecodeConnector(**decode_pools.args, tp_size=1, kv_path="direct",
+                               bootstrap_timeout=5.0, waiting_timeout=5.0)
+    rank1 = None
+    prefill1 = None
+    try:
+        decode.create_receiver(100, server.address, np.array([0], np.int32), 0, 0)
+        assert decode.wait(100, SUCCESS, 5.0)[0] == FAILED
+        rank1 = Pools(1, 2, 0x11, 0xB1)
+        prefill1 = K.PrefillConnector(**rank1.args, bootstrap_address=server.address,
+                                      tp_rank=1, tp_size=2, total_kv_heads=2)
+        room = 101
+        decode.create_receiver(room, server.address, np.array([1], np.int32), 1, 1)
+        for prefill, pools in ((prefill0, rank0), (prefill1, rank1)):
+            pools.mark_aux_row(1, room)
+            prefill.create_sender(room, 1, 1)
+        for prefill in (prefill0, prefill1):
+            assert prefill.wait(room, WAITING_FOR_INPUT, 5.0)[0] == WAITING_FOR_INPUT
+        for prefill in (prefill0, prefill1):
+            prefill.send_chunk(room, 0, np.array([2], np.int32), 1)
+        assert decode.wait(room, SUCCESS, 5.0)[0] == SUCCESS
+        # Slot 1 of decode's first recurrent buffer: prefill rank 0's half, then rank 1's.
+        recurrent = decode_pools.state[6][RECURRENT_SLOT:2 * RECURRENT_SLOT]
+        half = RECURRENT_SLOT // 2
+        assert set(recurrent[:half].tolist()) == {0xA0}
+        assert set(recurrent[half:].tolist()) == {0xB1}
+    finally:
+        for connector in (prefill0, prefill1, decode):
+            if connector is not None:
+                connector.close()
