@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -35,14 +36,16 @@ Status Check(const KvPool& pool, std::span<const int32_t> pages, int64_t first_t
                            std::to_string(num_layers) + ") outside the pool's " +
                            std::to_string(l.geometry().num_layers) + " attention layers");
   }
-  if (first_token < 0 || num_tokens < 0) {
+  if (first_token < 0 || num_tokens < 0 ||
+      num_tokens > std::numeric_limits<int64_t>::max() - first_token) {
     return OutOfRangeError("token range [" + std::to_string(first_token) + ", +" +
-                           std::to_string(num_tokens) + ") is negative");
+                           std::to_string(num_tokens) + ") is negative or overflows");
   }
-  if (head_start < 0 || num_heads < 1 || head_start + num_heads > l.heads_per_token()) {
+  if (head_start < 0 || num_heads < 1 || int64_t{head_start} + num_heads > l.heads_per_token()) {
     return OutOfRangeError("heads [" + std::to_string(head_start) + ", " +
-                           std::to_string(head_start + num_heads) + ") outside the pool's " +
-                           std::to_string(l.heads_per_token()) + " heads");
+                           std::to_string(int64_t{head_start} + num_heads) +
+                           ") outside the pool's " + std::to_string(l.heads_per_token()) +
+                           " heads");
   }
   const int64_t end_page = l.NumPages(first_token + num_tokens);
   if (end_page > static_cast<int64_t>(pages.size())) {

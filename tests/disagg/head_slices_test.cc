@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "kvferry/tp_plan.h"
@@ -116,6 +117,13 @@ TEST(HeadSlicesTest, BadRangesAreRefusedAndNothingIsCopied) {
   EXPECT_EQ(GatherHeads(*pool, bad, 0, 8, 0, 2, staging).code(), StatusCode::kOutOfRange);
   std::vector<uint8_t> small(StagingBytes(l, 8, 2) - 1);
   EXPECT_EQ(ScatterHeads(*pool, pages, 0, 8, 0, 2, small).code(), StatusCode::kOutOfRange);
+  // Ranges whose ends overflow (a peer's numbers) are refused, not wrapped into range.
+  constexpr int kMaxInt = std::numeric_limits<int>::max();
+  constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(ScatterHeads(*pool, pages, 0, 8, kMaxInt, 1, staging).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(ScatterHeads(*pool, pages, kMaxInt64 - 4, 8, 0, 2, staging).code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(GatherHeads(*pool, pages, 0, 8, kMaxInt, 1, staging).code(), StatusCode::kOutOfRange);
   EXPECT_EQ(staging[0], 0xEE);
 }
 

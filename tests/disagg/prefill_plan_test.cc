@@ -4,10 +4,12 @@
 // of unequal TP (direct and fused), and the cut of a chunk into staging regions.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <vector>
 
 #include "disagg/head_slices.h"
+#include "disagg/prefill/decode_registry.h"
 #include "disagg/prefill/plan.h"
 #include "kvferry/tp_plan.h"
 
@@ -113,6 +115,30 @@ TEST(PrefillPlanTest, WholePagesGoAsOneStridedRequestPerPageRun) {
                 src_buffer, 2 * kMiB);
   ExpectRequest(out[1], base + 8 * 32 * kKiB, kDecodeBase + 20 * 32 * kKiB, 32 * kKiB, 64,
                 src_buffer, 2 * kMiB);
+}
+
+// A destination's head slice is checked in 64 bits: a start near INT32_MAX (from a peer) does
+// not wrap past the check into a slice that would read far outside prefill's pool.
+TEST(PrefillPlanTest, HeadSliceStartsThatWouldOverflowAreRefused) {
+  KvLayout layout = Llama();
+  DecodeKvArgs decode = DecodeArgs(layout, 4, 64 * kMiB);
+  ControlMessage m;
+  m.type = ControlType::kTransferInfo;
+  m.dst_pages = {0, 1};
+  m.aux_row = 0;
+  m.slice.num_heads = 1;
+  m.slice.sends = true;
+  Status fits = CheckDestination(m, decode, 2, layout, nullptr, 2);
+  ASSERT_TRUE(fits.ok()) << fits.ToString();
+  for (int32_t start : {std::numeric_limits<int32_t>::max(), -1}) {
+    SCOPED_TRACE(start);
+    ControlMessage bad = m;
+    bad.slice.src_head_start = start;
+    EXPECT_EQ(CheckDestination(bad, decode, 2, layout, nullptr, 2).code(), StatusCode::kOutOfRange);
+    bad = m;
+    bad.slice.dst_head_start = start;
+    EXPECT_EQ(CheckDestination(bad, decode, 2, layout, nullptr, 2).code(), StatusCode::kOutOfRange);
+  }
 }
 
 TEST(PrefillPlanTest, UnequallySpacedDecodeBuffersGetABlockPerBuffer) {

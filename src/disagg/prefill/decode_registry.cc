@@ -163,7 +163,10 @@ Status CheckDestination(const ControlMessage& m, const DecodeKvArgs& decode, int
   const int heads = layout.heads_per_token();
   const int dst_heads = decode.heads_per_token > 0 ? decode.heads_per_token : heads;
   const int n = m.slice.num_heads > 0 ? m.slice.num_heads : heads;
-  if (m.slice.src_head_start + n > heads || m.slice.dst_head_start + n > dst_heads) {
+  // In 64 bits: a peer's start near INT32_MAX must not wrap past the check.
+  if (m.slice.src_head_start < 0 || m.slice.dst_head_start < 0 ||
+      int64_t{m.slice.src_head_start} + n > heads ||
+      int64_t{m.slice.dst_head_start} + n > dst_heads) {
     return OutOfRangeError("head slice [" + std::to_string(m.slice.src_head_start) + ", +" +
                            std::to_string(n) + ") -> [" + std::to_string(m.slice.dst_head_start) +
                            ", +" + std::to_string(n) + ") does not fit prefill's " +
