@@ -175,6 +175,36 @@ TEST_F(ControlAuthTest, PrefillIgnoresAbortsAndRegistrationsFromAnUnpairedEngine
   FinishRoom(32);
 }
 
+// A destination prefill refuses (from an engine whose registration it refused, or one that
+// does not fit the room) is answered to its sender only: an engine that is not the room's peer
+// cannot fail a room, waiting for input or still bootstrapping, by sending one in its own name.
+TEST_F(ControlAuthTest, RefusedDestinationsDoNotFailTheRoom) {
+  OpenRoom(34, 40);
+  ASSERT_TRUE(prefill_conn_->CreateSender(35, 2).ok());  // no decode rank yet
+  ControlMessage reg;
+  reg.type = ControlType::kRegisterDecode;
+  reg.decode_address = intruder_address();
+  reg.kv_args.decode_address = intruder_address();
+  reg.kv_args.page_size = 999;  // refused: it does not pair with prefill's pool
+  Forge(prefill_conn_->engine_address(), reg);
+  for (uint64_t room : {34, 35}) {
+    ControlMessage info;
+    info.type = ControlType::kTransferInfo;
+    info.room = room;
+    info.decode_address = intruder_address();
+    info.dst_pages = {0, 1};
+    Forge(prefill_conn_->engine_address(), info);
+  }
+  std::this_thread::sleep_for(milliseconds(300));
+  auto waiting = prefill_conn_->Poll(34);
+  ASSERT_TRUE(waiting.ok());
+  EXPECT_EQ(waiting->state, RoomState::kWaitingForInput) << waiting->error.ToString();
+  auto bootstrapping = prefill_conn_->Poll(35);
+  ASSERT_TRUE(bootstrapping.ok());
+  EXPECT_EQ(bootstrapping->state, RoomState::kBootstrapping) << bootstrapping->error.ToString();
+  FinishRoom(34);
+}
+
 // The room's own decode rank may still abort it: the checks above do not stop the real peer.
 TEST_F(ControlAuthTest, ThePairedDecodeRankStillAborts) {
   OpenRoom(33, 40);

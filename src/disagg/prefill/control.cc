@@ -150,9 +150,13 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
     f.reason = why.message();
     batches_->Tell(decode, f);
   };
+  // A destination refused here is answered to its sender only and leaves the room as it is:
+  // the sender need not be the room's decode rank (any engine holding the deployment's secret
+  // may send one), so it must not be able to fail another's room. A decode rank refused this
+  // way fails its own room on the answer; the prefill room waits for a destination that fits
+  // until its bootstrap timeout.
   if (!decode->refused.ok()) {
     refuse(decode->refused);
-    failures_->FailRoom(m.room, decode->refused);
     return;
   }
   bool all_arrived = false;
@@ -201,8 +205,9 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
     return;
   }
   if (!s.ok()) {
+    KVF_LOG_WARN_LIMITED("prefill: room {}: destination from decode {} refused: {}", m.room,
+                         m.decode_address, s.message());
     refuse(s);
-    failures_->FailRoom(m.room, s);
     return;
   }
   if (!failed_before.ok()) {
