@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "common/checks.h"
 #include "common/logging.h"
@@ -37,7 +38,11 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     io_ = connect_first_ ? std::make_unique<asio::io_context>() : std::move(io);
     socket_ = connect_first_ ? std::make_unique<asio::ip::tcp::socket>(*io_) : std::move(socket);
     auto self = shared_from_this();
-    sender_ = std::thread([self] { self->SenderMain(); });
+    threads_started_.fetch_add(1);
+    sender_ = std::thread([self] {
+      self->SenderMain();
+      self->threads_returned_.fetch_add(1, std::memory_order_release);
+    });
   }
 
   // Queues `item` for the sender thread, or, with `allow_inline` when the lane is idle
@@ -97,6 +102,11 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     std::lock_guard<std::mutex> lock(mu_);
     return broken_;
   }
+  // Every thread this lane started has returned from its work (what is left of it is
+  // releasing its reference): Join() then does not wait.
+  bool threads_returned() const {
+    return threads_returned_.load(std::memory_order_acquire) == threads_started_.load();
+  }
   uint64_t outstanding_bytes() const {
     std::lock_guard<std::mutex> lock(mu_);
     return outstanding_bytes_;
@@ -152,7 +162,11 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
         threads_alive_ = 1;
       } else {
         auto self = shared_from_this();
-        receiver_ = std::thread([self] { self->ReceiverMain(); });
+        threads_started_.fetch_add(1);
+        receiver_ = std::thread([self] {
+          self->ReceiverMain();
+          self->threads_returned_.fetch_add(1, std::memory_order_release);
+        });
         socklen_t len = sizeof(send_capacity_);
         if (::getsockopt(socket_->native_handle(), SOL_SOCKET, SO_SNDBUF, &send_capacity_, &len) !=
             0) {
@@ -291,20 +305,20 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
     }
     asio::error_code ec;
     WriteAll(*socket_, buffers, ec);
-    if (ec) {
-      // Items the peer already answered are this thread's to complete (see kAcked).
-      for (const auto& item : batch) {
-        if (item->state.load() == kAcked) CompleteAcked(item, inline_caller);
-      }
-      Fail(UnavailableError("connection to peer " + options_.address + " (lane " +
-                            std::to_string(index_) + ") failed while sending: " + ec.message()));
-      return false;
-    }
+    // Each item leaves kSending here, as it does on success: an answer the receiving thread
+    // reads from now on completes it itself, and one it read already (kAcked) is this thread's
+    // to complete. (Only reading the state let an answer read after this loop, from bytes
+    // buffered before the failure, leave its item kAcked with nobody to complete it.)
     for (const auto& item : batch) {
       uint8_t expected = kSending;
       if (!item->state.compare_exchange_strong(expected, kSent) && expected == kAcked) {
         CompleteAcked(item, inline_caller);  // answered while write() had not returned
       }
+    }
+    if (ec) {
+      Fail(UnavailableError("connection to peer " + options_.address + " (lane " +
+                            std::to_string(index_) + ") failed while sending: " + ec.message()));
+      return false;
     }
     return true;
   }
@@ -489,6 +503,8 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   bool broken_ = false;
   Status reason_;
   int threads_alive_ = 2;
+  std::atomic<int> threads_started_{0};   // sender, then receiver once connected
+  std::atomic<int> threads_returned_{0};  // of those, returned from SenderMain / ReceiverMain
 };
 
 StatusOr<std::unique_ptr<TcpPeer>> TcpPeer::Create(const TcpPeerOptions& options) {
@@ -517,7 +533,17 @@ TcpPeer::TcpPeer(const TcpPeerOptions& options)
 
 TcpPeer::~TcpPeer() { Close(); }
 
-std::shared_ptr<TcpLane> TcpPeer::PickLane() {
+std::shared_ptr<TcpLane> TcpPeer::PickLane(std::vector<std::shared_ptr<TcpLane>>* reaped) {
+  // Failed lanes whose threads have returned go (joined by the caller, outside mu_): a peer
+  // that keeps failing lanes must not keep two exited threads and their buffers per lane.
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if ((*it)->threads_returned()) {
+      reaped->push_back(std::move(*it));
+      it = retired_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   // Least outstanding bytes; open an unused lane when every open one is busy.
   std::shared_ptr<TcpLane> best;
   uint64_t best_bytes = UINT64_MAX;
@@ -558,10 +584,12 @@ void TcpPeer::SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) {
 
 void TcpPeer::SubmitOne(std::shared_ptr<WorkItem> item, bool allow_inline) {
   std::shared_ptr<TcpLane> lane;
+  std::vector<std::shared_ptr<TcpLane>> reaped;  // released (and joined) outside mu_
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!closed_) lane = PickLane();
+    if (!closed_) lane = PickLane(&reaped);
   }
+  reaped.clear();
   if (lane == nullptr) {
     item->Complete(UnavailableError("segment " + options_.address + " is closed"));
     return;

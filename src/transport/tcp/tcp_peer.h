@@ -54,15 +54,19 @@ class TcpPeer : public PeerChannel {
 
  private:
   explicit TcpPeer(const TcpPeerOptions& options);
-  std::shared_ptr<TcpLane> PickLane();
+  // The lane for the next item (least outstanding bytes; a new one while others are busy).
+  // Moves failed lanes whose threads have returned into `reaped`, for the caller to release
+  // after unlocking. REQUIRES mu_.
+  std::shared_ptr<TcpLane> PickLane(std::vector<std::shared_ptr<TcpLane>>* reaped);
   void SubmitOne(std::shared_ptr<WorkItem> item, bool allow_inline);
 
   TcpPeerOptions options_;
   SegmentDescriptor descriptor_;
   std::mutex mu_;
   bool closed_ = false;
-  std::vector<std::shared_ptr<TcpLane>> lanes_;    // size num_lanes; null until first use
-  std::vector<std::shared_ptr<TcpLane>> retired_;  // failed lanes, joined on Close
+  std::vector<std::shared_ptr<TcpLane>> lanes_;  // size num_lanes; null until first use
+  // Failed lanes, released by PickLane once their threads returned, the rest joined on Close.
+  std::vector<std::shared_ptr<TcpLane>> retired_;
 };
 
 }  // namespace kvferry::tcp
