@@ -287,8 +287,13 @@ void Batch::Abandon(const Status& why, bool queued_only) {
     if (!WholeDoneLocked()) {
       abandoned_ = true;
       EnsureRequestsLocked();
-      for (auto& r : requests_) {
-        if (r.state == TransferState::kPending && r.error.ok()) r.error = why;
+      // A deadline fails every request still pending, landed or not. A cancel (queued_only)
+      // fails only the items it takes off the queue below: requests already sent finish with
+      // their real outcome (engine.h, CancelBatch).
+      if (!queued_only) {
+        for (auto& r : requests_) {
+          if (r.state == TransferState::kPending && r.error.ok()) r.error = why;
+        }
       }
     }
     snapshot.reserve(num_items_ + 1);

@@ -527,6 +527,48 @@ TEST_F(EngineTest, CancelStopsQueuedRequests) {
   peer_->Continue();
 }
 
+// CancelBatch takes back what is not on the wire yet; a request already sent finishes with its
+// real outcome. So every request reported cancelled left the peer's bytes as they were, and
+// every request reported completed landed whole (a cancel once reported landed requests as
+// cancelled).
+TEST_F(EngineTest, CancelReportsWhatLandedAsCompletedAndTheRestAsCancelled) {
+  constexpr int kRequests = 64;
+  constexpr uint64_t kLen = 1 << 20;
+  std::vector<uint8_t> src(kRequests * kLen);
+  for (int i = 0; i < kRequests; ++i) {
+    std::memset(src.data() + i * kLen, 0x80 + i, kLen);
+  }
+  std::vector<TransferRequest> reqs;
+  for (int i = 0; i < kRequests; ++i) {
+    reqs.push_back({TransferOp::kWrite, src.data() + i * kLen, segment_, rw(i * kLen), kLen});
+  }
+  auto id = engine_->SubmitBatch(reqs);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  ASSERT_TRUE(engine_->CancelBatch(*id).ok());
+  int completed = 0, cancelled = 0;
+  std::vector<uint8_t> back(kLen);
+  for (int i = 0; i < kRequests; ++i) {
+    auto ts = engine_->GetTransferStatus(*id, i);
+    ASSERT_TRUE(ts.ok());
+    ASSERT_TRUE(Read(back.data(), rw(i * kLen), kLen).ok());
+    const bool landed = std::memcmp(back.data(), src.data() + i * kLen, kLen) == 0;
+    bool untouched = true;
+    for (uint64_t b = 0; b < kLen && untouched; ++b) {
+      untouched = back[b] == PeerPatternByte(i * kLen + b);
+    }
+    if (ts->state == TransferState::kCompleted) {
+      ++completed;
+      EXPECT_TRUE(landed) << "request " << i << " reported completed did not land";
+    } else {
+      ASSERT_EQ(ts->state, TransferState::kCancelled) << "request " << i;
+      ++cancelled;
+      EXPECT_TRUE(untouched) << "request " << i << " reported cancelled changed the peer's bytes";
+    }
+  }
+  EXPECT_EQ(completed + cancelled, kRequests);
+  ASSERT_TRUE(engine_->ReleaseBatch(*id).ok());
+}
+
 TEST_F(EngineTest, BadSubmissionsAreRefused) {
   std::vector<uint8_t> src(16);
   EXPECT_EQ(engine_->SubmitBatch({}).status().code(), StatusCode::kInvalidArgument);
