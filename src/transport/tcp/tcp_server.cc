@@ -2,6 +2,7 @@
 
 #include <sys/socket.h>
 
+#include <array>
 #include <deque>
 #include <map>
 
@@ -200,7 +201,12 @@ Status TcpServer::ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameH
     done = next;
     cur = other;
   }
-  if (ec) return UnavailableError(ec.message());
+  if (ec) {
+    // The next chunk's copy may still be reading the region: it must end before the caller's
+    // pin does (no acknowledgement owns these buffers: they all went out before this reply).
+    for (int b = 0; b < kBounceBuffers; ++b) (void)(*bounce)->Wait(b);
+    return UnavailableError(ec.message());
+  }
   return OkStatus();
 }
 
@@ -322,6 +328,9 @@ void TcpServer::Serve(Connection* connection) {
   // connection touches, copied to and from the device asynchronously on their own stream.
   std::map<int, std::unique_ptr<cuda::BounceBuffers>> bounces;
   int next_bounce = 0;
+  // Per bounce set, the WRITE (request id) whose copy last started in each buffer, so that a
+  // failed copy found by the next WRITE to use the buffer fails the WRITE it belonged to.
+  std::map<const cuda::BounceBuffers*, std::array<uint64_t, kBounceBuffers>> copy_owner;
   auto bounce_for = [&](int device) -> StatusOr<cuda::BounceBuffers*> {
     auto& b = bounces[device];
     if (b == nullptr) {
@@ -484,17 +493,35 @@ void TcpServer::Serve(Connection* connection) {
               Discard(socket, n, ec);
             } else {
               const int i = next_bounce++ % kBounceBuffers;
-              if (Status w = (*bounce)->Wait(i); !w.ok()) q.error = w;  // its previous copy
+              uint64_t& owner = copy_owner[*bounce][i];
+              if (Status w = (*bounce)->Wait(i); !w.ok()) {
+                // The buffer's previous copy failed: the WRITE it belonged to fails, this one
+                // or one whose acknowledgement waits (its own wait would now find nothing).
+                bool theirs = false;
+                for (QueuedAck& a : queued_acks) {
+                  if (owner != h.request_id && a.request_id == owner) {
+                    if (a.error.ok()) a.error = w;
+                    theirs = true;
+                  }
+                }
+                if (!theirs) q.error = w;
+              }
               asio::read(socket, asio::buffer((*bounce)->host(i), n), ec);
               if (!ec && q.error.ok()) {
                 q.error = (*bounce)->StartToDevice(i, reinterpret_cast<void*>(h.addr + done), n);
                 q.bounce = *bounce;
                 q.buffer = i;
+                owner = h.request_id;
               }
             }
             done += n;
           }
-          if (ec) break;
+          if (ec) {
+            // The copies this WRITE started (one stream: its last one ends after the others)
+            // must end before its pin does.
+            if (q.bounce != nullptr) (void)q.bounce->Wait(q.buffer);
+            break;
+          }
           q.pin = std::move(*pin);
           queue_ack(std::move(q), h.length);
           break;
