@@ -665,7 +665,8 @@ TEST_F(EngineTest, HostileStridedFramesAreRefusedAndWriteNothing) {
   me.host = "127.0.0.1";
   me.port = 1;
   SegmentDescriptor peer;
-  Status greeted = tcp::ClientHandshake(s, peer_->info().address, me, "", 1 << 20, &peer);
+  Status greeted = tcp::ClientHandshake(s, peer_->info().address, me, "", 1 << 20, &peer,
+                                        std::chrono::steady_clock::now() + std::chrono::seconds(5));
   ASSERT_TRUE(greeted.ok()) << greeted.ToString();
   auto read_reply = [&]() -> wire::FrameHeader {
     wire::HeaderBytes bytes;

@@ -1,8 +1,13 @@
-// TcpPeer::Abandon against a real engine over a real socket, for an item TCP never carried:
+// TcpPeer against real engines and sockets: failed lanes are released, a handshake that gets no
+// answer ends at the connect timeout, and TcpPeer::Abandon of an item TCP never carried:
 // another transport's item that is being completed elsewhere (the UCX lanes hand their
 // notifications and queries to a TcpPeer, and an abandon may race a lane's own completion).
 // The peer must leave such an item alone, also while some of its lanes are not connected yet.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -98,6 +103,36 @@ TEST(TcpPeerAbandonTest, FailedLanesAreReleased) {
   // Two mappings per unreleased lane would be 600; a few lanes may still be returning.
   EXPECT_LT(MappingCount() - before, 60);
   (*peer)->Close();
+}
+
+// A peer whose kernel accepts connections (its listen backlog) but which never answers, as a
+// frozen process does: opening it fails once the connect timeout has passed, naming why,
+// instead of waiting forever in the handshake.
+TEST(TcpPeerTest, HandshakeWithAPeerThatNeverAnswersEndsAtTheConnectTimeout) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  tcp::TcpPeerOptions p;
+  p.address = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  p.self.name = "initiator";
+  p.self.host = "127.0.0.1";
+  p.self.port = 1;
+  p.connect_timeout = std::chrono::milliseconds(500);
+  const auto start = std::chrono::steady_clock::now();
+  auto peer = tcp::TcpPeer::Create(p);
+  const auto took = std::chrono::steady_clock::now() - start;
+  ::close(listener);
+  ASSERT_FALSE(peer.ok());
+  EXPECT_EQ(peer.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(peer.status().message().find("no answer in time"), std::string::npos)
+      << peer.status().ToString();
+  EXPECT_LT(took, std::chrono::milliseconds(3000));
 }
 
 }  // namespace

@@ -5,7 +5,6 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -23,16 +22,6 @@ void TuneSocket(asio::ip::tcp::socket& socket) {
   asio::error_code ec;
   socket.set_option(asio::ip::tcp::no_delay(true), ec);
 }
-
-namespace {
-void SetReceiveTimeout(asio::ip::tcp::socket& socket, std::chrono::milliseconds timeout) {
-  timeval tv{};
-  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
-  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
-  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-}
-}  // namespace
 
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
                        const SegmentDescriptor& self, const std::string& auth_secret,
@@ -93,25 +82,34 @@ Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address
   if (!connected) return fail("connect: " + last.message());
   if (!guarded([] {})) return fail("connect abandoned");
   TuneSocket(socket);
-  SetReceiveTimeout(socket, timeout);
-  RETURN_IF_ERROR(ClientHandshake(socket, address, self, auth_secret, max_body_bytes, peer));
-  SetReceiveTimeout(socket, std::chrono::milliseconds(0));  // 0 = block without limit
-  return OkStatus();
+  return ClientHandshake(socket, address, self, auth_secret, max_body_bytes, peer, deadline);
 }
 
 Status ClientHandshake(asio::ip::tcp::socket& socket, const std::string& address,
                        const SegmentDescriptor& self, const std::string& auth_secret,
-                       uint32_t max_body_bytes, SegmentDescriptor* peer) {
+                       uint32_t max_body_bytes, SegmentDescriptor* peer,
+                       std::chrono::steady_clock::time_point deadline) {
   auto fail = [&](const std::string& why) {
     return UnavailableError("cannot reach peer " + address + ": " + why);
   };
   asio::error_code ec;
+  // Every read and write below waits on the descriptor for what is left of the deadline (a
+  // peer that accepted but does not answer, e.g. a frozen process, must not hold the caller).
+  socket.native_non_blocking(true, ec);
+  if (ec) return fail("handshake: " + ec.message());
+  auto io_failed = [&](const char* what) {
+    return fail(std::string(what) + ": " +
+                (ec == asio::error::timed_out ? std::string("no answer in time") : ec.message()));
+  };
   // Reads the next frame's header and body, which must be of `type`; the body at most
   // `max_body` bytes.
   auto read_frame = [&](wire::FrameType type, uint32_t max_body, std::vector<uint8_t>* body,
                         wire::FrameHeader* header) -> Status {
-    auto h = ReadHeader(socket, max_body_bytes, ec);
-    if (ec) return fail("handshake receive: " + ec.message());
+    wire::HeaderBytes header_bytes;
+    asio::mutable_buffer header_buffer = asio::buffer(header_bytes);
+    ReadAll(socket, std::span(&header_buffer, 1), ec, deadline);
+    if (ec) return io_failed("handshake receive");
+    auto h = wire::DecodeFrameHeader(header_bytes, max_body_bytes);
     if (!h.ok()) return fail("handshake: " + h.status().message());
     if (h->type != type) {
       return fail("handshake: expected " + std::string(wire::FrameTypeName(type)) + ", got " +
@@ -122,8 +120,9 @@ Status ClientHandshake(asio::ip::tcp::socket& socket, const std::string& address
                   std::to_string(h->body_bytes) + " bytes");
     }
     body->resize(h->body_bytes);
-    asio::read(socket, asio::buffer(*body), ec);
-    if (ec) return fail("handshake body: " + ec.message());
+    asio::mutable_buffer body_buffer = asio::buffer(*body);
+    ReadAll(socket, std::span(&body_buffer, 1), ec, deadline);
+    if (ec) return io_failed("handshake body");
     *header = *h;
     return OkStatus();
   };
@@ -138,9 +137,9 @@ Status ClientHandshake(asio::ip::tcp::socket& socket, const std::string& address
   h.type = wire::FrameType::kHello;
   h.body_bytes = static_cast<uint32_t>(hello_body.size());
   wire::HeaderBytes hb = wire::EncodeFrameHeader(h);
-  asio::write(socket, std::array<asio::const_buffer, 2>{asio::buffer(hb), asio::buffer(hello_body)},
-              ec);
-  if (ec) return fail("handshake send: " + ec.message());
+  const std::array<asio::const_buffer, 2> hello_frame{asio::buffer(hb), asio::buffer(hello_body)};
+  WriteAll(socket, hello_frame, ec, deadline);
+  if (ec) return io_failed("handshake send");
 
   std::vector<uint8_t> body;
   wire::FrameHeader reply;
@@ -170,11 +169,10 @@ Status ClientHandshake(asio::ip::tcp::socket& socket, const std::string& address
   h.type = wire::FrameType::kAuth;
   h.body_bytes = static_cast<uint32_t>(client_proof.size() + descriptor.size());
   hb = wire::EncodeFrameHeader(h);
-  asio::write(socket,
-              std::array<asio::const_buffer, 3>{asio::buffer(hb), asio::buffer(client_proof),
-                                                asio::buffer(descriptor)},
-              ec);
-  if (ec) return fail("handshake send: " + ec.message());
+  const std::array<asio::const_buffer, 3> auth_frame{asio::buffer(hb), asio::buffer(client_proof),
+                                                     asio::buffer(descriptor)};
+  WriteAll(socket, auth_frame, ec, deadline);
+  if (ec) return io_failed("handshake send");
 
   RETURN_IF_ERROR(read_frame(wire::FrameType::kHelloAck, max_body_bytes, &body, &reply));
   if (reply.status != 0) {
@@ -199,7 +197,8 @@ namespace {
 // Moves every byte of `iov` with `op` (readv or sendmsg), retrying after signals and partial
 // transfers; `iov` is consumed in place.
 template <typename Op>
-void TransferAll(int fd, std::vector<iovec>& iov, Op op, bool reading, asio::error_code& ec) {
+void TransferAll(int fd, std::vector<iovec>& iov, Op op, bool reading, asio::error_code& ec,
+                 std::chrono::steady_clock::time_point deadline) {
   size_t first = 0;
   const size_t max_iov = static_cast<size_t>(IOV_MAX);
   while (first < iov.size()) {
@@ -208,10 +207,22 @@ void TransferAll(int fd, std::vector<iovec>& iov, Op op, bool reading, asio::err
     if (done < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        // asio may have put the descriptor in non-blocking mode: wait until it is ready.
+        // asio may have put the descriptor in non-blocking mode: wait until it is ready, or
+        // until the deadline.
+        int wait_ms = -1;
+        if (deadline != std::chrono::steady_clock::time_point::max()) {
+          const auto left = deadline - std::chrono::steady_clock::now();
+          wait_ms = static_cast<int>(std::clamp<int64_t>(
+              std::chrono::ceil<std::chrono::milliseconds>(left).count(), 0, INT_MAX));
+        }
         pollfd p{fd, static_cast<short>(reading ? POLLIN : POLLOUT), 0};
-        if (::poll(&p, 1, -1) < 0 && errno != EINTR) {
+        const int ready = ::poll(&p, 1, wait_ms);
+        if (ready < 0 && errno != EINTR) {
           ec = asio::error_code(errno, asio::error::get_system_category());
+          return;
+        }
+        if (ready == 0) {
+          ec = asio::error::timed_out;
           return;
         }
         continue;
@@ -238,7 +249,7 @@ void TransferAll(int fd, std::vector<iovec>& iov, Op op, bool reading, asio::err
 }  // namespace
 
 void WriteAll(asio::ip::tcp::socket& socket, std::span<const asio::const_buffer> buffers,
-              asio::error_code& ec) {
+              asio::error_code& ec, std::chrono::steady_clock::time_point deadline) {
   std::vector<iovec> iov;
   iov.reserve(buffers.size());
   for (const auto& b : buffers) {
@@ -253,11 +264,11 @@ void WriteAll(asio::ip::tcp::socket& socket, std::span<const asio::const_buffer>
         m.msg_iovlen = static_cast<size_t>(n);
         return ::sendmsg(fd, &m, MSG_NOSIGNAL);
       },
-      false, ec);
+      false, ec, deadline);
 }
 
 void ReadAll(asio::ip::tcp::socket& socket, std::span<const asio::mutable_buffer> buffers,
-             asio::error_code& ec) {
+             asio::error_code& ec, std::chrono::steady_clock::time_point deadline) {
   std::vector<iovec> iov;
   iov.reserve(buffers.size());
   for (const auto& b : buffers) {
@@ -265,7 +276,7 @@ void ReadAll(asio::ip::tcp::socket& socket, std::span<const asio::mutable_buffer
   }
   TransferAll(
       socket.native_handle(), iov, [](int fd, const iovec* v, int n) { return ::readv(fd, v, n); },
-      true, ec);
+      true, ec, deadline);
 }
 
 void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec) {

@@ -22,7 +22,7 @@ using SocketGuard = std::function<bool(const std::function<void()>& op)>;
 
 // Connects to each address `address` resolves to in turn until one answers, then performs the
 // handshake (ClientHandshake). Blocks at most `timeout` for the connect (all addresses
-// together), and `timeout` for each read and write of the handshake. Every open and close of
+// together) and the handshake together. Every open and close of
 // `socket` here runs through `guard`; the socket is never closed on an error: its owner closes
 // it. Errors: those of ClientHandshake; kUnavailable when no address answers in time or
 // `guard` refused (the owner gave up).
@@ -34,12 +34,14 @@ Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address
 // The client's side of the handshake on a connected `socket` to `address`: sends HELLO with a
 // fresh nonce, checks the server's proof of `auth_secret` in its CHALLENGE (empty: the proof of
 // no secret), answers with its own proof and `self`, and reads the server's descriptor from
-// HELLO_ACK into `peer`. Errors: kPermissionDenied when the server did not prove the secret
-// (its claim to hold one or not is named), kUnavailable for I/O errors, a malformed answer or a
-// refused HELLO.
+// HELLO_ACK into `peer`, all before `deadline` (the socket is left non-blocking, as asio's
+// asynchronous connect leaves it). Errors: kPermissionDenied when the server did not prove the
+// secret (its claim to hold one or not is named), kUnavailable for I/O errors, no answer by the
+// deadline, a malformed answer or a refused HELLO.
 Status ClientHandshake(asio::ip::tcp::socket& socket, const std::string& address,
                        const SegmentDescriptor& self, const std::string& auth_secret,
-                       uint32_t max_body_bytes, SegmentDescriptor* peer);
+                       uint32_t max_body_bytes, SegmentDescriptor* peer,
+                       std::chrono::steady_clock::time_point deadline);
 
 // Sets TCP_NODELAY and large socket buffers; failures are ignored (performance only).
 void TuneSocket(asio::ip::tcp::socket& socket);
@@ -69,11 +71,17 @@ StatusOr<wire::FrameHeader> ReadHeaderThen(asio::ip::tcp::socket& socket, uint32
 // Writes every byte of `buffers`, up to IOV_MAX buffers per sendmsg (MSG_NOSIGNAL): asio
 // passes at most 64 per call, which for the 1 KiB rows of a strided frame meant a system call
 // per 64 KiB. Partial writes continue where they stopped. Errors through `ec`.
-void WriteAll(asio::ip::tcp::socket& socket, std::span<const asio::const_buffer> buffers,
-              asio::error_code& ec);
-// Fills every byte of `buffers`, up to IOV_MAX buffers per readv.
-void ReadAll(asio::ip::tcp::socket& socket, std::span<const asio::mutable_buffer> buffers,
-             asio::error_code& ec);
+// With a `deadline`, a non-blocking socket waits for at most what is left of it, then fails
+// with asio::error::timed_out (a blocking one waits in the system call, unbounded).
+void WriteAll(
+    asio::ip::tcp::socket& socket, std::span<const asio::const_buffer> buffers,
+    asio::error_code& ec,
+    std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max());
+// Fills every byte of `buffers`, up to IOV_MAX buffers per readv; `deadline` as for WriteAll.
+void ReadAll(
+    asio::ip::tcp::socket& socket, std::span<const asio::mutable_buffer> buffers,
+    asio::error_code& ec,
+    std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max());
 
 // Reads `n` bytes and throws them away.
 void Discard(asio::ip::tcp::socket& socket, uint64_t n, asio::error_code& ec);
