@@ -100,3 +100,58 @@ def test_pairing_retried_after_a_failed_rank_gives_each_rank_its_own_state_part(
         for connector in (prefill0, prefill1, decode):
             if connector is not None:
                 connector.close()
+
+
+def attention_pools(kv_heads, kv_fill, room_in_aux_row=None):
+    """A rank's pools of a two-layer attention-only model, KV filled with one byte."""
+    geometry = dict(attention="mha", num_layers=2, num_kv_heads=kv_heads, head_dim=8,
+                    dtype="bfloat16")
+    page_bytes = PAGE_SIZE * kv_heads * 8 * 2
+    kv = [np.full(NUM_PAGES * page_bytes, kv_fill, np.uint8) for _ in range(4)]
+    aux = [np.zeros(AUX_ROWS * 8, np.uint8), np.zeros(AUX_ROWS * 8, np.uint8)]
+    if room_in_aux_row is not None:
+        aux[1][0:8] = np.frombuffer(np.uint64(room_in_aux_row).tobytes(), np.uint8)
+    args = dict(geometry=geometry, page_size=PAGE_SIZE, num_pages=NUM_PAGES,
+                kv_bases=[a.ctypes.data for a in kv], aux_field_bytes=[8, 8],
+                aux_bases=[a.ctypes.data for a in aux], num_aux_rows=AUX_ROWS)
+    return args, kv, aux
+
+
+def test_context_parallel_rank_with_no_pages_through_the_staging_ring():
+    """Prefill TP 2 x CP 2 -> decode TP 1 through decode's staging ring, a one-page request:
+    the CP rank whose share of the pages is empty still finishes its part (its last chunk,
+    with no KV, once asked for a staging region of zero bytes and failed the room)."""
+    server = K.BootstrapServer()
+    room, keep, prefills = 5, [], []
+    decode = None
+    try:
+        for cp in range(2):
+            for tp in range(2):
+                args, kv, aux = attention_pools(1, 0x11, room_in_aux_row=room)
+                keep.append((kv, aux))
+                prefills.append(K.PrefillConnector(
+                    **args, bootstrap_address=server.address, start_bootstrap_server=False,
+                    tp_rank=tp, tp_size=2, cp_rank=cp, cp_size=2))
+        args, decode_kv, decode_aux = attention_pools(2, 0)
+        decode = K.DecodeConnector(**args, tp_size=1, kv_path="staging", staging_bytes=1 << 20,
+                                   bootstrap_timeout=5.0, waiting_timeout=5.0)
+        decode.create_receiver(room, server.address, np.array([2], np.int32), 1)
+        for prefill in prefills:
+            prefill.create_sender(room, 1)
+        for prefill in prefills:
+            assert prefill.wait(room, WAITING_FOR_INPUT, 5.0)[0] == WAITING_FOR_INPUT
+        for prefill in prefills:
+            first, count = prefill.send_range(1)
+            prefill.send_chunk(room, first, np.arange(count, dtype=np.int32) + 3, 0)
+        status = decode.wait(room, SUCCESS, 10.0)
+        assert status[0] == SUCCESS, status
+        for prefill in prefills:
+            assert prefill.wait(room, SUCCESS, 5.0)[0] == SUCCESS
+        # Decode's page 2 holds prefill's bytes in every buffer.
+        page_bytes = PAGE_SIZE * 2 * 8 * 2
+        for buffer in decode_kv:
+            assert set(buffer[2 * page_bytes:3 * page_bytes].tolist()) == {0x11}
+    finally:
+        for connector in prefills + [decode]:
+            if connector is not None:
+                connector.close()

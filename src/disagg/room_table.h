@@ -242,6 +242,7 @@ class RoomTable {
                              ? r.deferred_failure
                              : DeadlineExceededError("bootstrap room " + std::to_string(id) + ": " +
                                                      r.deadline_reason);
+        r.status.final_time = now;
         r.deadline = Clock::time_point::max();
         CountLocked(r.status);
         expired.push_back(id);

@@ -204,7 +204,9 @@ class PrefillConnectorImpl : public PrefillConnector {
         Work w;
         w.dest = k;
         if (dest.slice.pull) w.puller = dest.decode;
-        if (dest.slice.sends && dest.slice.staging) {
+        // A chunk with no pages (a context-parallel rank whose share is empty) has no KV to
+        // stage: it goes the direct way, carrying only what rides with the last chunk.
+        if (dest.slice.sends && dest.slice.staging && !src_pages.empty()) {
           // Counted as in flight until its staging WRITE lands, so the done notice waits.
           w.pieces =
               prefill::StagingPieces(pool_->layout(), dest.slice, dest.decode->args.staging_bytes,

@@ -142,6 +142,21 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
     KVF_LOG_WARN_LIMITED("prefill: room {} from unregistered decode {}", m.room, m.decode_address);
     return;
   }
+  // A refused destination leaves the room waiting; the first one's reason goes into the
+  // failure its bootstrap timeout gives, so that a misconfigured decode rank is named there.
+  auto note_refusal = [&](const Status& why) {
+    rooms_
+        ->With(m.room,
+               [&](SenderRooms::Room& r) -> Status {
+                 if (r.status.state == RoomState::kBootstrapping && !r.data.refusal_noted) {
+                   r.data.refusal_noted = true;
+                   r.deadline_reason += "; a destination from decode " + m.decode_address +
+                                        " was refused: " + why.message();
+                 }
+                 return OkStatus();
+               })
+        .IgnoreError();
+  };
   auto refuse = [&](const Status& why) {
     ControlMessage f;
     f.type = ControlType::kRoomFailed;
@@ -157,6 +172,7 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
   // until its bootstrap timeout.
   if (!decode->refused.ok()) {
     refuse(decode->refused);
+    note_refusal(decode->refused);
     return;
   }
   bool all_arrived = false;
@@ -208,6 +224,7 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
     KVF_LOG_WARN_LIMITED("prefill: room {}: destination from decode {} refused: {}", m.room,
                          m.decode_address, s.message());
     refuse(s);
+    note_refusal(s);
     return;
   }
   if (!failed_before.ok()) {

@@ -71,7 +71,7 @@ StatusOr<uint64_t> LayerwiseScheduler::Begin(
         t.first_page = c.first_page;
         t.src_pages = c.src_pages;
         t.last = last;
-        t.staged = dest.slice.sends && dest.slice.staging;
+        t.staged = dest.slice.sends && dest.slice.staging && !c.src_pages.empty();
         t.sends = dest.slice.sends && !t.staged;
         pass->staged |= t.staged;
         ++dest.outstanding_batches;  // the pass itself: released after the last layer

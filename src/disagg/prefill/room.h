@@ -75,6 +75,7 @@ struct SenderRoom {
   bool last_submitted = false;
   int32_t src_aux_row = -1;
   int32_t src_state_slot = -1;  // linear-attention state (hybrid models), -1: none
+  bool refusal_noted = false;   // a refused destination's reason is in the deadline reason
 
   bool all_arrived() const {
     return expected_destinations > 0 &&
