@@ -2,6 +2,7 @@
 real bootstrap server, real engines over loopback TCP, host pools in numpy arrays."""
 
 import json
+import time
 import urllib.request
 
 import numpy as np
@@ -153,5 +154,34 @@ def test_context_parallel_rank_with_no_pages_through_the_staging_ring():
             assert set(buffer[2 * page_bytes:3 * page_bytes].tolist()) == {0x11}
     finally:
         for connector in prefills + [decode]:
+            if connector is not None:
+                connector.close()
+
+
+def test_prefill_room_that_times_out_tells_the_decode_ranks_it_heard_from():
+    """Prefill TP 1 -> decode TP 2: only decode rank 0 creates its receiver, so the prefill
+    room never has both destinations and fails at its bootstrap timeout (1 s). Decode rank 0,
+    whose destination prefill had, hears of it then, instead of waiting out its own waiting
+    timeout (30 s)."""
+    server = K.BootstrapServer()
+    room = 9
+    prefill = decode = None
+    try:
+        args, kv, aux = attention_pools(2, 0x22, room_in_aux_row=room)
+        prefill = K.PrefillConnector(**args, bootstrap_address=server.address,
+                                     start_bootstrap_server=False, bootstrap_timeout=1.0)
+        dargs, dkv, daux = attention_pools(1, 0)
+        decode = K.DecodeConnector(**dargs, tp_rank=0, tp_size=2, bootstrap_timeout=5.0,
+                                   waiting_timeout=30.0)
+        prefill.create_sender(room, 1)
+        decode.create_receiver(room, server.address, np.array([1], np.int32), 0)
+        assert decode.wait(room, WAITING_FOR_INPUT, 5.0)[0] == WAITING_FOR_INPUT
+        start = time.monotonic()
+        state, error = decode.wait(room, SUCCESS, 10.0)
+        assert state == FAILED, (state, error)
+        assert time.monotonic() - start < 8.0
+        assert "bootstrap timeout" in str(error), error
+    finally:
+        for connector in (prefill, decode):
             if connector is not None:
                 connector.close()

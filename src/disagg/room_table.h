@@ -227,8 +227,10 @@ class RoomTable {
   }
 
   // Fails every non-final room whose deadline passed, with its deadline reason (or the failure
-  // FailOrDefer deferred); returns them. A pinned room is left for a later call.
-  std::vector<uint64_t> ExpireDeadlines(Clock::time_point now) {
+  // FailOrDefer deferred), and calls `on_failed(room, Room&)` for each under the table's lock;
+  // returns them. A pinned room is left for a later call.
+  std::vector<uint64_t> ExpireDeadlines(
+      Clock::time_point now, const std::function<void(uint64_t, Room&)>& on_failed = nullptr) {
     std::vector<uint64_t> expired;
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, r] : rooms_) {
@@ -245,6 +247,7 @@ class RoomTable {
         r.status.final_time = now;
         r.deadline = Clock::time_point::max();
         CountLocked(r.status);
+        if (on_failed) on_failed(id, r);
         expired.push_back(id);
       }
     }

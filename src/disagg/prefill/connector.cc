@@ -171,8 +171,10 @@ class PrefillConnectorImpl : public PrefillConnector {
     prefill::EarlyArrivals::Collected early = early_.Collect(room);
     if (early.abort_reason) {
       failures_.FailRoom(room, AbortedError("aborted by decode: " + *early.abort_reason));
-      return OkStatus();
     }
+    // Also after an abort: the destinations that came early are handled as ever, and those of
+    // a failed room hear of its failure there (other decode ranks of the room would otherwise
+    // wait out their own timeout).
     for (ControlMessage& m : early.destinations) {
       control_->Post([this, m = std::move(m)] { control_handler_.HandleTransferInfo(m); });
     }
@@ -324,7 +326,7 @@ class PrefillConnectorImpl : public PrefillConnector {
       if (stopping_) break;
       lock.unlock();
       auto now = Clock::now();
-      rooms_.ExpireDeadlines(now);
+      failures_.ExpireDeadlines(now);  // decode ranks with a destination there are told
       layerwise_.ExpirePasses(now);
       pulls_.Expire(now);
       failures_.TellOverdue(now);

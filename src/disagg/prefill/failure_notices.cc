@@ -8,30 +8,45 @@ namespace kvferry::prefill {
 FailureNotices::FailureNotices(SenderRooms* rooms, BatchSender* batches)
     : rooms_(rooms), batches_(batches) {}
 
+bool FailureNotices::RecordLocked(uint64_t room, const Status& why, SenderRoom& data,
+                                  std::vector<BatchId>* early) {
+  UntoldFailure u;
+  u.since = Clock::now();
+  u.message.type = ControlType::kRoomFailed;
+  u.message.room = room;
+  u.message.status_code = static_cast<uint32_t>(why.code());
+  u.message.reason = why.message();
+  for (auto& d : data.destinations) {
+    u.decodes.push_back(d.decode);
+    // Staged chunks still waiting for decode's grant are not on their way: a grant for a
+    // failed room is cancelled, not written.
+    u.in_flight += d.outstanding_batches - d.pass_holds - static_cast<int>(d.staged_chunks.size());
+    early->insert(early->end(), d.early_batches.begin(), d.early_batches.end());
+    d.early_batches.clear();
+  }
+  const bool idle = u.in_flight <= 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  untold_[room] = std::move(u);
+  untold_size_.store(untold_.size(), std::memory_order_release);
+  return idle;
+}
+
+void FailureNotices::ExpireDeadlines(Clock::time_point now) {
+  std::vector<BatchId> early;
+  std::vector<uint64_t> idle;
+  rooms_->ExpireDeadlines(now, [&](uint64_t room, SenderRooms::Room& r) {
+    if (RecordLocked(room, r.status.error, r.data, &early)) idle.push_back(room);
+  });
+  if (!early.empty()) batches_->CancelLater(std::move(early));
+  for (uint64_t room : idle) Tell(room);
+}
+
 bool FailureNotices::FailRoom(uint64_t room, const Status& why) {
   std::vector<BatchId> early;
   bool idle = false;
   // Collected as it fails (a Release right after cannot lose them).
   if (!rooms_->Fail(room, why, [&](SenderRooms::Room& r) {
-        UntoldFailure u;
-        u.since = Clock::now();
-        u.message.type = ControlType::kRoomFailed;
-        u.message.room = room;
-        u.message.status_code = static_cast<uint32_t>(why.code());
-        u.message.reason = why.message();
-        for (auto& d : r.data.destinations) {
-          u.decodes.push_back(d.decode);
-          // Staged chunks still waiting for decode's grant are not on their way: a grant
-          // for a failed room is cancelled, not written.
-          u.in_flight +=
-              d.outstanding_batches - d.pass_holds - static_cast<int>(d.staged_chunks.size());
-          early.insert(early.end(), d.early_batches.begin(), d.early_batches.end());
-          d.early_batches.clear();
-        }
-        idle = u.in_flight <= 0;
-        std::lock_guard<std::mutex> lock(mu_);
-        untold_[room] = std::move(u);
-        untold_size_.store(untold_.size(), std::memory_order_release);
+        idle = RecordLocked(room, why, r.data, &early);
       })) {
     return false;
   }

@@ -62,7 +62,17 @@ class FailureNotices {
   // Tells the rooms that failed more than kFailureNoticeWait before `now` (the timer).
   void TellOverdue(Clock::time_point now);
 
+  // Fails the rooms whose deadline passed by `now` (SenderRooms::ExpireDeadlines) and tells
+  // the decode ranks whose destinations they had, as FailRoom does.
+  void ExpireDeadlines(Clock::time_point now);
+
  private:
+  // Records room `room`, failing now with `why` (its table lock held), as untold: its decode
+  // ranks and batches in flight; moves its early batches into `early`. Returns whether
+  // nothing of it is in flight (then the caller tells at once).
+  bool RecordLocked(uint64_t room, const Status& why, SenderRoom& data,
+                    std::vector<BatchId>* early);
+
   // A failed room whose decode ranks are not told yet: batches still in flight.
   struct UntoldFailure {
     Clock::time_point since;
