@@ -360,8 +360,9 @@ class DecodeConnectorImpl : public DecodeConnector {
         pulls_->Handle(*m, peer, peer->segment, n.peer_address);
         break;
       case ControlType::kStagingRequest:
-        // Allocation may wait for ring space: off the connection's thread.
-        control_->Post([this, m = *m, from = n.peer_address] { staging_->Grant(m, from); });
+        // Allocation may wait for ring space: off the connection's thread, and off the
+        // control queue (aborts to prefill must not wait behind it).
+        staging_->PostGrant(*m, n.peer_address);
         break;
       case ControlType::kStagingReady:
         // The room is pinned here, before the notice is acknowledged, and the chunk scattered

@@ -64,9 +64,15 @@ StagingReceiver::StagingReceiver(TransferEngine& engine, KvPool& pool, ReceiverR
 
 StagingReceiver::~StagingReceiver() { Close(); }
 
+void StagingReceiver::PostGrant(ControlMessage m, std::string from) {
+  requests_->Post([this, m = std::move(m), from = std::move(from)] { Grant(m, from); });
+}
+
 void StagingReceiver::Close() {
-  scatter_->Close();  // frees regions: may post grants and aborts
-  grants_->Close();   // before the control queue: a failed grant posts its abort notice there
+  closing_.store(true);
+  requests_->Close();  // its grants waiting for space return now
+  scatter_->Close();   // frees regions: may post grants and aborts
+  grants_->Close();    // before the control queue: a failed grant posts its abort notice there
 }
 
 Status StagingReceiver::EnsureRing() {
@@ -111,6 +117,7 @@ void StagingReceiver::Grant(const ControlMessage& m, const std::string& from) {
   grant.grant.decode_address = engine_.LocalDescriptor().Address();
   grant.grant.chunk = m.chunk;
   while (true) {
+    if (closing_.load()) return;
     auto room = rooms_.Get(m.room);
     if (!room.ok() || IsFinal(room->state)) return;  // nothing to stage for any more
     {

@@ -16,6 +16,7 @@
 // region in a closing queue may still post grants and aborts.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -58,8 +59,12 @@ class StagingReceiver {
   uint64_t ring_bytes() const { return staging_bytes_; }
   const WatermarkCell* watermark_cell() const { return &watermark_; }
 
-  // kStagingRequest from the prefill rank at engine address `from`: places one chunk slice in
-  // the staging ring and tells the writer where. Blocks for ring space (waiting timeout).
+  // kStagingRequest from the prefill rank at engine address `from`: Grant on the request
+  // queue, off the caller's thread. A grant may wait for ring space for up to the waiting
+  // timeout, and other control work (aborts sent to prefill) must not wait behind it.
+  void PostGrant(ControlMessage m, std::string from);
+  // Places one chunk slice in the staging ring and tells the writer where. Blocks for ring
+  // space (waiting timeout), or until Close.
   void Grant(const ControlMessage& m, const std::string& from);
   // kStagingReady from the prefill rank at engine address `from`: scatters a written staging
   // region into the room's pages and frees what is consumed: pins the room on the caller's
@@ -80,8 +85,9 @@ class StagingReceiver {
   // Runs on the connector's timer thread.
   void ReclaimAbandoned();
 
-  // Runs the queued scatters (which free regions: they may post grants and aborts), then the
-  // queued grants, and stops both queues. Idempotent.
+  // Ends grants waiting for ring space (queued requests then return at once), runs the queued
+  // scatters (which free regions: they may post grants and aborts), then the queued grants,
+  // and stops the queues. Idempotent.
   void Close();
 
  private:
@@ -144,6 +150,8 @@ class StagingReceiver {
   // Last members: destroyed (closed) first, while what their tasks use still exists.
   std::unique_ptr<TaskQueue> grants_ = std::make_unique<TaskQueue>(1);  // deferred grants
   std::unique_ptr<TaskQueue> scatter_;  // staged chunks' scatters (Scatter)
+  std::atomic<bool> closing_{false};    // Close began: grants stop waiting for space
+  std::unique_ptr<TaskQueue> requests_ = std::make_unique<TaskQueue>(1);  // PostGrant
 };
 
 }  // namespace kvferry
