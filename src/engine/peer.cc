@@ -9,6 +9,8 @@ StatusOr<PeerChannel*> Peer::ChannelFor(MemoryKind kind, int device) {
   if (!route.ok()) return route.status();
   Transport* transport = *route;
   std::lock_guard<std::mutex> lock(mu_);
+  // A submission racing CloseSegment must not open a channel that nobody closes.
+  if (closed_) return UnavailableError("segment " + address + " is closed");
   auto it = channels_.find({transport, device});
   if (it == channels_.end()) {
     ChannelSetup setup;
@@ -24,6 +26,10 @@ StatusOr<PeerChannel*> Peer::ChannelFor(MemoryKind kind, int device) {
 }
 
 void Peer::Close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
   control->Close();
   if (notify != nullptr && notify != control) notify->Close();
   std::lock_guard<std::mutex> lock(mu_);

@@ -37,16 +37,17 @@ class Peer {
   std::function<StatusOr<SegmentDescriptor>()> refresh;
 
   // The channel for local memory of `kind` on `device` (-1: host memory), opened through its
-  // route on first use. Errors: the route's, or the transport's OpenChannel error (nothing is
-  // kept then).
+  // route on first use. Errors: the route's, the transport's OpenChannel error (nothing is
+  // kept then), kUnavailable once Close began.
   StatusOr<PeerChannel*> ChannelFor(MemoryKind kind, int device);
 
-  // Closes the control channel, then the notification channel and every other channel. Blocks until
-  // their threads stopped.
+  // Stops ChannelFor opening channels, closes the control channel, then the notification
+  // channel and every other channel. Blocks until their threads stopped.
   void Close();
 
  private:
   std::mutex mu_;
+  bool closed_ = false;  // mu_: Close began
   std::map<std::pair<const Transport*, int>, std::shared_ptr<PeerChannel>> channels_;
 };
 
