@@ -21,6 +21,15 @@ namespace kvferry::tcp {
 void TuneSocket(asio::ip::tcp::socket& socket) {
   asio::error_code ec;
   socket.set_option(asio::ip::tcp::no_delay(true), ec);
+  // A peer that vanished without closing (power loss, a partition) is found by keepalive
+  // probes: 30 s idle, then 4 probes 5 s apart. Without them its connections (on the serving
+  // side, their threads and a place under max_connections) wait for bytes forever.
+  socket.set_option(asio::socket_base::keep_alive(true), ec);
+  const int fd = socket.native_handle();
+  const int idle_s = 30, interval_s = 5, probes = 4;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof(idle_s));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof(interval_s));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
 }
 
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
