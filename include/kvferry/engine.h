@@ -373,7 +373,10 @@ class TransferEngine {
   // still kPending). Errors: kNotFound.
   virtual StatusOr<BatchStatus> WaitBatch(BatchId batch, std::chrono::milliseconds timeout) = 0;
   // Cancels requests not yet on the wire (they become kCancelled); requests already sent
-  // finish with their real outcome. Blocks until the batch is final. Errors: kNotFound.
+  // finish with their real outcome, and one cancelled after part of it was sent ends kFailed
+  // (its bytes partly in the peer). The batch's notification, unless already sent, is not
+  // sent, even when every request landed (on_landed may have run); the batch then ends with a
+  // kCancelled error. Blocks until the batch is final. Errors: kNotFound.
   virtual Status CancelBatch(BatchId batch) = 0;
   // Forgets a final batch. Errors: kNotFound, kFailedPrecondition (still pending).
   virtual Status ReleaseBatch(BatchId batch) = 0;

@@ -438,9 +438,12 @@ bool Batch::ApplyLocked(size_t index, uint64_t bytes, const Status& status, bool
     r.error = status;
   }
   if (!last) return false;
-  r.state = r.error.ok()                               ? TransferState::kCompleted
-            : r.error.code() == StatusCode::kCancelled ? TransferState::kCancelled
-                                                       : TransferState::kFailed;
+  // Cancelled only when none of it landed: a request cancelled after some of its slices were
+  // sent has bytes in the peer, and fails.
+  r.state = r.error.ok() ? TransferState::kCompleted
+            : r.error.code() == StatusCode::kCancelled && r.transferred_bytes == 0
+                ? TransferState::kCancelled
+                : TransferState::kFailed;
   if (r.state == TransferState::kCompleted) {
     ++num_completed_;
   } else {

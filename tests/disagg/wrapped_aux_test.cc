@@ -197,7 +197,7 @@ TEST(WrappedAuxTest, UnequalFieldsAreRefusedByName) {
   auto prefill_aux = MakeAux(*AuxLayout::FromFields(SglangFields(16), 9), true, &prefill_fields);
   auto decode_aux = MakeAux(*AuxLayout::FromFields(SglangFields(32), 9), false, &decode_fields);
   Pair c = Connect(prefill_pool.get(), prefill_aux.get(), nullptr, decode_pool.get(),
-                   decode_aux.get(), nullptr, milliseconds(1000));
+                   decode_aux.get(), nullptr, milliseconds(3000));
   ASSERT_NE(c.prefill, nullptr);
   const std::vector<int32_t> dst = {1, 2};
   ASSERT_TRUE(c.decode->CreateReceiver(5, c.prefill->bootstrap_address(), dst, 0).ok());

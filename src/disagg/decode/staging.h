@@ -11,9 +11,10 @@
 // the deferred grants and the watermark cell; it is never held while sending, or while calling
 // the room table or the completion tracker (EnsureRing registers the ring with the engine under
 // it). GPU scatters run one at a time (gpu_scatter_mu_).
-// Grant may block (it waits for ring space): call it off engine connection threads (the
-// connector's control queue). Close before the connector's control queue closes: freeing a
-// region in a closing queue may still post grants and aborts.
+// Grant may block (it waits for ring space): PostGrant runs it on this object's request
+// queue, off engine connection threads and off the connector's control queue. Close before
+// the connector's control queue closes: freeing a region in a closing queue may still post
+// grants and aborts.
 #pragma once
 
 #include <atomic>

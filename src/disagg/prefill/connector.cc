@@ -169,6 +169,7 @@ class PrefillConnectorImpl : public PrefillConnector {
                                       std::to_string(options_.bootstrap_timeout.count()) + " ms"));
     // Decode may have been faster than us: its destination, or even its abort, came first.
     prefill::EarlyArrivals::Collected early = early_.Collect(room);
+    if (early.refusal) prefill::NoteRefusal(rooms_, room, *early.refusal);
     if (early.abort_reason) {
       failures_.FailRoom(room, AbortedError("aborted by decode: " + *early.abort_reason));
     }

@@ -143,19 +143,14 @@ void ControlHandler::HandleTransferInfo(const ControlMessage& m) {
     return;
   }
   // A refused destination leaves the room waiting; the first one's reason goes into the
-  // failure its bootstrap timeout gives, so that a misconfigured decode rank is named there.
+  // failure its bootstrap timeout gives, so that a misconfigured decode rank is named there
+  // (kept until CreateSender when the room does not exist yet).
   auto note_refusal = [&](const Status& why) {
-    rooms_
-        ->With(m.room,
-               [&](SenderRooms::Room& r) -> Status {
-                 if (r.status.state == RoomState::kBootstrapping && !r.data.refusal_noted) {
-                   r.data.refusal_noted = true;
-                   r.deadline_reason += "; a destination from decode " + m.decode_address +
-                                        " was refused: " + why.message();
-                 }
-                 return OkStatus();
-               })
-        .IgnoreError();
+    const std::string text =
+        "a destination from decode " + m.decode_address + " was refused: " + why.message();
+    if (early_->NoteRefusal(m.room, text, [&] { return rooms_->Get(m.room).ok(); })) {
+      NoteRefusal(*rooms_, m.room, text);
+    }
   };
   auto refuse = [&](const Status& why) {
     ControlMessage f;

@@ -23,7 +23,19 @@ EarlyArrivals::Collected EarlyArrivals::Collect(uint64_t room) {
     if (!c.abort_reason) c.abort_reason = a->second.first;
     aborted_.erase(a);
   }
+  if (auto r = refusals_.find(room); r != refusals_.end()) {
+    c.refusal = std::move(r->second.first);
+    refusals_.erase(r);
+  }
   return c;
+}
+
+bool EarlyArrivals::NoteRefusal(uint64_t room, const std::string& why,
+                                const std::function<bool()>& room_exists) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (room_exists()) return true;
+  refusals_.try_emplace(room, why, Clock::now());
+  return false;
 }
 
 EarlyArrivals::Held EarlyArrivals::HoldDestination(const ControlMessage& m,
@@ -62,6 +74,9 @@ void EarlyArrivals::Expire(Clock::time_point now, std::chrono::milliseconds time
   }
   for (auto it = aborted_.begin(); it != aborted_.end();) {
     it = now - it->second.second > timeout ? aborted_.erase(it) : std::next(it);
+  }
+  for (auto it = refusals_.begin(); it != refusals_.end();) {
+    it = now - it->second.second > timeout ? refusals_.erase(it) : std::next(it);
   }
 }
 

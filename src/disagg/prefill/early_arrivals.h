@@ -35,6 +35,8 @@ class EarlyArrivals {
     std::vector<ControlMessage> destinations;  // kTransferInfo, in arrival order
     // Set when the decode rank of one of `destinations` aborted the room.
     std::optional<std::string> abort_reason;
+    // The first destination refused before the room existed (NoteRefusal), as text.
+    std::optional<std::string> refusal;
   };
   // Takes (and forgets) what came for `room`: its destinations, and the abort of a decode rank
   // among them (aborts from other ranks stay, for TakeAbort). CreateSender calls it after
@@ -56,6 +58,11 @@ class EarlyArrivals {
   // room's destinations, taken; nullopt when none. Called once its destination was added.
   std::optional<std::string> TakeAbort(uint64_t room, const std::string& from);
 
+  // A destination for `room` was refused (`why` names its sender and the reason): keeps the
+  // first such text for CreateSender unless `room_exists()` (returns true: the caller notes it
+  // on the room itself). The refused destination itself is not kept.
+  bool NoteRefusal(uint64_t room, const std::string& why, const std::function<bool()>& room_exists);
+
   // Destinations held for `room` (not created yet).
   size_t NumDestinations(uint64_t room);
 
@@ -72,6 +79,8 @@ class EarlyArrivals {
   // Aborts that came before the room, or before their sender was one of its destinations, by
   // (room, sender's engine address): (reason, arrival), kept for a bootstrap timeout.
   std::map<std::pair<uint64_t, std::string>, std::pair<std::string, Clock::time_point>> aborted_;
+  // Refusals that came before the room: (text, arrival), kept for a bootstrap timeout.
+  std::map<uint64_t, std::pair<std::string, Clock::time_point>> refusals_;
 };
 
 }  // namespace kvferry::prefill

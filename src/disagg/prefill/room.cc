@@ -49,4 +49,17 @@ Status CheckChunk(const SenderRooms::Room& r, uint64_t room, int64_t first_page,
   return OkStatus();
 }
 
+void NoteRefusal(SenderRooms& rooms, uint64_t room, const std::string& text) {
+  rooms
+      .With(room,
+            [&](SenderRooms::Room& r) -> Status {
+              if (r.status.state == RoomState::kBootstrapping && !r.data.refusal_noted) {
+                r.data.refusal_noted = true;
+                r.deadline_reason += "; " + text;
+              }
+              return OkStatus();
+            })
+      .IgnoreError();
+}
+
 }  // namespace kvferry::prefill

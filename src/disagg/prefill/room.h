@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -90,6 +91,10 @@ struct SenderRoom {
 };
 
 using SenderRooms = RoomTable<SenderRoom>;
+
+// Adds `text` (a refused destination: its sender and why) to the reason `room`'s bootstrap
+// timeout fails it with, once per room and only while it is still bootstrapping.
+void NoteRefusal(SenderRooms& rooms, uint64_t room, const std::string& text);
 
 // The checks a chunk of `room` (record `r`) passes before SendChunk or BeginLayerwisePass
 // takes it: the room is neither failed nor still waiting for decode's destinations, its last

@@ -134,7 +134,8 @@ void StagingWriter::WriteStaged(const ControlMessage& grant, const std::string& 
   const DecodeKvArgs& a = decode->args;
   RingRegion region{grant.chunk.round, grant.chunk.offset, grant.chunk.bytes,
                     grant.chunk.region_id};
-  if (grant.chunk.offset + grant.chunk.bytes > a.staging_bytes) {
+  if (grant.chunk.offset > a.staging_bytes ||
+      grant.chunk.bytes > a.staging_bytes - grant.chunk.offset) {
     failures_->FailRoom(grant.room, OutOfRangeError("staging grant beyond decode's ring"));
     return;
   }

@@ -374,11 +374,17 @@ void TcpServer::Serve(Connection* connection) {
     for (size_t i = 0; i < queued_acks.size(); ++i) {
       QueuedAck& q = queued_acks[i];
       // Wait even for a failed WRITE: chunks before the failure may still be copying into the
-      // region its pin holds.
+      // region its pin holds. Every buffer whose last copy is this WRITE's is waited for, so
+      // that a failed copy is this WRITE's error and not the next user's of the buffer.
       Status st = q.error;
       if (q.bounce != nullptr) {
-        Status w = q.bounce->Wait(q.buffer);
-        if (st.ok()) st = w;
+        auto& owners = copy_owner[q.bounce];
+        for (int b = 0; b < kBounceBuffers; ++b) {
+          if (owners[b] != q.request_id && b != q.buffer) continue;
+          Status w = q.bounce->Wait(b);
+          if (st.ok()) st = w;
+          owners[b] = 0;
+        }
       }
       wire::FrameHeader ack;
       ack.type = wire::FrameType::kWriteAck;
