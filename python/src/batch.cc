@@ -165,7 +165,9 @@ void BindBatch(py::module_& m) {
            "pending after `timeout` seconds.")
       .def("cancel", &PyBatch::Cancel,
            "Cancels the requests not yet on the wire (they turn CANCELLED); those already "
-           "sent finish with their real outcome. Blocks until the batch is final.\n\n"
+           "sent finish with their real outcome (FAILED when cut part-way), and the batch's "
+           "notification, unless already sent, is not sent. Blocks until the batch is "
+           "final.\n\n"
            "Raises NotFoundError (released).")
       .def("request_status", &PyBatch::RequestStatus, py::arg("index"),
            "The TransferStatus of request `index` (0-based).\n\nRaises OutOfRangeError, "
