@@ -141,8 +141,8 @@ int main(int argc, char** argv) {
       std::atomic_ref<uint64_t>(shared->doorbell).store(i, std::memory_order_release);
       while (std::atomic_ref<uint64_t>(shared->answer).load(std::memory_order_acquire) != i) {
       }
-      ns.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0)
-                       .count());
+      ns.push_back(
+          std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count());
     }
     CK(cudaStreamSynchronize(stream));
     std::sort(ns.begin(), ns.end());
