@@ -30,20 +30,30 @@ class CountingOwner : public WorkOwner {
   std::atomic<int> calls{0};
 };
 
-TEST(TcpPeerAbandonTest, ItemNoLaneCarriedIsLeftAlone) {
+// A TCP engine for the peer to connect to.
+StatusOr<std::unique_ptr<TransferEngine>> StartServed() {
   EngineOptions o;
   o.name = "served";
   o.transport = "tcp";
-  auto served = TransferEngine::Create(o);
-  ASSERT_TRUE(served.ok()) << served.status().ToString();
+  return TransferEngine::Create(o);
+}
 
+// Options of a TcpPeer to `port` on this host, with `lanes` lanes.
+tcp::TcpPeerOptions PeerOptions(uint16_t port, int lanes) {
   tcp::TcpPeerOptions p;
-  p.address = "127.0.0.1:" + std::to_string((*served)->LocalDescriptor().port);
+  p.address = "127.0.0.1:" + std::to_string(port);
   p.self.name = "initiator";
   p.self.host = "127.0.0.1";
   p.self.port = 1;
-  p.num_lanes = 4;  // lanes 1..3 connect on first use: none is connected here
-  auto peer = tcp::TcpPeer::Create(p);
+  p.num_lanes = lanes;
+  return p;
+}
+
+TEST(TcpPeerAbandonTest, ItemNoLaneCarriedIsLeftAlone) {
+  auto served = StartServed();
+  ASSERT_TRUE(served.ok()) << served.status().ToString();
+  // Lanes 1..3 connect on first use: none is connected here.
+  auto peer = tcp::TcpPeer::Create(PeerOptions((*served)->LocalDescriptor().port, 4));
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
 
   CountingOwner owner;
@@ -73,17 +83,9 @@ int MappingCount() {
 // their threads have returned, so a segment that stays open does not gather two exited
 // threads per submission until the process runs out of mappings.
 TEST(TcpPeerAbandonTest, FailedLanesAreReleased) {
-  EngineOptions o;
-  o.name = "served";
-  o.transport = "tcp";
-  auto served = TransferEngine::Create(o);
+  auto served = StartServed();
   ASSERT_TRUE(served.ok()) << served.status().ToString();
-  tcp::TcpPeerOptions p;
-  p.address = "127.0.0.1:" + std::to_string((*served)->LocalDescriptor().port);
-  p.self.name = "initiator";
-  p.self.host = "127.0.0.1";
-  p.self.port = 1;
-  p.num_lanes = 1;
+  tcp::TcpPeerOptions p = PeerOptions((*served)->LocalDescriptor().port, 1);
   p.connect_timeout = std::chrono::milliseconds(1000);
   auto peer = tcp::TcpPeer::Create(p);
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
@@ -118,11 +120,7 @@ TEST(TcpPeerTest, HandshakeWithAPeerThatNeverAnswersEndsAtTheConnectTimeout) {
   ASSERT_EQ(::listen(listener, 4), 0);
   socklen_t len = sizeof(addr);
   ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  tcp::TcpPeerOptions p;
-  p.address = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
-  p.self.name = "initiator";
-  p.self.host = "127.0.0.1";
-  p.self.port = 1;
+  tcp::TcpPeerOptions p = PeerOptions(ntohs(addr.sin_port), 1);
   p.connect_timeout = std::chrono::milliseconds(500);
   const auto start = std::chrono::steady_clock::now();
   auto peer = tcp::TcpPeer::Create(p);
