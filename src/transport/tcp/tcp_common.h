@@ -21,11 +21,11 @@ namespace kvferry::tcp {
 using SocketGuard = std::function<bool(const std::function<void()>& op)>;
 
 // Connects to each address `address` resolves to in turn until one answers, then performs the
-// handshake (ClientHandshake). Blocks at most `timeout` for the connect (all addresses
-// together) and the handshake together. Every open and close of
-// `socket` here runs through `guard`; the socket is never closed on an error: its owner closes
-// it. Errors: those of ClientHandshake; kUnavailable when no address answers in time or
-// `guard` refused (the owner gave up).
+// handshake (ClientHandshake). Blocks at most `timeout` in all: the connect (every address)
+// and the handshake share one deadline. Every open and close of `socket` here runs through
+// `guard`; the socket is never closed on an error: its owner closes it. Errors: those of
+// ClientHandshake; kUnavailable when no address answers in time or `guard` refused (the owner gave
+// up).
 Status ConnectAndHello(asio::ip::tcp::socket& socket, const std::string& address,
                        const SegmentDescriptor& self, const std::string& auth_secret,
                        std::chrono::milliseconds timeout, uint32_t max_body_bytes,
