@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -336,38 +337,41 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
 
   Status Gather(std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
                 int head_start, int num_heads, int first_layer, int num_layers,
-                uint8_t* staging) override {
+                std::span<uint8_t> staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
     std::lock_guard<std::mutex> lock(mu_);
     DeviceGuard device(gpu_.device());
-    RETURN_IF_ERROR(Check(pages, r));
+    RETURN_IF_ERROR(Check(pages, r, staging.size()));
     CUDA_RETURN_IF_ERROR(
-        LaunchGatherHeads(g_, buffers_, gpu_.pages().data(), r, staging, gpu_.stream()));
+        LaunchGatherHeads(g_, buffers_, gpu_.pages().data(), r, staging.data(), gpu_.stream()));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
 
   Status Scatter(std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
                  int head_start, int num_heads, int first_layer, int num_layers,
-                 const uint8_t* staging) override {
+                 std::span<const uint8_t> staging) override {
     HeadSliceRange r{first_token, num_tokens, head_start, num_heads, first_layer, num_layers};
     std::lock_guard<std::mutex> lock(mu_);
     DeviceGuard device(gpu_.device());
-    RETURN_IF_ERROR(Check(pages, r));
+    RETURN_IF_ERROR(Check(pages, r, staging.size()));
     CUDA_RETURN_IF_ERROR(
-        LaunchScatterHeads(g_, buffers_, gpu_.pages().data(), r, staging, gpu_.stream()));
+        LaunchScatterHeads(g_, buffers_, gpu_.pages().data(), r, staging.data(), gpu_.stream()));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(gpu_.stream()));
     return OkStatus();
   }
 
  private:
-  // The same checks as head_slices.cc, then the page table upload.
-  Status Check(std::span<const int32_t> pages, const HeadSliceRange& r) {
+  // The same checks as head_slices.cc (in 64 bits, before any offset is multiplied out),
+  // then the page table upload.
+  Status Check(std::span<const int32_t> pages, const HeadSliceRange& r, uint64_t staging_bytes) {
     const PoolGeometry& g = g_;
-    if (r.first_token < 0 || r.num_tokens < 0 || r.head_start < 0 || r.num_heads < 1 ||
-        r.head_start + r.num_heads > g.heads || r.first_layer < 0 || r.num_layers < 0 ||
-        static_cast<int64_t>(r.first_layer) + r.num_layers > g.num_layers) {
-      return OutOfRangeError("head slice or layer range outside the pool");
+    if (r.first_token < 0 || r.num_tokens < 0 ||
+        r.num_tokens > std::numeric_limits<int64_t>::max() - g.page_size - r.first_token ||
+        r.head_start < 0 || r.num_heads < 1 || int64_t{r.head_start} + r.num_heads > g.heads ||
+        r.first_layer < 0 || r.num_layers < 0 ||
+        int64_t{r.first_layer} + r.num_layers > g.num_layers) {
+      return OutOfRangeError("head slice, layer or token range outside the pool");
     }
     const int64_t end_page = (r.first_token + r.num_tokens + g.page_size - 1) / g.page_size;
     if (end_page > static_cast<int64_t>(pages.size())) {
@@ -379,6 +383,12 @@ class GpuHeadSlicesImpl : public GpuHeadSlices {
       if (pages[p] < 0 || pages[p] >= num_pages) {
         return OutOfRangeError("page index " + std::to_string(pages[p]) + " outside the pool");
       }
+    }
+    // The tokens fit the listed pages, so the product cannot overflow.
+    const uint64_t need = HeadSliceBytes(g, r.num_tokens, r.num_heads, r.num_layers);
+    if (staging_bytes < need) {
+      return OutOfRangeError("staging region of " + std::to_string(staging_bytes) +
+                             " bytes, need " + std::to_string(need));
     }
     return gpu_.pages().Upload(pages, gpu_.stream());
   }

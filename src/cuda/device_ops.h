@@ -90,14 +90,16 @@ class GpuHeadSlices {
   virtual ~GpuHeadSlices() = default;
   // `pages`: the request's pages in token order (host memory); `first_token`.. as in
   // head_slices.h, with attention layers [first_layer, first_layer + num_layers) (0: all).
-  // `staging`: GPU memory of `device` holding the region (StagingBytes). Errors: kOutOfRange
-  // (heads, layers, tokens or a page outside the pool; nothing moved), CUDA's.
+  // `staging`: the region in GPU memory of `device` (not read through the span on the host);
+  // it must hold the StagingBytes the range needs. Blocks until the kernel finished. Errors:
+  // kOutOfRange (heads, layers, tokens or a page outside the pool, or a region too short;
+  // nothing moved), CUDA's.
   virtual Status Gather(std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
                         int head_start, int num_heads, int first_layer, int num_layers,
-                        uint8_t* staging) = 0;
+                        std::span<uint8_t> staging) = 0;
   virtual Status Scatter(std::span<const int32_t> pages, int64_t first_token, int64_t num_tokens,
                          int head_start, int num_heads, int first_layer, int num_layers,
-                         const uint8_t* staging) = 0;
+                         std::span<const uint8_t> staging) = 0;
 };
 
 // Pinned host buffers with asynchronous copies to and from one GPU, for moving GPU memory

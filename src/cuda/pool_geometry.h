@@ -23,4 +23,16 @@ struct PoolGeometry {
   int head_offset = 0;  // global KV head of local head 0 (a TP rank's share)
 };
 
+// Bytes of a staging region holding `num_heads` heads of `num_tokens` tokens in `num_layers`
+// attention layers (0: all), every buffer of those layers: the GPU side of StagingBytes
+// (disagg/head_slices.h). REQUIRES arguments checked against g (no overflow check here).
+inline uint64_t HeadSliceBytes(const PoolGeometry& g, int64_t num_tokens, int num_heads,
+                               int num_layers) {
+  const uint64_t buffers = num_layers == 0
+                               ? static_cast<uint64_t>(g.num_buffers)
+                               : static_cast<uint64_t>(num_layers) * (g.num_buffers / g.num_layers);
+  return buffers * static_cast<uint64_t>(num_tokens) * static_cast<uint64_t>(num_heads) *
+         g.head_bytes;
+}
+
 }  // namespace kvferry::cuda

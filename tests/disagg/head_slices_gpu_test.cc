@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <random>
+#include <span>
 
 #include "cuda/device_memory.h"
 #include "cuda/device_ops.h"
@@ -68,8 +70,9 @@ void Check(AttentionKind kind, int head_start, int num_heads, int first_layer, i
   ASSERT_TRUE(GatherHeads(*host, pages, first_token, tokens, head_start, num_heads, want,
                           first_layer, num_layers)
                   .ok());
+  const std::span<uint8_t> region_span((*staging)->data(), bytes);
   Status s = (*slices)->Gather(pages, first_token, tokens, head_start, num_heads, first_layer,
-                               num_layers, (*staging)->data());
+                               num_layers, region_span);
   ASSERT_TRUE(s.ok()) << s.ToString();
   ASSERT_TRUE(cuda::CopyToHost(got.data(), (*staging)->data(), bytes).ok());
   EXPECT_EQ(got, want);
@@ -83,16 +86,29 @@ void Check(AttentionKind kind, int head_start, int num_heads, int first_layer, i
                            first_layer, num_layers)
                   .ok());
   s = (*slices)->Scatter(pages, first_token, tokens, head_start, num_heads, first_layer, num_layers,
-                         (*staging)->data());
+                         region_span);
   ASSERT_TRUE(s.ok()) << s.ToString();
   auto back = std::move(*KvPool::Create(layout, num_pages));
   ASSERT_TRUE(device.Download(*back).ok());
   EXPECT_EQ(std::memcmp(back->data(), host->data(), host->size_bytes()), 0);
 
   // Out-of-range calls are refused before any kernel runs.
-  EXPECT_EQ(
-      (*slices)->Gather(pages, 0, 200, head_start, num_heads, 0, 0, (*staging)->data()).code(),
-      StatusCode::kOutOfRange);
+  EXPECT_EQ((*slices)->Gather(pages, 0, 200, head_start, num_heads, 0, 0, region_span).code(),
+            StatusCode::kOutOfRange);
+  // A region one byte short is refused, and the pool is left as it was.
+  EXPECT_EQ((*slices)
+                ->Scatter(pages, first_token, tokens, head_start, num_heads, first_layer,
+                          num_layers, region_span.first(bytes - 1))
+                .code(),
+            StatusCode::kOutOfRange);
+  ASSERT_TRUE(device.Download(*back).ok());
+  EXPECT_EQ(std::memcmp(back->data(), host->data(), host->size_bytes()), 0);
+  // Heads past the pool's, with a start near INT32_MAX, are refused.
+  EXPECT_EQ((*slices)
+                ->Scatter(pages, first_token, tokens, std::numeric_limits<int>::max(), num_heads,
+                          first_layer, num_layers, region_span)
+                .code(),
+            StatusCode::kOutOfRange);
 }
 
 TEST(HeadSlicesGpuTest, KernelsMatchTheCpuReference) {

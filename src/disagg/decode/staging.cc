@@ -15,30 +15,16 @@
 namespace kvferry {
 namespace {
 
-// Whether a ready notice's chunk (from the writing prefill rank) fits the room's `room_pages`
-// pages and the pool's heads and layers, and its region of `c.bytes` holds what it describes;
-// checked before any offset is multiplied out, in 64 bits.
-Status CheckChunkGeometry(const StagingChunk& c, size_t room_pages, const KvLayout& layout) {
+// Whether a ready notice's pages lie within the room's `room_pages` pages, checked before
+// they are multiplied into tokens; the heads, layers and region length are checked by the
+// scatter itself (ScatterHeads, GpuHeadSlices::Scatter).
+Status CheckChunkPages(const StagingChunk& c, size_t room_pages) {
   const int64_t pages = static_cast<int64_t>(room_pages);
   if (c.first_page < 0 || c.num_pages < 0 || c.first_page > pages ||
       c.num_pages > pages - c.first_page) {
     return OutOfRangeError("staged pages [" + std::to_string(c.first_page) + ", +" +
                            std::to_string(c.num_pages) + ") outside the room's " +
                            std::to_string(pages) + " pages");
-  }
-  if (c.dst_head_start < 0 || c.num_heads < 1 ||
-      int64_t{c.dst_head_start} + c.num_heads > layout.heads_per_token() || c.first_layer < 0 ||
-      c.num_layers < 0 || int64_t{c.first_layer} + c.num_layers > layout.geometry().num_layers) {
-    return OutOfRangeError("staged heads [" + std::to_string(c.dst_head_start) + ", +" +
-                           std::to_string(c.num_heads) + ") or layers [" +
-                           std::to_string(c.first_layer) + ", +" + std::to_string(c.num_layers) +
-                           ") outside the pool");
-  }
-  const uint64_t need =
-      StagingBytes(layout, c.num_pages * layout.page_size(), c.num_heads, c.num_layers);
-  if (need > c.bytes) {
-    return OutOfRangeError("staged chunk needs " + std::to_string(need) +
-                           " bytes, its region has " + std::to_string(c.bytes));
   }
   return OkStatus();
 }
@@ -316,13 +302,13 @@ void StagingReceiver::Scatter(const ControlMessage& m, const std::string& from) 
       const int64_t page_size = pool_.layout().page_size();
       if (m.chunk.offset > staging_bytes_ || m.chunk.bytes > staging_bytes_ - m.chunk.offset) {
         s = OutOfRangeError("staging region beyond the ring");
-      } else if (s = CheckChunkGeometry(m.chunk, dst_pages->size(), pool_.layout()); !s.ok()) {
+      } else if (s = CheckChunkPages(m.chunk, dst_pages->size()); !s.ok()) {
         s = s.WithContext("staging notice");
       } else if (head_slices_ != nullptr) {
-        s = head_slices_->Scatter(*dst_pages, m.chunk.first_page * page_size,
-                                  m.chunk.num_pages * page_size, m.chunk.dst_head_start,
-                                  m.chunk.num_heads, m.chunk.first_layer, m.chunk.num_layers,
-                                  staging_data_ + m.chunk.offset);
+        s = head_slices_->Scatter(
+            *dst_pages, m.chunk.first_page * page_size, m.chunk.num_pages * page_size,
+            m.chunk.dst_head_start, m.chunk.num_heads, m.chunk.first_layer, m.chunk.num_layers,
+            std::span<const uint8_t>(staging_data_ + m.chunk.offset, m.chunk.bytes));
       } else {
         s = ScatterHeads(pool_, *dst_pages, m.chunk.first_page * page_size,
                          m.chunk.num_pages * page_size, m.chunk.dst_head_start, m.chunk.num_heads,

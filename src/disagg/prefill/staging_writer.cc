@@ -170,7 +170,8 @@ void StagingWriter::WriteStaged(const ControlMessage& grant, const std::string& 
                     grant.chunk.region_id);
       buffer = std::move(*scratch);
       g = gpu_slices_->Gather(pages, 0, chunk_tokens, src_head_start, grant.chunk.num_heads,
-                              grant.chunk.first_layer, grant.chunk.num_layers, buffer.get());
+                              grant.chunk.first_layer, grant.chunk.num_layers,
+                              std::span(buffer.get(), grant.chunk.bytes));
     }
   } else {
     buffer = AcquireHostScratch(grant.chunk.bytes);
