@@ -130,9 +130,13 @@ struct EngineOptions {
   // UCX: requests longer than this are cut into slices of this size, spread over the lanes.
   // Default 1 MiB (docs/perf/ucx.md), at least 4 KiB; KVFERRY_UCX_SLICE overrides it.
   uint64_t ucx_slice_bytes = 1ull << 20;
-  // TCP serving side: connections served at once (each has a thread); more are closed when
-  // they connect, logged. Default 1024 (128 peers of 8 lanes).
+  // TCP serving side: connections served at once (each has a thread), and of those the ones
+  // still in their handshake. A new connection past either cap closes the oldest one still in
+  // its handshake, so that clients that never authenticate cannot lock peers out; with none
+  // in the handshake it is closed itself. Both are logged and counted (EngineMetrics).
+  // Defaults 1024 (128 peers of 8 lanes) and 64.
   int tcp_max_connections = 1024;
+  int tcp_max_handshakes = 64;
   // TCP serving side: a connection must complete its handshake within this time. Default 10 s.
   std::chrono::milliseconds tcp_handshake_timeout{10000};
   // TCP serving side: a frame, once its first byte arrived, must arrive whole (and its answer
@@ -284,19 +288,22 @@ struct EngineMetrics {
   uint64_t segments_open = 0;  // peer segments opened (OpenSegment) and not closed
   // The serving side: connections of peers to this engine's TCP port (each peer's lanes and
   // control channel). Open now (in the handshake or after it), accepted ever, and closed at
-  // once because tcp_max_connections were open.
+  // once because tcp_max_connections were open, none of them in the handshake.
   uint64_t connections_open = 0;
   uint64_t connections_accepted = 0;
   uint64_t connections_refused = 0;
   // Handshakes of those connections that completed, and those refused: a wrong proof of the
   // shared secret, or a client that hung up after this engine's challenge (a kvferry engine
   // holding another secret, or none, does that); a malformed frame, a frame out of turn,
-  // another protocol version; no complete handshake within tcp_handshake_timeout. A connection
-  // closed before its first HELLO arrived counts in none of them.
+  // another protocol version; no complete handshake within tcp_handshake_timeout; closed in
+  // the handshake to make room for a newer connection (tcp_max_handshakes or
+  // tcp_max_connections reached). Otherwise a connection closed before its first HELLO arrived
+  // counts in none of them.
   uint64_t handshakes_completed = 0;
   uint64_t handshakes_refused_auth = 0;
   uint64_t handshakes_refused_protocol = 0;
   uint64_t handshakes_refused_timeout = 0;
+  uint64_t handshakes_refused_crowded = 0;
 };
 
 class TransferEngine {

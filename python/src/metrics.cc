@@ -55,6 +55,7 @@ py::dict MetricsDict(const EngineMetrics& m) {
   d["handshakes_refused_auth"] = m.handshakes_refused_auth;
   d["handshakes_refused_protocol"] = m.handshakes_refused_protocol;
   d["handshakes_refused_timeout"] = m.handshakes_refused_timeout;
+  d["handshakes_refused_crowded"] = m.handshakes_refused_crowded;
   py::list lanes;
   for (uint64_t n : m.ucx_lane_bytes) lanes.append(n);
   d["ucx_lane_bytes"] = lanes;

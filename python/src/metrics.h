@@ -14,8 +14,8 @@ namespace kvferry::python {
 // the last), "sum_seconds", "count"), and the plain counters notifications_sent,
 // notifications_failed, notifications_received, segments_open, connections_open,
 // connections_accepted, connections_refused, handshakes_completed, handshakes_refused_auth,
-// handshakes_refused_protocol, handshakes_refused_timeout, and "ucx_lane_bytes" (list: bytes
-// completed per UCX lane; empty without UCX). Needs the GIL.
+// handshakes_refused_protocol, handshakes_refused_timeout, handshakes_refused_crowded, and
+// "ucx_lane_bytes" (list: bytes completed per UCX lane; empty without UCX). Needs the GIL.
 pybind11::dict MetricsDict(const EngineMetrics& m);
 
 }  // namespace kvferry::python

@@ -81,6 +81,7 @@ class EngineImpl : public TransferEngine {
     t.tcp.connect_timeout = options_.connect_timeout;
     t.tcp.max_body_bytes = MaxBodyBytes();
     t.tcp.max_connections = options_.tcp_max_connections;
+    t.tcp.max_handshakes = options_.tcp_max_handshakes;
     t.tcp.handshake_timeout = options_.tcp_handshake_timeout;
     t.tcp.frame_timeout = options_.tcp_frame_timeout;
     t.tcp.auth_secret = options_.auth_secret;
@@ -544,6 +545,7 @@ class EngineImpl : public TransferEngine {
     m.handshakes_refused_auth = refused(tcp::HandshakeRefusal::kAuth);
     m.handshakes_refused_protocol = refused(tcp::HandshakeRefusal::kProtocol);
     m.handshakes_refused_timeout = refused(tcp::HandshakeRefusal::kTimeout);
+    m.handshakes_refused_crowded = refused(tcp::HandshakeRefusal::kCrowded);
     return m;
   }
 

@@ -79,7 +79,8 @@ void EngineFamilies(PrometheusText& t, const EngineMetrics& m) {
           "Peers' connections to this engine's TCP port accepted and served.",
           m.connections_accepted);
   counter("kvferry_engine_connections_refused_total",
-          "Connections closed at once because tcp_max_connections were open.",
+          "Connections closed at once because tcp_max_connections were open, none of them in "
+          "the handshake.",
           m.connections_refused);
   counter("kvferry_engine_handshakes_completed_total",
           "Handshakes of peers' connections that completed (the shared secret proven).",
@@ -88,10 +89,13 @@ void EngineFamilies(PrometheusText& t, const EngineMetrics& m) {
   t.Family(refused, "counter",
            "Handshakes refused, by reason: auth (wrong proof of the shared secret, or the client "
            "hung up after the challenge), protocol (malformed or out-of-turn frame, other "
-           "version), timeout (no handshake within tcp_handshake_timeout).");
+           "version), timeout (no handshake within tcp_handshake_timeout), crowded (closed in "
+           "the handshake to make room for a newer connection: tcp_max_handshakes or "
+           "tcp_max_connections reached).");
   t.Sample(refused, {{"reason", "auth"}}, m.handshakes_refused_auth);
   t.Sample(refused, {{"reason", "protocol"}}, m.handshakes_refused_protocol);
   t.Sample(refused, {{"reason", "timeout"}}, m.handshakes_refused_timeout);
+  t.Sample(refused, {{"reason", "crowded"}}, m.handshakes_refused_crowded);
   if (!m.ucx_lane_bytes.empty()) {
     const char* lanes = "kvferry_engine_ucx_lane_bytes_total";
     t.Family(lanes, "counter",

@@ -210,18 +210,28 @@ TEST(EngineMetricsTest, ServingSideCountsConnectionsAndRefusedHandshakes) {
 }
 
 // Connections beyond tcp_max_connections are closed at accept and counted.
-TEST(EngineMetricsTest, ConnectionsBeyondTheCapAreCountedAsRefused) {
+// At the cap, a connection still in its handshake gives way to a newer one (counted as a
+// crowded-out handshake); with every connection authenticated, the newer one is refused.
+TEST(EngineMetricsTest, ConnectionsBeyondTheCapAreCountedAsRefusedOrCrowdedOut) {
   auto server = MakeEngine(kSecret, 1, milliseconds(10000), /*max_connections=*/1);
   ASSERT_NE(server, nullptr);
   const uint16_t port = server->LocalDescriptor().port;
   asio::io_context io;
-  asio::ip::tcp::socket first(io), second(io);
-  first.connect({asio::ip::make_address("127.0.0.1"), port});
+  asio::ip::tcp::socket silent(io), second(io);
+  silent.connect({asio::ip::make_address("127.0.0.1"), port});
+  ASSERT_TRUE(Eventually([&] { return server->Metrics().connections_accepted == 1; }));
+  auto client = MakeEngine(kSecret);
+  auto seg = client->OpenSegment(server->LocalDescriptor().Address());
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
   ASSERT_TRUE(Eventually([&] { return server->Metrics().connections_open == 1; }));
+  EngineMetrics m = server->Metrics();
+  EXPECT_EQ(m.handshakes_refused_crowded, 1u);
+  EXPECT_EQ(m.handshakes_completed, 1u);
+
   second.connect({asio::ip::make_address("127.0.0.1"), port});
   ASSERT_TRUE(Eventually([&] { return server->Metrics().connections_refused == 1; }));
-  EngineMetrics m = server->Metrics();
-  EXPECT_EQ(m.connections_accepted, 1u);
+  m = server->Metrics();
+  EXPECT_EQ(m.connections_accepted, 2u);
   EXPECT_EQ(m.connections_open, 1u);
 }
 

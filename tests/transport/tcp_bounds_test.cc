@@ -1,5 +1,6 @@
 // The TCP serving side's bounds, against a real engine over real sockets: connections beyond
-// the cap are closed at once, a connection that never says HELLO is closed after the handshake
+// the cap are closed at once, connections stuck in their handshake give way to newer ones (at
+// either cap), a connection that never says HELLO is closed after the handshake
 // timeout, a frame that stalls or trickles in is closed after the frame timeout, a greeted
 // connection may stay idle between frames, a frame body costs memory only as its bytes
 // arrive, and large WRITEs are acknowledged while more requests are still arriving.
@@ -27,11 +28,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-std::unique_ptr<TransferEngine> MakeEngine(int max_connections = 1024) {
+std::unique_ptr<TransferEngine> MakeEngine(int max_connections = 1024, int max_handshakes = 64,
+                                           milliseconds handshake_timeout = milliseconds(400)) {
   EngineOptions o;
   o.name = "bounded";
   o.tcp_max_connections = max_connections;
-  o.tcp_handshake_timeout = milliseconds(400);
+  o.tcp_max_handshakes = max_handshakes;
+  o.tcp_handshake_timeout = handshake_timeout;
   o.tcp_frame_timeout = milliseconds(400);
   auto e = TransferEngine::Create(o);
   EXPECT_TRUE(e.ok()) << e.status().ToString();
@@ -136,6 +139,49 @@ TEST(TcpBoundsTest, ConnectionsBeyondTheCapAreClosedAtOnce) {
   RawConnection first_after(port);
   RawConnection second_after(port, /*authenticate=*/true);
   EXPECT_FALSE(second_after.ClosedWithin(milliseconds(100)));
+}
+
+// Connections that never say HELLO, as many as the cap, do not lock an authenticating peer out
+// for the handshake timeout: the oldest of them is closed to make room.
+TEST(TcpBoundsTest, SilentConnectionsAtTheCapGiveWayToAPeer) {
+  auto engine = MakeEngine(/*max_connections=*/4, 64, milliseconds(10000));
+  ASSERT_NE(engine, nullptr);
+  const uint16_t port = engine->LocalDescriptor().port;
+  std::vector<std::unique_ptr<RawConnection>> silent;
+  for (int i = 0; i < 4; ++i) silent.push_back(std::make_unique<RawConnection>(port));
+  RawConnection peer(port, /*authenticate=*/true);
+  ASSERT_FALSE(HasFailure());
+  EXPECT_TRUE(silent[0]->ClosedWithin(milliseconds(2000)));
+  for (int i = 1; i < 4; ++i) EXPECT_FALSE(silent[i]->ClosedWithin(milliseconds(10)));
+  EXPECT_FALSE(peer.ClosedWithin(milliseconds(10)));
+  const EngineMetrics m = engine->Metrics();
+  EXPECT_EQ(m.handshakes_refused_crowded, 1u);
+  EXPECT_EQ(m.handshakes_completed, 1u);
+  EXPECT_EQ(m.connections_refused, 0u);
+}
+
+// At most max_handshakes connections wait in their handshake: a newer one closes the oldest
+// long before the handshake timeout; authenticated connections do not count.
+TEST(TcpBoundsTest, HandshakesBeyondTheirCapCloseTheOldest) {
+  auto engine = MakeEngine(1024, /*max_handshakes=*/2, milliseconds(10000));
+  ASSERT_NE(engine, nullptr);
+  const uint16_t port = engine->LocalDescriptor().port;
+  std::vector<std::unique_ptr<RawConnection>> peers;
+  for (int i = 0; i < 3; ++i) {
+    peers.push_back(std::make_unique<RawConnection>(port, /*authenticate=*/true));
+    ASSERT_FALSE(HasFailure());
+  }
+  RawConnection first(port), second(port);
+  EXPECT_FALSE(first.ClosedWithin(milliseconds(100)));
+  RawConnection third(port);
+  EXPECT_TRUE(first.ClosedWithin(milliseconds(2000)));
+  EXPECT_FALSE(second.ClosedWithin(milliseconds(10)));
+  EXPECT_FALSE(third.ClosedWithin(milliseconds(10)));
+  for (auto& p : peers) EXPECT_FALSE(p->ClosedWithin(milliseconds(10)));
+  const EngineMetrics m = engine->Metrics();
+  EXPECT_EQ(m.handshakes_refused_crowded, 1u);
+  EXPECT_EQ(m.handshakes_refused_timeout, 0u);
+  EXPECT_EQ(m.connections_open, 5u);
 }
 
 TEST(TcpBoundsTest, ConnectionWithoutHelloIsClosedAfterTheHandshakeTimeout) {

@@ -74,16 +74,14 @@ TcpServer::~TcpServer() {
   }
 }
 
-void TcpServer::ReapFinished() {
-  // Caller holds mu_. Joins threads of connections that ended.
+std::list<TcpServer::Connection> TcpServer::TakeFinished() {
+  std::list<Connection> finished;
   for (auto it = connections_.begin(); it != connections_.end();) {
-    if (it->done) {
-      if (it->thread.joinable()) it->thread.join();
-      it = connections_.erase(it);
-    } else {
-      ++it;
-    }
+    auto next = std::next(it);
+    if (it->done) finished.splice(finished.end(), connections_, it);
+    it = next;
   }
+  return finished;
 }
 
 void TcpServer::AcceptLoop() {
@@ -91,32 +89,60 @@ void TcpServer::AcceptLoop() {
     auto socket = std::make_unique<asio::ip::tcp::socket>(io_);
     asio::error_code ec;
     acceptor_.accept(*socket, ec);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return;
-    if (ec) {
-      if (ec == asio::error::bad_descriptor || ec == asio::error::invalid_argument) return;
-      KVF_LOG_WARN_LIMITED("accept failed: {}", ec.message());
-      continue;
+    std::list<Connection> finished;  // their threads are joined outside the lock
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      if (ec) {
+        if (ec == asio::error::bad_descriptor || ec == asio::error::invalid_argument) return;
+        KVF_LOG_WARN_LIMITED("accept failed: {}", ec.message());
+        continue;
+      }
+      TuneSocket(*socket);
+      finished = TakeFinished();
+      Admit(std::move(socket));
     }
-    TuneSocket(*socket);
-    ReapFinished();
-    if (connections_.size() >= static_cast<size_t>(std::max(options_.max_connections, 1))) {
-      asio::error_code ignored;
-      auto ep = socket->remote_endpoint(ignored);
-      KVF_LOG_WARN_LIMITED("refusing a connection from {}: {} connections open (max_connections)",
-                           ignored ? "unknown" : ep.address().to_string(), connections_.size());
-      socket->close(ignored);
-      counters_.connections_refused.fetch_add(1, std::memory_order_relaxed);
-      continue;
+    for (Connection& c : finished) {
+      if (c.thread.joinable()) c.thread.join();
     }
-    counters_.connections_accepted.fetch_add(1, std::memory_order_relaxed);
-    counters_.connections_open.fetch_add(1, std::memory_order_relaxed);
-    connections_.emplace_back();
-    Connection* c = &connections_.back();
-    c->deadline_ns.store(NowNs() + std::chrono::nanoseconds(options_.handshake_timeout).count());
-    c->socket = std::move(socket);
-    c->thread = std::thread([this, c] { Serve(c); });
   }
+}
+
+void TcpServer::Admit(std::unique_ptr<asio::ip::tcp::socket> socket) {
+  // Connections still served, and the oldest of them in its handshake (the list is in accept
+  // order). One already crowded out is on its way out and counts in neither.
+  size_t served = 0, handshaking = 0;
+  Connection* oldest = nullptr;
+  for (Connection& c : connections_) {
+    if (c.done || c.crowded_out.load(std::memory_order_relaxed)) continue;
+    ++served;
+    if (!c.authenticated) {
+      ++handshaking;
+      if (oldest == nullptr) oldest = &c;
+    }
+  }
+  const bool full = served >= static_cast<size_t>(std::max(options_.max_connections, 1));
+  asio::error_code ignored;
+  if (oldest != nullptr &&
+      (full || handshaking >= static_cast<size_t>(std::max(options_.max_handshakes, 1)))) {
+    // The watchdog's way of closing: its thread sees the reads fail and ends.
+    oldest->crowded_out.store(true);
+    if (oldest->socket->is_open()) ::shutdown(oldest->socket->native_handle(), SHUT_RDWR);
+  } else if (full) {
+    auto ep = socket->remote_endpoint(ignored);
+    KVF_LOG_WARN_LIMITED("refusing a connection from {}: {} connections open (max_connections)",
+                         ignored ? "unknown" : ep.address().to_string(), served);
+    socket->close(ignored);
+    counters_.connections_refused.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  counters_.connections_accepted.fetch_add(1, std::memory_order_relaxed);
+  counters_.connections_open.fetch_add(1, std::memory_order_relaxed);
+  connections_.emplace_back();
+  Connection* c = &connections_.back();
+  c->deadline_ns.store(NowNs() + std::chrono::nanoseconds(options_.handshake_timeout).count());
+  c->socket = std::move(socket);
+  c->thread = std::thread([this, c] { Serve(c); });
 }
 
 void TcpServer::WatchdogLoop() {
@@ -210,8 +236,9 @@ Status TcpServer::ServeGpuRead(asio::ip::tcp::socket& socket, const wire::FrameH
   return OkStatus();
 }
 
-StatusOr<SegmentDescriptor> TcpServer::Handshake(asio::ip::tcp::socket& socket,
+StatusOr<SegmentDescriptor> TcpServer::Handshake(Connection& connection,
                                                  std::optional<HandshakeRefusal>* refusal) {
+  asio::ip::tcp::socket& socket = *connection.socket;
   const std::string& secret = options_.auth_secret;
   asio::error_code ec;
   auto gone = [] { return UnavailableError(""); };  // the client closed: nothing to report
@@ -291,6 +318,13 @@ StatusOr<SegmentDescriptor> TcpServer::Handshake(asio::ip::tcp::socket& socket,
     *refusal = HandshakeRefusal::kProtocol;
     return InvalidArgumentError("bad descriptor in AUTH: " + desc.status().message());
   }
+  {
+    // Served as authenticated from before the client hears so, unless the accept thread
+    // crowded the connection out meanwhile (its reads would fail next).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (connection.crowded_out.load()) return gone();
+    connection.authenticated = true;
+  }
   std::vector<uint8_t> mine = wire::EncodeDescriptor(options_.describe());
   if (!WriteReply(socket, wire::FrameType::kHelloAck, header->request_id, OkStatus(), &mine).ok()) {
     return gone();
@@ -310,14 +344,21 @@ void TcpServer::Serve(Connection* connection) {
   SegmentDescriptor peer;
   bool authenticated = false;
   std::optional<HandshakeRefusal> refusal;
-  if (auto handshake = Handshake(socket, &refusal); handshake.ok()) {
+  if (auto handshake = Handshake(*connection, &refusal); handshake.ok()) {
     peer = std::move(*handshake);
     authenticated = true;
     counters_.handshakes_completed.fetch_add(1, std::memory_order_relaxed);
   } else {
     close_reason = handshake.status().message();  // empty when the client went away
-    // The watchdog's shutdown makes the handshake's reads fail like a client that went away.
+    // The watchdog's and the accept thread's shutdowns make the handshake's reads fail like a
+    // client that went away.
     if (connection->timed_out.load()) refusal = HandshakeRefusal::kTimeout;
+    if (connection->crowded_out.load()) {
+      refusal = HandshakeRefusal::kCrowded;
+      close_reason =
+          "closed in its handshake to make room for a newer connection "
+          "(max_handshakes or max_connections)";
+    }
     if (refusal) {
       counters_.handshakes_refused[static_cast<size_t>(*refusal)].fetch_add(
           1, std::memory_order_relaxed);

@@ -12,8 +12,12 @@
 // is read or written (a WRITE's payload is drained). A malformed frame closes that connection
 // with a logged reason; other connections carry on.
 //
-// Bounded: at most max_connections are served at once (more are closed when accepted); a
-// connection must complete its HELLO within handshake_timeout; once a frame starts arriving,
+// Bounded: at most max_connections are served at once, and at most max_handshakes of them may
+// be in their handshake. A new connection that would pass either cap closes the oldest one
+// still in its handshake (so connections that never authenticate cannot lock peers out
+// for a handshake_timeout); with none in the handshake it is closed itself. Both are
+// logged and counted. A connection must complete its HELLO within handshake_timeout; once a
+// frame starts arriving,
 // all of it (and its answer) must pass within frame_timeout plus its size at
 // kMinFrameBytesPerSecond, or the connection is closed; frame bodies are allocated as their
 // bytes arrive. Idle connections between frames of an authenticated peer stay open (they are the
@@ -57,8 +61,10 @@ struct TcpServerOptions {
   std::function<SegmentDescriptor()> describe;
   // Called for each NOTIFY, on the connection's thread, before it is acknowledged.
   std::function<void(Notification)> on_notification;
-  // Connections served at once (one thread each); more are closed when accepted, logged.
+  // Connections served at once (one thread each), and of those the ones still in their
+  // handshake (see above).
   int max_connections = 1024;
+  int max_handshakes = 64;
   // From accept to a completed HELLO.
   std::chrono::milliseconds handshake_timeout{10000};
   // A frame's time from its first header byte to its answer, plus its size at
@@ -76,8 +82,11 @@ enum class HandshakeRefusal : uint8_t {
   kProtocol = 1,
   // No complete handshake within handshake_timeout.
   kTimeout = 2,
+  // Closed while in the handshake to make room for a newer connection: max_handshakes, or
+  // max_connections, were reached.
+  kCrowded = 3,
 };
-inline constexpr size_t kNumHandshakeRefusals = 3;
+inline constexpr size_t kNumHandshakeRefusals = 4;
 
 // What a server has seen since it started. Updated with relaxed atomics by the accept and
 // connection threads (once per connection, never per frame); each field may be read at any
@@ -85,7 +94,8 @@ inline constexpr size_t kNumHandshakeRefusals = 3;
 struct TcpServerCounters {
   std::atomic<uint64_t> connections_open{0};      // served now (in the handshake or after it)
   std::atomic<uint64_t> connections_accepted{0};  // ever accepted and served
-  std::atomic<uint64_t> connections_refused{0};   // closed at accept: max_connections were open
+  // Closed at accept: max_connections were open, none of them in the handshake.
+  std::atomic<uint64_t> connections_refused{0};
   std::atomic<uint64_t> handshakes_completed{0};
   std::array<std::atomic<uint64_t>, kNumHandshakeRefusals> handshakes_refused{};  // by reason
   // Connections that closed before sending a whole HELLO (e.g. port probes) count in neither.
@@ -111,7 +121,10 @@ class TcpServer {
   struct Connection {
     std::unique_ptr<asio::ip::tcp::socket> socket;
     std::thread thread;
-    bool done = false;  // guarded by mu_
+    bool done = false;           // guarded by mu_
+    bool authenticated = false;  // proved the secret (before told so); guarded by mu_
+    // Closed by the accept thread to make room (HandshakeRefusal::kCrowded); set under mu_.
+    std::atomic<bool> crowded_out{false};
     // Steady-clock nanoseconds by which the current handshake or frame must be over; 0: none
     // (idle between frames). Set by the connection's thread, enforced by the watchdog.
     std::atomic<int64_t> deadline_ns{0};
@@ -120,12 +133,16 @@ class TcpServer {
   TcpServer(const TcpServerOptions& options, MemoryRegistry* registry)
       : options_(options), registry_(registry), acceptor_(io_) {}
   void AcceptLoop();
+  // Serves `socket`, closing the oldest connection in its handshake to make room, or refuses
+  // it. Caller holds mu_.
+  void Admit(std::unique_ptr<asio::ip::tcp::socket> socket);
   void WatchdogLoop();
   void Serve(Connection* connection);
   // The server's side of the handshake on a new connection: the client's descriptor, or why
   // the connection is closed (an empty message: the client went away). `*refusal` is set when
   // the failure counts as a refusal (HandshakeRefusal), left alone otherwise.
-  StatusOr<SegmentDescriptor> Handshake(asio::ip::tcp::socket& socket,
+  // Marks the connection authenticated (under mu_) before the client is told it is.
+  StatusOr<SegmentDescriptor> Handshake(Connection& connection,
                                         std::optional<HandshakeRefusal>* refusal);
   // Answers a READ of GPU memory through the connection's bounce buffers (`bounce_for`).
   template <typename BounceFor>
@@ -136,7 +153,9 @@ class TcpServer {
   // from the device while the next one crosses the socket.
   static constexpr int kBounceBuffers = 4;
   static constexpr uint64_t kBounceBytes = 1ull << 20;
-  void ReapFinished();
+  // Moves connections whose thread finished out of connections_, to be joined once mu_ is
+  // released. Caller holds mu_.
+  std::list<Connection> TakeFinished();
 
   TcpServerOptions options_;
   MemoryRegistry* registry_;

@@ -31,6 +31,10 @@ StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(const TcpTransportO
     return InvalidArgumentError("tcp_max_connections must be >= 1, got " +
                                 std::to_string(options.max_connections));
   }
+  if (options.max_handshakes < 1) {
+    return InvalidArgumentError("tcp_max_handshakes must be >= 1, got " +
+                                std::to_string(options.max_handshakes));
+  }
   if (options.handshake_timeout.count() <= 0 || options.frame_timeout.count() <= 0) {
     return InvalidArgumentError("tcp_handshake_timeout and tcp_frame_timeout must be positive");
   }
@@ -48,6 +52,7 @@ StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(const TcpTransportO
   server_options.describe = options.describe;
   server_options.on_notification = options.on_notification;
   server_options.max_connections = options.max_connections;
+  server_options.max_handshakes = options.max_handshakes;
   server_options.handshake_timeout = options.handshake_timeout;
   server_options.frame_timeout = options.frame_timeout;
   ASSIGN_OR_RETURN(transport->server_, TcpServer::Create(server_options, registry));

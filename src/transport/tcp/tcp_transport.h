@@ -30,6 +30,7 @@ struct TcpTransportOptions {
   std::chrono::milliseconds connect_timeout{5000};
   uint32_t max_body_bytes = 4u << 20;  // frame bodies (descriptors, notifications) at most
   int max_connections = 1024;          // served at once (TcpServerOptions)
+  int max_handshakes = 64;             // of those, in their handshake (TcpServerOptions)
   std::chrono::milliseconds handshake_timeout{10000};
   std::chrono::milliseconds frame_timeout{10000};
   // The shared secret both sides of every handshake prove (common/auth.h); empty: none. The
