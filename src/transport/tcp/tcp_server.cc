@@ -125,8 +125,11 @@ void TcpServer::Admit(std::unique_ptr<asio::ip::tcp::socket> socket) {
   asio::error_code ignored;
   if (oldest != nullptr &&
       (full || handshaking >= static_cast<size_t>(std::max(options_.max_handshakes, 1)))) {
-    // The watchdog's way of closing: its thread sees the reads fail and ends.
+    // The watchdog's way of closing: its thread sees the reads fail and ends. Counted here,
+    // before its client can see the close.
     oldest->crowded_out.store(true);
+    counters_.handshakes_refused[static_cast<size_t>(HandshakeRefusal::kCrowded)].fetch_add(
+        1, std::memory_order_relaxed);
     if (oldest->socket->is_open()) ::shutdown(oldest->socket->native_handle(), SHUT_RDWR);
   } else if (full) {
     auto ep = socket->remote_endpoint(ignored);
@@ -324,6 +327,8 @@ StatusOr<SegmentDescriptor> TcpServer::Handshake(Connection& connection,
     std::lock_guard<std::mutex> lock(mu_);
     if (connection.crowded_out.load()) return gone();
     connection.authenticated = true;
+    // Counted before the client is told, so that a client's success is already counted.
+    counters_.handshakes_completed.fetch_add(1, std::memory_order_relaxed);
   }
   std::vector<uint8_t> mine = wire::EncodeDescriptor(options_.describe());
   if (!WriteReply(socket, wire::FrameType::kHelloAck, header->request_id, OkStatus(), &mine).ok()) {
@@ -347,14 +352,13 @@ void TcpServer::Serve(Connection* connection) {
   if (auto handshake = Handshake(*connection, &refusal); handshake.ok()) {
     peer = std::move(*handshake);
     authenticated = true;
-    counters_.handshakes_completed.fetch_add(1, std::memory_order_relaxed);
   } else {
     close_reason = handshake.status().message();  // empty when the client went away
     // The watchdog's and the accept thread's shutdowns make the handshake's reads fail like a
     // client that went away.
     if (connection->timed_out.load()) refusal = HandshakeRefusal::kTimeout;
     if (connection->crowded_out.load()) {
-      refusal = HandshakeRefusal::kCrowded;
+      refusal.reset();  // counted by the accept thread
       close_reason =
           "closed in its handshake to make room for a newer connection "
           "(max_handshakes or max_connections)";
