@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <ostream>
 #include <random>
 #include <string>
@@ -347,6 +348,46 @@ TEST_P(UcxNetnsTest, FrozenPeerFailsAtTheDeadlineAndNothingCancelledCounts) {
   TransferRequest r{TransferOp::kRead, back.data(), segment_, rw(3 * len), back.size()};
   ASSERT_TRUE(Run(std::span(&r, 1), milliseconds(10000)).ok());
   EXPECT_EQ(back, small);
+}
+
+// A WRITE abandoned at its deadline while its flush (or its puts) to a frozen peer are still
+// pending: closing the segment, and destroying the engine, end while the peer stays frozen.
+TEST_P(UcxNetnsTest, ClosingASegmentWithAFrozenPeerEnds) {
+  for (const uint64_t len : {uint64_t{4096}, uint64_t{16} << 20}) {
+    SCOPED_TRACE(len);
+    if (len > 4096) {  // a fresh peer: the one before stays frozen
+      engine_.reset();
+      peer_ = std::make_unique<testutil::PeerProcess>(kRegionBytes, PeerIn(*netns_));
+      ASSERT_TRUE(peer_->ok());
+      auto engine = UcxEngine(*netns_);
+      ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+      engine_ = std::move(*engine);
+      auto seg = engine_->OpenSegment(peer_->info().address);
+      ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+      segment_ = *seg;
+    }
+    std::vector<uint8_t> src(len, 5);
+    peer_->Stop();
+    TransferRequest w{TransferOp::kWrite, src.data(), segment_, rw(0), len};
+    EXPECT_FALSE(Run(std::span(&w, 1), milliseconds(300)).ok());
+    std::promise<Status> closed;
+    auto done = closed.get_future();
+    std::thread closer([&] { closed.set_value(engine_->CloseSegment(segment_)); });
+    const bool ended = done.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+    if (!ended) peer_->Continue();  // lets a hung close end, so the test can report it
+    closer.join();
+    EXPECT_TRUE(ended) << "CloseSegment still waiting 10 s after it began";
+    std::promise<void> destroyed;
+    auto gone = destroyed.get_future();
+    std::thread destroyer([&] {
+      engine_.reset();
+      destroyed.set_value();
+    });
+    const bool engine_ended = gone.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+    if (!engine_ended) peer_->Continue();
+    destroyer.join();
+    EXPECT_TRUE(engine_ended) << "the engine's destruction still waiting after 10 s";
+  }
 }
 
 TEST_P(UcxNetnsTest, RowsAroundTheThresholdByteForByte) {

@@ -504,7 +504,10 @@ class UcxChannel : public PeerChannel,
   // abandoned, or finished (a WRITE: flushed); drops the flight once nothing refers to it.
   void Settle(Flight* f) {
     if (f->completed) {
-      if (f->outstanding == 0 && !f->flush_pending) Forget(f->item.get());
+      if (f->outstanding == 0 && !f->flush_pending) {
+        Forget(f->item.get());
+        MaybeClosed();  // a Close may be waiting for this last flight
+      }
       return;
     }
     if (f->outstanding > 0) return;
