@@ -667,7 +667,16 @@ class UcxChannel : public PeerChannel,
       unresolved_.erase(unresolved_.begin(), end);
       resolving_ = 0;
       worker_->Post([self = shared_from_this(), fresh, items] {
-        if (fresh.ok()) self->SetPeer(*fresh);
+        if (!fresh.ok()) {
+          // The descriptor could not be read again: the items fail with why, not as ranges
+          // outside registered memory (which they may not be).
+          const Status why = fresh.status().WithContext("re-reading the peer's descriptor");
+          for (auto& item : *items) {
+            if (item->state.load() == WorkItem::kQueued) item->Complete(why);
+          }
+          return;
+        }
+        self->SetPeer(*fresh);
         self->Process(*items, /*refreshed=*/true);
       });
     }
