@@ -24,8 +24,9 @@ struct PoolGeometry {
 };
 
 // Bytes of a staging region holding `num_heads` heads of `num_tokens` tokens in `num_layers`
-// attention layers (0: all), every buffer of those layers: the GPU side of StagingBytes
-// (disagg/head_slices.h). REQUIRES arguments checked against g (no overflow check here).
+// attention layers (0: all), every buffer of those layers; StagingBytes (disagg/head_slices.h)
+// for a KvLayout. Reads num_layers, num_buffers and head_bytes. REQUIRES arguments checked
+// against g (no overflow check here).
 inline uint64_t HeadSliceBytes(const PoolGeometry& g, int64_t num_tokens, int num_heads,
                                int num_layers) {
   const uint64_t buffers = num_layers == 0

@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/pool_geometry.h"
+
 namespace kvferry {
 namespace {
 
@@ -120,12 +122,11 @@ void ForEachPiece(Pool& pool, std::span<const int32_t> pages, int64_t first_toke
 void SetHeadSliceCopyThreads(int n) { forced_copy_threads.store(std::max(0, n)); }
 
 uint64_t StagingBytes(const KvLayout& layout, int64_t num_tokens, int num_heads, int num_layers) {
-  const int layers = layout.geometry().num_layers;
-  const uint64_t buffers =
-      num_layers == 0 ? static_cast<uint64_t>(layout.num_buffers())
-                      : static_cast<uint64_t>(num_layers) * (layout.num_buffers() / layers);
-  return buffers * static_cast<uint64_t>(num_tokens) * static_cast<uint64_t>(num_heads) *
-         layout.head_bytes();
+  cuda::PoolGeometry g;  // the fields the formula reads
+  g.num_layers = layout.geometry().num_layers;
+  g.num_buffers = layout.num_buffers();
+  g.head_bytes = layout.head_bytes();
+  return cuda::HeadSliceBytes(g, num_tokens, num_heads, num_layers);
 }
 
 Status GatherHeads(const KvPool& pool, std::span<const int32_t> pages, int64_t first_token,
