@@ -1,6 +1,7 @@
 #include "batch.h"
 
 #include <chrono>
+#include <cmath>
 #include <string>
 
 #include "errors.h"
@@ -38,14 +39,12 @@ BatchStatus PyBatch::Poll() {
 
 BatchStatus PyBatch::Wait(std::optional<double> timeout_s) {
   CheckNotReleased();
-  if (timeout_s && *timeout_s < 0) {
-    throw StatusError(InvalidArgumentError("timeout must be >= 0 seconds"));
+  if (timeout_s && (std::isnan(*timeout_s) || *timeout_s < 0)) {
+    throw StatusError(InvalidArgumentError("timeout must be >= 0 seconds or None (got " +
+                                           std::to_string(*timeout_s) + ")"));
   }
   std::optional<Clock::time_point> until;
-  if (timeout_s) {
-    until = Clock::now() +
-            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout_s));
-  }
+  if (timeout_s && !std::isinf(*timeout_s)) until = AddSeconds(Clock::now(), *timeout_s);
   return WaitInSlices(
       until, kWaitSlice,
       [&](std::chrono::milliseconds slice) {
@@ -153,7 +152,8 @@ void BindBatch(py::module_& m) {
            "Raises NotFoundError (released) or FailedPreconditionError (engine closed).")
       .def("wait", &PyBatch::Wait, py::arg("timeout") = py::none(),
            "Blocks (without the GIL) until the batch is final or `timeout` seconds passed "
-           "(None: until final, which its deadline bounds) and returns its BatchStatus, "
+           "(None or math.inf: until final, which its deadline bounds) and returns its "
+           "BatchStatus, "
            "PENDING when the timeout passed first. Does not raise the batch's error (see "
            "result()).\n\nRaises NotFoundError (released), FailedPreconditionError (engine "
            "closed), KeyboardInterrupt.")

@@ -9,6 +9,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <exception>
@@ -52,6 +53,15 @@ inline std::chrono::milliseconds Millis(double seconds, const char* what) {
                                            std::to_string(seconds) + ")"));
   }
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
+}
+
+// `from` plus `seconds` (finite, >= 0), saturating at 1e9 seconds (about 31 years) past `from`
+// so that no later arithmetic overflows the clock's 64-bit nanoseconds.
+inline std::chrono::steady_clock::time_point AddSeconds(std::chrono::steady_clock::time_point from,
+                                                        double seconds) {
+  const double capped = std::min(seconds, 1e9);
+  return from + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(capped));
 }
 
 // Adds kvferry.StatusCode, kvferry.Error and one subclass per code to `m`, and the translator

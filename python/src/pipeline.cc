@@ -446,9 +446,8 @@ uint64_t TransferPipelined(const std::shared_ptr<EngineHolder>& holder,
                                      "submitted waited for: some of their bytes may have "
                                      "moved)"));
       }
-      job->limit = start + options.deadline +
-                   std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-                       options.seconds_per_byte * static_cast<double>(bytes_read)));
+      job->limit = AddSeconds(start + options.deadline,
+                              options.seconds_per_byte * static_cast<double>(bytes_read));
       if (single) {
         own_job = std::move(job);
       } else {
