@@ -42,6 +42,7 @@ void CloseAllAtExit() {
   }
   py::gil_scoped_release release;
   for (auto& holder : open) holder->Close();
+  JoinAside();
 }
 
 struct PySegment {
@@ -101,7 +102,24 @@ class PyEngine {
     submitter_.reset();  // joins its thread
   }
 
+  // Called from a Python callback (an engine thread), it starts the close on a thread of its
+  // own (EngineHolder::Close) and hands that thread what must outlive the engine.
   void Close() {
+    if (InPythonCallback()) {
+      auto parts = std::make_shared<Parts>(Parts{holder_, std::move(submitter_), std::move(held_)});
+      holder_->Close();  // new calls fail from now on
+      RunAside([parts] {
+        parts->holder->Close();
+        parts->submitter.reset();
+        if (InterpreterFinalizing()) {
+          for (auto& [address, hold] : parts->held) (void)hold.release();  // leaked
+          return;
+        }
+        py::gil_scoped_acquire gil;
+        parts->held.clear();
+      });
+      return;
+    }
     {
       py::gil_scoped_release release;
       holder_->Close();
@@ -384,6 +402,12 @@ class PyEngine {
   }
 
  private:
+  struct Parts {
+    std::shared_ptr<EngineHolder> holder;
+    std::unique_ptr<GroupSubmitter> submitter;
+    std::unordered_map<uint64_t, std::unique_ptr<HeldBuffer>> held;
+  };
+
   std::shared_ptr<EngineHolder> holder_;
   kvferry::SegmentDescriptor descriptor_;       // as created: name, host, port
   std::chrono::milliseconds default_deadline_;  // as created

@@ -187,6 +187,9 @@ inline constexpr const char* kPollNotificationsDoc =
 inline constexpr const char* kCloseDoc =
     R"(Closes the engine: stops listening, fails pending batches with CancelledError (their
 on_complete runs), joins engine threads, then lets go of registered objects. Later calls raise
-FailedPreconditionError. Idempotent. Not from a callback (it runs on an engine thread).)";
+FailedPreconditionError. Idempotent; a second close() waits for the first to finish.
+From a callback (an engine thread, which cannot join itself) it only starts the close: later
+calls fail at once, and the engine stops on a thread of its own once the callback returned. The
+same holds when a callback drops the last reference to the engine.)";
 
 }  // namespace kvferry::python

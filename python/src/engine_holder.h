@@ -5,12 +5,18 @@
 // GIL rules: every call into the engine is made without the GIL (engine threads take it to run
 // Python callbacks, and may hold engine locks meanwhile); the engine is destroyed without it.
 //
+// Engine threads never stop their own engine: Python code run by a callback (PyCallback) may
+// close an engine or drop its last reference, and an engine's destructor joins its threads.
+// Such closes run on a thread of their own (RunAside) instead, and finish after the callback.
+//
 // Thread-safety: EngineHolder's methods may be called from any thread.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -27,7 +33,17 @@ namespace py = pybind11;
 // that thread, so engine threads must not try.
 bool InterpreterFinalizing();
 
-class EngineHolder {
+// True while this thread runs Python code for an engine: a PyCallback's call or the release of
+// its callable.
+bool InPythonCallback();
+
+// Runs `work` on a new thread, which JoinAside (the interpreter's exit hook) joins. For closes
+// that must not run on the calling engine thread.
+void RunAside(std::function<void()> work);
+// Joins every thread RunAside started. Without the GIL (their work may take it).
+void JoinAside();
+
+class EngineHolder : public std::enable_shared_from_this<EngineHolder> {
  public:
   explicit EngineHolder(std::unique_ptr<TransferEngine> engine) : engine_(std::move(engine)) {}
   EngineHolder(const EngineHolder&) = delete;
@@ -52,7 +68,10 @@ class EngineHolder {
   Lease Acquire();
 
   // Destroys the engine: pending batches fail with kCancelled (their callbacks run), threads
-  // are joined. Waits for calls in progress; new calls fail. Idempotent. Without the GIL.
+  // are joined. Waits for calls in progress and for a close already under way; new calls fail
+  // from the start. Idempotent. Without the GIL.
+  // From a Python callback (InPythonCallback) it only starts the close, on a RunAside thread:
+  // new calls fail at once, and the engine stops once the callback has returned.
   void Close();
   bool closed() const { return closing_.load(); }
 
@@ -62,9 +81,14 @@ class EngineHolder {
   void SweepOrphans(TransferEngine& engine);
 
  private:
+  void CloseHere();
+
   std::atomic<bool> closing_{false};
   std::shared_mutex mu_;  // shared by calls, exclusive by Close
   std::unique_ptr<TransferEngine> engine_;
+  std::mutex stopped_mu_;
+  std::condition_variable stopped_cv_;
+  bool stopped_ = false;  // the engine is destroyed (guarded by stopped_mu_)
   std::mutex orphans_mu_;
   std::vector<BatchId> orphans_;
 };
@@ -84,6 +108,7 @@ class PyCallback {
   template <typename Invoke>
   void Call(Invoke&& invoke) const {
     if (InterpreterFinalizing()) return;
+    Scope scope;
     py::gil_scoped_acquire gil;
     try {
       invoke(*callable_);
@@ -96,6 +121,15 @@ class PyCallback {
   }
 
  private:
+  // Marks the thread as running Python code for an engine (InPythonCallback).
+  class Scope {
+   public:
+    Scope();
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+  };
+
   std::unique_ptr<py::object> callable_;
 };
 
