@@ -317,7 +317,7 @@ class KVManager:
         checks and bookkeeping, and returns the pass; nothing moves until its layers are marked
         ready. Prefill only. Blocks (without the GIL) until each room has paired with its decode
         ranks, which a room SGLang schedules has normally done already, for at most
-        bootstrap_timeout. Raises as KVSender.send, the room's failure, and
+        bootstrap_timeout, then hands over the chunks send() kept for those rooms meanwhile. Raises as KVSender.send, the room's failure, and
         kvferry.FailedPreconditionError when the manager closes meanwhile; every chunk is
         checked before any is counted, so a refused pass leaves its senders as they were."""
         next_page: Dict[int, int] = {}
@@ -330,6 +330,11 @@ class KVManager:
         sending = {id(s): s for s, entry, _ in planned if entry is not None}
         for sender in sending.values():
             sender._wait_paired()
+            # Chunks send() kept until the room paired go first: a room takes its pages in order.
+            if not sender._try_flush() or sender._error is not None:
+                raise sender._error or kvferry.FailedPreconditionError(
+                    f"room {sender.bootstrap_room}: earlier chunks could not be sent"
+                )
         entries = [entry for _, entry, _ in planned if entry is not None]
         pass_id = self._conn.begin_layerwise_pass(entries) if entries else None
         for sender, entry, end in planned:

@@ -494,6 +494,34 @@ def test_refused_layerwise_pass_counts_nothing(server):
         prefill.close()
 
 
+def test_layerwise_pass_after_a_kept_chunk_sends_that_chunk_first(server):
+    """A chunk send() keeps while its room waits for decode goes before the pages of a later
+    layerwise pass of the same room: the connector takes a room's pages only in order."""
+    prank, drank = Rank(GQA, 0, 1, 32), Rank(GQA, 0, 1, 32)
+    prefill = KVManager(prank.args(), DisaggregationMode.PREFILL, bootstrap_address=server.address)
+    decode = KVManager(drank.args(), DisaggregationMode.DECODE)
+    try:
+        for room in (81, 82, 83):
+            dst = np.array([5, 6, 7, 8], np.int32) + room % 10 * 4
+            src = np.array([11, 12, 13, 14], np.int32)
+            prank.fill(room, src)
+            prank.write_aux(room % 10, room)
+            sender = KVSender(prefill, server.address, room)
+            sender.init(4, aux_index=room % 10)
+            sender.send(src[:2])  # kept: no decode rank has asked for the room yet
+            receiver = KVReceiver(decode, server.address, room)
+            receiver.send_metadata(dst, room % 10)
+            p = prefill.begin_layerwise([(sender, src[2:])])
+            for layer in range(GQA["layers"]):
+                p.layer_ready(layer)
+            assert wait_final(receiver, sender) == [KVPoll.Success, KVPoll.Success]
+            assert drank.mismatches(room, dst) == 0
+            assert drank.aux_ok(room % 10, room)
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_hybrid_model_state_travels_with_the_last_chunk(server):
     """A Qwen3-Next-shaped model (tests/data/tiny-hybrid-config.json: 2 attention layers, 6
     linear-attention layers): per-layer KV buffers and SGLang-style state buffers (conv state
