@@ -31,6 +31,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from enum import IntEnum
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -126,7 +127,14 @@ class TransferEngine:
         self._timeout_s = _read_transfer_timeout()
         self._engine: Optional[kvferry.TransferEngine] = None
         self._lock = threading.Lock()
+        # Peer name -> its open segment. A segment a peer failure made stale leaves this map at
+        # once (the next use opens the peer afresh) but is closed only once no call or batch
+        # uses it any more: closing it earlier would fail other threads' transfers to a peer
+        # that only missed one deadline.
         self._segments: Dict[str, kvferry.Segment] = {}
+        self._users: Dict[kvferry.Segment, int] = {}  # calls and batches using each segment
+        self._stale: set = set()
+        self._closed: set = set()  # handles closed here: never handed out again
         # batch id -> (batch, peer name, segment), until final and reported.
         self._batches: Dict[int, Tuple[kvferry.Batch, str, kvferry.Segment]] = {}
         self._managed: Dict[int, np.ndarray] = {}
@@ -206,6 +214,8 @@ class TransferEngine:
             engine.close()
         with self._lock:
             self._segments.clear()
+            self._users.clear()
+            self._stale.clear()
             self._batches.clear()
             self._managed.clear()
 
@@ -392,6 +402,7 @@ class TransferEngine:
             batch, target, segment = entry
             if result != 0:
                 _cancel_quietly(batch)
+                self._done(target, segment, None)
                 continue
             if not self._finish(batch, target, segment):
                 result = -1
@@ -423,40 +434,43 @@ class TransferEngine:
         if not status.done:
             return 0
         with self._lock:
-            self._batches.pop(int(batch_id), None)
+            if self._batches.pop(int(batch_id), None) is None:
+                return 1 if status.ok else -1  # reported by another thread meanwhile
         error = status.error
-        batch.release()
+        _release_quietly(batch)
+        self._done(target, segment, None if status.ok else error)
         if status.ok:
             return 1
-        self._note_failure(target, segment, error)
         return -2 if isinstance(error, kvferry.DeadlineExceededError) else -1
 
     def send_probe(self, peer_server_name: str) -> int:
         """0 when the peer answers a descriptor request (a cached segment that fails is
         dropped and the peer handshaken again once), else -1."""
         for _ in range(2):
-            segment = self._segment(peer_server_name)
+            segment = self._use(peer_server_name)
             if segment is None:
                 return -1
             try:
                 self._live().segment_descriptor(segment, refresh=True)
+                self._done(peer_server_name, segment, None)
                 return 0
             except kvferry.Error as error:
                 logger.warning("send_probe(%s): %s", peer_server_name, error)
-                self._drop(peer_server_name, segment)
+                self._done(peer_server_name, segment, error, stale=True)
         return -1
 
     def get_first_buffer_address(self, segment_name: str) -> int:
         """The address of the peer's lowest registered region, 0 when none or on failure."""
-        segment = self._segment(segment_name)
+        segment = self._use(segment_name)
         if segment is None:
             return 0
         try:
             regions = self._live().segment_descriptor(segment, refresh=True)["regions"]
         except kvferry.Error as error:
             logger.error("get_first_buffer_address(%s): %s", segment_name, error)
-            self._note_failure(segment_name, segment, error)
+            self._done(segment_name, segment, error)
             return 0
+        self._done(segment_name, segment, None)
         return min((r["address"] for r in regions), default=0)
 
     # -- internals -------------------------------------------------------------------------
@@ -470,34 +484,55 @@ class TransferEngine:
         engine = self._live()
         engine.register_memory(addr, capacity, _device_of(addr, location))
 
-    def _segment(self, target: str) -> Optional[kvferry.Segment]:
-        """The cached segment of `target`, opened (and cached) on first use; None on failure."""
+    def _use(self, target: str) -> Optional[kvferry.Segment]:
+        """The segment of `target` (opened and cached on first use), counted as in use until
+        the matching _done; None when it cannot be opened (reason logged)."""
         with self._lock:
             segment = self._segments.get(target)
-        if segment is not None:
-            return segment
-        try:
-            segment = self._live().open_segment(target)
-        except kvferry.Error as error:
-            logger.error("cannot open segment %s: %s: %s", target, type(error).__name__, error)
-            return None
-        with self._lock:
-            return self._segments.setdefault(target, segment)
+            if segment is not None:
+                self._users[segment] = self._users.get(segment, 0) + 1
+                return segment
+        for _ in range(100):
+            try:
+                segment = self._live().open_segment(target)
+            except kvferry.Error as error:
+                logger.error("cannot open segment %s: %s: %s", target, type(error).__name__,
+                             error)
+                return None
+            with self._lock:
+                if segment not in self._closed:
+                    segment = self._segments.setdefault(target, segment)
+                    self._users[segment] = self._users.get(segment, 0) + 1
+                    return segment
+            time.sleep(0.001)  # the engine handed out a handle being closed here: open anew
+        logger.error("cannot open segment %s: it keeps being closed", target)
+        return None
 
-    def _drop(self, target: str, segment: kvferry.Segment) -> None:
-        """Forgets a segment that failed, and closes it so the next use handshakes again."""
+    def _done(self, target: str, segment: kvferry.Segment, error, stale: bool = False) -> None:
+        """Ends one use of `segment`. A peer failure (`error` one of _PEER_ERRORS, or `stale`)
+        makes the segment stale: the next use opens the peer afresh, and the segment is
+        closed once its last user is done."""
         with self._lock:
-            if self._segments.get(target) == segment:
+            users = self._users.get(segment, 0) - 1
+            if users > 0:
+                self._users[segment] = users
+            else:
+                self._users.pop(segment, None)
+            if stale or isinstance(error, _PEER_ERRORS):
+                self._stale.add(segment)
+                if self._segments.get(target) == segment:
+                    del self._segments[target]
+            if users > 0 or segment not in self._stale:
+                return
+            self._stale.discard(segment)
+            self._closed.add(segment)
+            if self._segments.get(target) == segment:  # reopened by a use meanwhile
                 del self._segments[target]
         try:
             if self._engine is not None:
                 self._engine.close_segment(segment)
         except kvferry.Error:
-            pass  # closed already (by another thread's failure)
-
-    def _note_failure(self, target: str, segment: kvferry.Segment, error) -> None:
-        if isinstance(error, _PEER_ERRORS):
-            self._drop(target, segment)
+            pass  # closed with the engine
 
     def _deadline(self, lengths) -> float:
         if isinstance(lengths, (list, tuple)):
@@ -515,7 +550,7 @@ class TransferEngine:
         if len(buffers) == 0:
             logger.error("an empty batch")
             return -1
-        segment = self._segment(target)
+        segment = self._use(target)
         if segment is None:
             return -1
         engine = self._live()
@@ -525,7 +560,7 @@ class TransferEngine:
                            deadline=self._deadline(lengths))
         except kvferry.Error as error:
             logger.error("transfer to %s refused: %s: %s", target, type(error).__name__, error)
-            self._note_failure(target, segment, error)
+            self._done(target, segment, error)
             return -1
         with self._lock:
             self._batches[batch.id] = (batch, target, segment)
@@ -535,11 +570,12 @@ class TransferEngine:
         """Waits for a batch (without the GIL), releases it; True when it completed."""
         try:
             batch.result()
-            return True
         except kvferry.Error as error:
             logger.warning("transfer to %s failed: %s: %s", target, type(error).__name__, error)
-            self._note_failure(target, segment, error)
+            self._done(target, segment, error)
             return False
+        self._done(target, segment, None)
+        return True
 
     def _sync(self, op, target: str, buffers, peer_addresses, lengths) -> int:
         """Moves the runs with the engine's blocking write/read, which reads the columns in
@@ -556,7 +592,7 @@ class TransferEngine:
             return -1
         if count == 0:
             return 0  # nothing to move
-        segment = self._segment(target)
+        segment = self._use(target)
         if segment is None:
             return -1
         transfer = engine.write if op == kvferry.TransferOp.WRITE else engine.read
@@ -566,8 +602,9 @@ class TransferEngine:
         except kvferry.Error as error:
             log = logger.warning if isinstance(error, _PEER_ERRORS) else logger.error
             log("transfer to %s failed: %s: %s", target, type(error).__name__, error)
-            self._note_failure(target, segment, error)
+            self._done(target, segment, error)
             return -1
+        self._done(target, segment, None)
         return 0
 
 
@@ -585,6 +622,13 @@ def _device_of(addr: int, location: str) -> Optional[int]:
     if kind == "cuda" and (not index or index.isdigit()):
         return int(index) if index else 0
     raise ValueError(f"location {location!r}: use '*', 'cpu[:N]' or 'cuda:N'")
+
+
+def _release_quietly(batch: kvferry.Batch) -> None:
+    try:
+        batch.release()
+    except kvferry.Error:
+        pass  # released already, or the engine closed
 
 
 def _cancel_quietly(batch: kvferry.Batch) -> None:

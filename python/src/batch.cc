@@ -88,12 +88,14 @@ TransferStatus PyBatch::RequestStatus(size_t index) {
 }
 
 void PyBatch::Release() {
-  if (released_) return;
-  {
+  if (released_.exchange(true)) return;  // released, or being released by another thread
+  try {
     py::gil_scoped_release release;
     ThrowIfError(holder_->Acquire()->ReleaseBatch(id_));
+  } catch (...) {
+    released_.store(false);  // still pending, or the engine closed
+    throw;
   }
-  released_ = true;
 }
 
 void BindBatch(py::module_& m) {

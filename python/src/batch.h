@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -47,7 +48,7 @@ class PyBatch {
   std::shared_ptr<EngineHolder> holder_;
   BatchId id_;
   size_t num_requests_;
-  bool released_ = false;
+  std::atomic<bool> released_{false};
 };
 
 void BindBatch(py::module_& m);

@@ -408,3 +408,83 @@ def test_stalled_peer_times_out(prefill, peers, decode_memory):
     # kvferry's deadline holds for a polled transfer too; Mooncake's TCP transport reports
     # such a transfer in progress for as long as the peer is stopped.
     assert state == (-2 if prefill.impl.is_kvferry else 0)
+
+
+def test_kvferry_one_failure_does_not_cut_other_transfers_to_the_peer(monkeypatch):
+    """A peer failure makes the cached segment stale, but it is closed only once no transfer
+    uses it: a WRITE in flight on it still lands. Reads fail here by fault injection."""
+    import kvferry
+    from kvferry import mooncake
+
+    size = 128 << 20
+    with kvferry.TransferEngine(name="target") as target:
+        dst = np.zeros(size, dtype=np.uint8)
+        target.register_memory(dst)
+        monkeypatch.setenv("KVFERRY_FAULTS", "fail=1,ops=read")
+        engine = mooncake.TransferEngine()
+        assert engine.initialize("127.0.0.1", P2PHANDSHAKE, "tcp", "") == 0
+        monkeypatch.delenv("KVFERRY_FAULTS")
+        try:
+            src = np.full(size, 7, dtype=np.uint8)
+            small = np.zeros(4096, dtype=np.uint8)
+            assert engine.batch_register_memory([src.ctypes.data, small.ctypes.data],
+                                                [size, 4096]) == 0
+            assert engine.transfer_sync_write(target.address, src.ctypes.data, dst.ctypes.data,
+                                              4096) == 0
+            segment = engine._segments[target.address]
+            polled = engine.transfer_submit_write(target.address, src.ctypes.data,
+                                                  dst.ctypes.data, size)
+            assert engine.transfer_sync_read(target.address, small.ctypes.data,
+                                             dst.ctypes.data, 4096) == -1
+            assert target.address not in engine._segments  # stale: the next use reopens
+            deadline = time.monotonic() + 30
+            while (state := engine.transfer_check_status(polled)) == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            assert state == 1
+            assert np.count_nonzero(dst == 7) == size
+            assert engine.transfer_sync_write(target.address, src.ctypes.data,
+                                              dst.ctypes.data, 4096) == 0
+            assert engine._segments[target.address] != segment
+        finally:
+            engine.close()
+
+
+def test_kvferry_a_batch_polled_from_two_threads_is_reported_once():
+    """transfer_check_status of one id from two threads: one reports the batch, the other
+    finds the id gone (-1); neither raises."""
+    import threading
+
+    import kvferry
+    from kvferry import mooncake
+
+    with kvferry.TransferEngine(name="target") as target:
+        dst = np.zeros(4096, dtype=np.uint8)
+        target.register_memory(dst)
+        engine = mooncake.TransferEngine()
+        assert engine.initialize("127.0.0.1", P2PHANDSHAKE, "tcp", "") == 0
+        try:
+            src = np.ones(4096, dtype=np.uint8)
+            assert engine.register_memory(src.ctypes.data, 4096) == 0
+            for _ in range(200):
+                batch_id = engine.transfer_submit_write(target.address, src.ctypes.data,
+                                                        dst.ctypes.data, 4096)
+                results, errors = [], []
+
+                def check():
+                    try:
+                        while (state := engine.transfer_check_status(batch_id)) == 0:
+                            pass
+                        results.append(state)
+                    except Exception as e:  # noqa: BLE001 - the test reports any
+                        errors.append(e)
+
+                threads = [threading.Thread(target=check) for _ in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                assert not errors, errors
+                assert sorted(results) in ([-1, 1], [1, 1]), results
+        finally:
+            engine.close()
