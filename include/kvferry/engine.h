@@ -326,7 +326,10 @@ class TransferEngine {
   virtual Status RegisterMemory(void* addr, uint64_t length_bytes, MemoryLocation location,
                                 uint32_t access = kAccessRemoteReadWrite) = 0;
   // Unregisters the region starting at `addr`; blocks until remote accesses in progress on
-  // it finished. Errors: kNotFound.
+  // it finished and until this engine's batches whose local side lies in it are final (their
+  // deadlines bound the wait), so the memory may be freed once it returns. Not from an engine
+  // callback while such a batch is pending: that thread may be the one to finish it.
+  // Errors: kNotFound.
   virtual Status UnregisterMemory(void* addr) = 0;
 
   // This engine's descriptor (address, transports, current regions).

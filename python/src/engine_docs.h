@@ -72,7 +72,10 @@ without CUDA here), UnimplementedError (device memory in a build without CUDA).)
 
 inline constexpr const char* kUnregisterDoc =
     R"(Unregisters the region starting at `buffer` (an int address or the registered object).
-Blocks until peers' accesses in progress on it finished. Raises NotFoundError.)";
+Blocks (without the GIL) until peers' accesses in progress on it finished and until this
+engine's batches that read from it or land in it are final (their deadlines bound the wait);
+then a registered object is let go. Not from a callback while such a batch is pending: the
+callback's thread may be the one to finish it. Raises NotFoundError.)";
 
 inline constexpr const char* kOpenSegmentDoc =
     R"(Opens a peer's segment by "host:port" and returns a kvferry.Segment.

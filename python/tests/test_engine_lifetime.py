@@ -97,3 +97,26 @@ def test_waits_without_a_limit_and_bad_timeouts():
         assert left.write(right.address, [source.ctypes.data], [target.ctypes.data],
                           [source.nbytes], deadline_per_gb=1e300) == source.nbytes
         assert np.array_equal(source, target)
+
+
+def test_unregister_waits_for_the_batches_that_use_the_memory():
+    """A READ landing in a registered object keeps it registered (and held) until the batch is
+    final, so the object's memory is never let go under a transfer."""
+    import time
+
+    import numpy as np
+
+    target = np.zeros(1 << 16, dtype=np.uint8)
+    with kvferry.TransferEngine(name="right") as right, \
+            kvferry.TransferEngine(name="stalled", faults="stall_after=0") as stalled:
+        right.register_memory(target)
+        landing = np.zeros(4096, dtype=np.uint8)
+        stalled.register_memory(landing)
+        batch = stalled.submit_read(right.address, landing.ctypes.data, target.ctypes.data,
+                                    4096, deadline=0.3)
+        start = time.monotonic()
+        stalled.unregister_memory(landing)
+        assert time.monotonic() - start >= 0.25
+        status = batch.poll()
+        assert status.done and status.state == kvferry.TransferState.FAILED
+        assert isinstance(status.error, kvferry.DeadlineExceededError)

@@ -421,6 +421,7 @@ void Batch::Finish(const Status& notify_status) {
     final_flag_.store(true, std::memory_order_release);
   }
   Unwatch();
+  local_pins.clear();  // set before the batch started; no one else reads it
   cv_.notify_all();
   if (on_complete) {
     auto callback = std::move(on_complete);

@@ -28,6 +28,7 @@
 #include "engine/deadline_watch.h"
 #include "engine/engine_counters.h"
 #include "kvferry/engine.h"
+#include "transport/memory_registry.h"
 #include "transport/transport.h"
 
 namespace kvferry {
@@ -92,6 +93,9 @@ class Batch : public WorkOwner, public std::enable_shared_from_this<Batch> {
   PerRequest<Peer*> peers;                       // per request
   std::vector<std::shared_ptr<Peer>> peer_refs;  // each distinct peer once: keeps channels alive
   PerRequest<PeerChannel*> channels;             // per request: the data path chosen
+  // The registered local regions the requests read from or land in, pinned until the batch
+  // is final (an Unregister of one waits): once final no transport touches them.
+  std::vector<MemoryRegistry::Pin> local_pins;
   // Per request: its transport's slot in `counters` (EngineCounters::SlotOf); one entry when
   // every request has the same.
   std::vector<uint8_t> transport_slots;

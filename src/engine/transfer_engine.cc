@@ -353,7 +353,8 @@ class EngineImpl : public TransferEngine {
           batch->channels.Append(cache.channel);  // the request before's data path
         } else {
           if (lock.owns_lock()) lock.unlock();
-          ASSIGN_OR_RETURN(PeerChannel * channel, ChooseChannel(r, *peer, i, &cache));
+          ASSIGN_OR_RETURN(PeerChannel * channel,
+                           ChooseChannel(r, *peer, i, &cache, &batch->local_pins));
           batch->channels.Append(channel);
           if (slot_runs.empty() || slot_runs.back().second != cache.slot) {
             slot_runs.emplace_back(i, cache.slot);
@@ -573,12 +574,17 @@ class EngineImpl : public TransferEngine {
   // Picks the data path for one request: the channel of the transport its peer's route gives
   // for the request's kind of local memory (TransportSet::Pick at OpenSegment), and remembers
   // it in `cache` with the local region it holds for (callers reuse it while a request's
-  // local range stays in that region, to the same peer).
+  // local range stays in that region, to the same peer). With `pins`, a registered local
+  // region is pinned into it.
   StatusOr<PeerChannel*> ChooseChannel(const TransferRequest& r, Peer& peer, size_t index,
-                                       ChannelCache* cache) {
+                                       ChannelCache* cache,
+                                       std::vector<MemoryRegistry::Pin>* pins = nullptr) {
     const uint64_t addr = reinterpret_cast<uint64_t>(r.local_addr);
     MemoryRegistry::Span local;
-    const bool registered = registry_.Lookup(addr, r.local_extent(), &local);
+    MemoryRegistry::Pin pin;
+    const bool registered =
+        registry_.Lookup(addr, r.local_extent(), &local, pins != nullptr ? &pin : nullptr);
+    if (registered && pins != nullptr) pins->push_back(std::move(pin));
     const bool local_device = registered && local.kind == MemoryKind::kCuda;
     StatusOr<PeerChannel*> channel = local_device
                                          ? peer.ChannelFor(MemoryKind::kCuda, local.device_id)

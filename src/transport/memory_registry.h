@@ -59,7 +59,8 @@ class MemoryRegistry {
   // Errors: kInvalidArgument (null, zero length, wrapping, overlap with a registered region),
   // the observer's.
   Status Register(const RegionDescriptor& region);
-  // Blocks until pins on the region are released. Errors: kNotFound.
+  // Blocks until pins on the region are released: remote accesses in progress, and batches
+  // whose local side it is (until they are final). Errors: kNotFound.
   Status Unregister(uint64_t base);
 
   // Checks that [addr, addr + length) lies inside one region with all of `access` and pins
@@ -76,7 +77,9 @@ class MemoryRegistry {
              addr - base <= length_bytes - length;
     }
   };
-  // True when [addr, addr + length) lies inside one registered region; fills `out`.
+  // True when [addr, addr + length) lies inside one registered region; fills `out`, and when
+  // `pin` is not null pins the region into it (a local side of a batch: Unregister waits).
+  bool Lookup(uint64_t addr, uint64_t length, Span* out, Pin* pin = nullptr);
   bool Lookup(uint64_t addr, uint64_t length, Span* out) const;
 
   std::vector<RegionDescriptor> Regions() const;

@@ -210,6 +210,30 @@ TEST_F(FaultTest, StalledPeerHoldsRequestsUntilTheirDeadline) {
   EXPECT_EQ(stats_->stalled.load(), 1u);
 }
 
+// A READ landing in a local region keeps it registered until the batch is final: the memory
+// may be freed once UnregisterMemory returned.
+TEST_F(FaultTest, UnregisterWaitsForALocalBatchUntilItIsFinal) {
+  Start("stall_after=0");
+  TransferRequest r{TransferOp::kRead, source_.data(), segment_, remote(0), 4096};
+  BatchOptions o;
+  o.deadline = milliseconds(300);
+  auto id = client_->SubmitBatch(std::span(&r, 1), o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(client_->UnregisterMemory(source_.data()).ok());
+  EXPECT_GE(MsSince(t0), 250);
+  auto status = client_->GetBatchStatus(*id);
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  EXPECT_EQ(status->state, TransferState::kFailed);
+  EXPECT_EQ(status->error.code(), StatusCode::kDeadlineExceeded);
+  // A finished batch holds nothing: registering and unregistering again is immediate.
+  ASSERT_TRUE(
+      client_->RegisterMemory(source_.data(), source_.size(), MemoryLocation{}, kAccessNone).ok());
+  const auto t1 = Clock::now();
+  EXPECT_TRUE(client_->UnregisterMemory(source_.data()).ok());
+  EXPECT_LT(MsSince(t1), 100);
+}
+
 TEST_F(FaultTest, PartitionFailsRequestsInItsWindowAndThenHeals) {
   Start("partition=0+400");
   const auto t0 = Clock::now();
