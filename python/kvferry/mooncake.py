@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import ipaddress
 import logging
+import operator
 import os
 import socket
 import threading
@@ -227,7 +228,7 @@ class TransferEngine:
         try:
             self._register(int(buffer_addr), int(capacity), location)
         except (kvferry.Error, ValueError, TypeError) as error:
-            logger.error("register_memory(%#x, %d): %s", int(buffer_addr), int(capacity), error)
+            logger.error("register_memory(%r, %r): %s", buffer_addr, capacity, error)
             return -1
         return 0
 
@@ -236,7 +237,7 @@ class TransferEngine:
         try:
             self._live().unregister_memory(int(buffer_addr))
         except (kvferry.Error, ValueError, TypeError) as error:
-            logger.error("unregister_memory(%#x): %s", int(buffer_addr), error)
+            logger.error("unregister_memory(%r): %s", buffer_addr, error)
             return -1
         return 0
 
@@ -279,9 +280,9 @@ class TransferEngine:
     def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
         """Unregisters and frees a buffer of allocate_managed_buffer. Returns 0 or -1."""
         with self._lock:
-            known = int(buffer_addr) in self._managed
+            known = _as_int(buffer_addr) in self._managed
         if not known:
-            logger.error("free_managed_buffer(%#x): not a managed buffer", int(buffer_addr))
+            logger.error("free_managed_buffer(%r): not a managed buffer", buffer_addr)
             return -1
         ret = self.unregister_memory(int(buffer_addr))
         with self._lock:
@@ -392,11 +393,11 @@ class TransferEngine:
         completed, -1 as soon as one failed or timed out (the others are cancelled). The ids
         are forgotten either way."""
         with self._lock:
-            entries = [self._batches.pop(int(i), None) for i in batch_ids]
+            entries = [self._batches.pop(_as_int(i), None) for i in batch_ids]
         result = 0
         for batch_id, entry in zip(batch_ids, entries):
             if entry is None:
-                logger.error("get_batch_transfer_status: unknown batch id %d", int(batch_id))
+                logger.error("get_batch_transfer_status: unknown batch id %r", batch_id)
                 result = -1
                 continue
             batch, target, segment = entry
@@ -421,9 +422,9 @@ class TransferEngine:
         """1 completed, 0 in progress, -1 failed (or an unknown id), -2 timed out. A final
         batch is forgotten once reported."""
         with self._lock:
-            entry = self._batches.get(int(batch_id))
+            entry = self._batches.get(_as_int(batch_id))
         if entry is None:
-            logger.error("transfer_check_status: unknown batch id %d", int(batch_id))
+            logger.error("transfer_check_status: unknown batch id %r", batch_id)
             return -1
         batch, target, segment = entry
         try:
@@ -622,6 +623,14 @@ def _device_of(addr: int, location: str) -> Optional[int]:
     if kind == "cuda" and (not index or index.isdigit()):
         return int(index) if index else 0
     raise ValueError(f"location {location!r}: use '*', 'cpu[:N]' or 'cuda:N'")
+
+
+def _as_int(value) -> Optional[int]:
+    """`value` as an int when it is one (a numpy integer too), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _release_quietly(batch: kvferry.Batch) -> None:

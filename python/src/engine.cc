@@ -45,6 +45,40 @@ void CloseAllAtExit() {
   JoinAside();
 }
 
+// True for an address given as a number: a Python int (not a bool) or a numpy integer scalar
+// (numpy.integer; its buffer is the scalar's own 8 bytes, never meant as the memory).
+bool IsAddress(py::handle obj) {
+  if (PyLong_Check(obj.ptr())) return !PyBool_Check(obj.ptr());
+  PyObject* numpy = PyImport_GetModule(py::str("numpy").ptr());  // only when already imported
+  if (numpy == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  py::object module = py::reinterpret_steal<py::object>(numpy);
+  return py::isinstance(obj, module.attr("integer"));
+}
+
+// `obj` (an int, or a numpy integer scalar) as a uint64. Throws StatusError (kInvalidArgument
+// naming `what`) for anything else or a value outside [0, 2^64).
+uint64_t U64Arg(py::handle obj, const char* what) {
+  PyObject* index = PyBool_Check(obj.ptr()) ? nullptr : PyNumber_Index(obj.ptr());
+  uint64_t value = 0;
+  const bool ok = index != nullptr && LongToU64(index, &value);
+  Py_XDECREF(index);
+  if (!ok) {
+    PyErr_Clear();
+    std::string text;
+    try {
+      text = py::repr(obj).cast<std::string>().substr(0, 40);
+    } catch (const py::error_already_set&) {
+      text = "?";
+    }
+    throw StatusError(InvalidArgumentError(std::string(what) +
+                                           " must be an int in [0, 2^64) (got " + text + ")"));
+  }
+  return value;
+}
+
 struct PySegment {
   SegmentHandle handle;
   std::string address;
@@ -148,15 +182,26 @@ class PyEngine {
     return MetricsDict(m);
   }
 
-  uint64_t Register(py::handle buffer, std::optional<uint64_t> length, std::optional<int> device,
+  uint64_t Register(py::handle buffer, py::handle length_arg, py::handle device_arg,
                     uint32_t access) {
+    std::optional<uint64_t> length;
+    if (!length_arg.is_none()) length = U64Arg(length_arg, "length");
+    std::optional<int> device;
+    if (!device_arg.is_none()) {
+      const uint64_t d = U64Arg(device_arg, "device");
+      if (d > static_cast<uint64_t>(std::numeric_limits<int>::max())) {
+        throw StatusError(
+            InvalidArgumentError("device " + std::to_string(d) + " is no CUDA ordinal"));
+      }
+      device = static_cast<int>(d);
+    }
     BufferSpan span;
     std::unique_ptr<HeldBuffer> hold;
-    if (py::isinstance<py::int_>(buffer) && !py::isinstance<py::bool_>(buffer)) {
+    if (IsAddress(buffer)) {
       if (!length) {
         throw StatusError(InvalidArgumentError("an int address needs length (bytes)"));
       }
-      span.address = buffer.cast<uint64_t>();
+      span.address = U64Arg(buffer, "address");
       span.length_bytes = *length;
       if (device) span.location = MemoryLocation{MemoryKind::kCuda, *device};
     } else {
@@ -191,8 +236,8 @@ class PyEngine {
 
   void Unregister(py::handle buffer) {
     uint64_t address = 0;
-    if (py::isinstance<py::int_>(buffer) && !py::isinstance<py::bool_>(buffer)) {
-      address = buffer.cast<uint64_t>();
+    if (IsAddress(buffer)) {
+      address = U64Arg(buffer, "address");
     } else {
       address = DescribeBuffer(buffer).span.address;
     }
@@ -518,7 +563,7 @@ void BindEngine(py::module_& m) {
       .def("local_descriptor", &PyEngine::LocalDescriptor, kLocalDescriptorDoc)
       .def("metrics", &PyEngine::Metrics, kMetricsDoc)
       .def("register_memory", &PyEngine::Register, py::arg("buffer"),
-           py::arg("length") = py::none(), py::arg("device") = py::none(),
+           py::arg("length").none(true) = py::none(), py::arg("device").none(true) = py::none(),
            py::arg("access") = static_cast<uint32_t>(kAccessRemoteReadWrite), kRegisterDoc)
       .def("unregister_memory", &PyEngine::Unregister, py::arg("buffer"), kUnregisterDoc)
       .def("open_segment", &PyEngine::Open, py::arg("address"), kOpenSegmentDoc)

@@ -109,6 +109,26 @@ def test_register_refusals(pair):
         engine.register_memory(np.zeros(64, dtype=np.uint8).ctypes.data, 64, device=0)
 
 
+def test_numbers_out_of_range_are_invalid_arguments_and_numpy_ints_are_addresses(pair):
+    engine, _ = pair
+    array = np.zeros(4096, dtype=np.uint8)
+    for address, length, name in ((-1, 10, "address"), (2**70, 10, "address"),
+                                  (array.ctypes.data, -5, "length"),
+                                  (array.ctypes.data, 1.5, "length")):
+        with pytest.raises(kvferry.InvalidArgumentError, match=name):
+            engine.register_memory(address, length)
+    with pytest.raises(kvferry.InvalidArgumentError, match="device"):
+        engine.register_memory(array.ctypes.data, 4096, device=-1)
+    with pytest.raises(kvferry.InvalidArgumentError, match="address"):
+        engine.unregister_memory(-3)
+    # A numpy integer is an address, not an 8-byte object to register.
+    assert engine.register_memory(np.uint64(array.ctypes.data), np.int64(4096)) == \
+        array.ctypes.data
+    regions = {r["address"]: r["length_bytes"] for r in engine.local_descriptor()["regions"]}
+    assert regions[array.ctypes.data] == 4096
+    engine.unregister_memory(np.int64(array.ctypes.data))
+
+
 def test_torch_tensors_register_by_their_memory(pair):
     torch = pytest.importorskip("torch")
     engine, _ = pair

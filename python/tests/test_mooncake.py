@@ -488,3 +488,28 @@ def test_kvferry_a_batch_polled_from_two_threads_is_reported_once():
                 assert sorted(results) in ([-1, 1], [1, 1]), results
         finally:
             engine.close()
+
+
+def test_kvferry_bad_arguments_return_minus_one():
+    """kvferry.mooncake answers -1 (reason logged) to arguments that are no addresses, lengths
+    or batch ids, as to other errors: SGLang checks return codes, not exceptions."""
+    from kvferry import mooncake
+
+    engine = mooncake.TransferEngine()
+    assert engine.initialize("127.0.0.1", P2PHANDSHAKE, "tcp", "") == 0
+    try:
+        buffer = np.zeros(4096, dtype=np.uint8)
+        for address, length in ((-1, 10), (buffer.ctypes.data, -5), (None, 10), ("x", 10),
+                                (2**70, 10)):
+            assert engine.register_memory(address, length) == -1
+        assert engine.register_memory(buffer.ctypes.data, 4096, "bogus") == -1
+        for address in (-1, None, "x"):
+            assert engine.unregister_memory(address) == -1
+        assert engine.free_managed_buffer(None, 10) == -1
+        assert engine.transfer_check_status("abc") == -1
+        assert engine.get_batch_transfer_status([None, "abc"]) == -1
+        assert engine.transfer_sync_write("127.0.0.1:1", None, 0, 10) == -1
+        assert engine.register_memory(np.uint64(buffer.ctypes.data), np.int64(4096)) == 0
+        assert engine.unregister_memory(np.uint64(buffer.ctypes.data)) == 0
+    finally:
+        engine.close()
