@@ -45,6 +45,7 @@ import enum
 import threading
 import time
 import types
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -204,11 +205,10 @@ class KVManager:
             engine["auth_secret"] = auth_secret
         pools = _pool_kwargs(args)
         self._aux_host = pools["aux_device"] is None
-        # Senders holding chunks until their room is WaitingForInput, flushed by a thread.
-        self._waiting_senders: set = set()
-        self._waiting_cv = threading.Condition()
-        self._flusher: Optional[threading.Thread] = None
-        self._closed = False
+        # Senders holding chunks until their room is WaitingForInput, flushed by a thread that
+        # holds no reference to the manager: one never closed is still collected (and stops it).
+        self._flush = _Flusher()
+        weakref.finalize(self, self._flush.stop)
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             address = bootstrap_address or _bootstrap_address_of(server_args)
             if address is None:
@@ -275,51 +275,23 @@ class KVManager:
 
     def close(self) -> None:
         """Stops the connector and its engine; open rooms fail. Idempotent."""
-        with self._waiting_cv:
-            self._closed = True
-            self._waiting_cv.notify_all()
-        if self._flusher is not None:
-            self._flusher.join()
+        self._flush.stop()
         self._conn.close()
 
     def _hold_until_ready(self, sender: "KVSender") -> None:
         """Flushes `sender`'s kept chunks from a background thread once its room is ready, so
         that they leave without waiting for the server's next poll()."""
-        with self._waiting_cv:
-            self._waiting_senders.add(sender)
-            if self._flusher is None:
-                self._flusher = threading.Thread(
-                    target=self._flush_loop, name="kvferry-sglang-flush", daemon=True
-                )
-                self._flusher.start()
-            self._waiting_cv.notify_all()
-
-    def _flush_loop(self) -> None:
-        while True:
-            with self._waiting_cv:
-                while not self._waiting_senders and not self._closed:
-                    self._waiting_cv.wait()
-                if self._closed:
-                    return
-                senders = list(self._waiting_senders)
-            for sender in senders:
-                try:
-                    done = sender._try_flush()
-                except Exception:  # never expected; the thread must outlive one sender
-                    done = True
-                if done:
-                    with self._waiting_cv:
-                        self._waiting_senders.discard(sender)
-            time.sleep(0.0005)
+        self._flush.add(sender)
 
     def begin_layerwise(self, chunks: Iterable[Tuple["KVSender", Any]]) -> "LayerwisePass":
         """Registers one forward pass's chunks, each (sender, pages of the chunk), with send()'s
         checks and bookkeeping, and returns the pass; nothing moves until its layers are marked
         ready. Prefill only. Blocks (without the GIL) until each room has paired with its decode
         ranks, which a room SGLang schedules has normally done already, for at most
-        bootstrap_timeout, then hands over the chunks send() kept for those rooms meanwhile. Raises as KVSender.send, the room's failure, and
-        kvferry.FailedPreconditionError when the manager closes meanwhile; every chunk is
-        checked before any is counted, so a refused pass leaves its senders as they were."""
+        bootstrap_timeout, then hands over the chunks send() kept for those rooms meanwhile.
+        Raises as KVSender.send, the room's failure, and kvferry.FailedPreconditionError when
+        the manager closes meanwhile; every chunk is checked before any is counted, so a
+        refused pass leaves its senders as they were."""
         next_page: Dict[int, int] = {}
         planned = []
         for sender, pages in chunks:
@@ -350,6 +322,60 @@ class KVManager:
         ptrs, items = _flat(args.aux_data_ptrs), _flat(args.aux_item_lens)
         address = ptrs[field] + aux_index * items[field]
         ctypes.c_uint64.from_address(address).value = room & 0xFFFFFFFFFFFFFFFF
+
+
+class _Flusher:
+    """The senders whose kept chunks wait for their rooms, and the thread that sends them
+    (started by the first). It refers to senders only while they wait (each refers to its
+    manager), never to the manager itself."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._senders: set = set()
+        self._stopped = False
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, sender: "KVSender") -> None:
+        with self._cv:
+            if self._stopped:
+                return
+            self._senders.add(sender)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvferry-sglang-flush", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        """Ends the thread (joined unless this is it); kept chunks are dropped. Idempotent."""
+        with self._cv:
+            self._stopped = True
+            self._senders.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._senders and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                senders = list(self._senders)
+            for sender in senders:
+                try:
+                    done = sender._try_flush()
+                except Exception:  # never expected; the thread must outlive one sender
+                    done = True
+                if done:
+                    with self._cv:
+                        self._senders.discard(sender)
+            # No reference past this round: the manager may be collected.
+            senders = sender = None
+            time.sleep(0.0005)
 
 
 class LayerwisePass:

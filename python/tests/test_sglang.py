@@ -522,6 +522,32 @@ def test_layerwise_pass_after_a_kept_chunk_sends_that_chunk_first(server):
         prefill.close()
 
 
+def test_a_manager_never_closed_is_collected_and_its_flusher_ends(server):
+    """A prefill manager whose flusher thread started (a chunk kept before decode asked) and
+    that is dropped without close() is collected, and the thread ends."""
+    import gc
+    import weakref
+
+    prank = Rank(GQA, 0, 1, 16)
+    prefill = KVManager(prank.args(), DisaggregationMode.PREFILL, bootstrap_address=server.address)
+    sender = KVSender(prefill, server.address, 91)
+    sender.init(2, aux_index=0)
+    sender.send(np.array([1, 2], np.int32))  # kept: no decode rank has asked for room 91
+    flushers = [t for t in threading.enumerate() if t.name == "kvferry-sglang-flush"]
+    assert len(flushers) == 1
+    sender.abort()  # the room fails: the flusher lets the sender go
+    wait_final(sender, seconds=10)
+    manager = weakref.ref(prefill)
+    del prefill, sender
+    deadline = time.monotonic() + 10
+    while manager() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert manager() is None, gc.get_referrers(manager())
+    flushers[0].join(10)
+    assert not flushers[0].is_alive()
+
+
 def test_hybrid_model_state_travels_with_the_last_chunk(server):
     """A Qwen3-Next-shaped model (tests/data/tiny-hybrid-config.json: 2 attention layers, 6
     linear-attention layers): per-layer KV buffers and SGLang-style state buffers (conv state
