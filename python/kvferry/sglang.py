@@ -714,14 +714,16 @@ class KVReceiver(_Room):
         kv_indices: Any = None,
         aux_index: Optional[int] = None,
         state_indices: Any = None,
+        decode_prefix_len: Optional[int] = None,
     ) -> None:
-        """init(kv_indices, aux_index, state_indices=None): opens the room (SGLang before
-        send_metadata existed). init(prefill_dp_rank): records the rank, as newer SGLang calls
-        it before send_metadata."""
+        """init(kv_indices, aux_index, state_indices=None, decode_prefix_len=None): opens the
+        room as send_metadata does (SGLang before send_metadata existed).
+        init(prefill_dp_rank): records the rank, as newer SGLang calls it before
+        send_metadata."""
         if kv_indices is None or np.isscalar(kv_indices):
             self.prefill_dp_rank = kv_indices
             return
-        self.send_metadata(kv_indices, aux_index, state_indices)
+        self.send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
 
     def send_metadata(
         self,

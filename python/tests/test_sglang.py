@@ -392,6 +392,22 @@ def test_sglang_scheduler_order_and_fields(server, geometry, tmp_path):
         prefill.close()
 
 
+def test_receiver_init_takes_decode_prefix_len(server):
+    """init(pages, row, decode_prefix_len=...) as send_metadata: 0 or None opens the room, a
+    prefix to reuse on decode is refused."""
+    decode = KVManager(Rank(GQA, 0, 1, 16).args(), DisaggregationMode.DECODE)
+    try:
+        with pytest.raises(kvferry.UnimplementedError, match="prefix"):
+            KVReceiver(decode, server.address, 51).init(np.array([1], np.int32), 0,
+                                                        decode_prefix_len=4)
+        receiver = KVReceiver(decode, server.address, 52)
+        receiver.init(np.array([2, 3], np.int32), 1, None, decode_prefix_len=0)
+        assert receiver.poll() == KVPoll.Bootstrapping  # opened: waits for prefill
+        receiver.abort()
+    finally:
+        decode.close()
+
+
 def test_geometry_from_sglang_fields_needs_kv_heads_and_whole_heads():
     args = sglang_filled_args(Rank(GQA, 0, 1, 8))
     args.kv_dtype = "torch.float32"  # a dtype named as torch names it counts 4 bytes throughout
