@@ -142,7 +142,10 @@ class KVBootstrapServer:
         self.port: int = self._server.port
 
     def close(self) -> None:
-        self._server = None
+        """Stops serving (waits, without the GIL, for requests in progress). Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
 
 
 def _bootstrap_address_of(server_args: Any) -> Optional[str]:

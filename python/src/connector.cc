@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "connector_docs.h"
+#include "engine_holder.h"
 #include "errors.h"
 #include "kvferry/bootstrap.h"
 #include "kvferry/connector.h"
@@ -398,6 +399,31 @@ void BindRoomMethods(Class& c) {
       .def("close", &H::Close, kCloseDoc);
 }
 
+// The bootstrap server of BootstrapServer: stopped by close() or collection, without the GIL
+// either way (stopping waits for the HTTP requests in progress, up to their read timeouts).
+class PyBootstrapServer {
+ public:
+  explicit PyBootstrapServer(std::unique_ptr<BootstrapServer> server)
+      : address(server->address()), port(server->port()), server_(std::move(server)) {}
+  PyBootstrapServer(const PyBootstrapServer&) = delete;
+  PyBootstrapServer& operator=(const PyBootstrapServer&) = delete;
+  ~PyBootstrapServer() {
+    if (!InterpreterFinalizing() && PyGILState_Check()) Close();
+  }
+
+  void Close() {
+    std::unique_ptr<BootstrapServer> server = std::move(server_);
+    py::gil_scoped_release release;
+    server.reset();
+  }
+
+  const std::string address;
+  const uint16_t port;
+
+ private:
+  std::unique_ptr<BootstrapServer> server_;
+};
+
 }  // namespace
 
 void BindConnectors(py::module_& m) {
@@ -408,7 +434,7 @@ void BindConnectors(py::module_& m) {
       },
       py::arg("json_text"), py::arg("name") = "", kGeometryFromHfConfigDoc);
 
-  py::class_<BootstrapServer>(m, "BootstrapServer", kBootstrapServerDoc)
+  py::class_<PyBootstrapServer>(m, "BootstrapServer", kBootstrapServerDoc)
       .def(py::init([](const std::string& host, uint16_t port, const std::string& auth_secret,
                        bool insecure) {
              BootstrapServerOptions o;
@@ -417,12 +443,14 @@ void BindConnectors(py::module_& m) {
              o.auth_secret = auth_secret;
              o.insecure = insecure;
              py::gil_scoped_release release;
-             return ValueOrThrow(BootstrapServer::Create(o));
+             return std::make_unique<PyBootstrapServer>(ValueOrThrow(BootstrapServer::Create(o)));
            }),
            py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::kw_only(),
            py::arg("auth_secret") = "", py::arg("insecure") = false)
-      .def_property_readonly("address", &BootstrapServer::address)
-      .def_property_readonly("port", &BootstrapServer::port);
+      .def_readonly("address", &PyBootstrapServer::address)
+      .def_readonly("port", &PyBootstrapServer::port)
+      .def("close", &PyBootstrapServer::Close,
+           "Stops serving: waits (without the GIL) for the requests in progress. Idempotent.");
 
   auto prefill = py::class_<PyPrefill>(m, "PrefillConnector", kPrefillDoc);
   prefill

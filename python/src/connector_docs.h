@@ -15,8 +15,9 @@ inline constexpr const char* kGeometryFromHfConfigDoc =
 inline constexpr const char* kBootstrapServerDoc =
     "BootstrapServer(host='127.0.0.1', port=0, *, auth_secret='', insecure=False)\n\n"
     "The prefill instance's bootstrap HTTP server (kvferry/bootstrap.h): prefill ranks register "
-    "there, decode ranks look them up. Serves from its own threads until the object is "
-    "collected. port 0 picks a free port (read `address` back). A non-loopback host needs "
+    "there, decode ranks look them up. Serves from its own threads until close() or until the "
+    "object is collected. port 0 picks a free port (read `address` back). A non-loopback host "
+    "needs "
     "auth_secret (>= 16 bytes; default KVFERRY_AUTH_TOKEN) or insecure=True. Raises "
     "kvferry.UnavailableError when the address cannot be bound.";
 

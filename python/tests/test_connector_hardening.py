@@ -185,3 +185,34 @@ def test_prefill_room_that_times_out_tells_the_decode_ranks_it_heard_from():
         for connector in (prefill, decode):
             if connector is not None:
                 connector.close()
+
+
+def test_bootstrap_server_close_lets_other_threads_run():
+    """close() with a request half sent: the server waits for that connection's read timeout,
+    and lets go of the GIL meanwhile, so other Python threads go on."""
+    import socket
+    import threading
+
+    server = K.BootstrapServer()
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"GET /route HTTP/1.1\r\nHost: x\r\n")  # never finished
+        time.sleep(0.2)
+        ticks, stop = [], threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.005)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        time.sleep(0.05)
+        start = time.monotonic()
+        server.close()
+        end = time.monotonic()
+        server.close()  # idempotent
+        stop.set()
+        ticker.join()
+    during = [t for t in ticks if start < t < end]
+    assert end - start < 0.1 or len(during) >= (end - start) / 0.05, (end - start, len(during))
