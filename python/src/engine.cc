@@ -230,7 +230,8 @@ class PyEngine {
       ThrowIfError(holder_->Acquire()->RegisterMemory(reinterpret_cast<void*>(span.address),
                                                       span.length_bytes, span.location, access));
     }
-    if (hold) held_[span.address] = std::move(hold);
+    // Not once close() began: it lets go of every hold (a hold kept now would stay).
+    if (hold && !holder_->closed()) held_[span.address] = std::move(hold);
     return span.address;
   }
 
@@ -241,11 +242,16 @@ class PyEngine {
     } else {
       address = DescribeBuffer(buffer).span.address;
     }
+    auto it = held_.find(address);
+    const HeldBuffer* before = it == held_.end() ? nullptr : it->second.get();
     {
       py::gil_scoped_release release;
       ThrowIfError(holder_->Acquire()->UnregisterMemory(reinterpret_cast<void*>(address)));
     }
-    held_.erase(address);
+    // Only the hold of the registration just undone: another thread may have registered the
+    // address again meanwhile (its hold is kept).
+    it = held_.find(address);
+    if (it != held_.end() && it->second.get() == before) held_.erase(it);
   }
 
   PySegment Open(const std::string& address) {
