@@ -20,8 +20,9 @@ namespace kvferry {
 // 2: strided WRITE frames; 3: the handshake authenticates both sides (challenge and response);
 // 4: descriptors carry the UCX worker addresses (one per lane) and each region's packed UCX rkey;
 // 5: large UCX rows travel as active messages (transport/ucx/ucx_am.h), which an engine of
-// version 4 cannot serve.
-inline constexpr uint16_t kProtocolVersion = 5;
+// version 4 cannot serve; 6: a UCX target answers them with a reply endpoint, which the
+// initiator checks (version 5 answers lack one and would be dropped).
+inline constexpr uint16_t kProtocolVersion = 6;
 
 struct SegmentDescriptor {
   std::string name;  // engine name, unique per process group (e.g. "prefill-0")

@@ -56,6 +56,10 @@ class RecordingClient : public AmClient {
     std::lock_guard<std::mutex> lock(mu_);
     return read_data_;
   }
+  size_t done_count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_.size();
+  }
 
  private:
   std::mutex mu_;
@@ -64,15 +68,16 @@ class RecordingClient : public AmClient {
   int read_data_ = 0;
 };
 
-// Sends active message `id` with `header` and `data` eager on `ep` from `w`'s progress thread
-// and progresses until it completed; its status.
-ucs_status_t SendEager(UcxWorker& w, ucp_ep_h ep, unsigned id, const AmReply& header,
-                       const std::vector<uint8_t>& data) {
+// Sends active message `id` with `header` and `data` eager (and `flags`) on `ep` from `w`'s
+// progress thread and progresses until it completed; its status.
+template <typename Header>
+ucs_status_t SendEager(UcxWorker& w, ucp_ep_h ep, unsigned id, const Header& header,
+                       const std::vector<uint8_t>& data, uint32_t flags = UCP_AM_SEND_FLAG_REPLY) {
   ucs_status_t result = UCS_INPROGRESS;
   w.Run([&] {
     ucp_request_param_t p = {};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_AM_SEND_FLAG_EAGER;
+    p.flags = UCP_AM_SEND_FLAG_EAGER | flags;
     ucs_status_ptr_t r =
         ucp_am_send_nbx(ep, id, &header, sizeof(header), data.data(), data.size(), &p);
     if (r == nullptr || UCS_PTR_IS_ERR(r)) {
@@ -139,8 +144,11 @@ TEST(UcxAmTest, EagerReadDataForAnOperationNoLongerAwaitedIsDropped) {
   UcxWorker& to = **initiator;
 
   RecordingClient client;
+  // The initiator's own endpoint to the target, which its live operation's request leaves on.
+  ucp_ep_h request_ep = Connect(to, from);
+  ASSERT_NE(request_ep, nullptr);
   uint64_t live_op = 0;
-  to.Run([&] { live_op = to.AddAmOp(&client); });
+  to.Run([&] { live_op = to.AddAmOp(&client, request_ep); });
 
   ucp_ep_h ep = Connect(from, to);
   ASSERT_NE(ep, nullptr);
@@ -149,21 +157,84 @@ TEST(UcxAmTest, EagerReadDataForAnOperationNoLongerAwaitedIsDropped) {
   // (AddAmOp then RemoveAmOp, as an abandoned batch does), 4 KiB and 200 KiB.
   uint64_t dropped_op = 0;
   to.Run([&] {
-    dropped_op = to.AddAmOp(&client);
+    dropped_op = to.AddAmOp(&client, request_ep);
     to.RemoveAmOp(dropped_op);
   });
   const std::vector<uint8_t> small(4096, 0x5a), large(200 << 10, 0xa5);
   EXPECT_EQ(SendEager(from, ep, kAmReadData, AmReply{live_op + 1000, UCS_OK}, small), UCS_OK);
   EXPECT_EQ(SendEager(from, ep, kAmReadData, AmReply{dropped_op, UCS_OK}, small), UCS_OK);
   EXPECT_EQ(SendEager(from, ep, kAmReadData, AmReply{dropped_op, UCS_OK}, large), UCS_OK);
-  // Then an answer for the operation still awaited, on the same endpoint (delivered in order):
-  // the initiator's worker survived the three and still routes replies.
-  EXPECT_EQ(SendEager(from, ep, kAmDone, AmReply{live_op, UCS_ERR_OUT_OF_RANGE}, {}), UCS_OK);
+  // Then the live operation's request, a WRITE the target refuses (it maps no memory): its
+  // answer comes back on the request's endpoint, so the initiator's worker survived the three
+  // and still routes replies.
+  EXPECT_EQ(SendEager(to, request_ep, kAmWrite, AmRequest{live_op, 4096, 64},
+                      std::vector<uint8_t>(64, 1)),
+            UCS_OK);
   EXPECT_EQ(client.WaitDone(live_op), UCS_ERR_OUT_OF_RANGE);
   EXPECT_EQ(client.read_data(), 0);
 
   from.Run([&] { ForceClose(from, ep); });
-  to.Run([&] { to.RemoveAmOp(live_op); });
+  to.Run([&] {
+    ForceClose(to, request_ep);
+    to.RemoveAmOp(live_op);
+  });
+}
+
+TEST(UcxAmTest, RepliesCountOnlyOnTheEndpointTheRequestLeftOn) {
+  // Three workers: the initiator waits for the answer to a WRITE it sends to the target; a third
+  // worker (another peer of the initiator) knows the operation's id and answers it first, with
+  // and without a reply endpoint, and sends READ bytes for it. None of that reaches the
+  // initiator's client; the target's real answer does.
+  PinLoopback();
+  auto context = UcxContext::Create();
+  ASSERT_TRUE(context.ok()) << context.status().ToString();
+  MemoryRegistry registry;
+  std::vector<uint8_t> memory(4096, 0);
+  RegionDescriptor region;
+  region.base = reinterpret_cast<uint64_t>(memory.data());
+  region.length_bytes = memory.size();
+  region.access = kAccessRemoteReadWrite;
+  region.ucx_rkey = {1};  // mapped (PinMapped asks for a key), not used by active messages
+  ASSERT_TRUE(registry.Register(region).ok());
+  (*context)->set_registry(&registry);
+  std::unique_ptr<UcxWorker> workers[3];
+  for (auto& w : workers) {
+    auto created = UcxWorker::Create(context->get(), std::chrono::nanoseconds(0));
+    ASSERT_TRUE(created.ok()) << created.status().ToString();
+    w = std::move(*created);
+  }
+  UcxWorker& initiator = *workers[0];
+  UcxWorker& target = *workers[1];
+  UcxWorker& other = *workers[2];
+
+  RecordingClient client;
+  ucp_ep_h request_ep = Connect(initiator, target);
+  ucp_ep_h other_ep = Connect(other, initiator);
+  ASSERT_NE(request_ep, nullptr);
+  ASSERT_NE(other_ep, nullptr);
+  uint64_t op = 0;
+  initiator.Run([&] { op = initiator.AddAmOp(&client, request_ep); });
+
+  EXPECT_EQ(SendEager(other, other_ep, kAmDone, AmReply{op, UCS_OK}, {}), UCS_OK);
+  EXPECT_EQ(SendEager(other, other_ep, kAmDone, AmReply{op, UCS_OK}, {}, 0), UCS_OK);
+  EXPECT_EQ(
+      SendEager(other, other_ep, kAmReadData, AmReply{op, UCS_OK}, std::vector<uint8_t>(64, 7)),
+      UCS_OK);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(client.read_data(), 0);
+
+  EXPECT_EQ(SendEager(initiator, request_ep, kAmWrite, AmRequest{op, region.base, 64},
+                      std::vector<uint8_t>(64, 0x33)),
+            UCS_OK);
+  EXPECT_EQ(client.WaitDone(op), UCS_OK);
+  EXPECT_EQ(client.done_count(), 1) << "an answer from the other worker was taken";
+  EXPECT_EQ(memory[0], 0x33);
+
+  other.Run([&] { ForceClose(other, other_ep); });
+  initiator.Run([&] {
+    ForceClose(initiator, request_ep);
+    initiator.RemoveAmOp(op);
+  });
 }
 
 TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
@@ -216,7 +287,7 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
   const std::vector<uint8_t> first(64, 0x11);
   uint64_t first_op = 0;
   from.Run([&] {
-    first_op = from.AddAmOp(&client);
+    first_op = from.AddAmOp(&client, ep);
     send_write(first_op, first, UCP_AM_SEND_FLAG_EAGER);
   });
   ASSERT_EQ(client.WaitDone(first_op), UCS_OK);
@@ -233,7 +304,7 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
   uint64_t row_op = 0;
   std::promise<void> resume;
   std::shared_future<void> resumed = resume.get_future().share();
-  from.Run([&] { row_op = from.AddAmOp(&client); });
+  from.Run([&] { row_op = from.AddAmOp(&client, ep); });
   from.Post([&, resumed] {
     send_write(row_op, row, UCP_AM_SEND_FLAG_RNDV);
     resumed.wait();

@@ -33,7 +33,9 @@ void SendReply(ucp_ep_h ep, unsigned id, const AmReply& reply, const void* data,
   ucp_request_param_t p = {};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                    UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-  p.flags = data != nullptr && !eager ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+  // REPLY: the initiator checks that the answer came on the endpoint its request left on.
+  p.flags = UCP_AM_SEND_FLAG_REPLY |
+            (data != nullptr && !eager ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER);
   p.memory_type = type;
   p.user_data = s;
   p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
@@ -138,6 +140,12 @@ ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* 
   return UCS_OK;
 }
 
+// The endpoint a received message can be answered on (the one its sender's connection to us
+// maps to), or null when the sender gave none.
+ucp_ep_h ReplyEndpoint(const ucp_am_recv_param_t* param) {
+  return (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+}
+
 // Target: a peer's READ. The bytes go back on the endpoint it came on: eager (the initiator
 // copies them out of its receive buffer) for host memory up to the context's eager limit,
 // else as a rendezvous.
@@ -166,11 +174,11 @@ ucs_status_t OnRead(void* arg, const void* header, size_t header_length, void*, 
 
 // Initiator: a WRITE landed or failed, or a READ was refused.
 ucs_status_t OnDone(void* arg, const void* header, size_t header_length, void*, size_t,
-                    const ucp_am_recv_param_t*) {
+                    const ucp_am_recv_param_t* param) {
   auto* w = static_cast<UcxWorker*>(arg);
   AmReply reply;
   if (!ReadHeader(header, header_length, &reply)) return UCS_OK;
-  if (AmClient* client = w->FindAmOp(reply.op)) {
+  if (AmClient* client = w->FindAmOp(reply.op, ReplyEndpoint(param))) {
     client->OnAmDone(reply.op, static_cast<ucs_status_t>(reply.status));
   }
   return UCS_OK;
@@ -182,8 +190,10 @@ ucs_status_t OnReadData(void* arg, const void* header, size_t header_length, voi
   auto* w = static_cast<UcxWorker*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   AmReply reply;
-  AmClient* client = ReadHeader(header, header_length, &reply) ? w->FindAmOp(reply.op) : nullptr;
-  // No longer waited for (abandoned): nothing lands.
+  AmClient* client = ReadHeader(header, header_length, &reply)
+                         ? w->FindAmOp(reply.op, ReplyEndpoint(param))
+                         : nullptr;
+  // No longer waited for (abandoned), or not from the peer asked: nothing lands.
   if (client == nullptr) return RefuseAmData(rndv, UCS_ERR_CANCELED);
   return client->OnAmReadData(reply.op, data, length_bytes, rndv);
 }

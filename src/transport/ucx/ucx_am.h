@@ -25,9 +25,11 @@
 //          receive buffer); or, when the range is not
 //          inside a region mapped with remote read access, kAmDone, AmReply{op,
 //          UCS_ERR_OUT_OF_RANGE}.
-// The initiator matches replies by op (UcxWorker::AddAmOp); a reply to an op it no longer
-// waits for is dropped (rendezvous data refused, eager data discarded). Engines of kProtocolVersion
-// 5 and later speak this; the handshake refuses older ones.
+// Replies are sent with UCP_AM_SEND_FLAG_REPLY. The initiator matches them by op and by the
+// endpoint they came on, which must be the one the request left on (UcxWorker::AddAmOp): another
+// peer of the worker cannot answer for this one. A reply to an op it no longer waits for, or
+// from another endpoint, is dropped (rendezvous data refused, eager data discarded). Engines of
+// kProtocolVersion 6 and later speak this; the handshake refuses others.
 //
 // Only the .cc files of src/transport/ucx/ include this header.
 #pragma once

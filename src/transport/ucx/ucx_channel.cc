@@ -415,7 +415,7 @@ class UcxChannel : public PeerChannel,
       auto owned = std::make_unique<AmOp>();
       AmOp* op = owned.get();
       op->flight = f;
-      op->id = worker_->AddAmOp(this);
+      op->id = worker_->AddAmOp(this, f->ep->ep);
       op->local = item.local + static_cast<uint64_t>(i) * item.local_stride;
       op->header = {op->id, item.remote_addr + static_cast<uint64_t>(i) * item.remote_stride,
                     row_bytes};

@@ -241,9 +241,9 @@ size_t UcxContext::num_mapped() const {
   return mapped_.size();
 }
 
-uint64_t UcxWorker::AddAmOp(AmClient* client) {
+uint64_t UcxWorker::AddAmOp(AmClient* client, ucp_ep_h ep) {
   const uint64_t op = next_am_op_++;
-  am_ops_[op] = client;
+  am_ops_[op] = AmOpEntry{client, ep};
   return op;
 }
 

@@ -131,12 +131,17 @@ class UcxWorker {
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
   // Operation ids of active-message requests in flight from this worker, with the channel
-  // their replies go to (progress thread only). Ids are never reused.
-  uint64_t AddAmOp(AmClient* client);
+  // their replies go to and the endpoint the request left on (progress thread only). Ids are
+  // never reused.
+  uint64_t AddAmOp(AmClient* client, ucp_ep_h ep);
   void RemoveAmOp(uint64_t op) { am_ops_.erase(op); }
-  AmClient* FindAmOp(uint64_t op) const {
+  // The channel waiting for `op`'s reply, when the reply came back on the endpoint the request
+  // left on (`reply_ep`: the receive's reply endpoint, null when it has none); null otherwise,
+  // so that a peer cannot answer for another peer's request.
+  AmClient* FindAmOp(uint64_t op, ucp_ep_h reply_ep) const {
     auto it = am_ops_.find(op);
-    return it == am_ops_.end() ? nullptr : it->second;
+    if (it == am_ops_.end() || reply_ep == nullptr || it->second.ep != reply_ep) return nullptr;
+    return it->second.client;
   }
 
  private:
@@ -153,7 +158,11 @@ class UcxWorker {
   int epoll_fd_ = -1;
 
   uint64_t next_am_op_ = 1;
-  std::unordered_map<uint64_t, AmClient*> am_ops_;  // progress thread only
+  struct AmOpEntry {
+    AmClient* client;
+    ucp_ep_h ep;
+  };
+  std::unordered_map<uint64_t, AmOpEntry> am_ops_;  // progress thread only
 
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
