@@ -132,19 +132,27 @@ class PyEngine {
   // them: the engine stops before the memory of registered objects is let go.
   ~PyEngine() {
     Close();
+    if (InPythonCallback()) {  // joined on a thread of its own, after the engine stopped
+      auto submitter = std::make_shared<std::unique_ptr<GroupSubmitter>>(std::move(submitter_));
+      RunAside([holder = holder_, submitter] {
+        holder->Close();
+        submitter->reset();
+      });
+      return;
+    }
     py::gil_scoped_release release;
     submitter_.reset();  // joins its thread
   }
 
   // Called from a Python callback (an engine thread), it starts the close on a thread of its
-  // own (EngineHolder::Close) and hands that thread what must outlive the engine.
+  // own (EngineHolder::Close) and hands that thread the held objects, let go once the engine
+  // stopped. The submitter stays: another thread's write() may be using it.
   void Close() {
     if (InPythonCallback()) {
-      auto parts = std::make_shared<Parts>(Parts{holder_, std::move(submitter_), std::move(held_)});
+      auto parts = std::make_shared<Parts>(Parts{holder_, std::move(held_)});
       holder_->Close();  // new calls fail from now on
       RunAside([parts] {
         parts->holder->Close();
-        parts->submitter.reset();
         if (InterpreterFinalizing()) {
           for (auto& [address, hold] : parts->held) (void)hold.release();  // leaked
           return;
@@ -230,8 +238,9 @@ class PyEngine {
       ThrowIfError(holder_->Acquire()->RegisterMemory(reinterpret_cast<void*>(span.address),
                                                       span.length_bytes, span.location, access));
     }
-    // Not once close() began: it lets go of every hold (a hold kept now would stay).
-    if (hold && !holder_->closed()) held_[span.address] = std::move(hold);
+    // Kept even when close() began meanwhile: the engine may still use the region until it
+    // stopped; a hold added after close() let go of the others goes with the engine object.
+    if (hold) held_[span.address] = std::move(hold);
     return span.address;
   }
 
@@ -455,7 +464,6 @@ class PyEngine {
  private:
   struct Parts {
     std::shared_ptr<EngineHolder> holder;
-    std::unique_ptr<GroupSubmitter> submitter;
     std::unordered_map<uint64_t, std::unique_ptr<HeldBuffer>> held;
   };
 

@@ -192,7 +192,8 @@ inline constexpr const char* kCloseDoc =
 on_complete runs), joins engine threads, then lets go of registered objects. Later calls raise
 FailedPreconditionError. Idempotent; a second close() waits for the first to finish.
 From a callback (an engine thread, which cannot join itself) it only starts the close: later
-calls fail at once, and the engine stops on a thread of its own once the callback returned. The
-same holds when a callback drops the last reference to the engine.)";
+calls fail at once, and the engine stops on a thread of its own once the callback returned,
+then lets go of registered objects (they are leaked if the interpreter is exiting by then).
+The same holds when a callback drops the last reference to the engine.)";
 
 }  // namespace kvferry::python
