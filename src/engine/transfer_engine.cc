@@ -15,6 +15,7 @@
 #include <mutex>
 #include <random>
 #include <unordered_map>
+#include <utility>
 
 #include "common/auth.h"
 #include "common/checks.h"
@@ -575,16 +576,21 @@ class EngineImpl : public TransferEngine {
   // for the request's kind of local memory (TransportSet::Pick at OpenSegment), and remembers
   // it in `cache` with the local region it holds for (callers reuse it while a request's
   // local range stays in that region, to the same peer). With `pins`, a registered local
-  // region is pinned into it.
+  // region not pinned there yet is pinned into it (once per region: requests alternating
+  // between two buffers pin each once).
   StatusOr<PeerChannel*> ChooseChannel(const TransferRequest& r, Peer& peer, size_t index,
                                        ChannelCache* cache,
                                        std::vector<MemoryRegistry::Pin>* pins = nullptr) {
     const uint64_t addr = reinterpret_cast<uint64_t>(r.local_addr);
     MemoryRegistry::Span local;
-    MemoryRegistry::Pin pin;
-    const bool registered =
-        registry_.Lookup(addr, r.local_extent(), &local, pins != nullptr ? &pin : nullptr);
-    if (registered && pins != nullptr) pins->push_back(std::move(pin));
+    bool registered = std::as_const(registry_).Lookup(addr, r.local_extent(), &local);
+    if (registered && pins != nullptr &&
+        std::none_of(pins->begin(), pins->end(),
+                     [&](const MemoryRegistry::Pin& p) { return p.region().base == local.base; })) {
+      MemoryRegistry::Pin pin;
+      registered = registry_.Lookup(addr, r.local_extent(), &local, &pin);
+      if (registered) pins->push_back(std::move(pin));
+    }
     const bool local_device = registered && local.kind == MemoryKind::kCuda;
     StatusOr<PeerChannel*> channel = local_device
                                          ? peer.ChannelFor(MemoryKind::kCuda, local.device_id)
