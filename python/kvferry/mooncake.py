@@ -58,6 +58,9 @@ _TRANSPORTS = {"tcp": "tcp", "rdma": "auto", "nvlink": "nvlink", "nvlink_intra":
 
 # Errors after which a cached segment is not trusted: the peer is gone or stalled.
 _PEER_ERRORS = (kvferry.UnavailableError, kvferry.DeadlineExceededError, kvferry.NotFoundError)
+# Failures that mean the connection to the peer is gone (it died, restarted, or the segment was
+# closed): the segment is then opened afresh. A deadline alone leaves it open (a slow peer).
+_CONNECTION_ERRORS = (kvferry.UnavailableError, kvferry.NotFoundError)
 
 
 def _read_transfer_timeout() -> int:
@@ -128,10 +131,11 @@ class TransferEngine:
         self._timeout_s = _read_transfer_timeout()
         self._engine: Optional[kvferry.TransferEngine] = None
         self._lock = threading.Lock()
-        # Peer name -> its open segment. A segment a peer failure made stale leaves this map at
-        # once (the next use opens the peer afresh) but is closed only once no call or batch
-        # uses it any more: closing it earlier would fail other threads' transfers to a peer
-        # that only missed one deadline.
+        # Peer name -> its open segment. A segment whose connection failed turns stale: it
+        # leaves this map, new uses are refused until it is closed, and it is closed once no
+        # call or batch uses it any more (they fail promptly on a lost connection); the next
+        # use then opens the peer afresh. Closing it at once would fail other threads'
+        # transfers that may still finish.
         self._segments: Dict[str, kvferry.Segment] = {}
         self._users: Dict[kvferry.Segment, int] = {}  # calls and batches using each segment
         self._stale: set = set()
@@ -217,6 +221,7 @@ class TransferEngine:
             self._segments.clear()
             self._users.clear()
             self._stale.clear()
+            self._closed.clear()  # handle numbers start again in the next engine
             self._batches.clear()
             self._managed.clear()
 
@@ -431,6 +436,10 @@ class TransferEngine:
             status = batch.poll()
         except kvferry.Error as error:
             logger.error("transfer_check_status(%d): %s", int(batch_id), error)
+            with self._lock:
+                reported = self._batches.pop(int(batch_id), None) is None
+            if not reported:
+                self._done(target, segment, None)
             return -1
         if not status.done:
             return 0
@@ -501,6 +510,11 @@ class TransferEngine:
                              error)
                 return None
             with self._lock:
+                if segment in self._stale:
+                    logger.warning("transfer to %s refused: its connection failed and %d "
+                                   "transfers on it are still finishing", target,
+                                   self._users.get(segment, 0))
+                    return None
                 if segment not in self._closed:
                     segment = self._segments.setdefault(target, segment)
                     self._users[segment] = self._users.get(segment, 0) + 1
@@ -510,16 +524,18 @@ class TransferEngine:
         return None
 
     def _done(self, target: str, segment: kvferry.Segment, error, stale: bool = False) -> None:
-        """Ends one use of `segment`. A peer failure (`error` one of _PEER_ERRORS, or `stale`)
-        makes the segment stale: the next use opens the peer afresh, and the segment is
-        closed once its last user is done."""
+        """Ends one use of `segment`. A lost connection (`error` one of _CONNECTION_ERRORS, or
+        `stale`) makes the segment stale: it is closed once its last user is done, and the
+        use after that opens the peer afresh. A use from before close() is ignored."""
         with self._lock:
-            users = self._users.get(segment, 0) - 1
+            if segment not in self._users:
+                return
+            users = self._users[segment] - 1
             if users > 0:
                 self._users[segment] = users
             else:
-                self._users.pop(segment, None)
-            if stale or isinstance(error, _PEER_ERRORS):
+                del self._users[segment]
+            if stale or isinstance(error, _CONNECTION_ERRORS):
                 self._stale.add(segment)
                 if self._segments.get(target) == segment:
                     del self._segments[target]
@@ -559,10 +575,13 @@ class TransferEngine:
         try:
             batch = submit(segment, buffers, peer_addresses, lengths,
                            deadline=self._deadline(lengths))
-        except kvferry.Error as error:
+        except (kvferry.Error, TypeError, ValueError) as error:
             logger.error("transfer to %s refused: %s: %s", target, type(error).__name__, error)
             self._done(target, segment, error)
             return -1
+        except BaseException:
+            self._done(target, segment, None)
+            raise
         with self._lock:
             self._batches[batch.id] = (batch, target, segment)
         return batch.id
@@ -575,6 +594,9 @@ class TransferEngine:
             logger.warning("transfer to %s failed: %s: %s", target, type(error).__name__, error)
             self._done(target, segment, error)
             return False
+        except BaseException:  # e.g. KeyboardInterrupt: the batch is left to the engine
+            self._done(target, segment, None)
+            raise
         self._done(target, segment, None)
         return True
 
@@ -605,6 +627,9 @@ class TransferEngine:
             log("transfer to %s failed: %s: %s", target, type(error).__name__, error)
             self._done(target, segment, error)
             return -1
+        except BaseException:
+            self._done(target, segment, None)
+            raise
         self._done(target, segment, None)
         return 0
 

@@ -294,7 +294,8 @@ class KVManager:
         bootstrap_timeout, then hands over the chunks send() kept for those rooms meanwhile.
         Raises as KVSender.send, the room's failure, and kvferry.FailedPreconditionError when
         the manager closes meanwhile; every chunk is checked before any is counted, so a
-        refused pass leaves its senders as they were."""
+        refused pass counts none of its chunks (kept chunks of its rooms may have been sent,
+        as they would have been anyway)."""
         next_page: Dict[int, int] = {}
         planned = []
         for sender, pages in chunks:
