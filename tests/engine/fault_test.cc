@@ -91,6 +91,15 @@ class FaultTest : public ::testing::Test {
     return TransferSync(*client_, std::span(&r, 1), o);
   }
 
+  // Submits one request of 4096 bytes at offset 0 (local source_, remote region_) without
+  // waiting for it.
+  StatusOr<BatchId> SubmitOne(TransferOp op, milliseconds deadline) {
+    TransferRequest r{op, source_.data(), segment_, remote(0), 4096};
+    BatchOptions o;
+    o.deadline = deadline;
+    return client_->SubmitBatch(std::span(&r, 1), o);
+  }
+
   std::vector<std::string> Received() {
     std::lock_guard<std::mutex> lock(mu_);
     return received_;
@@ -214,10 +223,7 @@ TEST_F(FaultTest, StalledPeerHoldsRequestsUntilTheirDeadline) {
 // may be freed once UnregisterMemory returned.
 TEST_F(FaultTest, UnregisterWaitsForALocalBatchUntilItIsFinal) {
   Start("stall_after=0");
-  TransferRequest r{TransferOp::kRead, source_.data(), segment_, remote(0), 4096};
-  BatchOptions o;
-  o.deadline = milliseconds(300);
-  auto id = client_->SubmitBatch(std::span(&r, 1), o);
+  auto id = SubmitOne(TransferOp::kRead, milliseconds(300));
   ASSERT_TRUE(id.ok()) << id.status().ToString();
   const auto t0 = Clock::now();
   ASSERT_TRUE(client_->UnregisterMemory(source_.data()).ok());
@@ -357,10 +363,7 @@ TEST_F(FaultTest, DeadlineWhileOnLandedRunsFailsTheBatch) {
 
 TEST_F(FaultTest, ClosingTheEngineCompletesHeldRequests) {
   Start("drop=1,ops=write");
-  TransferRequest r{TransferOp::kWrite, source_.data(), segment_, remote(0), 4096};
-  BatchOptions o;
-  o.deadline = milliseconds(60000);
-  auto id = client_->SubmitBatch(std::span(&r, 1), o);
+  auto id = SubmitOne(TransferOp::kWrite, milliseconds(60000));
   ASSERT_TRUE(id.ok());
   std::this_thread::sleep_for(milliseconds(20));
   const auto t0 = Clock::now();

@@ -124,6 +124,17 @@ void ForceClose(UcxWorker& w, ucp_ep_h ep) {
   }
 }
 
+// A host region over `memory` with remote read and write access that the target's range check
+// takes for mapped (PinMapped asks for a UCX key; active messages use none).
+RegionDescriptor MappedHostRegion(std::vector<uint8_t>& memory) {
+  RegionDescriptor region;
+  region.base = reinterpret_cast<uint64_t>(memory.data());
+  region.length_bytes = memory.size();
+  region.access = kAccessRemoteReadWrite;
+  region.ucx_rkey = {1};
+  return region;
+}
+
 // UCX over tcp on loopback only: other tests running at the same time make and remove veth
 // devices, and a device that vanishes while UCX lists them fails the context ("No such
 // device").
@@ -190,11 +201,7 @@ TEST(UcxAmTest, RepliesCountOnlyOnTheEndpointTheRequestLeftOn) {
   ASSERT_TRUE(context.ok()) << context.status().ToString();
   MemoryRegistry registry;
   std::vector<uint8_t> memory(4096, 0);
-  RegionDescriptor region;
-  region.base = reinterpret_cast<uint64_t>(memory.data());
-  region.length_bytes = memory.size();
-  region.access = kAccessRemoteReadWrite;
-  region.ucx_rkey = {1};  // mapped (PinMapped asks for a key), not used by active messages
+  const RegionDescriptor region = MappedHostRegion(memory);
   ASSERT_TRUE(registry.Register(region).ok());
   (*context)->set_registry(&registry);
   std::unique_ptr<UcxWorker> workers[3];
@@ -250,11 +257,7 @@ TEST(UcxAmTest, UnregisterWaitsForAFrozenInitiatorsRow) {
   ASSERT_TRUE(context.ok()) << context.status().ToString();
   MemoryRegistry registry;
   std::vector<uint8_t> memory(1 << 20, 0);
-  RegionDescriptor region;
-  region.base = reinterpret_cast<uint64_t>(memory.data());
-  region.length_bytes = memory.size();
-  region.access = kAccessRemoteReadWrite;
-  region.ucx_rkey = {1};  // mapped (PinMapped asks for a key), not used by active messages
+  const RegionDescriptor region = MappedHostRegion(memory);
   ASSERT_TRUE(registry.Register(region).ok());
   (*context)->set_registry(&registry);
   auto initiator = UcxWorker::Create(context->get(), std::chrono::nanoseconds(0));
