@@ -25,7 +25,6 @@ PyCallback::Scope::Scope() { ++t_callback_depth; }
 PyCallback::Scope::~Scope() { --t_callback_depth; }
 
 void RunAside(std::function<void()> work) {
-  std::vector<AsideThread> finished;
   std::lock_guard<std::mutex> lock(g_aside_mu);
   auto done = std::make_shared<std::atomic<bool>>(false);
   std::thread thread([work = std::move(work), done] {

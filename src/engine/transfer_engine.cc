@@ -583,13 +583,13 @@ class EngineImpl : public TransferEngine {
                                        std::vector<MemoryRegistry::Pin>* pins = nullptr) {
     const uint64_t addr = reinterpret_cast<uint64_t>(r.local_addr);
     MemoryRegistry::Span local;
-    bool registered = std::as_const(registry_).Lookup(addr, r.local_extent(), &local);
+    bool registered = registry_.Lookup(addr, r.local_extent(), &local);
     if (registered && pins != nullptr &&
         std::none_of(pins->begin(), pins->end(),
                      [&](const MemoryRegistry::Pin& p) { return p.region().base == local.base; })) {
-      MemoryRegistry::Pin pin;
-      registered = registry_.Lookup(addr, r.local_extent(), &local, &pin);
-      if (registered) pins->push_back(std::move(pin));
+      StatusOr<MemoryRegistry::Pin> pin = registry_.PinRange(addr, r.local_extent(), kAccessNone);
+      registered = pin.ok();  // unregistered meanwhile: not registered
+      if (registered) pins->push_back(std::move(*pin));
     }
     const bool local_device = registered && local.kind == MemoryKind::kCuda;
     StatusOr<PeerChannel*> channel = local_device

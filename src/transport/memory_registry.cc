@@ -2,7 +2,6 @@
 
 #include <cstdio>
 #include <string>
-#include <utility>
 
 #include "common/checks.h"
 #include "common/range_text.h"
@@ -117,23 +116,6 @@ StatusOr<MemoryRegistry::Pin> MemoryRegistry::PinRange(uint64_t addr, uint64_t l
   }
   ++entry->pins;
   return Pin(this, std::move(entry));
-}
-
-bool MemoryRegistry::Lookup(uint64_t addr, uint64_t length, Span* out, Pin* pin) {
-  if (pin == nullptr) return std::as_const(*this).Lookup(addr, length, out);
-  std::shared_ptr<Entry> entry;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = regions_.upper_bound(addr);
-    if (it == regions_.begin()) return false;
-    const RegionDescriptor& r = std::prev(it)->second->region;
-    if (!r.Contains(addr, length)) return false;
-    *out = Span{r.base, r.length_bytes, r.kind, r.device_id};
-    entry = std::prev(it)->second;
-    ++entry->pins;
-  }
-  *pin = Pin(this, std::move(entry));  // outside mu_: it releases what `pin` held before
-  return true;
 }
 
 bool MemoryRegistry::Lookup(uint64_t addr, uint64_t length, Span* out) const {

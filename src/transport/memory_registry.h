@@ -77,9 +77,7 @@ class MemoryRegistry {
              addr - base <= length_bytes - length;
     }
   };
-  // True when [addr, addr + length) lies inside one registered region; fills `out`, and when
-  // `pin` is not null pins the region into it (a local side of a batch: Unregister waits).
-  bool Lookup(uint64_t addr, uint64_t length, Span* out, Pin* pin = nullptr);
+  // True when [addr, addr + length) lies inside one registered region; fills `out`.
   bool Lookup(uint64_t addr, uint64_t length, Span* out) const;
 
   std::vector<RegionDescriptor> Regions() const;
