@@ -193,4 +193,27 @@ void BindBuffers(py::module_& m) {
       "or machine without CUDA). On a machine with a GPU the first call initialises CUDA.");
 }
 
+bool IndexToU64(PyObject* item, uint64_t* out) {
+  PyObject* index = PyLong_Check(item) ? Py_NewRef(item) : PyNumber_Index(item);
+  if (index == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool in_range = LongToU64(index, out);
+  Py_DECREF(index);
+  return in_range;
+}
+
+std::string Describe(py::handle item) {
+  std::string text;
+  try {
+    text = py::repr(item).cast<std::string>();
+  } catch (const py::error_already_set&) {
+    text = "?";
+  }
+  if (text.size() > 40) text = text.substr(0, 37) + "...";
+  return text + " (" + py::str(py::type::handle_of(item).attr("__name__")).cast<std::string>() +
+         ")";
+}
+
 }  // namespace kvferry::python

@@ -77,6 +77,15 @@ inline bool LongToU64(PyObject* obj, uint64_t* out) {
   return true;
 }
 
+// `item` as a uint64 when it is an int in [0, 2^64) (bools count: True is 1) or has
+// __index__ (numpy integer scalars); false otherwise, with no Python error left set. Needs the
+// GIL.
+bool IndexToU64(PyObject* item, uint64_t* out);
+
+// A short description of a bad value for error messages: its repr (cut to 40 characters) and
+// its type's name. Never throws a Python error. Needs the GIL.
+std::string Describe(py::handle item);
+
 // n unsigned 64-bit integers from an array-like (numpy arrays of any integer dtype are cast in
 // C, without per-element Python work; lists and scalars are accepted too). One value stands
 // for every index (broadcast).

@@ -61,21 +61,10 @@ bool IsAddress(py::handle obj) {
 // `obj` (an int, or a numpy integer scalar) as a uint64. Throws StatusError (kInvalidArgument
 // naming `what`) for anything else or a value outside [0, 2^64).
 uint64_t U64Arg(py::handle obj, const char* what) {
-  PyObject* index = PyBool_Check(obj.ptr()) ? nullptr : PyNumber_Index(obj.ptr());
   uint64_t value = 0;
-  const bool ok = index != nullptr && LongToU64(index, &value);
-  Py_XDECREF(index);
-  if (!ok) {
-    PyErr_Clear();
-    std::string text;
-    try {
-      text = py::repr(obj).cast<std::string>().substr(0, 40);
-    } catch (const py::error_already_set&) {
-      text = "?";
-    }
+  if (PyBool_Check(obj.ptr()) || !IndexToU64(obj.ptr(), &value))
     throw StatusError(InvalidArgumentError(std::string(what) +
-                                           " must be an int in [0, 2^64) (got " + text + ")"));
-  }
+                                           " must be an int in [0, 2^64), got " + Describe(obj)));
   return value;
 }
 

@@ -26,32 +26,6 @@ constexpr const char* kIntRange = "an int in [0, 2^64)";
   throw StatusError(InvalidArgumentError(message));
 }
 
-// `item` as a uint64 when it is an int in [0, 2^64) or has __index__ (numpy integer scalars);
-// false otherwise, with no Python error left set. Needs the GIL.
-bool IndexToU64(PyObject* item, uint64_t* out) {
-  PyObject* index = PyLong_Check(item) ? Py_NewRef(item) : PyNumber_Index(item);
-  if (index == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  const bool in_range = LongToU64(index, out);
-  Py_DECREF(index);
-  return in_range;
-}
-
-// A short description of a bad value for error messages: its repr (cut) and type.
-std::string Describe(py::handle item) {
-  std::string text;
-  try {
-    text = py::repr(item).cast<std::string>();
-  } catch (const py::error_already_set&) {
-    text = "?";
-  }
-  if (text.size() > 40) text = text.substr(0, 37) + "...";
-  return text + " (" + py::str(py::type::handle_of(item).attr("__name__")).cast<std::string>() +
-         ")";
-}
-
 // "request K: rest" -> K and rest; false when `message` does not start so.
 bool SplitRequestPrefix(const std::string& message, size_t* index, std::string* rest) {
   static constexpr std::string_view kPrefix = "request ";
