@@ -17,17 +17,15 @@ inline constexpr const char* kBootstrapServerDoc =
     "The prefill instance's bootstrap HTTP server (kvferry/bootstrap.h): prefill ranks register "
     "there, decode ranks look them up. Serves from its own threads until close() or until the "
     "object is collected. port 0 picks a free port (read `address` back). A non-loopback host "
-    "needs "
-    "auth_secret (>= 16 bytes; default KVFERRY_AUTH_TOKEN) or insecure=True. Raises "
+    "needs auth_secret (>= 16 bytes; default KVFERRY_AUTH_TOKEN) or insecure=True. Raises "
     "kvferry.UnavailableError when the address cannot be bound.";
 
 inline constexpr const char* kPrefillDoc =
     "PrefillConnector(*, geometry, page_size, num_pages, kv_bases, aux_field_bytes, aux_bases, "
     "num_aux_rows, aux_room_field=-1, state_bases=[], num_state_slots=0, device=None, "
     "aux_device=None, bootstrap_address='127.0.0.1:0', start_bootstrap_server=False, tp_rank=0, "
-    "tp_size=1, "
-    "cp_rank=0, cp_size=1, pp_rank=0, total_kv_heads=0, engine=None, bootstrap_timeout=60.0, "
-    "transfer_timeout=60.0, heartbeat_timeout=30.0, allow_pull=False)\n\n"
+    "tp_size=1, cp_rank=0, cp_size=1, pp_rank=0, total_kv_heads=0, engine=None, "
+    "bootstrap_timeout=60.0, transfer_timeout=60.0, heartbeat_timeout=30.0, allow_pull=False)\n\n"
     "A prefill rank's connector (kvferry::PrefillConnector) over buffers the caller owns:\n"
     "- kv_bases: one address per layer buffer (K of every layer, then V of every layer; MLA: "
     "one latent per layer), each num_pages pages of page_size tokens x this rank's KV heads x "

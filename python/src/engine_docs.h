@@ -58,17 +58,19 @@ inline constexpr const char* kRegisterDoc =
     R"(Registers memory for transfers and returns its address (int).
 
 buffer: an int address (e.g. tensor.data_ptr(); a numpy integer scalar counts as one) with
-    `length` in bytes and `device` (None for host memory, else the CUDA ordinal); or an object exposing __cuda_array_interface__,
-    __array_interface__ or the buffer protocol, or a torch tensor (numpy arrays, torch CPU and
-    CUDA tensors, CuPy arrays, bytearray, memoryview): address, length and device come from it
-    (C-contiguous only) and the engine keeps a reference to it until unregister_memory.
+    `length` in bytes and `device` (None for host memory, else the CUDA ordinal); or an object
+    exposing __cuda_array_interface__, __array_interface__ or the buffer protocol, or a torch
+    tensor (numpy arrays, torch CPU and CUDA tensors, CuPy arrays, bytearray, memoryview):
+    address, length and device come from it (C-contiguous only) and the engine keeps a
+    reference to it until unregister_memory.
 access: kvferry.Access: what peers may do (default REMOTE_READ_WRITE; NONE: local side of
     requests only, not published).
 
 Regions may not overlap. Does not block on the network.
 Raises InvalidArgumentError (an address, length or device that is no int in range, null or
-zero length, overlap, no memory interface, not contiguous, read-only memory for remote writes), FailedPreconditionError (a CUDA object
-without CUDA here), UnimplementedError (device memory in a build without CUDA).)";
+zero length, overlap, no memory interface, not contiguous, read-only memory for remote
+writes), FailedPreconditionError (a CUDA object without CUDA here), UnimplementedError (device
+memory in a build without CUDA).)";
 
 inline constexpr const char* kUnregisterDoc =
     R"(Unregisters the region starting at `buffer` (an int address or the registered object).
