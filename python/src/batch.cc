@@ -88,14 +88,11 @@ TransferStatus PyBatch::RequestStatus(size_t index) {
 }
 
 void PyBatch::Release() {
-  if (released_.exchange(true)) return;  // released, or being released by another thread
-  try {
-    py::gil_scoped_release release;
-    ThrowIfError(holder_->Acquire()->ReleaseBatch(id_));
-  } catch (...) {
-    released_.store(false);  // still pending, or the engine closed
-    throw;
-  }
+  py::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(release_mu_);  // a second caller waits for the first
+  if (released_.load()) return;
+  ThrowIfError(holder_->Acquire()->ReleaseBatch(id_));  // refuses a pending batch
+  released_.store(true);
 }
 
 void BindBatch(py::module_& m) {
@@ -155,10 +152,9 @@ void BindBatch(py::module_& m) {
       .def("wait", &PyBatch::Wait, py::arg("timeout") = py::none(),
            "Blocks (without the GIL) until the batch is final or `timeout` seconds passed "
            "(None or math.inf: until final, which its deadline bounds) and returns its "
-           "BatchStatus, "
-           "PENDING when the timeout passed first. Does not raise the batch's error (see "
-           "result()).\n\nRaises NotFoundError (released), FailedPreconditionError (engine "
-           "closed), KeyboardInterrupt.")
+           "BatchStatus, PENDING when the timeout passed first. Does not raise the batch's error "
+           "(see result()).\n\nRaises NotFoundError (released), FailedPreconditionError "
+           "(engine closed), KeyboardInterrupt.")
       .def("result", &PyBatch::Result, py::arg("timeout") = py::none(), py::arg("release") = true,
            "Waits like wait(), then returns the BatchStatus of a completed batch or raises the "
            "kvferry.Error of its first failure (e.g. UnavailableError, "

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <memory>
+#include <mutex>
 #include <optional>
 
 #include "engine_holder.h"
@@ -48,6 +49,7 @@ class PyBatch {
   std::shared_ptr<EngineHolder> holder_;
   BatchId id_;
   size_t num_requests_;
+  std::mutex release_mu_;  // serialises Release()
   std::atomic<bool> released_{false};
 };
 

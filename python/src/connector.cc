@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -411,17 +412,19 @@ class PyBootstrapServer {
     if (!InterpreterFinalizing() && PyGILState_Check()) Close();
   }
 
+  // Stops the server; a second caller waits until the first has stopped it.
   void Close() {
-    std::unique_ptr<BootstrapServer> server = std::move(server_);
     py::gil_scoped_release release;
-    server.reset();
+    std::lock_guard<std::mutex> lock(close_mu_);
+    server_.reset();
   }
 
   const std::string address;
   const uint16_t port;
 
  private:
-  std::unique_ptr<BootstrapServer> server_;
+  std::mutex close_mu_;
+  std::unique_ptr<BootstrapServer> server_;  // guarded by close_mu_
 };
 
 }  // namespace

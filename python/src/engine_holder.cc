@@ -11,6 +11,15 @@ namespace {
 thread_local int t_callback_depth = 0;
 
 struct AsideThread {
+  AsideThread(std::thread t, std::shared_ptr<std::atomic<bool>> d)
+      : thread(std::move(t)), done(std::move(d)) {}
+  AsideThread(AsideThread&&) = default;
+  AsideThread& operator=(AsideThread&&) = default;
+  // One started after the exit hook joined the others is still running when the list is
+  // destroyed at static destruction: it is let go there, not joined (std::terminate).
+  ~AsideThread() {
+    if (thread.joinable()) thread.detach();
+  }
   std::thread thread;
   std::shared_ptr<std::atomic<bool>> done;
 };

@@ -216,3 +216,28 @@ def test_bootstrap_server_close_lets_other_threads_run():
         ticker.join()
     during = [t for t in ticks if start < t < end]
     assert end - start < 0.1 or len(during) >= (end - start) / 0.05, (end - start, len(during))
+
+
+def test_bootstrap_server_close_from_two_threads_returns_once_stopped():
+    """A second close() while the first is still waiting for a half-sent request returns only
+    once the server has stopped, not at once."""
+    import socket
+    import threading
+
+    server = K.BootstrapServer()
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"GET /route HTTP/1.1\r\nHost: x\r\n")  # never finished
+        time.sleep(0.2)
+        ends = {}
+
+        def close(name):
+            server.close()
+            ends[name] = time.monotonic()
+
+        first = threading.Thread(target=close, args=("first",))
+        first.start()
+        time.sleep(0.1)
+        close("second")
+        first.join()
+    assert ends["second"] >= ends["first"] - 0.05, ends

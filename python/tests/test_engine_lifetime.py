@@ -120,3 +120,42 @@ def test_unregister_waits_for_the_batches_that_use_the_memory():
         status = batch.poll()
         assert status.done and status.state == kvferry.TransferState.FAILED
         assert isinstance(status.error, kvferry.DeadlineExceededError)
+
+
+def test_concurrent_releases_of_a_pending_batch_all_refuse():
+    """release() from several threads at once: while the batch is pending every caller gets the
+    refusal; none returns as if the batch were released."""
+    import threading
+
+    import numpy as np
+
+    source = np.ones(4096, dtype=np.uint8)
+    target = np.zeros_like(source)
+    with kvferry.TransferEngine(name="right") as right, \
+            kvferry.TransferEngine(name="stalled", faults="stall_after=0") as stalled:
+        right.register_memory(target)
+        stalled.register_memory(source)
+        batch = stalled.submit_write(right.address, source.ctypes.data, target.ctypes.data,
+                                     4096, deadline=30.0)
+        outcomes = []
+        barrier = threading.Barrier(4)
+
+        def release():
+            barrier.wait()
+            for _ in range(300):
+                try:
+                    batch.release()
+                    outcomes.append("returned")
+                except kvferry.FailedPreconditionError:
+                    outcomes.append("refused")
+
+        threads = [threading.Thread(target=release) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert outcomes.count("refused") == len(outcomes) == 1200
+        assert batch.poll().state == kvferry.TransferState.PENDING
+        batch.cancel()
+        batch.release()
+        batch.release()  # released: a second release is a no-op
