@@ -389,6 +389,40 @@ TEST_P(UcxNetnsTest, ClosingASegmentWithAFrozenPeerEnds) {
   }
 }
 
+// A small WRITE to a frozen peer on an endpoint already wired up, abandoned at its deadline and
+// released: the channel lets go of the batch while the peer stays frozen (its on_landed, which
+// the batch holds, is destroyed), not once the peer resumes. Over UCX's tcp a put completes only
+// with the peer's answer, so here the put and the flush are both pending when the deadline
+// comes; where puts complete locally (RDMA) only the flush is, and the channel closes the
+// endpoint for that too.
+TEST_P(UcxNetnsTest, AWriteReleasedAfterItsDeadlineIsLetGoWhileThePeerIsFrozen) {
+  std::vector<uint8_t> src(64, 6);
+  auto token = std::make_shared<int>(0);
+  std::weak_ptr<int> watched = token;
+  TransferRequest w{TransferOp::kWrite, src.data(), segment_, rw(0), src.size()};
+  ASSERT_TRUE(Run(std::span(&w, 1), milliseconds(10000)).ok());  // the endpoint is wired up
+  peer_->Stop();
+  BatchOptions o;
+  o.deadline = milliseconds(300);
+  o.on_landed = [token] {};
+  token.reset();
+  auto id = engine_->SubmitBatch(std::span(&w, 1), o);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  o = {};  // the batch holds the only copy of on_landed
+  auto st = engine_->WaitBatch(*id, milliseconds(10000));
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, TransferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDeadlineExceeded) << st->error.ToString();
+  ASSERT_TRUE(engine_->ReleaseBatch(*id).ok());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!watched.expired() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  const bool let_go = watched.expired();
+  peer_->Continue();
+  EXPECT_TRUE(let_go) << "the batch is still held 5 s after it was released";
+}
+
 TEST_P(UcxNetnsTest, RowsAroundTheThresholdByteForByte) {
   // Contiguous blocks just below, at and above the threshold, and strided rows on both sides.
   std::vector<uint8_t> src(16 << 20), back(src.size(), 0);

@@ -548,10 +548,12 @@ class UcxChannel : public PeerChannel,
     std::shared_ptr<Flight> f = it->second;
     if (f->completed) return;
     if (f->abandoned.ok()) f->abandoned = why;
-    if (f->outstanding > 0 && f->ep == ep_) {
-      // Its puts or gets may still touch local memory: only a forced close stops them. An
-      // endpoint already closed (its operations are being cancelled) is not the current one,
-      // which later items use and which stays open.
+    if ((f->outstanding > 0 || f->flush_pending) && f->ep == ep_) {
+      // Its puts or gets may still touch local memory: only a forced close stops them. A
+      // WRITE waiting only for its flush is stopped the same way: a frozen peer never answers
+      // the flush, and the flight (with its batch) would stay until the peer resumes or dies.
+      // An endpoint already closed (its operations are being cancelled) is not the current
+      // one, which later items use and which stays open.
       ResetEndpoint(UnavailableError(Name() + ": endpoint closed to abandon a request (" +
                                      why.ToString() + ")"));
     }

@@ -24,11 +24,12 @@
 // and descriptor queries go over the control channel.
 //
 // Failures: the endpoint's error callback (a peer that died) and Abandon of an item whose
-// operations are moving (a deadline: a frozen peer is never reported by UCX) close the endpoint
-// with UCP_EP_CLOSE_FLAG_FORCE, which cancels every operation on it (and fails every row still
-// awaiting the target's answer); each item completes once UCX called back for all of its
-// operations (kUnavailable, or the abandon's reason). The next
-// submission opens a new endpoint.
+// operations are moving or whose flush is pending (a deadline: a frozen peer is never reported
+// by UCX) close the endpoint with UCP_EP_CLOSE_FLAG_FORCE, which cancels every operation on it
+// (and fails every row still awaiting the target's answer); each item completes once UCX called
+// back for all of its operations (kUnavailable, or the abandon's reason), and the channel lets
+// go of it once its flush, if any, was called back too. The next submission opens a new
+// endpoint.
 //
 // Thread-safety: the PeerChannel methods from any thread; everything else on the worker's
 // progress thread.

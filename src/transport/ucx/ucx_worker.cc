@@ -147,6 +147,8 @@ void UcxWorker::Run(const std::function<void()>& fn) {
 }
 
 void UcxWorker::Loop() {
+  // ucp_worker_progress calls per round before posted tasks run again.
+  constexpr int kProgressPerRound = 64;
   using Clock = std::chrono::steady_clock;
   const auto idle_spin = idle_spin_;
   auto last_work = Clock::now();
@@ -160,7 +162,11 @@ void UcxWorker::Loop() {
     bool worked = !tasks.empty();
     for (auto& task : tasks) task();
     tasks.clear();
-    while (ucp_worker_progress(worker_) != 0) worked = true;
+    // Bounded, so that a steady stream of incoming work cannot hold back posted tasks (an
+    // abandon at a deadline, a submission) for longer than one bounded round.
+    for (int i = 0; i < kProgressPerRound && ucp_worker_progress(worker_) != 0; ++i) {
+      worked = true;
+    }
     if (worked) {
       last_work = Clock::now();
       continue;
