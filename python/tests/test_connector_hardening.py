@@ -220,7 +220,7 @@ def test_bootstrap_server_close_lets_other_threads_run():
 
 def test_bootstrap_server_close_from_two_threads_returns_once_stopped():
     """A second close() while the first is still waiting for a half-sent request returns only
-    once the server has stopped, not at once."""
+    once the server has stopped (after the request's read timeout, over a second), not at once."""
     import socket
     import threading
 
@@ -229,15 +229,11 @@ def test_bootstrap_server_close_from_two_threads_returns_once_stopped():
     with socket.create_connection((host, int(port))) as client:
         client.sendall(b"GET /route HTTP/1.1\r\nHost: x\r\n")  # never finished
         time.sleep(0.2)
-        ends = {}
-
-        def close(name):
-            server.close()
-            ends[name] = time.monotonic()
-
-        first = threading.Thread(target=close, args=("first",))
+        first = threading.Thread(target=server.close)
         first.start()
         time.sleep(0.1)
-        close("second")
+        start = time.monotonic()
+        server.close()
+        second_took = time.monotonic() - start
         first.join()
-    assert ends["second"] >= ends["first"] - 0.05, ends
+    assert second_took > 0.5, second_took
