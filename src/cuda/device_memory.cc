@@ -213,6 +213,12 @@ StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromIpcHandle(
   a->ipc_ = true;
   a->device_ = local_device;
   a->ptr_ = reinterpret_cast<uint64_t>(ptr);
+  // How far the mapping reaches, from the driver, not from the peer's descriptor.
+  ASSIGN_OR_RETURN(const DriverApi* d, Driver());
+  CUdeviceptr start = 0;
+  size_t bytes = 0;
+  CU_RETURN_IF_ERROR(*d, cuMemGetAddressRange(&start, &bytes, static_cast<CUdeviceptr>(a->ptr_)));
+  a->size_ = start + bytes - a->ptr_;
   return a;
 }
 

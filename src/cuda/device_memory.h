@@ -83,6 +83,9 @@ class ImportedAllocation {
                                                               int owner_device, int local_device);
   ~ImportedAllocation();
   uint8_t* base() const { return reinterpret_cast<uint8_t*>(ptr_); }
+  // Bytes mapped from base(): the allocation's size as the driver reports it (IPC handles), or
+  // the bytes mapped (file descriptors; cuMemMap refuses more than the allocation holds).
+  uint64_t size() const { return size_; }
 
  private:
   ImportedAllocation() = default;

@@ -5,6 +5,7 @@
 
 #ifdef KVFERRY_WITH_CUDA
 #include "engine/nvlink_gpu_fixture.h"
+#include "transport/nvlink/peer_mappings.h"
 
 namespace kvferry {
 namespace {
@@ -131,6 +132,45 @@ TEST_F(NvlinkGpuTest, RangeOutsideRegisteredMemoryIsRefused) {
   std::vector<uint8_t> got(100);
   cudaMemcpy(got.data(), back_, 100, cudaMemcpyDeviceToHost);
   for (int i = 0; i < 100; ++i) EXPECT_EQ(got[i], Pattern(kRegionBytes - 100 + i));
+}
+
+TEST_F(NvlinkGpuTest, ADescriptorClaimingMoreThanTheAllocationIsRefused) {
+  // The peer's real descriptor, then copies that claim more than its allocations hold: the
+  // cudaMalloc region 64 MiB longer (its IPC mapping reaches only the allocation), and the cuMem
+  // region with twice its allocation (the driver maps no more than the allocation holds).
+  // Nothing reaching past a mapping is ever translated into a pointer.
+  auto real = engine_->GetSegmentDescriptor(segment_);
+  ASSERT_TRUE(real.ok()) << real.status().ToString();
+  PeerMappings honest(*real, nullptr, 0, "");
+  auto ok = honest.Translate(peer_.ipc_base, 4096, /*write=*/true);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  ok = honest.Translate(peer_.vmm_base + kRegionBytes - 4096, 4096, /*write=*/true);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+
+  SegmentDescriptor longer = *real;
+  SegmentDescriptor doubled = *real;
+  for (auto& r : longer.regions) {
+    if (r.base == peer_.ipc_base) r.length_bytes += 64ull << 20;
+  }
+  for (auto& r : doubled.regions) {
+    if (r.base == peer_.vmm_base) {
+      r.length_bytes *= 2;
+      r.alloc_bytes *= 2;
+    }
+  }
+  PeerMappings forged_ipc(longer, nullptr, 0, "");
+  for (uint64_t at : {peer_.ipc_base, peer_.ipc_base + kRegionBytes}) {
+    auto t = forged_ipc.Translate(at, 4096, /*write=*/true);
+    ASSERT_FALSE(t.ok()) << "translated " << at;
+    EXPECT_EQ(t.status().code(), StatusCode::kFailedPrecondition) << t.status().ToString();
+    EXPECT_NE(t.status().message().find("allocation that maps"), std::string::npos)
+        << t.status().ToString();
+  }
+  PeerMappings forged_vmm(doubled, nullptr, 0, "");
+  auto t = forged_vmm.Translate(peer_.vmm_base + kRegionBytes, 4096, /*write=*/true);
+  EXPECT_FALSE(t.ok()) << "translated past the cuMem allocation";
+  // The engine's own channel still moves bytes to the peer.
+  ASSERT_TRUE(Do(TransferOp::kRead, back_, peer_.vmm_base, 4096).ok());
 }
 
 TEST_F(NvlinkGpuTest, KilledPeerFailsTheBatchWithinDeadlineAndWeSurvive) {

@@ -28,11 +28,21 @@ const RegionDescriptor* PeerMappings::FindRegion(uint64_t addr, uint64_t length)
   return nullptr;
 }
 
+namespace {
+
+// Whether `region` lies inside the `mapped` bytes of its allocation's mapping. The descriptor
+// comes from the peer; the mapping's size from the driver.
+bool FitsMapping(const RegionDescriptor& region, uint64_t mapped) {
+  return region.alloc_offset <= mapped && region.length_bytes <= mapped - region.alloc_offset;
+}
+
+}  // namespace
+
 bool PeerMappings::FindMapped(uint64_t remote, uint64_t length, MappedRegion* c) const {
   const RegionDescriptor* region = FindRegion(remote, length);
   if (region == nullptr || region->kind != MemoryKind::kCuda) return false;
   auto it = imports_.find(region->key);
-  if (it == imports_.end()) return false;
+  if (it == imports_.end() || !FitsMapping(*region, it->second->size())) return false;
   *c = {region, it->second->base()};
   return true;
 }
@@ -45,7 +55,10 @@ StatusOr<uint8_t*> PeerMappings::Translate(uint64_t remote, uint64_t length, boo
   const RegionDescriptor* region = FindRegion(remote, length);
   if (region == nullptr && refresh_) {
     auto fresh = refresh_();
-    if (fresh.ok()) {
+    // A descriptor that could not be read again says nothing about the range: the request
+    // fails with why (a timeout, the peer gone), not as one outside registered memory.
+    if (!fresh.ok()) return fresh.status().WithContext("re-reading the peer's descriptor");
+    {
       std::unique_lock<std::shared_mutex> map_lock(mu_);
       peer_ = std::move(*fresh);
       last_region_ = {};  // pointed into the old descriptor
@@ -70,7 +83,7 @@ StatusOr<uint8_t*> PeerMappings::Translate(uint64_t remote, uint64_t length, boo
 
 StatusOr<uint8_t*> PeerMappings::Import(const RegionDescriptor& region) {
   auto it = imports_.find(region.key);
-  if (it != imports_.end()) return it->second->base();
+  if (it != imports_.end()) return Fitting(region, *it->second);
   StatusOr<std::unique_ptr<cuda::ImportedAllocation>> imported =
       UnimplementedError("region is not shareable");
   KVF_LOG_DEBUG("nvlink: mapping peer region {:x} ({} bytes on GPU {})", region.base,
@@ -96,7 +109,16 @@ StatusOr<uint8_t*> PeerMappings::Import(const RegionDescriptor& region) {
   KVF_LOG_DEBUG("nvlink: mapped peer region {:x}: handle {:.1f} ms, import and map {:.1f} ms",
                 region.base, ms(handle_at - start), ms(Clock::now() - handle_at));
   std::unique_lock<std::shared_mutex> map_lock(mu_);
-  return imports_.emplace(region.key, std::move(*imported)).first->second->base();
+  return Fitting(region, *imports_.emplace(region.key, std::move(*imported)).first->second);
+}
+
+StatusOr<uint8_t*> PeerMappings::Fitting(const RegionDescriptor& region,
+                                         const cuda::ImportedAllocation& mapping) const {
+  if (FitsMapping(region, mapping.size())) return mapping.base();
+  return FailedPreconditionError(
+      "peer " + peer_.name + " describes region " + RangeText(region.base, region.length_bytes) +
+      " at offset " + std::to_string(region.alloc_offset) + " of an allocation that maps " +
+      std::to_string(mapping.size()) + " bytes: refused, nothing moved");
 }
 
 bool PeerMappings::ImportNext() {
