@@ -10,8 +10,10 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "common/auth.h"
 
@@ -129,6 +131,30 @@ TEST_F(FdPassingTest, WrongOrReflectedProofGetsNoAnswer) {
   EXPECT_EQ(status, 0);
   ::close(c);
   EXPECT_EQ(provided_.load(), 1);
+}
+
+// A client that connects and sends a byte now and then, never finishing its request, holds
+// the server (one connection at a time) for at most its 2 s: a real request made meanwhile is
+// answered, not starved until its own time runs out.
+TEST_F(FdPassingTest, ATricklingClientHoldsTheServerOnlyForItsTime) {
+  int slow = Connect();
+  std::atomic<bool> stop{false};
+  std::thread trickler([&] {
+    while (!stop.load()) {
+      if (::send(slow, "x", 1, MSG_NOSIGNAL) != 1) return;  // cut off
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the server holds it now
+  const auto start = std::chrono::steady_clock::now();
+  auto fd = RequestFd(name_, 42, kSecret);
+  const auto took = std::chrono::steady_clock::now() - start;
+  stop.store(true);
+  trickler.join();
+  ::close(slow);
+  ASSERT_TRUE(fd.ok()) << fd.status().ToString();
+  ::close(*fd);
+  EXPECT_LT(took, std::chrono::milliseconds(4000));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -25,10 +26,30 @@ socklen_t AbstractAddress(const std::string& name, sockaddr_un* addr) {
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
 }
 
-bool ReadAll(int fd, void* buf, size_t n) {
+using Clock = std::chrono::steady_clock;
+
+// Waits until `fd` is ready for `events` or `deadline` passed; false on the deadline or an
+// error.
+bool WaitReady(int fd, short events, Clock::time_point deadline) {
+  while (true) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) return false;
+  }
+}
+
+// Reads exactly n bytes before `deadline` (the whole exchange's, not one read's: a peer that
+// trickles bytes cannot stretch it).
+bool ReadAll(int fd, void* buf, size_t n, Clock::time_point deadline) {
   auto* p = static_cast<uint8_t*>(buf);
   while (n > 0) {
-    ssize_t r = ::read(fd, p, n);
+    if (!WaitReady(fd, POLLIN, deadline)) return false;
+    ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     if (r <= 0) return false;
     p += r;
     n -= static_cast<size_t>(r);
@@ -36,16 +57,23 @@ bool ReadAll(int fd, void* buf, size_t n) {
   return true;
 }
 
-bool WriteAll(int fd, const void* buf, size_t n) {
+bool WriteAll(int fd, const void* buf, size_t n, Clock::time_point deadline) {
   const auto* p = static_cast<const uint8_t*>(buf);
   while (n > 0) {
-    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (!WaitReady(fd, POLLOUT, deadline)) return false;
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     if (w <= 0) return false;
     p += w;
     n -= static_cast<size_t>(w);
   }
   return true;
 }
+
+// How long the server gives one connection for its whole exchange, and the client its request
+// (connecting included).
+constexpr std::chrono::seconds kServeTime{2};
+constexpr std::chrono::seconds kRequestTime{5};
 
 // The client's opening: its nonce, then the key.
 constexpr size_t kRequestBytes = kAuthNonceBytes + 8;
@@ -88,10 +116,9 @@ void FdServer::Loop() {
     if (::poll(&p, 1, 100) <= 0) continue;
     int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (c < 0) continue;
-    timeval tv{2, 0};
-    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ::setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-    const std::string refused = Serve(c);
+    // One connection at a time, each with kServeTime for all of it: a client that connects
+    // and trickles bytes holds the server no longer than that.
+    const std::string refused = Serve(c, Clock::now() + kServeTime);
     if (uint64_t dropped = 0; !refused.empty() && refused_log_.Allow(&dropped)) {
       KVF_LOG_WARN(
           "fd server '{}': refused a request: {}{}", name_, refused,
@@ -101,9 +128,9 @@ void FdServer::Loop() {
   }
 }
 
-std::string FdServer::Serve(int c) {
+std::string FdServer::Serve(int c, std::chrono::steady_clock::time_point deadline) {
   std::array<uint8_t, kRequestBytes> request;
-  if (!ReadAll(c, request.data(), request.size())) return "";  // went away: nothing to tell
+  if (!ReadAll(c, request.data(), request.size(), deadline)) return "";  // went away or too slow
   AuthNonce client_nonce;
   std::copy(request.begin(), request.begin() + kAuthNonceBytes, client_nonce.begin());
   uint64_t key = 0;
@@ -115,9 +142,9 @@ std::string FdServer::Serve(int c) {
   std::array<uint8_t, kChallengeBytes> challenge;
   std::copy(server_nonce->begin(), server_nonce->end(), challenge.begin());
   std::copy(server_proof.begin(), server_proof.end(), challenge.begin() + kAuthNonceBytes);
-  if (!WriteAll(c, challenge.data(), challenge.size())) return "";
+  if (!WriteAll(c, challenge.data(), challenge.size(), deadline)) return "";
   AuthProof client_proof;
-  if (!ReadAll(c, client_proof.data(), client_proof.size())) return "";
+  if (!ReadAll(c, client_proof.data(), client_proof.size(), deadline)) return "";
   const AuthProof want = HandshakeProof(auth_secret_, AuthContext::kFdSocket, AuthRole::kClient,
                                         client_nonce, *server_nonce);
   if (!ProofMatches(client_proof, want)) return "wrong proof of the shared secret";
@@ -142,7 +169,7 @@ std::string FdServer::Serve(int c) {
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     std::memcpy(CMSG_DATA(cm), &*fd, sizeof(int));
   }
-  (void)!::sendmsg(c, &msg, MSG_NOSIGNAL);
+  if (WaitReady(c, POLLOUT, deadline)) (void)!::sendmsg(c, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (fd.ok()) ::close(*fd);
   return "";
 }
@@ -153,22 +180,24 @@ StatusOr<int> RequestFd(const std::string& name, uint64_t key, const std::string
   std::unique_ptr<int, void (*)(int*)> guard(&c, [](int* f) { ::close(*f); });
   sockaddr_un addr;
   socklen_t len = AbstractAddress(name, &addr);
+  const Clock::time_point deadline = Clock::now() + kRequestTime;
+  // Before connect: a Unix socket's connect waits while the server's backlog is full, for up
+  // to the send timeout (without one, for ever).
+  timeval tv{kRequestTime.count(), 0};
+  ::setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   if (::connect(c, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     return UnavailableError("cannot reach fd server '" + name + "': " + strerror(errno));
   }
-  timeval tv{5, 0};
-  ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  ::setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   auto client_nonce = RandomAuthNonce();
   if (!client_nonce.ok()) return client_nonce.status();
   std::array<uint8_t, kRequestBytes> request;
   std::copy(client_nonce->begin(), client_nonce->end(), request.begin());
   for (int i = 0; i < 8; ++i) request[kAuthNonceBytes + i] = static_cast<uint8_t>(key >> (8 * i));
-  if (!WriteAll(c, request.data(), request.size())) {
+  if (!WriteAll(c, request.data(), request.size(), deadline)) {
     return UnavailableError("fd request to '" + name + "' failed to send");
   }
   std::array<uint8_t, kChallengeBytes> challenge;
-  if (!ReadAll(c, challenge.data(), challenge.size())) {
+  if (!ReadAll(c, challenge.data(), challenge.size(), deadline)) {
     return UnavailableError("fd server '" + name + "' sent no challenge");
   }
   AuthNonce server_nonce;
@@ -181,7 +210,7 @@ StatusOr<int> RequestFd(const std::string& name, uint64_t key, const std::string
   }
   const AuthProof client_proof = HandshakeProof(auth_secret, AuthContext::kFdSocket,
                                                 AuthRole::kClient, *client_nonce, server_nonce);
-  if (!WriteAll(c, client_proof.data(), client_proof.size())) {
+  if (!WriteAll(c, client_proof.data(), client_proof.size(), deadline)) {
     return UnavailableError("fd request to '" + name + "' failed to send its proof");
   }
   uint8_t status = 1;
@@ -192,7 +221,8 @@ StatusOr<int> RequestFd(const std::string& name, uint64_t key, const std::string
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
-  const ssize_t got = ::recvmsg(c, &msg, MSG_CMSG_CLOEXEC);
+  const ssize_t got =
+      WaitReady(c, POLLIN, deadline) ? ::recvmsg(c, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT) : -1;
   if (got != 1) return UnavailableError("fd server '" + name + "' did not answer");
   cmsghdr* cm = CMSG_FIRSTHDR(&msg);
   int fd = -1;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -38,8 +39,9 @@ class FdServer {
  private:
   FdServer() = default;
   void Loop();
-  // Runs one request on the accepted connection `c`; returns why it was refused, or "".
-  std::string Serve(int c);
+  // Runs one request on the accepted connection `c`, all of it before `deadline`; returns
+  // why it was refused, or "".
+  std::string Serve(int c, std::chrono::steady_clock::time_point deadline);
   std::string name_;
   std::string auth_secret_;
   Provider provider_;
@@ -50,8 +52,10 @@ class FdServer {
 };
 
 // Asks the server `name` for the descriptor of `key`, proving `auth_secret` (empty: none).
-// Errors: kUnavailable (no server, no answer), kPermissionDenied (the server did not prove the
-// secret), kNotFound (the server refused the key).
+// Blocks up to 5 s in all (connecting included). The server serves one connection at a time and
+// gives each 2 s for the whole exchange.
+// Errors: kUnavailable (no server, no answer in time), kPermissionDenied (the server did not
+// prove the secret), kNotFound (the server refused the key).
 StatusOr<int> RequestFd(const std::string& name, uint64_t key, const std::string& auth_secret);
 
 }  // namespace kvferry
