@@ -73,14 +73,18 @@ void ItemPath::Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
   if (accepted.empty()) return;
   cudaStream_t stream = stream_.get();
   size_t next_engine_item = 0;  // copy-engine copies are issued in item order
+  // An item's tiles may span launches and it completes with the last of them: once a launch
+  // failed, every later one fails with it and launches nothing, so no item whose earlier tiles
+  // were not copied is reported copied.
+  Status failed;
   for (const LaunchPlan& plan : PlanLaunches(item_tiles, kSlotTiles)) {
     Flight flight;
-    Status status;
+    Status status = failed;
     // Copy-engine blocks of the items this launch completes (and any before them).
     const size_t last_item = plan.items.empty() ? next_engine_item : plan.items.back() + 1;
     for (; next_engine_item < last_item; ++next_engine_item) {
       const EngineCopy& c = engine_copy[next_engine_item];
-      if (c.len == 0) continue;
+      if (c.len == 0 || !status.ok()) continue;
       cudaError_t e =
           cudaMemcpyAsync(reinterpret_cast<void*>(c.dst), reinterpret_cast<const void*>(c.src),
                           c.len, cudaMemcpyDefault, stream);
@@ -117,6 +121,7 @@ void ItemPath::Dispatch(std::vector<std::shared_ptr<WorkItem>>& batch) {
       for (int slot : flight.slots) slots_[slot].busy = false;
       free_events_.Give(flight.event);
       CompleteAll(flight.items, status);
+      failed = status;
       continue;
     }
     inflight_.push_back(std::move(flight));

@@ -3,7 +3,9 @@
 // stream of its own. Small blocks become tiles of the batched copy kernel (tables too long for
 // the launch parameters go through one of kTableSlots table slots, pinned and mirrored on the
 // device), large ones go to the copy engine; each launch (a flight) completes its items once
-// its event completed. Owns that stream, the slots and the flights' events.
+// its event completed. After a launch of a dispatch failed, the rest of that dispatch fails
+// with it (an item whose tiles span launches completes with the last). Owns that stream, the slots
+// and the flights' events.
 //
 // Thread-safety: none; the progress thread only (Init before it starts).
 #pragma once
