@@ -73,7 +73,8 @@ struct EngineOptions {
   // only). Of a submission's blocks that may use the copy engine, it takes those with the longest
   // rows and the kernel the rest, both copying at once, in shares sized to end together (the copy
   // engine's cost per row against the kernel's per byte; src/transport/nvlink/engine_split.h).
-  // Copies queued behind a start event (layerwise) always use the kernel.
+  // Copies queued behind a start event (layerwise) always use the kernel, and so do, with 0,
+  // requests that go one by one (the item path: what the bulk path cannot take).
   uint64_t nvlink_copy_engine_threshold_bytes = 0;
   // NVLink: the shortest row of a strided request that the copy engine may take (with all its
   // rows in one 2D copy); requests with shorter rows go to the copy kernel. The copy engine
@@ -329,6 +330,11 @@ class TransferEngine {
   // it finished and until this engine's batches whose local side lies in it are final (their
   // deadlines bound the wait), so the memory may be freed once it returns. Not from an engine
   // callback while such a batch is pending: that thread may be the one to finish it.
+  // Peers reaching GPU memory over NVLink are the exception: they copy through their own
+  // mapping of the allocation, which this call does not revoke, and they learn of the
+  // unregistration only when they next re-read this engine's descriptor (on a range they do
+  // not find). Before GPU memory is freed or reused, close those peers' segments to this
+  // engine (or stop their transfers); docs/security.md, "NVLink peers".
   // Errors: kNotFound.
   virtual Status UnregisterMemory(void* addr) = 0;
 

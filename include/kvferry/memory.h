@@ -3,7 +3,11 @@
 // A region is a contiguous range of host or device memory registered with a TransferEngine.
 // Only bytes inside a region registered with the matching remote access flag may be the
 // target of a peer's WRITE or the source of a peer's READ; the serving engine checks every
-// incoming request against its registry, so a peer can never touch other memory.
+// incoming request against its registry (TCP, UCX active messages), and UCX keys exist only for
+// registered regions, so a peer can never touch other memory. Over NVLink the initiator copies
+// through its own mapping of the whole allocation and checks requests against the peer's
+// descriptor itself: an engine that passed the handshake and runs modified code can reach the
+// rest of that allocation (docs/security.md, "NVLink peers").
 //
 // Thread-safety: plain value types.
 #pragma once

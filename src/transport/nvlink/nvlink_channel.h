@@ -60,8 +60,9 @@ struct NvlinkChannelOptions {
 // True when this build has CUDA and a device is present.
 bool NvlinkAvailable();
 
-// Errors: kUnimplemented (no CUDA in this build), kFailedPrecondition (no device, no peer
-// access between the devices).
+// Errors: kUnimplemented (no CUDA in this build), kFailedPrecondition (no such device), and
+// CUDA's own errors setting up streams and tables. Access to the peer's GPU is not checked
+// here: a mapping that fails is reported by the first transfer that needs it.
 StatusOr<std::unique_ptr<PeerChannel>> CreateNvlinkChannel(const NvlinkChannelOptions& options);
 
 }  // namespace kvferry
