@@ -218,6 +218,9 @@ StatusOr<std::unique_ptr<ImportedAllocation>> ImportedAllocation::FromIpcHandle(
   CUdeviceptr start = 0;
   size_t bytes = 0;
   CU_RETURN_IF_ERROR(*d, cuMemGetAddressRange(&start, &bytes, static_cast<CUdeviceptr>(a->ptr_)));
+  if (start > a->ptr_ || a->ptr_ - start >= bytes) {
+    return InternalError("the driver's range of an opened CUDA IPC handle does not hold it");
+  }
   a->size_ = start + bytes - a->ptr_;
   return a;
 }

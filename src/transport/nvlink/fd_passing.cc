@@ -74,6 +74,8 @@ bool WriteAll(int fd, const void* buf, size_t n, Clock::time_point deadline) {
 // (connecting included).
 constexpr std::chrono::seconds kServeTime{2};
 constexpr std::chrono::seconds kRequestTime{5};
+// What the server's answer may take after the provider ran, whatever is left of kServeTime.
+constexpr std::chrono::milliseconds kAnswerTime{500};
 
 // The client's opening: its nonce, then the key.
 constexpr size_t kRequestBytes = kAuthNonceBytes + 8;
@@ -169,7 +171,10 @@ std::string FdServer::Serve(int c, std::chrono::steady_clock::time_point deadlin
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     std::memcpy(CMSG_DATA(cm), &*fd, sizeof(int));
   }
-  if (WaitReady(c, POLLOUT, deadline)) (void)!::sendmsg(c, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+  // The answer gets a short time of its own: a provider that ran long (the driver, the
+  // registry's lock) must not cost the client an answer it is waiting for.
+  const Clock::time_point answer_by = std::max(deadline, Clock::now() + kAnswerTime);
+  if (WaitReady(c, POLLOUT, answer_by)) (void)!::sendmsg(c, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (fd.ok()) ::close(*fd);
   return "";
 }
