@@ -36,7 +36,7 @@ bool WaitReady(int fd, short events, Clock::time_point deadline) {
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) return false;
     pollfd p{fd, events, 0};
-    const int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+    const int r = ::poll(&p, 1, static_cast<int>(left));  // left <= kRequestTime
     if (r > 0) return true;
     if (r < 0 && errno != EINTR) return false;
   }
