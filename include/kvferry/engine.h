@@ -342,7 +342,15 @@ class TransferEngine {
   virtual SegmentDescriptor LocalDescriptor() const = 0;
 
   // Opens a peer segment by "host:port": connects and exchanges descriptors (blocks up to
-  // connect_timeout). Opening the same address twice returns the same handle.
+  // connect_timeout). A segment reaches one process (SegmentDescriptor::incarnation): each
+  // later connection to the address checks that it reached the same one, and once one reached
+  // another (the peer restarted there), every request through the segment fails with
+  // kUnavailable ("peer ... restarted") and nothing more is sent, on any transport. Opening an
+  // address again returns the same handle while it reaches the same process; after a
+  // connection of the segment failed, that is checked first (a DESCRIBE: up to
+  // connect_timeout), and when a new process answers, the old segment is closed (its handle
+  // then gives kNotFound) and a new one opened: its mappings of the old process's GPU memory
+  // go with the old segment's last batch.
   // Errors: kInvalidArgument (malformed address), kUnavailable (unreachable, handshake
   // refused: version or magic mismatch), kPermissionDenied (the peer did not prove this
   // engine's auth secret).

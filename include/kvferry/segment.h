@@ -21,8 +21,9 @@ namespace kvferry {
 // 4: descriptors carry the UCX worker addresses (one per lane) and each region's packed UCX rkey;
 // 5: large UCX rows travel as active messages (transport/ucx/ucx_am.h), which an engine of
 // version 4 cannot serve; 6: a UCX target answers them with a reply endpoint, which the
-// initiator checks (version 5 answers lack one and would be dropped).
-inline constexpr uint16_t kProtocolVersion = 6;
+// initiator checks (version 5 answers lack one and would be dropped); 7: descriptors carry the
+// engine's incarnation, which a reconnecting client checks.
+inline constexpr uint16_t kProtocolVersion = 7;
 
 struct SegmentDescriptor {
   std::string name;  // engine name, unique per process group (e.g. "prefill-0")
@@ -30,6 +31,10 @@ struct SegmentDescriptor {
   uint16_t port = 0;
   std::string node_id;  // identifies the host machine (engines on one node share it)
   uint32_t pid = 0;
+  // Random and nonzero, drawn once per engine instance: a process restarted at the same address
+  // (even with the same name and pid, as in a container) has another, so that a segment opened
+  // to the old one never reaches it (TransferEngine::OpenSegment).
+  uint64_t incarnation = 0;
   std::vector<std::string> transports;  // e.g. {"tcp", "nvlink"}
   std::string ipc_socket;  // abstract Unix socket serving device-memory file descriptors
   // The engine's UCX worker addresses (opaque bytes from UCX), one per UCX lane (worker with

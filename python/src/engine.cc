@@ -90,6 +90,7 @@ py::dict DescriptorDict(const SegmentDescriptor& d) {
   out["port"] = d.port;
   out["node_id"] = d.node_id;
   out["pid"] = d.pid;
+  out["incarnation"] = d.incarnation;
   out["transports"] = d.transports;
   out["regions"] = std::move(regions);
   return out;

@@ -40,7 +40,7 @@ UnavailableError (the port cannot be bound).)";
 
 inline constexpr const char* kLocalDescriptorDoc =
     R"(This engine's segment descriptor as a dict: name, address, host, port, node_id, pid,
-transports, and regions (list of dicts: address, length_bytes, device (None for host memory),
+incarnation (random per engine instance, int), transports, and regions (list of dicts: address, length_bytes, device (None for host memory),
 access) that peers may access.)";
 
 inline constexpr const char* kMetricsDoc =

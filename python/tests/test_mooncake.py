@@ -361,8 +361,9 @@ def test_killed_peer_fails_within_timeout_and_restarts_under_its_name(prefill, p
     assert prefill.engine.batch_transfer_sync_write(session, src, dst, lengths) == -1
     assert time.monotonic() - start < 5  # MC_TRANSFER_TIMEOUT
     if impl.is_kvferry:
-        # The failure dropped the cached segment. (kvferry's TCP lanes would reach a restarted
-        # peer anyway; a segment opened afresh also gets fresh NVLink channels and mappings.)
+        # The failure dropped the cached segment. (The old segment would refuse a restarted
+        # peer anyway: each new connection checks the engine's incarnation. A segment opened
+        # afresh also gets fresh NVLink channels and mappings.)
         assert session not in prefill.engine._segments
     assert prefill.engine.send_probe(session) < 0  # -1 from kvferry, -102 from Mooncake
 

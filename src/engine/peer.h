@@ -7,6 +7,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -35,6 +36,9 @@ class Peer {
                                              StatusOr<Transport*>(nullptr)};
   // Re-reads the peer's descriptor (handed to channels that map the peer's memory).
   std::function<StatusOr<SegmentDescriptor>()> refresh;
+  // control->lane_failures() when the engine last checked that the peer is the process it
+  // opened (OpenSegment).
+  std::atomic<uint64_t> lane_failures_seen{0};
 
   // The channel for local memory of `kind` on `device` (-1: host memory), opened through its
   // route on first use. Errors: the route's, the transport's OpenChannel error (nothing is

@@ -73,6 +73,9 @@ class EngineImpl : public TransferEngine {
     node_id_ = LocalNodeId();
     std::random_device rd;
     key_rng_.seed((static_cast<uint64_t>(rd()) << 32) ^ rd());
+    do {
+      incarnation_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    } while (incarnation_ == 0);
     TransportSetOptions t;
     t.transport = options_.transport;
     t.tcp.listen_host = options_.listen_host;
@@ -184,6 +187,7 @@ class EngineImpl : public TransferEngine {
     d.port = listen_port_;
     d.node_id = node_id_;
     d.pid = static_cast<uint32_t>(::getpid());
+    d.incarnation = incarnation_;
     {
       std::lock_guard<std::mutex> lock(describe_mu_);
       d.transports = self_transports_.transports;
@@ -201,12 +205,23 @@ class EngineImpl : public TransferEngine {
   StatusOr<SegmentHandle> OpenSegment(const std::string& address) override {
     RETURN_IF_ERROR(ParseHostPort(address, "peer address").status());
     std::lock_guard<std::mutex> open_lock(open_mu_);  // one handshake per address at a time
+    std::shared_ptr<Peer> cached;
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
       auto it = peer_by_address_.find(address);
-      if (it != peer_by_address_.end() && peers_.count(it->second)) {
-        return SegmentHandle{it->second};
+      if (it != peer_by_address_.end()) {
+        auto p = peers_.find(it->second);
+        if (p != peers_.end()) cached = p->second;
       }
+    }
+    if (cached != nullptr) {
+      if (StillReaches(*cached)) return SegmentHandle{cached->id};
+      // A new process answers there: the old segment closes (its requests fail kNotFound);
+      // its channels and their mappings of the old process's memory go with its last batch.
+      KVF_LOG_INFO("engine: {}; closing segment {} and opening a new one",
+                   cached->control->restart_status().message(), cached->id);
+      Status closed = CloseSegment(SegmentHandle{cached->id});
+      if (!closed.ok() && closed.code() != StatusCode::kNotFound) return closed;
     }
     SegmentDescriptor self = LocalDescriptor();
     self.regions.clear();  // peers ask with DESCRIBE when they need ours
@@ -226,6 +241,19 @@ class EngineImpl : public TransferEngine {
     peer_by_address_[address] = peer->id;
     segments_open_.fetch_add(1, std::memory_order_relaxed);
     return SegmentHandle{peer->id};
+  }
+
+  // Whether `peer` still reaches the process it was opened to. After a connection of its
+  // control channel failed since the last look (the process may have gone), a DESCRIBE
+  // connects again, and the new connection's handshake tells (tcp::PeerIdentity). Blocks up to
+  // connect_timeout then; a peer that does not answer counts as the same process.
+  bool StillReaches(Peer& peer) {
+    const uint64_t failures = peer.control->lane_failures();
+    if (!peer.control->restarted() &&
+        failures != peer.lane_failures_seen.exchange(failures, std::memory_order_relaxed)) {
+      (void)tcp::TcpTransport::FetchDescriptor(*peer.control, options_.connect_timeout);
+    }
+    return !peer.control->restarted();
   }
 
   Status PrepareTransfers(SegmentHandle segment, const void* local_addr) override {
@@ -330,6 +358,11 @@ class EngineImpl : public TransferEngine {
           auto it = peers_.find(r.segment.value);
           if (it == peers_.end()) {
             return NotFoundError(where(i) + "unknown segment " + std::to_string(r.segment.value));
+          }
+          // Over NVLink and UCX nothing else would notice a new process at the address.
+          if (it->second->control->restarted()) {
+            return it->second->control->restart_status().WithContext("request " +
+                                                                     std::to_string(i));
           }
           peer = it->second.get();
           peer_segment = r.segment;
@@ -665,7 +698,8 @@ class EngineImpl : public TransferEngine {
 
   EngineOptions options_;
   std::string node_id_;
-  MemoryRegistry registry_;  // outlives transports_, whose serving sides check it
+  uint64_t incarnation_ = 0;  // SegmentDescriptor::incarnation: set in Init, read-only after
+  MemoryRegistry registry_;   // outlives transports_, whose serving sides check it
   std::unique_ptr<TransportSet> transports_;
   // Atomic: the TCP server's threads read it (LocalDescriptor) from the moment it listens.
   std::atomic<uint16_t> listen_port_{0};  // readable while transports_ is being destroyed

@@ -1,8 +1,10 @@
 // The fault-injection wrapper (kvferry/faults.h) on real engines over loopback TCP: each
 // fault does what the plan says to the requests it selects, every batch ends within its
-// deadline with the fault's code, and no fault is reported as success.
+// deadline with the fault's code, and no fault is reported as success. Also a peer that
+// restarts at its address: nothing of the old segment reaches the new process.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -413,6 +415,121 @@ TEST_F(FaultTest, MixedFaultsNeverReportAFailedRequestAsDone) {
   EXPECT_GT(failed, 0);
   EXPECT_EQ(stats_->seen.load(), kBatches * 4u);
   EXPECT_GT(stats_->dropped.load() + stats_->failed.load(), 0u);
+}
+
+// A peer engine that goes and a new one that takes its port, registering the same memory at
+// the same addresses: what a restarted decode rank looks like from prefill (a forked server
+// often maps its pools where the last one did). The client's segment to the first must not
+// write into the second.
+class PeerRestartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    region_.assign(kRegionBytes, 0x5a);
+    source_.resize(kRegionBytes);
+    for (size_t i = 0; i < source_.size(); ++i) source_[i] = static_cast<uint8_t>(i * 7 + 1);
+    StartServer(0);
+    address_ = server_->LocalDescriptor().Address();
+    auto client = TransferEngine::Create(EngineOptions{.name = "restart-client"});
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    client_ = std::move(*client);
+    ASSERT_TRUE(
+        client_->RegisterMemory(source_.data(), source_.size(), MemoryLocation{}, kAccessNone)
+            .ok());
+    auto seg = client_->OpenSegment(address_);
+    ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+    segment_ = *seg;
+  }
+
+  // A server named like every incarnation of it, on `port` (0: any).
+  void StartServer(uint16_t port) {
+    EngineOptions o;
+    o.name = "restart-server";
+    o.listen_port = port;
+    auto server = TransferEngine::Create(o);
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(*server);
+    ASSERT_TRUE(server_
+                    ->RegisterMemory(region_.data(), region_.size(), MemoryLocation{},
+                                     kAccessRemoteReadWrite)
+                    .ok());
+  }
+
+  void Restart() {
+    const uint16_t port = server_->LocalDescriptor().port;
+    server_.reset();
+    region_.assign(kRegionBytes, 0x5a);
+    StartServer(port);
+    ASSERT_EQ(server_->LocalDescriptor().Address(), address_);
+  }
+
+  Status Write(SegmentHandle segment, uint64_t offset, uint64_t length) {
+    TransferRequest r{TransferOp::kWrite, source_.data() + offset, segment,
+                      reinterpret_cast<uint64_t>(region_.data()) + offset, length};
+    BatchOptions o;
+    o.deadline = milliseconds(5000);
+    return TransferSync(*client_, std::span(&r, 1), o);
+  }
+
+  bool RegionUntouched() const {
+    return std::all_of(region_.begin(), region_.end(), [](uint8_t b) { return b == 0x5a; });
+  }
+
+  std::vector<uint8_t> region_, source_;
+  std::unique_ptr<TransferEngine> server_, client_;
+  std::string address_;
+  SegmentHandle segment_;
+};
+
+TEST_F(PeerRestartTest, TheOldSegmentWritesNothingIntoTheNewProcess) {
+  ASSERT_TRUE(Write(segment_, 0, 4096).ok());
+  Restart();
+  // A request reconnects and finds another engine there (one sent before the client saw the
+  // old connection close fails with it); from then on requests are refused at submission,
+  // over every transport.
+  Status s;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    s = Write(segment_, 0, 64 << 10);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  }
+  EXPECT_NE(s.message().find("restarted"), std::string::npos) << s.ToString();
+  EXPECT_FALSE(client_->SendNotification(segment_, "stale", milliseconds(2000)).ok());
+  EXPECT_TRUE(RegionUntouched());
+  // Opening the address again gives a segment to the new engine; the old handle is closed.
+  auto fresh = client_->OpenSegment(address_);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  EXPECT_NE(fresh->value, segment_.value);
+  EXPECT_EQ(Write(segment_, 0, 4096).code(), StatusCode::kNotFound);
+  auto desc = client_->GetSegmentDescriptor(*fresh);
+  ASSERT_TRUE(desc.ok());
+  EXPECT_EQ(desc->incarnation, server_->LocalDescriptor().incarnation);
+  ASSERT_TRUE(Write(*fresh, 0, 64 << 10).ok());
+  EXPECT_EQ(std::memcmp(region_.data(), source_.data(), 64 << 10), 0);
+}
+
+TEST_F(PeerRestartTest, OpeningTheAddressAgainNoticesARestartBeforeAnyRequest) {
+  const uint64_t first = server_->LocalDescriptor().incarnation;
+  auto again = client_->OpenSegment(address_);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->value, segment_.value);  // same process: same segment, no new handshake
+  Restart();
+  EXPECT_NE(server_->LocalDescriptor().incarnation, first);
+  // The control connection sees the old engine close its end; until then the address still
+  // counts as the old process.
+  SegmentHandle fresh = segment_;
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (fresh.value == segment_.value && Clock::now() < until) {
+    auto seg = client_->OpenSegment(address_);
+    ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+    fresh = *seg;
+    if (fresh.value == segment_.value) std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_NE(fresh.value, segment_.value) << "the restart was not noticed within 5 s";
+  EXPECT_EQ(Write(segment_, 0, 4096).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(Write(fresh, 0, 4096).ok());
+  EXPECT_EQ(std::memcmp(region_.data(), source_.data(), 4096), 0);
+  auto same = client_->OpenSegment(address_);
+  ASSERT_TRUE(same.ok());
+  EXPECT_EQ(same->value, fresh.value);
 }
 
 }  // namespace

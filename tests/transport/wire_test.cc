@@ -14,6 +14,7 @@ SegmentDescriptor Sample() {
   d.port = 17000;
   d.node_id = "node/abc";
   d.pid = 42;
+  d.incarnation = 0x0123456789abcdefULL;
   d.transports = {"tcp", "nvlink"};
   d.ipc_socket = "kvferry-fd-42";
   d.regions = {{0x1000, 4096, MemoryKind::kHost, -1, kAccessRemoteReadWrite, 7},

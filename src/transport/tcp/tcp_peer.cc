@@ -1,5 +1,6 @@
 #include "transport/tcp/tcp_peer.h"
 
+#include <fmt/format.h>
 #include <linux/sockios.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -29,7 +30,8 @@ enum TcpStage : uint8_t {
 // One connection with its two threads. Items move queue_ -> inflight_ -> completed.
 class TcpLane : public std::enable_shared_from_this<TcpLane> {
  public:
-  TcpLane(const TcpPeerOptions& options, int index) : options_(options), index_(index) {}
+  TcpLane(const TcpPeerOptions& options, PeerIdentity& identity, int index)
+      : options_(options), identity_(identity), index_(index) {}
   ~TcpLane() { Join(); }
 
   // Starts the lane on an already connected socket, or connects first (in the sender thread).
@@ -89,6 +91,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
       if (broken_) return;
       broken_ = true;
       reason_ = why;
+      identity_.CountLaneFailure();
       cv_.notify_all();
       // Under the lock: ThreadExit marks the socket closed before closing it, so the number
       // cannot belong to another socket by now. This also ends a connect or handshake in
@@ -133,7 +136,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   void SenderMain() {
     if (connect_first_) {
       Status s = broken_reason();  // failed before it began
-      SegmentDescriptor ignored;
+      SegmentDescriptor reached;
       if (s.ok()) {
         // Opens and closes the socket under mu_, where Fail shuts it down, and not at all
         // once Fail ran: no shutdown can reach a closed number, and no connect outlives Fail.
@@ -144,7 +147,8 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
           return true;
         };
         s = ConnectAndHello(*socket_, options_.address, options_.self, options_.auth_secret,
-                            options_.connect_timeout, options_.max_body_bytes, &ignored, guard);
+                            options_.connect_timeout, options_.max_body_bytes, &reached, guard);
+        if (s.ok()) s = identity_.Check(reached);
       }
       if (!s.ok()) {
         Fail(s);
@@ -475,6 +479,7 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   }
 
   const TcpPeerOptions& options_;
+  PeerIdentity& identity_;  // the TcpPeer's, which joins its lanes before it goes
   const int index_;
   // Set by Start, before the lane's threads run; not reassigned after.
   bool connect_first_ = false;
@@ -507,6 +512,30 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   std::atomic<int> threads_returned_{0};  // of those, returned from SenderMain / ReceiverMain
 };
 
+void PeerIdentity::Set(const SegmentDescriptor& first) {
+  name_ = first.name;
+  incarnation_ = first.incarnation;
+}
+
+Status PeerIdentity::Check(const SegmentDescriptor& now) {
+  if (now.incarnation == incarnation_ && now.name == name_) return OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!restarted_.load(std::memory_order_relaxed)) {
+    restart_ = UnavailableError(fmt::format(
+        "peer {} restarted: the segment was opened to engine '{}' (incarnation {:016x}), and the "
+        "address now reaches engine '{}' (pid {}, incarnation {:016x}); nothing is sent to it "
+        "through this segment: open the segment again",
+        address_, name_, incarnation_, now.name, now.pid, now.incarnation));
+    restarted_.store(true, std::memory_order_release);
+  }
+  return restart_;
+}
+
+Status PeerIdentity::restart_status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return restart_;
+}
+
 StatusOr<std::unique_ptr<TcpPeer>> TcpPeer::Create(const TcpPeerOptions& options) {
   if (options.num_lanes < 1 || options.num_lanes > 64) {
     return InvalidArgumentError("TCP lanes per peer must be in 1..64, got " +
@@ -518,8 +547,9 @@ StatusOr<std::unique_ptr<TcpPeer>> TcpPeer::Create(const TcpPeerOptions& options
   RETURN_IF_ERROR(ConnectAndHello(*socket, options.address, options.self, options.auth_secret,
                                   options.connect_timeout, options.max_body_bytes,
                                   &peer->descriptor_));
+  peer->identity_.Set(peer->descriptor_);
   peer->lanes_.resize(static_cast<size_t>(options.num_lanes));
-  auto lane = std::make_shared<TcpLane>(peer->options_, 0);
+  auto lane = std::make_shared<TcpLane>(peer->options_, peer->identity_, 0);
   lane->Start(std::move(io), std::move(socket));
   peer->lanes_[0] = std::move(lane);
   return peer;
@@ -565,7 +595,7 @@ std::shared_ptr<TcpLane> TcpPeer::PickLane(std::vector<std::shared_ptr<TcpLane>>
     }
   }
   if (free_slot >= 0 && (best == nullptr || best_bytes > 0)) {
-    auto lane = std::make_shared<TcpLane>(options_, free_slot);
+    auto lane = std::make_shared<TcpLane>(options_, identity_, free_slot);
     lane->Start(nullptr, nullptr);
     lanes_[static_cast<size_t>(free_slot)] = lane;
     return lane;
@@ -592,6 +622,10 @@ void TcpPeer::SubmitOne(std::shared_ptr<WorkItem> item, bool allow_inline) {
   reaped.clear();
   if (lane == nullptr) {
     item->Complete(UnavailableError("segment " + options_.address + " is closed"));
+    return;
+  }
+  if (identity_.restarted()) {
+    item->Complete(identity_.restart_status());
     return;
   }
   lane->Enqueue(std::move(item), allow_inline);

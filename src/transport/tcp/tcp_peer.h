@@ -11,6 +11,7 @@
 #pragma once
 
 #include <asio.hpp>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -37,6 +38,36 @@ struct TcpPeerOptions {
 
 class TcpLane;
 
+// The process a TcpPeer's first connection reached (its descriptor's name and incarnation),
+// which every connection made later must reach again: a peer that restarted at the same
+// address is another process, with other memory at the addresses the caller holds, and a
+// segment opened to the old one must not write into it. Also counts lane failures, so that
+// the engine knows when to look again (TransferEngine::OpenSegment).
+//
+// Thread-safety: thread-safe.
+class PeerIdentity {
+ public:
+  explicit PeerIdentity(std::string address) : address_(std::move(address)) {}
+  void Set(const SegmentDescriptor& first);
+  // OK when `now` (a later handshake's descriptor) is the process Set saw; else kUnavailable
+  // naming both, and the peer counts as restarted from then on.
+  Status Check(const SegmentDescriptor& now);
+  bool restarted() const { return restarted_.load(std::memory_order_acquire); }
+  // Why every request fails once restarted() (kUnavailable); OK before.
+  Status restart_status() const;
+  void CountLaneFailure() { lane_failures_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t lane_failures() const { return lane_failures_.load(std::memory_order_relaxed); }
+
+ private:
+  const std::string address_;
+  std::string name_;          // set once by Set, before any lane reconnects
+  uint64_t incarnation_ = 0;  // likewise
+  std::atomic<bool> restarted_{false};
+  std::atomic<uint64_t> lane_failures_{0};
+  mutable std::mutex mu_;
+  Status restart_;  // mu_: set once, with restarted_
+};
+
 class TcpPeer : public PeerChannel {
  public:
   // Connects the first lane and performs the handshake (blocks up to connect_timeout);
@@ -46,6 +77,12 @@ class TcpPeer : public PeerChannel {
 
   const SegmentDescriptor& descriptor() const { return descriptor_; }
   const std::string& address() const { return options_.address; }
+  // Whether a connection made after the first reached another process at the address (a
+  // restarted peer): every request fails from then on, with restart_status(). Non-blocking.
+  bool restarted() const { return identity_.restarted(); }
+  Status restart_status() const { return identity_.restart_status(); }
+  // Connections that failed so far, for whatever reason (peer gone, reset, Abandon, Close).
+  uint64_t lane_failures() const { return identity_.lane_failures(); }
 
   void Submit(std::shared_ptr<WorkItem> item) override;
   void SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) override;
@@ -62,6 +99,7 @@ class TcpPeer : public PeerChannel {
 
   TcpPeerOptions options_;
   SegmentDescriptor descriptor_;
+  PeerIdentity identity_{options_.address};
   std::mutex mu_;
   bool closed_ = false;
   std::vector<std::shared_ptr<TcpLane>> lanes_;  // size num_lanes; null until first use

@@ -224,6 +224,7 @@ std::vector<uint8_t> EncodeDescriptor(const SegmentDescriptor& d) {
   w.U16(d.port);
   w.Str(d.node_id);
   w.U32(d.pid);
+  w.U64(d.incarnation);
   w.Str(d.ipc_socket);
   w.U32(static_cast<uint32_t>(d.ucx_addresses.size()));
   for (const auto& a : d.ucx_addresses) {
@@ -267,7 +268,8 @@ StatusOr<SegmentDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
     return bad("version " + std::to_string(version) + ", want " + std::to_string(kProtocolVersion));
   }
   if (!r.Str(&d.name, "name") || !r.Str(&d.host, "host") || !r.U16(&d.port) ||
-      !r.Str(&d.node_id, "node_id") || !r.U32(&d.pid) || !r.Str(&d.ipc_socket, "ipc_socket")) {
+      !r.Str(&d.node_id, "node_id") || !r.U32(&d.pid) || !r.U64(&d.incarnation) ||
+      !r.Str(&d.ipc_socket, "ipc_socket")) {
     return bad("");
   }
   uint32_t num_ucx_addresses = 0;
