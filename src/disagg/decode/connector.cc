@@ -193,8 +193,11 @@ class DecodeConnectorImpl : public DecodeConnector {
 
  private:
   // Pairs the room with its prefill instance and sends each prefill rank of it the room's
-  // destination. Runs on the bootstrap queue.
-  void Bootstrap(uint64_t room) {
+  // destination. Runs on the bootstrap queue. When the first destination cannot be delivered
+  // because the prefill rank restarted at its address (the engine sends nothing there through
+  // the old segment), the pairing is forgotten and, with `retry`, made again once: the
+  // restarted prefill instance gets this rank's registration and then the room.
+  void Bootstrap(uint64_t room, bool retry = true) {
     ReceiverRoom copy;
     Status s = rooms_.With(room, [&](ReceiverRooms::Room& r) -> Status {
       if (IsFinal(r.status.state)) return CancelledError("room already final");
@@ -251,6 +254,16 @@ class DecodeConnectorImpl : public DecodeConnector {
       info.slice.state_dst_parts = g.state[i].state_dst_parts;
       Status sent = engine_->SendNotification(g.peers[i]->segment, EncodeControl(info),
                                               options_.bootstrap_timeout);
+      if (!sent.ok() && sent.code() == StatusCode::kUnavailable && i == 0 &&
+          PrefillRestarted(*g.peers[0])) {
+        pairing_->Forget(copy.bootstrap_address);  // later rooms bootstrap afresh
+        if (retry) {
+          KVF_LOG_INFO("decode: room {}: pairing with prefill {} again: {}", room,
+                       copy.bootstrap_address, sent.message());
+          Bootstrap(room, false);
+          return;
+        }
+      }
       if (!sent.ok()) {
         completion_->Fail(
             room, sent.WithContext("sending destination to prefill " + g.peers[i]->engine_address),
@@ -262,6 +275,15 @@ class DecodeConnectorImpl : public DecodeConnector {
                   g.slices.size());
     rooms_.Advance(room, RoomState::kWaitingForInput, Clock::now() + options_.waiting_timeout,
                    WaitingReason(options_.waiting_timeout));
+  }
+
+  // Whether the engine now reaches another process at `peer`'s address than the one it was
+  // paired with: opening the address again then gives another segment (TransferEngine::
+  // OpenSegment checks a segment whose connection failed). A prefill rank that is gone keeps
+  // its segment: its rooms fail at once, with no new pairing to wait for.
+  bool PrefillRestarted(const PrefillPeer& peer) {
+    auto segment = engine_->OpenSegment(peer.engine_address);
+    return segment.ok() && *segment != peer.segment;
   }
 
   // Drops message `n`: counts it and logs `why` at most once a second.
