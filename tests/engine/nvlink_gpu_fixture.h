@@ -77,6 +77,9 @@ struct GpuPeer {
     cudaDeviceSynchronize();  // pageable copies may still be landing
     EngineOptions o;
     o.name = "gpu-peer";
+    if (const char* port = std::getenv("KVFERRY_GPU_PEER_PORT")) {
+      o.listen_port = static_cast<uint16_t>(std::atoi(port));
+    }
     auto engine = TransferEngine::Create(o);
     if (!engine.ok()) fail(engine.status().ToString());
     MemoryLocation loc{MemoryKind::kCuda, device};
@@ -107,7 +110,8 @@ TEST(NvlinkGpuPeer, Serve) {
   PeerMain(std::atoi(d));
 }
 
-GpuPeer StartPeer(int device) {
+// The peer on GPU `device`, its engine on `port` of loopback (0: any free port).
+GpuPeer StartPeer(int device, uint16_t port = 0) {
   int fds[2];
   if (::pipe(fds) != 0) return {};
   GpuPeer peer;
@@ -118,6 +122,7 @@ GpuPeer StartPeer(int device) {
     ::close(fds[0]);
     ::close(fds[1]);  // only fd 3 may stay open, so the parent sees EOF once the peer reports
     ::setenv("KVFERRY_GPU_PEER_DEVICE", std::to_string(device).c_str(), 1);
+    ::setenv("KVFERRY_GPU_PEER_PORT", std::to_string(port).c_str(), 1);
     char* argv[] = {const_cast<char*>("nvlink_gpu_test_peer"),
                     const_cast<char*>("--gtest_filter=NvlinkGpuPeer.Serve"), nullptr};
     ::execv("/proc/self/exe", argv);

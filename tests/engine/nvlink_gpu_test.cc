@@ -199,6 +199,63 @@ TEST_F(NvlinkGpuTest, KilledPeerFailsTheBatchWithinDeadlineAndWeSurvive) {
   EXPECT_EQ(got, host);
 }
 
+// Free bytes on GPU `device`, as the driver counts them for this process.
+uint64_t FreeBytes(int device) {
+  size_t free = 0, total = 0;
+  int current = 0;
+  cudaGetDevice(&current);
+  cudaSetDevice(device);
+  cudaMemGetInfo(&free, &total);
+  cudaSetDevice(current);
+  return free;
+}
+
+// A peer killed and started again on its port, with its memory where the last one had it or
+// elsewhere: the old segment sends it nothing; opening the address again gives a segment to
+// the new process, and the old one's mappings go with it, returning the dead process's GPU
+// memory (held while mapped) to its device.
+TEST_F(NvlinkGpuTest, ARestartedPeerGetsANewSegmentAndTheOldMappingsAreReleased) {
+  std::vector<uint8_t> host(1 << 20, 0x3c);
+  ASSERT_EQ(cudaMemcpy(local_, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE(Do(TransferOp::kWrite, local_, peer_.vmm_base, host.size()).ok());
+  ASSERT_TRUE(Do(TransferOp::kWrite, local_, peer_.ipc_base, host.size()).ok());
+  const uint16_t port =
+      static_cast<uint16_t>(std::atoi(peer_.address.substr(peer_.address.rfind(':') + 1).c_str()));
+  StopPeer(peer_);
+  peer_ = StartPeer(peer_device_, port);
+  ASSERT_FALSE(peer_.address.empty());
+  // The notification needs the process the segment was opened to: it fails, and so does the
+  // batch, whatever its copies did.
+  TransferRequest r{TransferOp::kWrite, local_, segment_, peer_.vmm_base, 4096};
+  BatchOptions o;
+  o.notification = "stale";
+  EXPECT_FALSE(TransferSync(*engine_, std::span(&r, 1), o).ok());
+  Status refused = Do(TransferOp::kWrite, local_, peer_.vmm_base, 4096);
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable) << refused.ToString();
+  EXPECT_NE(refused.message().find("restarted"), std::string::npos) << refused.ToString();
+  const uint64_t held = FreeBytes(peer_device_);
+  auto fresh = engine_->OpenSegment(peer_.address);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  ASSERT_NE(fresh->value, segment_.value);
+  const SegmentHandle old = segment_;
+  segment_ = *fresh;
+  EXPECT_EQ(engine_->GetSegmentDescriptor(old).status().code(), StatusCode::kNotFound);
+  // The dead process's cuMem allocation (kRegionBytes) was held by this process's mapping of
+  // it; closing the old segment returns it (the driver frees it a moment later).
+  uint64_t freed = 0;
+  for (int i = 0; i < 100 && freed < kRegionBytes; ++i) {
+    const uint64_t now = FreeBytes(peer_device_);
+    freed = now > held ? now - held : 0;
+    if (freed < kRegionBytes) std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_GE(freed, kRegionBytes) << "GPU " << peer_device_ << ": " << (freed >> 20)
+                                 << " MiB came back after the old segment closed";
+  std::printf("GPU %d: %llu MiB came back when the old segment closed\n", peer_device_,
+              static_cast<unsigned long long>(freed >> 20));
+  // The new segment reaches the new process: bytes written land and read back.
+  RandomSizesRoundTrip(23, kRegionBytes / 2, 4, 2, 8 << 20);
+}
+
 // Many threads with several small batches each in flight at once: their submissions are
 // combined into shared launches (one kernel over several host tile tables). Every batch
 // lands its blocks at its own permutation of destinations; every byte is checked.
