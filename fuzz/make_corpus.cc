@@ -54,6 +54,7 @@ SegmentDescriptor SampleDescriptor() {
   d.port = 17001;
   d.node_id = "node-5f3a";
   d.pid = 4242;
+  d.incarnation = 0x9e3779b97f4a7c15;
   d.transports = {"tcp", "nvlink"};
   d.ipc_socket = "kvferry-fd-4242";
   RegionDescriptor host{0x7f0000001000,         256 << 20,         MemoryKind::kHost, -1,

@@ -343,14 +343,17 @@ class TransferEngine {
 
   // Opens a peer segment by "host:port": connects and exchanges descriptors (blocks up to
   // connect_timeout). A segment reaches one process (SegmentDescriptor::incarnation): each
-  // later connection to the address checks that it reached the same one, and once one reached
-  // another (the peer restarted there), every request through the segment fails with
-  // kUnavailable ("peer ... restarted") and nothing more is sent, on any transport. Opening an
-  // address again returns the same handle while it reaches the same process; after a
-  // connection of the segment failed, that is checked first (a DESCRIBE: up to
-  // connect_timeout), and when a new process answers, the old segment is closed (its handle
-  // then gives kNotFound) and a new one opened: its mappings of the old process's GPU memory
-  // go with the old segment's last batch.
+  // later connection to the address checks that it reached the same one, and once one
+  // reached another (the peer restarted there), every later request through the segment is
+  // refused with kUnavailable ("peer ... restarted"), on every transport; requests already
+  // in flight end as they would. Until a connection of the segment notices, requests over
+  // NVLink and UCX go where they went (a WRITE over NVLink lands in the old process's memory,
+  // which the mapping holds). Opening an address again returns the
+  // same handle while it reaches the same process: after a connection of the segment was
+  // lost, that is checked first (a DESCRIBE, up to twice connect_timeout; other addresses'
+  // opens do not wait for it), and when a new process answers, the old segment is closed
+  // (new requests on its handle: kNotFound) and a new one opened; the old one's mappings of
+  // the old process's GPU memory go with its last batch.
   // Errors: kInvalidArgument (malformed address), kUnavailable (unreachable, handshake
   // refused: version or magic mismatch), kPermissionDenied (the peer did not prove this
   // engine's auth secret).

@@ -40,8 +40,8 @@ UnavailableError (the port cannot be bound).)";
 
 inline constexpr const char* kLocalDescriptorDoc =
     R"(This engine's segment descriptor as a dict: name, address, host, port, node_id, pid,
-incarnation (random per engine instance, int), transports, and regions (list of dicts: address, length_bytes, device (None for host memory),
-access) that peers may access.)";
+incarnation (int, random per engine instance), transports, and regions (list of dicts:
+address, length_bytes, device (None for host memory), access) that peers may access.)";
 
 inline constexpr const char* kMetricsDoc =
     R"(This engine's counters since it started (the C++ EngineMetrics; README "Metrics"), as a
@@ -83,7 +83,10 @@ inline constexpr const char* kOpenSegmentDoc =
     R"(Opens a peer's segment by "host:port" and returns a kvferry.Segment.
 
 Connects and exchanges descriptors (blocks up to connect_timeout). Opening the same address
-again returns the same segment while it is open.
+again returns the same segment while it reaches the same process. After a connection of it
+was lost, that is checked first (up to twice connect_timeout); when a new process answers
+there (the peer restarted), the old segment is closed and a new one returned. Transfers
+through a segment whose peer restarted raise UnavailableError ("peer ... restarted").
 Raises InvalidArgumentError (malformed address), UnavailableError (unreachable, handshake
 refused), PermissionDeniedError (the peer did not prove this engine's secret).)";
 

@@ -1,6 +1,7 @@
 #include "engine/peer.h"
 
 #include "common/checks.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace kvferry {
 
@@ -23,6 +24,19 @@ StatusOr<PeerChannel*> Peer::ChannelFor(MemoryKind kind, int device) {
     it = channels_.emplace(std::make_pair(transport, device), std::move(channel)).first;
   }
   return it->second.get();
+}
+
+bool Peer::StillReaches(std::chrono::milliseconds timeout) {
+  if (control->restarted()) return false;
+  if (control->lane_failures() == lane_failures_seen_.load(std::memory_order_relaxed)) return true;
+  std::lock_guard<std::mutex> lock(probe_mu_);
+  for (int attempt = 0; attempt < 2 && !control->restarted(); ++attempt) {
+    auto described = tcp::TcpTransport::FetchDescriptor(*control, timeout);
+    if (described.ok() || described.status().code() != StatusCode::kUnavailable) break;
+  }
+  // Read after the probe: its own failed connects must not call for another one.
+  lane_failures_seen_.store(control->lane_failures(), std::memory_order_relaxed);
+  return !control->restarted();
 }
 
 void Peer::Close() {

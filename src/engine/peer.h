@@ -8,6 +8,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -36,9 +37,14 @@ class Peer {
                                              StatusOr<Transport*>(nullptr)};
   // Re-reads the peer's descriptor (handed to channels that map the peer's memory).
   std::function<StatusOr<SegmentDescriptor>()> refresh;
-  // control->lane_failures() when the engine last checked that the peer is the process it
-  // opened (OpenSegment).
-  std::atomic<uint64_t> lane_failures_seen{0};
+
+  // Whether the segment still reaches the process it was opened to. When a connection of the
+  // control channel failed since the last look (the process may have gone), a DESCRIBE
+  // connects again, and the new connection's handshake tells (tcp::PeerIdentity); one that
+  // fails on a connection not yet known to be lost is tried once more. Blocks up to twice
+  // `timeout` then (one caller at a time per peer); a peer that does not answer counts as the
+  // same process.
+  bool StillReaches(std::chrono::milliseconds timeout);
 
   // The channel for local memory of `kind` on `device` (-1: host memory), opened through its
   // route on first use. Errors: the route's, the transport's OpenChannel error (nothing is
@@ -52,6 +58,9 @@ class Peer {
  private:
   std::mutex mu_;
   bool closed_ = false;  // mu_: Close began
+  std::mutex probe_mu_;  // one StillReaches probe at a time
+  // control->lane_failures() after the last StillReaches probe (probe_mu_ for writes).
+  std::atomic<uint64_t> lane_failures_seen_{0};
   std::map<std::pair<const Transport*, int>, std::shared_ptr<PeerChannel>> channels_;
 };
 

@@ -204,24 +204,38 @@ class EngineImpl : public TransferEngine {
 
   StatusOr<SegmentHandle> OpenSegment(const std::string& address) override {
     RETURN_IF_ERROR(ParseHostPort(address, "peer address").status());
-    std::lock_guard<std::mutex> open_lock(open_mu_);  // one handshake per address at a time
-    std::shared_ptr<Peer> cached;
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      auto it = peer_by_address_.find(address);
-      if (it != peer_by_address_.end()) {
-        auto p = peers_.find(it->second);
-        if (p != peers_.end()) cached = p->second;
-      }
+    // Checked and answered without the open lock, which a handshake may hold for seconds.
+    std::shared_ptr<Peer> cached = PeerAt(address);
+    if (cached != nullptr && cached->StillReaches(options_.connect_timeout)) {
+      return SegmentHandle{cached->id};
     }
-    if (cached != nullptr) {
-      if (StillReaches(*cached)) return SegmentHandle{cached->id};
-      // A new process answers there: the old segment closes (its requests fail kNotFound);
-      // its channels and their mappings of the old process's memory go with its last batch.
+    std::shared_ptr<Peer> replaced;  // closed once the open lock is released
+    StatusOr<SegmentHandle> opened = OpenLocked(address, cached, &replaced);
+    if (replaced != nullptr) replaced->Close();
+    return opened;
+  }
+
+  // The open segment of `address`, or null.
+  std::shared_ptr<Peer> PeerAt(const std::string& address) const {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = peer_by_address_.find(address);
+    if (it == peer_by_address_.end()) return nullptr;
+    auto p = peers_.find(it->second);
+    return p == peers_.end() ? nullptr : p->second;
+  }
+
+  // OpenSegment under the open lock. `seen` (the segment found before, or null) if still the
+  // address's segment reaches a new process: it goes out of the maps into *replaced, for the
+  // caller to close (its mappings of the old process's memory go with its last batch). A
+  // segment another caller opened meanwhile is answered.
+  StatusOr<SegmentHandle> OpenLocked(const std::string& address, const std::shared_ptr<Peer>& seen,
+                                     std::shared_ptr<Peer>* replaced) {
+    std::lock_guard<std::mutex> open_lock(open_mu_);
+    if (std::shared_ptr<Peer> current = PeerAt(address); current != nullptr) {
+      if (current != seen || !current->control->restarted()) return SegmentHandle{current->id};
       KVF_LOG_INFO("engine: {}; closing segment {} and opening a new one",
-                   cached->control->restart_status().message(), cached->id);
-      Status closed = CloseSegment(SegmentHandle{cached->id});
-      if (!closed.ok() && closed.code() != StatusCode::kNotFound) return closed;
+                   current->control->restart_status().message(), current->id);
+      *replaced = TakePeer(current->id);
     }
     SegmentDescriptor self = LocalDescriptor();
     self.regions.clear();  // peers ask with DESCRIBE when they need ours
@@ -241,19 +255,6 @@ class EngineImpl : public TransferEngine {
     peer_by_address_[address] = peer->id;
     segments_open_.fetch_add(1, std::memory_order_relaxed);
     return SegmentHandle{peer->id};
-  }
-
-  // Whether `peer` still reaches the process it was opened to. After a connection of its
-  // control channel failed since the last look (the process may have gone), a DESCRIBE
-  // connects again, and the new connection's handshake tells (tcp::PeerIdentity). Blocks up to
-  // connect_timeout then; a peer that does not answer counts as the same process.
-  bool StillReaches(Peer& peer) {
-    const uint64_t failures = peer.control->lane_failures();
-    if (!peer.control->restarted() &&
-        failures != peer.lane_failures_seen.exchange(failures, std::memory_order_relaxed)) {
-      (void)tcp::TcpTransport::FetchDescriptor(*peer.control, options_.connect_timeout);
-    }
-    return !peer.control->restarted();
   }
 
   Status PrepareTransfers(SegmentHandle segment, const void* local_addr) override {
@@ -294,21 +295,23 @@ class EngineImpl : public TransferEngine {
   }
 
   Status CloseSegment(SegmentHandle segment) override {
-    std::shared_ptr<Peer> peer;
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      auto it = peers_.find(segment.value);
-      if (it == peers_.end()) {
-        return NotFoundError("unknown segment " + std::to_string(segment.value));
-      }
-      peer = it->second;
-      peers_.erase(it);
-      peer_by_address_.erase(peer->address);
-      descriptors_.erase(segment.value);
-      segments_open_.fetch_sub(1, std::memory_order_relaxed);
-    }
+    std::shared_ptr<Peer> peer = TakePeer(segment.value);
+    if (peer == nullptr) return NotFoundError("unknown segment " + std::to_string(segment.value));
     peer->Close();
     return OkStatus();
+  }
+
+  // Removes segment `id` from the maps (later lookups: kNotFound) and returns it, or null.
+  std::shared_ptr<Peer> TakePeer(uint64_t id) {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return nullptr;
+    std::shared_ptr<Peer> peer = std::move(it->second);
+    peers_.erase(it);
+    peer_by_address_.erase(peer->address);
+    descriptors_.erase(id);
+    segments_open_.fetch_sub(1, std::memory_order_relaxed);
+    return peer;
   }
 
   StatusOr<BatchId> SubmitBatch(std::span<const TransferRequest> requests,

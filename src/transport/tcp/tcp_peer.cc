@@ -85,13 +85,14 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   }
 
   // Interrupts both threads; the last one to exit completes what is left with `why`.
-  void Fail(const Status& why) {
+  // `connection_lost`: counted in the peer's lost connections (not an abandon or a close).
+  void Fail(const Status& why, bool connection_lost = true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (broken_) return;
       broken_ = true;
       reason_ = why;
-      identity_.CountLaneFailure();
+      if (connection_lost) identity_.CountLaneFailure();
       cv_.notify_all();
       // Under the lock: ThreadExit marks the socket closed before closing it, so the number
       // cannot belong to another socket by now. This also ends a connect or handshake in
@@ -479,7 +480,9 @@ class TcpLane : public std::enable_shared_from_this<TcpLane> {
   }
 
   const TcpPeerOptions& options_;
-  PeerIdentity& identity_;  // the TcpPeer's, which joins its lanes before it goes
+  // The TcpPeer's. Like options_, it outlives the lane's threads, which TcpPeer::Close joins
+  // (a lane thread that drops the last reference itself detaches, about to return).
+  PeerIdentity& identity_;
   const int index_;
   // Set by Start, before the lane's threads run; not reassigned after.
   bool connect_first_ = false;
@@ -613,6 +616,10 @@ void TcpPeer::SubmitMany(std::vector<std::shared_ptr<WorkItem>>&& items) {
 }
 
 void TcpPeer::SubmitOne(std::shared_ptr<WorkItem> item, bool allow_inline) {
+  if (identity_.restarted()) {  // no new connection to the new process
+    item->Complete(identity_.restart_status());
+    return;
+  }
   std::shared_ptr<TcpLane> lane;
   std::vector<std::shared_ptr<TcpLane>> reaped;  // released (and joined) outside mu_
   {
@@ -622,10 +629,6 @@ void TcpPeer::SubmitOne(std::shared_ptr<WorkItem> item, bool allow_inline) {
   reaped.clear();
   if (lane == nullptr) {
     item->Complete(UnavailableError("segment " + options_.address + " is closed"));
-    return;
-  }
-  if (identity_.restarted()) {
-    item->Complete(identity_.restart_status());
     return;
   }
   lane->Enqueue(std::move(item), allow_inline);
@@ -647,7 +650,7 @@ void TcpPeer::Abandon(WorkItem* item, const Status& why) {
   if (lane == nullptr) return;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& l : lanes_) {
-    if (l != nullptr && l.get() == lane) l->Fail(why);
+    if (l != nullptr && l.get() == lane) l->Fail(why, /*connection_lost=*/false);
   }
 }
 
@@ -663,7 +666,9 @@ void TcpPeer::Close() {
     for (auto& l : retired_) all.push_back(std::move(l));
     retired_.clear();
   }
-  for (auto& l : all) l->Fail(UnavailableError("segment " + options_.address + " closed"));
+  for (auto& l : all) {
+    l->Fail(UnavailableError("segment " + options_.address + " closed"), /*connection_lost=*/false);
+  }
   for (auto& l : all) l->Join();
 }
 

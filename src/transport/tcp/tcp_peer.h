@@ -41,10 +41,11 @@ class TcpLane;
 // The process a TcpPeer's first connection reached (its descriptor's name and incarnation),
 // which every connection made later must reach again: a peer that restarted at the same
 // address is another process, with other memory at the addresses the caller holds, and a
-// segment opened to the old one must not write into it. Also counts lane failures, so that
-// the engine knows when to look again (TransferEngine::OpenSegment).
+// segment opened to the old one must not write into it. Also counts lanes whose connection
+// was lost (not those abandoned or closed), so that the engine knows when to look again
+// (TransferEngine::OpenSegment).
 //
-// Thread-safety: thread-safe.
+// Thread-safety: Set before any lane starts; the rest from any thread.
 class PeerIdentity {
  public:
   explicit PeerIdentity(std::string address) : address_(std::move(address)) {}
@@ -81,7 +82,8 @@ class TcpPeer : public PeerChannel {
   // restarted peer): every request fails from then on, with restart_status(). Non-blocking.
   bool restarted() const { return identity_.restarted(); }
   Status restart_status() const { return identity_.restart_status(); }
-  // Connections that failed so far, for whatever reason (peer gone, reset, Abandon, Close).
+  // Connections lost so far (peer gone, reset, refused, a malformed answer); not those
+  // abandoned at a deadline or closed.
   uint64_t lane_failures() const { return identity_.lane_failures(); }
 
   void Submit(std::shared_ptr<WorkItem> item) override;
