@@ -193,10 +193,10 @@ class DecodeConnectorImpl : public DecodeConnector {
 
  private:
   // Pairs the room with its prefill instance and sends each prefill rank of it the room's
-  // destination. Runs on the bootstrap queue. When the first destination cannot be delivered
-  // because the prefill rank restarted at its address (the engine sends nothing there through
-  // the old segment), the pairing is forgotten and, with `retry`, made again once: the
-  // restarted prefill instance gets this rank's registration and then the room.
+  // destination. Runs on the bootstrap queue. When a destination cannot be delivered because
+  // its prefill rank restarted at its address (the engine sends nothing there through the old
+  // segment), the pairing is forgotten; when it was the first, with `retry`, it is made again
+  // once: the restarted prefill instance gets this rank's registration and then the room.
   void Bootstrap(uint64_t room, bool retry = true) {
     ReceiverRoom copy;
     Status s = rooms_.With(room, [&](ReceiverRooms::Room& r) -> Status {
@@ -254,10 +254,12 @@ class DecodeConnectorImpl : public DecodeConnector {
       info.slice.state_dst_parts = g.state[i].state_dst_parts;
       Status sent = engine_->SendNotification(g.peers[i]->segment, EncodeControl(info),
                                               options_.bootstrap_timeout);
-      if (!sent.ok() && sent.code() == StatusCode::kUnavailable && i == 0 &&
-          PrefillRestarted(*g.peers[0])) {
-        pairing_->Forget(copy.bootstrap_address);  // later rooms bootstrap afresh
-        if (retry) {
+      // kNotFound: another room's check closed the segment a moment ago.
+      if ((sent.code() == StatusCode::kUnavailable || sent.code() == StatusCode::kNotFound) &&
+          PrefillRestarted(*g.peers[i])) {
+        pairing_->Forget(copy.bootstrap_address, *group);  // later rooms bootstrap afresh
+        // Only while no rank has the destination yet: a second one would be a duplicate.
+        if (retry && i == 0) {
           KVF_LOG_INFO("decode: room {}: pairing with prefill {} again: {}", room,
                        copy.bootstrap_address, sent.message());
           Bootstrap(room, false);

@@ -209,9 +209,11 @@ std::vector<std::shared_ptr<PrefillPeer>> PrefillPairing::Peers() {
   return peers;
 }
 
-void PrefillPairing::Forget(const std::string& bootstrap_address) {
+void PrefillPairing::Forget(const std::string& bootstrap_address,
+                            const std::shared_ptr<PrefillGroup>& only) {
   std::lock_guard<std::mutex> lock(groups_mu_);
-  groups_.erase(bootstrap_address);
+  auto it = groups_.find(bootstrap_address);
+  if (it != groups_.end() && (only == nullptr || it->second == only)) groups_.erase(it);
 }
 
 }  // namespace kvferry

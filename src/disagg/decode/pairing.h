@@ -65,8 +65,10 @@ class PrefillPairing {
   StatusOr<std::shared_ptr<PrefillGroup>> GroupFor(const std::string& bootstrap_address);
   // Every prefill rank of every group, each once.
   std::vector<std::shared_ptr<PrefillPeer>> Peers();
-  // Drops the group of `bootstrap_address`: later rooms bound for it pair afresh.
-  void Forget(const std::string& bootstrap_address);
+  // Drops the group of `bootstrap_address`: later rooms bound for it pair afresh. With `only`,
+  // only while that is the group there (not one paired anew since).
+  void Forget(const std::string& bootstrap_address,
+              const std::shared_ptr<PrefillGroup>& only = nullptr);
   // Ends waits for a prefill topology in progress (their GroupFor fails with kCancelled) and
   // fails later ones at once; called first when the connector closes, so that closing does
   // not wait out a bootstrap timeout.
