@@ -102,8 +102,14 @@ void GatedLauncher::WithdrawAll(const Status& why) {
     for (const BulkPart& p : queue.front().parts) {
       withdrawn &= gates_->WithdrawnBeforeStart(p.gate);
     }
-    // (Their events and counters are not returned: nothing launches after closing.)
-    if (withdrawn) queue.clear();
+    // Their counters are not returned (nothing launches after closing); their events go back
+    // to the arena, which destroys them once the streams drained (or keeps them, if they never
+    // do: the channel's destructor).
+    if (!withdrawn) continue;
+    for (const BulkFlight& f : queue) {
+      if (f.event != nullptr) arena_.GiveEvent(f.event);
+    }
+    queue.clear();
   }
 }
 
