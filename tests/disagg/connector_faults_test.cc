@@ -182,25 +182,34 @@ INSTANTIATE_TEST_SUITE_P(
                       Scenario{"LateEverything", "delay_us=20000", "delay_us=20000", false, true}),
     [](const ::testing::TestParamInfo<Scenario>& p) { return std::string(p.param.name); });
 
-// A decode rank restarted at its engine address, with its pools where the last one had them
-// (as a restarted server's often are), pairs again and gets its rooms: prefill closes its
-// segment to the old rank instead of sending through it, which now reaches another process.
-TEST(ConnectorRestartTest, ADecodeRankRestartedAtItsAddressGetsItsRooms) {
-  Side prefill(TinyGeometry(), 128, 0), decode(TinyGeometry(), 128, 99);
-  PrefillConnectorOptions po;
-  po.bootstrap_timeout = milliseconds(5000);
-  auto p = PrefillConnector::Create(po, prefill.pool.get(), prefill.aux.get());
-  ASSERT_TRUE(p.ok()) << p.status().ToString();
-  DecodeConnectorOptions dopt;
-  dopt.bootstrap_timeout = milliseconds(5000);
-  dopt.waiting_timeout = milliseconds(5000);
-  auto d = DecodeConnector::Create(dopt, decode.pool.get(), decode.aux.get());
-  ASSERT_TRUE(d.ok()) << d.status().ToString();
-  const std::string decode_address = (*d)->engine_address();
+// The port of "host:port".
+uint16_t PortOf(const std::string& address) {
+  return static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+}
 
-  auto transfer = [&](DecodeConnector& dc, uint64_t room) {
+// Both connectors of a restart test, with timeouts that let a room wait for a new pairing.
+struct RestartPair {
+  RestartPair() {
+    prefill_options.bootstrap_timeout = milliseconds(5000);
+    decode_options.bootstrap_timeout = milliseconds(5000);
+    decode_options.waiting_timeout = milliseconds(5000);
+    StartPrefill();
+    StartDecode();
+  }
+  void StartPrefill() {
+    auto p = PrefillConnector::Create(prefill_options, prefill.pool.get(), prefill.aux.get());
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    prefill_conn = std::move(*p);
+  }
+  void StartDecode() {
+    auto d = DecodeConnector::Create(decode_options, decode.pool.get(), decode.aux.get());
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    decode_conn = std::move(*d);
+  }
+
+  // One room of `tokens` sent in one chunk: Success on both sides, every byte checked.
+  void Transfer(uint64_t room, int64_t tokens) {
     SCOPED_TRACE("room " + std::to_string(room));
-    const int64_t tokens = 37;
     const int64_t pages = prefill.layout.NumPages(tokens);
     auto src = *prefill.allocator.Allocate(static_cast<int32_t>(pages));
     auto dst = *decode.allocator.Allocate(static_cast<int32_t>(pages));
@@ -208,82 +217,62 @@ TEST(ConnectorRestartTest, ADecodeRankRestartedAtItsAddressGetsItsRooms) {
     const int32_t dst_row = *decode.aux->AllocateRow();
     FillTokens(prefill.layout, *prefill.pool, room, src, 0, tokens);
     FillAuxRow(prefill.aux->layout(), prefill.aux->Row(src_row), room);
-    ASSERT_TRUE(dc.CreateReceiver(room, (*p)->bootstrap_address(), dst, dst_row).ok());
-    ASSERT_TRUE((*p)->CreateSender(room, pages).ok());
-    auto ready = (*p)->Wait(room, RoomState::kWaitingForInput, milliseconds(10000));
+    ASSERT_TRUE(prefill_conn->CreateSender(room, pages).ok());
+    ASSERT_TRUE(
+        decode_conn->CreateReceiver(room, prefill_conn->bootstrap_address(), dst, dst_row).ok());
+    auto ready = prefill_conn->Wait(room, RoomState::kWaitingForInput, milliseconds(10000));
     ASSERT_TRUE(ready.ok());
     ASSERT_EQ(ready->state, RoomState::kWaitingForInput) << ready->error.ToString();
-    ASSERT_TRUE((*p)->SendChunk(room, 0, src, src_row).ok());
-    auto on_decode = dc.Wait(room, RoomState::kSuccess, milliseconds(10000));
-    auto on_prefill = (*p)->Wait(room, RoomState::kSuccess, milliseconds(10000));
+    ASSERT_TRUE(prefill_conn->SendChunk(room, 0, src, src_row).ok());
+    auto on_decode = decode_conn->Wait(room, RoomState::kSuccess, milliseconds(10000));
+    auto on_prefill = prefill_conn->Wait(room, RoomState::kSuccess, milliseconds(10000));
     ASSERT_TRUE(on_decode.ok() && on_prefill.ok());
     EXPECT_EQ(on_decode->state, RoomState::kSuccess) << on_decode->error.ToString();
     EXPECT_EQ(on_prefill->state, RoomState::kSuccess) << on_prefill->error.ToString();
     const VerifyResult verified = VerifyTokens(decode.layout, *decode.pool, room, dst, tokens);
     EXPECT_TRUE(verified.ok()) << verified.first_mismatch;
     EXPECT_TRUE(VerifyAuxRow(decode.aux->layout(), decode.aux->Row(dst_row), room).ok());
-  };
-  transfer(**d, 1);
-  d->reset();
-  const size_t colon = decode_address.rfind(':');
-  dopt.engine.listen_port = static_cast<uint16_t>(std::stoi(decode_address.substr(colon + 1)));
-  auto restarted = DecodeConnector::Create(dopt, decode.pool.get(), decode.aux.get());
-  ASSERT_TRUE(restarted.ok()) << restarted.status().ToString();
-  ASSERT_EQ((*restarted)->engine_address(), decode_address);
-  transfer(**restarted, 2);
-  transfer(**restarted, 3);
-  EXPECT_EQ((*p)->stats().rooms_failed, 0u);
+  }
+
+  Side prefill{TinyGeometry(), 128, 0}, decode{TinyGeometry(), 128, 99};
+  PrefillConnectorOptions prefill_options;
+  DecodeConnectorOptions decode_options;
+  std::unique_ptr<PrefillConnector> prefill_conn;
+  std::unique_ptr<DecodeConnector> decode_conn;
+};
+
+// A decode rank restarted at its engine address, with its pools where the last one had them
+// (as a restarted server's often are), pairs again and gets its rooms: prefill closes its
+// segment to the old rank instead of sending through it, which now reaches another process.
+TEST(ConnectorRestartTest, ADecodeRankRestartedAtItsAddressGetsItsRooms) {
+  RestartPair pair;
+  const std::string address = pair.decode_conn->engine_address();
+  pair.Transfer(1, 37);
+  pair.decode_conn.reset();
+  pair.decode_options.engine.listen_port = PortOf(address);
+  pair.StartDecode();
+  ASSERT_EQ(pair.decode_conn->engine_address(), address);
+  pair.Transfer(2, 37);
+  pair.Transfer(3, 21);
+  EXPECT_EQ(pair.prefill_conn->stats().rooms_failed, 0u);
 }
 
 // A prefill instance restarted at its bootstrap and engine addresses gets the decode rank's
 // next room: decode's destination cannot go through its segment to the old instance, so it
 // pairs again (registering with the new one) and sends it there.
 TEST(ConnectorRestartTest, APrefillInstanceRestartedAtItsAddressesGetsTheNextRoom) {
-  Side prefill(TinyGeometry(), 128, 0), decode(TinyGeometry(), 128, 99);
-  PrefillConnectorOptions po;
-  po.bootstrap_timeout = milliseconds(5000);
-  auto p = PrefillConnector::Create(po, prefill.pool.get(), prefill.aux.get());
-  ASSERT_TRUE(p.ok()) << p.status().ToString();
-  DecodeConnectorOptions dopt;
-  dopt.bootstrap_timeout = milliseconds(5000);
-  dopt.waiting_timeout = milliseconds(5000);
-  auto d = DecodeConnector::Create(dopt, decode.pool.get(), decode.aux.get());
-  ASSERT_TRUE(d.ok()) << d.status().ToString();
-  const std::string bootstrap = (*p)->bootstrap_address();
-  const std::string engine = (*p)->engine_address();
-
-  auto transfer = [&](PrefillConnector& pc, uint64_t room) {
-    SCOPED_TRACE("room " + std::to_string(room));
-    const int64_t tokens = 21;
-    const int64_t pages = prefill.layout.NumPages(tokens);
-    auto src = *prefill.allocator.Allocate(static_cast<int32_t>(pages));
-    auto dst = *decode.allocator.Allocate(static_cast<int32_t>(pages));
-    const int32_t src_row = *prefill.aux->AllocateRow();
-    const int32_t dst_row = *decode.aux->AllocateRow();
-    FillTokens(prefill.layout, *prefill.pool, room, src, 0, tokens);
-    FillAuxRow(prefill.aux->layout(), prefill.aux->Row(src_row), room);
-    ASSERT_TRUE(pc.CreateSender(room, pages).ok());
-    ASSERT_TRUE((*d)->CreateReceiver(room, bootstrap, dst, dst_row).ok());
-    auto ready = pc.Wait(room, RoomState::kWaitingForInput, milliseconds(10000));
-    ASSERT_TRUE(ready.ok());
-    ASSERT_EQ(ready->state, RoomState::kWaitingForInput) << ready->error.ToString();
-    ASSERT_TRUE(pc.SendChunk(room, 0, src, src_row).ok());
-    auto on_decode = (*d)->Wait(room, RoomState::kSuccess, milliseconds(10000));
-    ASSERT_TRUE(on_decode.ok());
-    EXPECT_EQ(on_decode->state, RoomState::kSuccess) << on_decode->error.ToString();
-    const VerifyResult verified = VerifyTokens(decode.layout, *decode.pool, room, dst, tokens);
-    EXPECT_TRUE(verified.ok()) << verified.first_mismatch;
-  };
-  transfer(**p, 1);
-  p->reset();
-  po.bootstrap_address = bootstrap;
-  po.engine.listen_port = static_cast<uint16_t>(std::stoi(engine.substr(engine.rfind(':') + 1)));
-  auto restarted = PrefillConnector::Create(po, prefill.pool.get(), prefill.aux.get());
-  ASSERT_TRUE(restarted.ok()) << restarted.status().ToString();
-  ASSERT_EQ((*restarted)->engine_address(), engine);
-  transfer(**restarted, 2);
-  transfer(**restarted, 3);
-  EXPECT_EQ((*d)->stats().rooms_failed, 0u);
+  RestartPair pair;
+  const std::string bootstrap = pair.prefill_conn->bootstrap_address();
+  const std::string address = pair.prefill_conn->engine_address();
+  pair.Transfer(1, 21);
+  pair.prefill_conn.reset();
+  pair.prefill_options.bootstrap_address = bootstrap;
+  pair.prefill_options.engine.listen_port = PortOf(address);
+  pair.StartPrefill();
+  ASSERT_EQ(pair.prefill_conn->engine_address(), address);
+  pair.Transfer(2, 21);
+  pair.Transfer(3, 37);
+  EXPECT_EQ(pair.decode_conn->stats().rooms_failed, 0u);
 }
 
 }  // namespace
