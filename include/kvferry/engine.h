@@ -348,12 +348,12 @@ class TransferEngine {
   // refused with kUnavailable ("peer ... restarted"), on every transport; requests already
   // in flight end as they would. Until a connection of the segment notices, requests over
   // NVLink and UCX go where they went (a WRITE over NVLink lands in the old process's memory,
-  // which the mapping holds). Opening an address again returns the
-  // same handle while it reaches the same process: after a connection of the segment was
-  // lost, that is checked first (a DESCRIBE, up to twice connect_timeout; other addresses'
-  // opens do not wait for it), and when a new process answers, the old segment is closed
-  // (new requests on its handle: kNotFound) and a new one opened; the old one's mappings of
-  // the old process's GPU memory go with its last batch.
+  // which the mapping holds). Opening an address again returns the same handle while it
+  // reaches the same process: after a connection of the segment was lost, that is checked
+  // first (a DESCRIBE, up to twice connect_timeout; other addresses' opens do not wait for
+  // it), and when a new process answers, the old segment is closed (new requests on its
+  // handle: kNotFound) and a new one opened; the old one's mappings of the old process's GPU
+  // memory go with its last batch.
   // Errors: kInvalidArgument (malformed address), kUnavailable (unreachable, handshake
   // refused: version or magic mismatch), kPermissionDenied (the peer did not prove this
   // engine's auth secret).
